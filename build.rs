@@ -1,0 +1,14 @@
+//! Compiles proto/grpc_predict_v2.proto with protox (no system protoc) into OUT_DIR.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto = "proto/grpc_predict_v2.proto";
+    println!("cargo:rerun-if-changed={proto}");
+    let descriptors = protox::compile([proto], ["proto"])?;
+    tonic_prost_build::configure()
+        // Tensor payloads stay `bytes::Bytes`, so decoding from a received buffer slices instead of copying.
+        .bytes(".inference")
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(descriptors)?;
+    Ok(())
+}

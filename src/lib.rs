@@ -1,0 +1,12 @@
+//! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
+
+pub mod error;
+pub mod protocol;
+
+pub mod proto {
+    //! Generated protobuf types and gRPC service stubs for `package inference`.
+    #![allow(clippy::all, missing_debug_implementations, unused_qualifications)]
+    tonic::include_proto!("inference");
+}
+
+pub use error::{Error, ErrorKind, Origin, Result};

@@ -1,0 +1,14 @@
+//! The protocol's data model: datatypes, tensors, parameters and the messages of every endpoint.
+
+pub mod datatype;
+pub mod messages;
+pub mod parameters;
+pub mod tensor;
+
+pub use datatype::{DataType, element_count};
+pub use messages::{
+    InferRequest, InferResponse, ModelMetadata, ModelReady, RequestedOutput, ServerLive, ServerMetadata,
+    ServerReady, TensorMetadata,
+};
+pub use parameters::{CONTENT_TYPE, ParamValue, Parameters};
+pub use tensor::{BytesElements, Tensor};
