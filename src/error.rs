@@ -288,7 +288,10 @@ mod tests {
         assert_eq!(unusual.http_status().as_u16(), 422);
         assert_eq!(unusual.grpc_code(), Code::InvalidArgument);
         assert_eq!(Error::from_upstream_http(503, "busy").grpc_code(), Code::Unavailable);
-        assert_eq!(Error::from_upstream_http(504, "slow").grpc_code(), Code::DeadlineExceeded);
+        assert_eq!(
+            Error::from_upstream_http(504, "slow").grpc_code(),
+            Code::DeadlineExceeded
+        );
         assert_eq!(Error::from_upstream_http(500, "boom").grpc_code(), Code::Internal);
     }
 

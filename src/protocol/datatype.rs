@@ -105,9 +105,10 @@ impl fmt::Display for DataType {
 
 /// The number of elements a shape holds, or an error when the product overflows `u64`.
 pub fn element_count(shape: &[u64]) -> Result<u64> {
-    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
-        Error::invalid(format!("shape {shape:?} has more elements than fit in 64 bits"))
-    })
+    shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::invalid(format!("shape {shape:?} has more elements than fit in 64 bits")))
 }
 
 /// The number of data bytes a fixed-size tensor of this shape holds, or an error when it overflows.

@@ -12,7 +12,10 @@ pub struct RequestedOutput {
 
 impl RequestedOutput {
     pub fn new(name: impl Into<String>) -> Self {
-        RequestedOutput { name: name.into(), parameters: Parameters::new() }
+        RequestedOutput {
+            name: name.into(),
+            parameters: Parameters::new(),
+        }
     }
 }
 

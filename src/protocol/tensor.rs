@@ -24,7 +24,13 @@ pub struct Tensor {
 impl Tensor {
     /// A tensor whose data has been checked against its datatype and shape.
     pub fn new(name: impl Into<String>, datatype: DataType, shape: Vec<u64>, data: Bytes) -> Result<Tensor> {
-        let tensor = Tensor { name: name.into(), datatype, shape, parameters: Parameters::new(), data };
+        let tensor = Tensor {
+            name: name.into(),
+            datatype,
+            shape,
+            parameters: Parameters::new(),
+            data,
+        };
         tensor.validate()?;
         Ok(tensor)
     }
@@ -168,7 +174,10 @@ mod tests {
         assert!(Tensor::new("t", DataType::Fp32, vec![2, 2], Bytes::from(vec![0u8; 16])).is_ok());
         let error = Tensor::new("t", DataType::Fp32, vec![2, 2], Bytes::from(vec![0u8; 12])).unwrap_err();
         assert!(error.to_string().contains("tensor 't'"), "{error}");
-        assert!(error.to_string().contains("16 bytes") && error.to_string().contains("got 12"), "{error}");
+        assert!(
+            error.to_string().contains("16 bytes") && error.to_string().contains("got 12"),
+            "{error}"
+        );
         assert!(Tensor::new("t", DataType::Bool, vec![1], Bytes::from_static(&[2])).is_err());
     }
 
@@ -184,8 +193,18 @@ mod tests {
         let tensor = Tensor::from_bytes_elements("s", vec![2], [&b"ab"[..], &b""[..]]).unwrap();
         assert_eq!(&tensor.data[..], &[2, 0, 0, 0, b'a', b'b', 0, 0, 0, 0]);
         assert_eq!(tensor.bytes_elements().collect::<Vec<_>>(), vec![&b"ab"[..], &b""[..]]);
-        assert!(count_bytes_elements(&[1, 0, 0]).unwrap_err().to_string().contains("truncated length prefix"));
-        assert!(count_bytes_elements(&[5, 0, 0, 0, 1]).unwrap_err().to_string().contains("declares 5 bytes"));
+        assert!(
+            count_bytes_elements(&[1, 0, 0])
+                .unwrap_err()
+                .to_string()
+                .contains("truncated length prefix")
+        );
+        assert!(
+            count_bytes_elements(&[5, 0, 0, 0, 1])
+                .unwrap_err()
+                .to_string()
+                .contains("declares 5 bytes")
+        );
         assert!(Tensor::from_bytes_elements("s", vec![3], [&b"ab"[..]]).is_err());
     }
 }

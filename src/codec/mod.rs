@@ -1,0 +1,3 @@
+//! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
+
+pub mod rest;

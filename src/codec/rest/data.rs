@@ -1,0 +1,538 @@
+//! The JSON `data` of a tensor: parsed straight into little-endian bytes, and written back as a flat array.
+//!
+//! JSON conventions for floats (documented in docs/PROTOCOL.md): `null` is NaN (MLServer's convention) and NaN is
+//! written as `null`; +-Infinity is written as `1e999` / `-1e999`, which every IEEE-754 parser rounds to infinity.
+//! On input, float tensors also accept the strings "NaN", "Infinity", "-Infinity", "inf" and "-inf", and numbers
+//! beyond the type's range round to infinity as IEEE-754 prescribes. Integers must be written as integers.
+
+use bytes::Bytes;
+use half::{bf16, f16};
+
+use crate::error::{Error, Result};
+use crate::protocol::DataType;
+use crate::protocol::tensor::{BYTES_LENGTH_PREFIX, BytesElements};
+
+/// Parses the raw JSON text of a `data` value (already checked to be well-formed JSON) into tensor bytes holding
+/// exactly `count` elements of `datatype`, flat or nested to any depth.
+pub fn parse_data(raw: &[u8], datatype: DataType, count: u64) -> Result<Bytes> {
+    // Every element takes at least one character and one separator, so the text bounds the element count: a shape
+    // that claims more is rejected before anything is allocated for it.
+    let most = (raw.len() as u64).div_ceil(2);
+    if count > most {
+        return Err(Error::invalid(format!(
+            "shape needs {count} elements but `data` holds at most {most}"
+        )));
+    }
+    let count = usize::try_from(count).map_err(|_| Error::invalid("too many elements for this machine"))?;
+    let mut scanner = Scanner {
+        text: raw,
+        pos: 0,
+        seen: 0,
+    };
+    let out = match datatype {
+        DataType::Bool => scanner.fixed::<1>(count, datatype, parse_bool)?,
+        DataType::Uint8 => scanner.fixed::<1>(count, datatype, |s| int_le::<1>(s, 0, u8::MAX.into()))?,
+        DataType::Uint16 => scanner.fixed::<2>(count, datatype, |s| int_le::<2>(s, 0, u16::MAX.into()))?,
+        DataType::Uint32 => scanner.fixed::<4>(count, datatype, |s| int_le::<4>(s, 0, u32::MAX.into()))?,
+        DataType::Uint64 => scanner.fixed::<8>(count, datatype, |s| int_le::<8>(s, 0, u64::MAX.into()))?,
+        DataType::Int8 => scanner.fixed::<1>(count, datatype, |s| int_le::<1>(s, i8::MIN.into(), i8::MAX.into()))?,
+        DataType::Int16 => scanner.fixed::<2>(count, datatype, |s| int_le::<2>(s, i16::MIN.into(), i16::MAX.into()))?,
+        DataType::Int32 => scanner.fixed::<4>(count, datatype, |s| int_le::<4>(s, i32::MIN.into(), i32::MAX.into()))?,
+        DataType::Int64 => scanner.fixed::<8>(count, datatype, |s| int_le::<8>(s, i64::MIN.into(), i64::MAX.into()))?,
+        DataType::Fp16 => scanner.fixed::<2>(count, datatype, |s| {
+            float_le(s, |v: f64| f16::from_f64(v).to_le_bytes())
+        })?,
+        DataType::Bf16 => scanner.fixed::<2>(count, datatype, |s| {
+            float_le(s, |v: f64| bf16::from_f64(v).to_le_bytes())
+        })?,
+        DataType::Fp32 => scanner.fixed::<4>(count, datatype, |s| float_le(s, |v: f32| v.to_le_bytes()))?,
+        DataType::Fp64 => scanner.fixed::<8>(count, datatype, |s| float_le(s, |v: f64| v.to_le_bytes()))?,
+        DataType::Bytes => scanner.strings(count)?,
+    };
+    Ok(Bytes::from(out))
+}
+
+/// Why one scalar could not become an element; the scanner adds which element it was.
+struct ScalarError(String);
+
+type Scalar<const N: usize> = std::result::Result<([u8; N], usize), ScalarError>;
+
+struct Scanner<'a> {
+    text: &'a [u8],
+    pos: usize,
+    seen: usize,
+}
+
+impl Scanner<'_> {
+    /// Moves to the start of the next scalar, stepping over brackets, commas and whitespace.
+    #[inline]
+    fn next_scalar(&mut self) -> Option<usize> {
+        while let Some(&c) = self.text.get(self.pos) {
+            match c {
+                b'[' | b']' | b',' | b' ' | b'\n' | b'\r' | b'\t' => self.pos += 1,
+                _ => return Some(self.pos),
+            }
+        }
+        None
+    }
+
+    fn count_mismatch(&mut self, expected: usize) -> Error {
+        // Count what is there, for a message that says expected vs got.
+        while let Some(start) = self.next_scalar() {
+            self.pos = start + token_len(&self.text[start..]).max(1);
+            self.seen += 1;
+        }
+        Error::invalid(format!(
+            "expected {expected} elements (the product of the shape), got {}",
+            self.seen
+        ))
+    }
+
+    fn element_error(&self, datatype: DataType, error: ScalarError) -> Error {
+        Error::invalid(format!("element {} of {datatype} data: {}", self.seen, error.0))
+    }
+
+    #[inline]
+    fn fixed<const N: usize>(
+        &mut self,
+        count: usize,
+        datatype: DataType,
+        parse_one: impl Fn(&[u8]) -> Scalar<N>,
+    ) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(count * N);
+        while let Some(start) = self.next_scalar() {
+            if self.seen == count {
+                return Err(self.count_mismatch(count));
+            }
+            let (bytes, len) = parse_one(&self.text[start..]).map_err(|e| self.element_error(datatype, e))?;
+            out.extend_from_slice(&bytes);
+            self.pos = start + len;
+            self.seen += 1;
+        }
+        if self.seen != count {
+            return Err(self.count_mismatch(count));
+        }
+        Ok(out)
+    }
+
+    fn strings(&mut self, count: usize) -> Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(self.text.len().min(count.saturating_mul(8)));
+        while let Some(start) = self.next_scalar() {
+            if self.seen == count {
+                return Err(self.count_mismatch(count));
+            }
+            let rest = &self.text[start..];
+            if rest[0] != b'"' {
+                return Err(self.element_error(
+                    DataType::Bytes,
+                    ScalarError(format!("expected a string, got {}", describe_token(rest))),
+                ));
+            }
+            let len = string_len(rest);
+            let body = &rest[1..len - 1];
+            let element_start = out.len();
+            out.extend_from_slice(&[0; BYTES_LENGTH_PREFIX]);
+            if memchr::memchr(b'\\', body).is_some() {
+                let unescaped: String = serde_json::from_slice(&rest[..len])
+                    .map_err(|e| self.element_error(DataType::Bytes, ScalarError(format!("invalid string: {e}"))))?;
+                out.extend_from_slice(unescaped.as_bytes());
+            } else {
+                out.extend_from_slice(body);
+            }
+            let element_len = out.len() - element_start - BYTES_LENGTH_PREFIX;
+            let prefix = u32::try_from(element_len).map_err(|_| {
+                self.element_error(
+                    DataType::Bytes,
+                    ScalarError("element longer than 2^32 - 1 bytes".into()),
+                )
+            })?;
+            out[element_start..element_start + BYTES_LENGTH_PREFIX].copy_from_slice(&prefix.to_le_bytes());
+            self.pos = start + len;
+            self.seen += 1;
+        }
+        if self.seen != count {
+            return Err(self.count_mismatch(count));
+        }
+        Ok(out)
+    }
+}
+
+/// Length of the JSON string token at the start of `s` (which begins with a quote), quotes included.
+fn string_len(s: &[u8]) -> usize {
+    let mut i = 1;
+    while let Some(offset) = memchr::memchr2(b'"', b'\\', &s[i..]) {
+        i += offset;
+        if s[i] == b'\\' {
+            i += 2;
+        } else {
+            return i + 1;
+        }
+    }
+    s.len()
+}
+
+/// Length of the scalar token at the start of `s`.
+fn token_len(s: &[u8]) -> usize {
+    if s.first() == Some(&b'"') {
+        return string_len(s);
+    }
+    s.iter()
+        .position(|c| matches!(c, b',' | b']' | b' ' | b'\n' | b'\r' | b'\t' | b'}' | b'{' | b'['))
+        .unwrap_or(s.len())
+}
+
+/// A short quotation of the token at the start of `s`, for error messages.
+fn describe_token(s: &[u8]) -> String {
+    match s.first() {
+        Some(b'{') => "an object".to_owned(),
+        _ => {
+            let token = &s[..token_len(s).clamp(1, 40)];
+            format!("`{}`", String::from_utf8_lossy(token))
+        }
+    }
+}
+
+fn parse_bool(s: &[u8]) -> Scalar<1> {
+    if s.starts_with(b"true") {
+        Ok(([1], 4))
+    } else if s.starts_with(b"false") {
+        Ok(([0], 5))
+    } else {
+        Err(ScalarError(format!(
+            "expected true or false, got {}",
+            describe_token(s)
+        )))
+    }
+}
+
+/// Parses an integer token and checks it against `[min, max]`, giving its `N` little-endian bytes.
+#[inline]
+fn int_le<const N: usize>(s: &[u8], min: i128, max: i128) -> Scalar<N> {
+    let negative = s.first() == Some(&b'-');
+    let digits_start = usize::from(negative);
+    let digits = s[digits_start..].iter().take_while(|c| c.is_ascii_digit()).count();
+    let end = digits_start + digits;
+    if digits == 0 || matches!(s.get(end), Some(b'.' | b'e' | b'E')) {
+        let what = if digits == 0 { "" } else { "non-integer " };
+        return Err(ScalarError(format!(
+            "expected an integer, got {what}{}",
+            describe_token(s)
+        )));
+    }
+    let mut magnitude: u64 = 0;
+    let mut overflow = false;
+    for &c in &s[digits_start..end] {
+        match magnitude
+            .checked_mul(10)
+            .and_then(|m| m.checked_add(u64::from(c - b'0')))
+        {
+            Some(m) => magnitude = m,
+            None => overflow = true,
+        }
+    }
+    let value = if negative {
+        -i128::from(magnitude)
+    } else {
+        i128::from(magnitude)
+    };
+    if overflow || value < min || value > max {
+        return Err(ScalarError(format!(
+            "{} is out of range [{min}, {max}]",
+            String::from_utf8_lossy(&s[..end])
+        )));
+    }
+    let bytes = value.to_le_bytes();
+    let mut out = [0u8; N];
+    out.copy_from_slice(&bytes[..N]);
+    Ok((out, end))
+}
+
+/// Parses a float element: a number, `null` (NaN), or one of the special strings.
+#[inline]
+fn float_le<F: fast_float2::FastFloat + SpecialFloat, const N: usize>(
+    s: &[u8],
+    to_bytes: impl Fn(F) -> [u8; N],
+) -> Scalar<N> {
+    match s[0] {
+        b'-' | b'0'..=b'9' => match fast_float2::parse_partial::<F, _>(s) {
+            Ok((value, len)) => Ok((to_bytes(value), len)),
+            Err(_) => Err(ScalarError(format!("expected a number, got {}", describe_token(s)))),
+        },
+        b'n' if s.starts_with(b"null") => Ok((to_bytes(<F as SpecialFloat>::NAN), 4)),
+        b'"' => {
+            let len = string_len(s);
+            let value = match &s[1..len - 1] {
+                b"NaN" | b"nan" => <F as SpecialFloat>::NAN,
+                b"Infinity" | b"inf" => <F as SpecialFloat>::INFINITY,
+                b"-Infinity" | b"-inf" => <F as SpecialFloat>::NEG_INFINITY,
+                _ => {
+                    return Err(ScalarError(format!(
+                        "expected a number, got the string {}",
+                        describe_token(s)
+                    )));
+                }
+            };
+            Ok((to_bytes(value), len))
+        }
+        _ => Err(ScalarError(format!("expected a number, got {}", describe_token(s)))),
+    }
+}
+
+trait SpecialFloat {
+    const NAN: Self;
+    const INFINITY: Self;
+    const NEG_INFINITY: Self;
+}
+
+impl SpecialFloat for f32 {
+    const NAN: f32 = f32::NAN;
+    const INFINITY: f32 = f32::INFINITY;
+    const NEG_INFINITY: f32 = f32::NEG_INFINITY;
+}
+
+impl SpecialFloat for f64 {
+    const NAN: f64 = f64::NAN;
+    const INFINITY: f64 = f64::INFINITY;
+    const NEG_INFINITY: f64 = f64::NEG_INFINITY;
+}
+
+/// Appends `data` (validated tensor bytes of `datatype`) as a flat JSON array.
+pub fn write_data(out: &mut Vec<u8>, datatype: DataType, data: &[u8]) -> Result<()> {
+    out.push(b'[');
+    let start = out.len();
+    match datatype {
+        DataType::Bool => {
+            out.reserve(data.len() * 6);
+            for &b in data {
+                out.extend_from_slice(if b != 0 { b"true," } else { b"false," });
+            }
+        }
+        DataType::Uint8 => write_ints(out, data, |b: [u8; 1]| b[0]),
+        DataType::Uint16 => write_ints(out, data, u16::from_le_bytes),
+        DataType::Uint32 => write_ints(out, data, u32::from_le_bytes),
+        DataType::Uint64 => write_ints(out, data, u64::from_le_bytes),
+        DataType::Int8 => write_ints(out, data, i8::from_le_bytes),
+        DataType::Int16 => write_ints(out, data, i16::from_le_bytes),
+        DataType::Int32 => write_ints(out, data, i32::from_le_bytes),
+        DataType::Int64 => write_ints(out, data, i64::from_le_bytes),
+        DataType::Fp16 => write_floats(out, data, |b| f16::from_le_bytes(b).to_f32()),
+        DataType::Bf16 => write_floats(out, data, |b| bf16::from_le_bytes(b).to_f32()),
+        DataType::Fp32 => write_floats(out, data, f32::from_le_bytes),
+        DataType::Fp64 => write_floats(out, data, f64::from_le_bytes),
+        DataType::Bytes => {
+            for (index, element) in BytesElements::new(data).enumerate() {
+                let text = std::str::from_utf8(element).map_err(|_| {
+                    Error::invalid(format!(
+                        "BYTES element {index} is not valid UTF-8, so it cannot be written as JSON; \
+                         ask for this tensor as binary data"
+                    ))
+                })?;
+                write_json_string(out, text);
+                out.push(b',');
+            }
+        }
+    }
+    if out.len() > start {
+        // Replace the trailing comma.
+        let last = out.len() - 1;
+        out[last] = b']';
+    } else {
+        out.push(b']');
+    }
+    Ok(())
+}
+
+fn write_ints<const N: usize, I: itoa::Integer>(out: &mut Vec<u8>, data: &[u8], from: impl Fn([u8; N]) -> I) {
+    let mut buffer = itoa::Buffer::new();
+    out.reserve(data.len() / N * 21);
+    for chunk in data.chunks_exact(N) {
+        let value = from(chunk.try_into().unwrap_or([0; N]));
+        out.extend_from_slice(buffer.format(value).as_bytes());
+        out.push(b',');
+    }
+}
+
+fn write_floats<const N: usize, F: zmij::Float + Copy + WriteSpecial>(
+    out: &mut Vec<u8>,
+    data: &[u8],
+    from: impl Fn([u8; N]) -> F,
+) {
+    let mut buffer = zmij::Buffer::new();
+    out.reserve(data.len() / N * 26);
+    for chunk in data.chunks_exact(N) {
+        let value = from(chunk.try_into().unwrap_or([0; N]));
+        match value.special() {
+            None => out.extend_from_slice(buffer.format_finite(value).as_bytes()),
+            Some(text) => out.extend_from_slice(text),
+        }
+        out.push(b',');
+    }
+}
+
+/// The JSON text of a non-finite float, or `None` for a finite one.
+pub(crate) trait WriteSpecial {
+    fn special(self) -> Option<&'static [u8]>;
+}
+
+impl WriteSpecial for f32 {
+    #[inline]
+    fn special(self) -> Option<&'static [u8]> {
+        f64::from(self).special()
+    }
+}
+
+impl WriteSpecial for f64 {
+    #[inline]
+    fn special(self) -> Option<&'static [u8]> {
+        if self.is_finite() {
+            None
+        } else if self.is_nan() {
+            Some(b"null")
+        } else if self > 0.0 {
+            Some(b"1e999")
+        } else {
+            Some(b"-1e999")
+        }
+    }
+}
+
+/// Appends a JSON string literal.
+pub(crate) fn write_json_string(out: &mut Vec<u8>, text: &str) {
+    let clean = text.bytes().all(|c| c >= 0x20 && c != b'"' && c != b'\\');
+    if clean {
+        out.reserve(text.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(text.as_bytes());
+        out.push(b'"');
+    } else if serde_json::to_writer(&mut *out, text).is_err() {
+        // Writing into a Vec cannot fail; keep the output well-formed regardless.
+        out.extend_from_slice(b"\"\"");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str, datatype: DataType, count: u64) -> Result<Bytes> {
+        parse_data(text.as_bytes(), datatype, count)
+    }
+
+    fn written(datatype: DataType, data: &[u8]) -> String {
+        let mut out = Vec::new();
+        write_data(&mut out, datatype, data).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn flat_and_nested_data_give_the_same_bytes() {
+        let flat = parse("[1, 2, 3, 4]", DataType::Uint32, 4).unwrap();
+        let nested = parse("[[1, 2], [3, 4]]", DataType::Uint32, 4).unwrap();
+        assert_eq!(flat, nested);
+        assert_eq!(&flat[..], &[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0]);
+    }
+
+    #[test]
+    fn deep_nesting_is_fine() {
+        let depth = 100;
+        let text = format!("{}7{}", "[".repeat(depth), "]".repeat(depth));
+        assert_eq!(&parse(&text, DataType::Int8, 1).unwrap()[..], &[7]);
+    }
+
+    #[test]
+    fn integers_are_range_checked() {
+        let e = parse("[300]", DataType::Uint8, 1).unwrap_err().to_string();
+        assert!(e.contains("300 is out of range [0, 255]"), "{e}");
+        let e = parse("[-1]", DataType::Uint32, 1).unwrap_err().to_string();
+        assert!(e.contains("-1 is out of range"), "{e}");
+        let e = parse("[1, 1.5]", DataType::Int32, 2).unwrap_err().to_string();
+        assert!(e.contains("element 1") && e.contains("non-integer `1.5`"), "{e}");
+        let e = parse("[99999999999999999999999]", DataType::Int64, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("out of range"), "{e}");
+        assert_eq!(
+            &parse("[-9223372036854775808]", DataType::Int64, 1).unwrap()[..],
+            &i64::MIN.to_le_bytes()
+        );
+        assert_eq!(
+            &parse("[18446744073709551615]", DataType::Uint64, 1).unwrap()[..],
+            &u64::MAX.to_le_bytes()
+        );
+        assert!(parse("[true]", DataType::Int32, 1).is_err());
+    }
+
+    #[test]
+    fn floats_and_their_special_values() {
+        let bytes = parse("[0.1, null, \"-Infinity\", 1e999]", DataType::Fp32, 4).unwrap();
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(values[0], 0.1f32);
+        assert!(values[1].is_nan());
+        assert_eq!(values[2], f32::NEG_INFINITY);
+        assert_eq!(values[3], f32::INFINITY);
+        let e = parse("[\"1.0\"]", DataType::Fp32, 1).unwrap_err().to_string();
+        assert!(e.contains("expected a number, got the string"), "{e}");
+        assert!(parse("[true]", DataType::Fp64, 1).is_err());
+        assert_eq!(written(DataType::Fp32, &bytes), "[0.1,null,-1e999,1e999]");
+    }
+
+    #[test]
+    fn half_precision_rounds_to_nearest_even() {
+        // 1 + 2^-11 lies exactly between two FP16 values (1 and 1 + 2^-10); the even one is 1.
+        let bytes = parse("[1.00048828125, 65504, 0.1]", DataType::Fp16, 3).unwrap();
+        assert_eq!(&bytes[..2], &f16::from_f32(1.0).to_le_bytes());
+        assert_eq!(&bytes[2..4], &f16::MAX.to_le_bytes());
+        assert_eq!(written(DataType::Fp16, &bytes[..4]), "[1.0,65504.0]");
+        let bf = parse("[1.5, -2]", DataType::Bf16, 2).unwrap();
+        assert_eq!(written(DataType::Bf16, &bf), "[1.5,-2.0]");
+    }
+
+    #[test]
+    fn element_count_must_match() {
+        let e = parse("[1, 2, 3]", DataType::Int32, 4).unwrap_err().to_string();
+        assert!(e.contains("expected 4 elements") && e.contains("got 3"), "{e}");
+        let e = parse("[1, 2, 3]", DataType::Int32, 2).unwrap_err().to_string();
+        assert!(e.contains("expected 2 elements") && e.contains("got 3"), "{e}");
+        let e = parse("[1]", DataType::Int32, 1 << 40).unwrap_err().to_string();
+        assert!(e.contains("at most 2"), "{e}");
+    }
+
+    #[test]
+    fn bools_and_strings() {
+        assert_eq!(&parse("[true, false]", DataType::Bool, 2).unwrap()[..], &[1, 0]);
+        assert!(parse("[1]", DataType::Bool, 1).is_err());
+        let bytes = parse(r#"["ab", "c\"\u00e9", ""]"#, DataType::Bytes, 3).unwrap();
+        assert_eq!(&bytes[..], b"\x02\0\0\0ab\x04\0\0\0c\"\xc3\xa9\0\0\0\0");
+        assert_eq!(written(DataType::Bytes, &bytes), r#"["ab","c\"é",""]"#);
+        let e = parse("[1]", DataType::Bytes, 1).unwrap_err().to_string();
+        assert!(e.contains("expected a string, got `1`"), "{e}");
+        let e = parse(r#"[{"a": 1}]"#, DataType::Bytes, 1).unwrap_err().to_string();
+        assert!(e.contains("an object"), "{e}");
+    }
+
+    #[test]
+    fn non_utf8_bytes_cannot_be_json() {
+        let mut out = Vec::new();
+        let e = write_data(&mut out, DataType::Bytes, b"\x01\0\0\0\xff")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not valid UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn writes_every_integer_type() {
+        assert_eq!(written(DataType::Int8, &[0xff, 5]), "[-1,5]");
+        assert_eq!(
+            written(DataType::Uint64, &u64::MAX.to_le_bytes()),
+            "[18446744073709551615]"
+        );
+        assert_eq!(written(DataType::Bool, &[1, 0]), "[true,false]");
+        assert_eq!(written(DataType::Int32, &[]), "[]");
+        assert_eq!(written(DataType::Fp64, &1e300f64.to_le_bytes()), "[1e+300]");
+        assert_eq!(written(DataType::Fp32, &1e-7f32.to_le_bytes()), "[1e-7]");
+        assert_eq!(written(DataType::Fp64, &123456.5f64.to_le_bytes()), "[123456.5]");
+    }
+}

@@ -1,0 +1,285 @@
+//! JSON objects of the health, metadata and error answers.
+
+use serde::{Deserialize, Serialize};
+
+use super::json_error;
+use crate::error::Result;
+use crate::protocol::{ModelMetadata, ModelReady, ServerLive, ServerMetadata, ServerReady, TensorMetadata};
+
+#[derive(Serialize, Deserialize)]
+struct TensorMetadataDoc {
+    name: String,
+    datatype: String,
+    shape: Vec<i64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ModelMetadataDoc {
+    name: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    versions: Vec<String>,
+    #[serde(default)]
+    platform: String,
+    #[serde(default)]
+    inputs: Vec<TensorMetadataDoc>,
+    #[serde(default)]
+    outputs: Vec<TensorMetadataDoc>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ServerMetadataDoc {
+    name: String,
+    #[serde(default)]
+    version: String,
+    #[serde(default)]
+    extensions: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ErrorDoc<'a> {
+    error: &'a str,
+}
+
+#[derive(Deserialize)]
+struct HealthDoc {
+    live: Option<bool>,
+    ready: Option<bool>,
+    name: Option<String>,
+}
+
+fn to_vec<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing these plain structs into a Vec cannot fail.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+fn tensors_to_doc(tensors: &[TensorMetadata]) -> Vec<TensorMetadataDoc> {
+    tensors
+        .iter()
+        .map(|t| TensorMetadataDoc {
+            name: t.name.clone(),
+            datatype: t.datatype.clone(),
+            shape: t.shape.clone(),
+        })
+        .collect()
+}
+
+fn tensors_from_doc(tensors: Vec<TensorMetadataDoc>) -> Vec<TensorMetadata> {
+    tensors
+        .into_iter()
+        .map(|t| TensorMetadata {
+            name: t.name,
+            datatype: t.datatype,
+            shape: t.shape,
+        })
+        .collect()
+}
+
+pub fn encode_model_metadata(metadata: &ModelMetadata) -> Vec<u8> {
+    to_vec(&ModelMetadataDoc {
+        name: metadata.name.clone(),
+        versions: metadata.versions.clone(),
+        platform: metadata.platform.clone(),
+        inputs: tensors_to_doc(&metadata.inputs),
+        outputs: tensors_to_doc(&metadata.outputs),
+    })
+}
+
+pub fn decode_model_metadata(body: &[u8]) -> Result<ModelMetadata> {
+    let doc: ModelMetadataDoc = serde_json::from_slice(body).map_err(|e| json_error("model metadata", &e))?;
+    Ok(ModelMetadata {
+        name: doc.name,
+        versions: doc.versions,
+        platform: doc.platform,
+        inputs: tensors_from_doc(doc.inputs),
+        outputs: tensors_from_doc(doc.outputs),
+    })
+}
+
+pub fn encode_server_metadata(metadata: &ServerMetadata) -> Vec<u8> {
+    to_vec(&ServerMetadataDoc {
+        name: metadata.name.clone(),
+        version: metadata.version.clone(),
+        extensions: metadata.extensions.clone(),
+    })
+}
+
+pub fn decode_server_metadata(body: &[u8]) -> Result<ServerMetadata> {
+    let doc: ServerMetadataDoc = serde_json::from_slice(body).map_err(|e| json_error("server metadata", &e))?;
+    Ok(ServerMetadata {
+        name: doc.name,
+        version: doc.version,
+        extensions: doc.extensions,
+    })
+}
+
+pub fn encode_server_live(live: ServerLive) -> Vec<u8> {
+    if live.live {
+        b"{\"live\":true}".to_vec()
+    } else {
+        b"{\"live\":false}".to_vec()
+    }
+}
+
+/// The protocol's text shows `"live"` in the server-ready object, a slip; servers answer `"ready"`. Both are read.
+pub fn encode_server_ready(ready: ServerReady) -> Vec<u8> {
+    if ready.ready {
+        b"{\"ready\":true}".to_vec()
+    } else {
+        b"{\"ready\":false}".to_vec()
+    }
+}
+
+pub fn encode_model_ready(ready: &ModelReady) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Doc<'a> {
+        name: &'a str,
+        ready: bool,
+    }
+    to_vec(&Doc {
+        name: &ready.name,
+        ready: ready.ready,
+    })
+}
+
+fn decode_health(status_ok: bool, body: &[u8], what: &str) -> Result<HealthDoc> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        // Triton answers health checks with an empty body: the status alone tells.
+        return Ok(HealthDoc {
+            live: Some(status_ok),
+            ready: Some(status_ok),
+            name: None,
+        });
+    }
+    serde_json::from_slice(body).map_err(|e| json_error(what, &e))
+}
+
+/// Reads a server-live answer; `status_ok` is whether the HTTP status was 2xx.
+pub fn decode_server_live(status_ok: bool, body: &[u8]) -> Result<ServerLive> {
+    let doc = decode_health(status_ok, body, "server live")?;
+    Ok(ServerLive {
+        live: status_ok && doc.live.or(doc.ready).unwrap_or(status_ok),
+    })
+}
+
+/// Reads a server-ready answer; `status_ok` is whether the HTTP status was 2xx.
+pub fn decode_server_ready(status_ok: bool, body: &[u8]) -> Result<ServerReady> {
+    let doc = decode_health(status_ok, body, "server ready")?;
+    Ok(ServerReady {
+        ready: status_ok && doc.ready.or(doc.live).unwrap_or(status_ok),
+    })
+}
+
+/// Reads a model-ready answer; `status_ok` is whether the HTTP status was 2xx.
+pub fn decode_model_ready(status_ok: bool, body: &[u8], model: &str) -> Result<ModelReady> {
+    let doc = decode_health(status_ok, body, "model ready")?;
+    Ok(ModelReady {
+        name: doc.name.unwrap_or_else(|| model.to_owned()),
+        ready: status_ok && doc.ready.unwrap_or(status_ok),
+    })
+}
+
+/// `{"error": "<message>"}`, the body of every REST error.
+pub fn encode_error(message: &str) -> Vec<u8> {
+    to_vec(&ErrorDoc { error: message })
+}
+
+/// The message of an error body: the protocol's `{"error": ...}`, KServe's `{"code": N, "message": ...}`, FastAPI's
+/// `{"detail": ...}`, or else the body's text.
+pub fn decode_error(body: &[u8]) -> String {
+    #[derive(Deserialize)]
+    struct AnyError {
+        error: Option<serde_json::Value>,
+        message: Option<serde_json::Value>,
+        detail: Option<serde_json::Value>,
+    }
+    let text = || String::from_utf8_lossy(body).trim().to_owned();
+    match serde_json::from_slice::<AnyError>(body) {
+        Ok(doc) => match doc.error.or(doc.message).or(doc.detail) {
+            Some(serde_json::Value::String(s)) => s,
+            Some(other) => other.to_string(),
+            None => text(),
+        },
+        Err(_) => text(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_round_trips() {
+        let metadata = ModelMetadata {
+            name: "add_sub".into(),
+            versions: vec!["1".into(), "2".into()],
+            platform: "oipgate".into(),
+            inputs: vec![TensorMetadata {
+                name: "INPUT0".into(),
+                datatype: "INT32".into(),
+                shape: vec![-1, 16],
+            }],
+            outputs: vec![],
+        };
+        assert_eq!(
+            decode_model_metadata(&encode_model_metadata(&metadata)).unwrap(),
+            metadata
+        );
+        let server = ServerMetadata {
+            name: "s".into(),
+            version: "1".into(),
+            extensions: vec!["binary_tensor_data".into()],
+        };
+        assert_eq!(
+            decode_server_metadata(&encode_server_metadata(&server)).unwrap(),
+            server
+        );
+        assert!(
+            decode_model_metadata(b"{")
+                .unwrap_err()
+                .to_string()
+                .contains("invalid model metadata JSON")
+        );
+    }
+
+    #[test]
+    fn health_answers_with_and_without_bodies() {
+        assert!(
+            decode_server_ready(true, &encode_server_ready(ServerReady { ready: true }))
+                .unwrap()
+                .ready
+        );
+        assert!(!decode_server_ready(true, b"{\"ready\":false}").unwrap().ready);
+        assert!(decode_server_ready(true, b"{\"live\":true}").unwrap().ready);
+        assert!(decode_server_ready(true, b"").unwrap().ready);
+        assert!(!decode_server_ready(false, b"").unwrap().ready);
+        assert!(
+            decode_server_live(true, &encode_server_live(ServerLive { live: true }))
+                .unwrap()
+                .live
+        );
+        let ready = ModelReady {
+            name: "m".into(),
+            ready: true,
+        };
+        assert_eq!(
+            decode_model_ready(true, &encode_model_ready(&ready), "m").unwrap(),
+            ready
+        );
+        assert_eq!(
+            decode_model_ready(false, b"", "m").unwrap(),
+            ModelReady {
+                name: "m".into(),
+                ready: false
+            }
+        );
+    }
+
+    #[test]
+    fn error_bodies_of_every_dialect() {
+        assert_eq!(encode_error("bad \"x\""), br#"{"error":"bad \"x\""}"#);
+        assert_eq!(decode_error(br#"{"error":"boom"}"#), "boom");
+        assert_eq!(decode_error(br#"{"code":3,"message":"kserve says"}"#), "kserve says");
+        assert_eq!(decode_error(br#"{"detail":"fastapi says"}"#), "fastapi says");
+        assert_eq!(decode_error(b"plain text\n"), "plain text");
+    }
+}

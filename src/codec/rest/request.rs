@@ -1,0 +1,210 @@
+//! `$inference_request` over REST: JSON, optionally followed by binary sections (binary tensor data extension).
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+use serde::Deserialize;
+
+use super::params::{JsonParameters, write_parameters_field};
+use super::tensor_doc::{BinarySections, DataForm, TensorDoc, write_tensor};
+use super::{BinaryOutputs, EncodedBody, json_error, split_body};
+use crate::error::{Error, Result};
+use crate::protocol::{DataType, InferRequest, ParamValue, Parameters, RequestedOutput, Tensor, TensorMetadata};
+
+/// Request-level parameter: return every output as binary data unless the output says otherwise.
+pub const BINARY_DATA_OUTPUT: &str = "binary_data_output";
+/// Requested-output parameter: return this output as binary data.
+pub const BINARY_DATA: &str = "binary_data";
+
+/// A decoded REST inference request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RestRequest {
+    /// A JSON header, with or without binary sections. The binary extension's own parameters have been taken out of
+    /// the request and are in `binary_outputs`.
+    Request {
+        request: InferRequest,
+        binary_outputs: BinaryOutputs,
+    },
+    /// `Inference-Header-Content-Length: 0`: Triton's raw binary request, whose whole body is the data of the model's
+    /// only input; complete it with [`raw_binary_request`] once the model's metadata is known.
+    RawBinary(Bytes),
+}
+
+#[derive(Deserialize)]
+struct RequestDoc<'a> {
+    model_name: Option<String>,
+    model_version: Option<String>,
+    id: Option<String>,
+    parameters: Option<JsonParameters>,
+    #[serde(borrow)]
+    inputs: Option<Vec<TensorDoc<'a>>>,
+    outputs: Option<Vec<OutputDoc>>,
+}
+
+#[derive(Deserialize)]
+struct OutputDoc {
+    name: Option<String>,
+    parameters: Option<JsonParameters>,
+}
+
+/// Decodes a REST inference request body. `header_length` is the `Inference-Header-Content-Length` header, if any.
+/// Binary input data is sliced from `body`, never copied.
+pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestRequest> {
+    if header_length == Some(0) {
+        return Ok(RestRequest::RawBinary(body));
+    }
+    let (header, binary) = split_body(body, header_length)?;
+    let doc: RequestDoc<'_> = serde_json::from_slice(&header).map_err(|e| json_error("inference request", &e))?;
+    let mut sections = BinarySections::new(binary);
+    let docs = doc
+        .inputs
+        .ok_or_else(|| Error::invalid("inference request has no \"inputs\""))?;
+    let mut inputs = Vec::with_capacity(docs.len());
+    let mut names = HashSet::with_capacity(docs.len());
+    for (index, input) in docs.into_iter().enumerate() {
+        let tensor = input.into_tensor("input", index, &mut sections)?;
+        if !names.insert(tensor.name.clone()) {
+            return Err(Error::invalid(format!(
+                "input name '{}' is used more than once",
+                tensor.name
+            )));
+        }
+        inputs.push(tensor);
+    }
+    sections.finish()?;
+
+    let mut parameters = doc.parameters.map(|p| p.0).unwrap_or_default();
+    let mut binary_outputs = BinaryOutputs {
+        all: take_bool(&mut parameters, BINARY_DATA_OUTPUT, "request")?.unwrap_or(false),
+        outputs: Vec::new(),
+    };
+    let output_docs = doc.outputs.unwrap_or_default();
+    let mut outputs = Vec::with_capacity(output_docs.len());
+    let mut output_names = HashSet::with_capacity(output_docs.len());
+    for (index, output) in output_docs.into_iter().enumerate() {
+        let name = output
+            .name
+            .ok_or_else(|| Error::invalid(format!("requested output {index} has no \"name\"")))?;
+        if !output_names.insert(name.clone()) {
+            return Err(Error::invalid(format!("output '{name}' is requested more than once")));
+        }
+        let mut parameters = output.parameters.map(|p| p.0).unwrap_or_default();
+        if let Some(binary) = take_bool(&mut parameters, BINARY_DATA, &format!("output '{name}'"))? {
+            binary_outputs.outputs.push((name.clone(), binary));
+        }
+        outputs.push(RequestedOutput { name, parameters });
+    }
+    let request = InferRequest {
+        model_name: doc.model_name.unwrap_or_default(),
+        model_version: doc.model_version.filter(|v| !v.is_empty()),
+        id: doc.id,
+        parameters,
+        inputs,
+        outputs,
+    };
+    Ok(RestRequest::Request {
+        request,
+        binary_outputs,
+    })
+}
+
+fn take_bool(parameters: &mut Parameters, name: &str, owner: &str) -> Result<Option<bool>> {
+    match parameters.shift_remove(name) {
+        None => Ok(None),
+        Some(ParamValue::Bool(v)) => Ok(Some(v)),
+        Some(other) => Err(Error::invalid(format!(
+            "{owner}: parameter {name} must be a bool, got {}",
+            other.type_name()
+        ))),
+    }
+}
+
+/// Completes a raw binary request (header length 0) for a model whose only input is `input`: the body is that
+/// input's data, its shape comes from the metadata (one variable dimension is inferred from the body's size), and
+/// every output is returned binary, as Triton does.
+pub fn raw_binary_request(body: Bytes, input: &TensorMetadata) -> Result<(InferRequest, BinaryOutputs)> {
+    let what = format!("raw binary request for input '{}'", input.name);
+    let datatype = DataType::parse(&input.datatype).map_err(|e| e.context(&what))?;
+    let variable = input.shape.iter().filter(|&&d| d < 0).count();
+    if variable > 1 {
+        return Err(Error::invalid(format!(
+            "{what}: the input's shape {:?} has more than one variable dimension, so the body's size cannot fix it",
+            input.shape
+        )));
+    }
+    let fixed: u64 = input
+        .shape
+        .iter()
+        .filter(|&&d| d >= 0)
+        .map(|&d| d.unsigned_abs())
+        .product();
+    let shape: Vec<u64> = if variable == 0 {
+        input.shape.iter().map(|&d| d.unsigned_abs()).collect()
+    } else {
+        let total = match datatype.element_size() {
+            Some(size) => (body.len() / size) as u64,
+            None => crate::protocol::tensor::count_bytes_elements(&body).map_err(|e| e.context(&what))?,
+        };
+        let inferred = if fixed == 0 { 0 } else { total / fixed };
+        input
+            .shape
+            .iter()
+            .map(|&d| if d < 0 { inferred } else { d.unsigned_abs() })
+            .collect()
+    };
+    let tensor = Tensor::new(input.name.clone(), datatype, shape, body).map_err(|e| e.context(&what))?;
+    let request = InferRequest {
+        inputs: vec![tensor],
+        ..InferRequest::default()
+    };
+    Ok((
+        request,
+        BinaryOutputs {
+            all: true,
+            outputs: Vec::new(),
+        },
+    ))
+}
+
+/// Encodes a request for a REST backend. With `binary_inputs` (the backend speaks the binary extension) every input
+/// travels as a binary section that shares the tensor's buffer; otherwise all data is JSON. Parameters are written as
+/// they are, so a caller that wants binary outputs sets `binary_data_output` / `binary_data` itself.
+pub fn encode_request(request: &InferRequest, binary_inputs: bool) -> Result<EncodedBody> {
+    let form = if binary_inputs {
+        DataForm::Binary
+    } else {
+        DataForm::Json
+    };
+    let mut out = Vec::with_capacity(256);
+    let mut sections = Vec::with_capacity(if binary_inputs { request.inputs.len() } else { 0 });
+    out.push(b'{');
+    if let Some(id) = &request.id {
+        out.extend_from_slice(b"\"id\":");
+        super::data::write_json_string(&mut out, id);
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"inputs\":[");
+    for (i, input) in request.inputs.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_tensor(&mut out, input, form, &mut sections)?;
+    }
+    out.push(b']');
+    if !request.outputs.is_empty() {
+        out.extend_from_slice(b",\"outputs\":[");
+        for (i, output) in request.outputs.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(b"{\"name\":");
+            super::data::write_json_string(&mut out, &output.name);
+            write_parameters_field(&mut out, &output.parameters);
+            out.push(b'}');
+        }
+        out.push(b']');
+    }
+    write_parameters_field(&mut out, &request.parameters);
+    out.push(b'}');
+    Ok(EncodedBody::new(out, sections))
+}
