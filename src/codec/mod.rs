@@ -1,3 +1,5 @@
 //! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
 
+pub mod decthings;
+pub mod protobuf;
 pub mod rest;
