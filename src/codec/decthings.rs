@@ -97,8 +97,10 @@ impl ElementType {
 
 /// Appends `value` as the format's 64-bit unsigned varint.
 pub fn put_varint(out: &mut BytesMut, value: u64) {
-    if value < 253 {
-        out.put_u8(value as u8);
+    if let Ok(v) = u8::try_from(value)
+        && v < 253
+    {
+        out.put_u8(v);
     } else if let Ok(v) = u16::try_from(value) {
         out.put_u8(253);
         out.put_u16(v);
@@ -167,14 +169,18 @@ pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
     let (datatype, data) = match element_type.fixed_datatype() {
         Some(datatype) => {
             let size = datatype.element_size().unwrap_or(1) as u64;
-            let needed = count.checked_mul(size).filter(|&n| n <= reader.remaining() as u64).ok_or_else(|| {
+            let needed = count
+                .checked_mul(size)
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n <= reader.remaining())
+                .ok_or_else(|| {
                 Error::invalid(format!(
                     "Decthings tensor is truncated: shape {shape:?} needs {count} elements of {size} bytes, {} bytes remain",
                     reader.remaining()
                 ))
             })?;
             let start = reader.pos;
-            reader.pos += needed as usize;
+            reader.pos += needed;
             let data = bytes.slice(start..reader.pos);
             if datatype == DataType::Bool
                 && let Some(i) = data.iter().position(|&b| b > 1)
@@ -188,7 +194,7 @@ pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
         }
         None => {
             // Each element takes at least one byte, so this reserve is bounded by what actually arrived.
-            let bounded = count.min(reader.remaining() as u64) as usize;
+            let bounded = usize::try_from(count).unwrap_or(usize::MAX).min(reader.remaining());
             let mut data = BytesMut::with_capacity(reader.remaining() + bounded * BYTES_LENGTH_PREFIX);
             let mut formats: Vec<[u8; 3]> = Vec::new();
             for index in 0..count {

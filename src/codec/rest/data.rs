@@ -28,6 +28,7 @@ pub fn parse_data(raw: &[u8], datatype: DataType, count: u64) -> Result<Bytes> {
         text: raw,
         pos: 0,
         seen: 0,
+        depth: 0,
     };
     let out = match datatype {
         DataType::Bool => scanner.fixed::<1>(count, datatype, parse_bool)?,
@@ -57,10 +58,15 @@ struct ScalarError(String);
 
 type Scalar<const N: usize> = std::result::Result<([u8; N], usize), ScalarError>;
 
+/// Deepest nesting of `data` arrays accepted. The scanner does not recurse, so this guards nothing but sanity: no
+/// tensor has 128 dimensions.
+pub const MAX_DATA_DEPTH: u32 = 128;
+
 struct Scanner<'a> {
     text: &'a [u8],
     pos: usize,
     seen: usize,
+    depth: u32,
 }
 
 impl Scanner<'_> {
@@ -69,11 +75,35 @@ impl Scanner<'_> {
     fn next_scalar(&mut self) -> Option<usize> {
         while let Some(&c) = self.text.get(self.pos) {
             match c {
-                b'[' | b']' | b',' | b' ' | b'\n' | b'\r' | b'\t' => self.pos += 1,
+                b'[' => {
+                    self.depth += 1;
+                    if self.depth > MAX_DATA_DEPTH {
+                        // Stop here; `finish` reports it.
+                        return None;
+                    }
+                    self.pos += 1;
+                }
+                b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    self.pos += 1;
+                }
+                b',' | b' ' | b'\n' | b'\r' | b'\t' => self.pos += 1,
                 _ => return Some(self.pos),
             }
         }
         None
+    }
+
+    fn finish(&mut self, count: usize) -> Result<()> {
+        if self.depth > MAX_DATA_DEPTH {
+            return Err(Error::invalid(format!(
+                "`data` is nested deeper than {MAX_DATA_DEPTH} levels"
+            )));
+        }
+        if self.seen != count {
+            return Err(self.count_mismatch(count));
+        }
+        Ok(())
     }
 
     fn count_mismatch(&mut self, expected: usize) -> Error {
@@ -109,9 +139,7 @@ impl Scanner<'_> {
             self.pos = start + len;
             self.seen += 1;
         }
-        if self.seen != count {
-            return Err(self.count_mismatch(count));
-        }
+        self.finish(count)?;
         Ok(out)
     }
 
@@ -150,9 +178,7 @@ impl Scanner<'_> {
             self.pos = start + len;
             self.seen += 1;
         }
-        if self.seen != count {
-            return Err(self.count_mismatch(count));
-        }
+        self.finish(count)?;
         Ok(out)
     }
 }
@@ -433,10 +459,12 @@ mod tests {
     }
 
     #[test]
-    fn deep_nesting_is_fine() {
-        let depth = 100;
-        let text = format!("{}7{}", "[".repeat(depth), "]".repeat(depth));
-        assert_eq!(&parse(&text, DataType::Int8, 1).unwrap()[..], &[7]);
+    fn nesting_depth_is_limited() {
+        let nest = |depth: usize| format!("{}7{}", "[".repeat(depth), "]".repeat(depth));
+        assert_eq!(&parse(&nest(128), DataType::Int8, 1).unwrap()[..], &[7]);
+        let e = parse(&nest(129), DataType::Int8, 1).unwrap_err().to_string();
+        assert!(e.contains("deeper than 128"), "{e}");
+        assert!(parse(&nest(100_000), DataType::Bytes, 1).is_err());
     }
 
     #[test]

@@ -145,7 +145,7 @@ pub fn raw_binary_request(body: Bytes, input: &TensorMetadata) -> Result<(InferR
             Some(size) => (body.len() / size) as u64,
             None => crate::protocol::tensor::count_bytes_elements(&body).map_err(|e| e.context(&what))?,
         };
-        let inferred = if fixed == 0 { 0 } else { total / fixed };
+        let inferred = total.checked_div(fixed).unwrap_or(0);
         input
             .shape
             .iter()
