@@ -314,9 +314,9 @@ fn bad_datatypes_shapes_and_values() {
 
 #[test]
 fn malformed_json_and_deep_nesting_fail_cleanly() {
-    rejected("{", "invalid inference request JSON");
-    rejected("[]", "invalid inference request JSON");
-    rejected("", "invalid inference request JSON");
+    rejected("{", "invalid JSON at byte 1");
+    rejected("[]", "expected '{'");
+    rejected("", "invalid JSON at byte 0");
     let deep = format!(
         r#"{{"inputs": [{{"name": "x", "datatype": "INT8", "shape": [1], "data": {}1{}}}]}}"#,
         "[".repeat(100_000),

@@ -8,179 +8,173 @@
 use bytes::Bytes;
 use half::{bf16, f16};
 
+use super::reader::Reader;
 use crate::error::{Error, Result};
 use crate::protocol::DataType;
-use crate::protocol::tensor::{BYTES_LENGTH_PREFIX, BytesElements};
+use crate::protocol::tensor::BytesElements;
 
-/// Parses the raw JSON text of a `data` value (already checked to be well-formed JSON) into tensor bytes holding
-/// exactly `count` elements of `datatype`, flat or nested to any depth.
-pub fn parse_data(raw: &[u8], datatype: DataType, count: u64) -> Result<Bytes> {
+/// Deepest nesting of `data` arrays accepted: no tensor has 128 dimensions.
+pub const MAX_DATA_DEPTH: u32 = 128;
+
+/// Parses JSON `data` text into tensor bytes holding exactly `count` elements of `datatype`, flat or nested.
+pub fn parse_data(text: &[u8], datatype: DataType, count: u64) -> Result<Bytes> {
+    let mut reader = Reader::new(text);
+    let data = read_data(&mut reader, datatype, count)?;
+    reader.end()?;
+    Ok(data)
+}
+
+/// Reads the `data` value at the reader's position (an array nested to any depth, or a lone scalar) into tensor bytes
+/// holding exactly `count` elements of `datatype`. Numbers go straight into little-endian bytes.
+pub fn read_data(reader: &mut Reader<'_>, datatype: DataType, count: u64) -> Result<Bytes> {
     // Every element takes at least one character and one separator, so the text bounds the element count: a shape
     // that claims more is rejected before anything is allocated for it.
-    let most = (raw.len() as u64).div_ceil(2);
+    let most = ((reader.text.len() - reader.pos) as u64).div_ceil(2);
     if count > most {
         return Err(Error::invalid(format!(
             "shape needs {count} elements but `data` holds at most {most}"
         )));
     }
     let count = usize::try_from(count).map_err(|_| Error::invalid("too many elements for this machine"))?;
-    let mut scanner = Scanner {
-        text: raw,
-        pos: 0,
-        seen: 0,
-        depth: 0,
-    };
+    let r = reader;
     let out = match datatype {
-        DataType::Bool => scanner.fixed::<1>(count, datatype, parse_bool)?,
-        DataType::Uint8 => scanner.fixed::<1>(count, datatype, |s| int_le::<1>(s, 0, u8::MAX.into()))?,
-        DataType::Uint16 => scanner.fixed::<2>(count, datatype, |s| int_le::<2>(s, 0, u16::MAX.into()))?,
-        DataType::Uint32 => scanner.fixed::<4>(count, datatype, |s| int_le::<4>(s, 0, u32::MAX.into()))?,
-        DataType::Uint64 => scanner.fixed::<8>(count, datatype, |s| int_le::<8>(s, 0, u64::MAX.into()))?,
-        DataType::Int8 => scanner.fixed::<1>(count, datatype, |s| int_le::<1>(s, i8::MIN.into(), i8::MAX.into()))?,
-        DataType::Int16 => scanner.fixed::<2>(count, datatype, |s| int_le::<2>(s, i16::MIN.into(), i16::MAX.into()))?,
-        DataType::Int32 => scanner.fixed::<4>(count, datatype, |s| int_le::<4>(s, i32::MIN.into(), i32::MAX.into()))?,
-        DataType::Int64 => scanner.fixed::<8>(count, datatype, |s| int_le::<8>(s, i64::MIN.into(), i64::MAX.into()))?,
-        DataType::Fp16 => scanner.fixed::<2>(count, datatype, |s| {
+        DataType::Bool => fixed::<1>(r, count, datatype, parse_bool)?,
+        DataType::Uint8 => fixed::<1>(r, count, datatype, |s| int_le::<1>(s, 0, u8::MAX.into()))?,
+        DataType::Uint16 => fixed::<2>(r, count, datatype, |s| int_le::<2>(s, 0, u16::MAX.into()))?,
+        DataType::Uint32 => fixed::<4>(r, count, datatype, |s| int_le::<4>(s, 0, u32::MAX.into()))?,
+        DataType::Uint64 => fixed::<8>(r, count, datatype, |s| int_le::<8>(s, 0, u64::MAX.into()))?,
+        DataType::Int8 => fixed::<1>(r, count, datatype, |s| int_le::<1>(s, i8::MIN.into(), i8::MAX.into()))?,
+        DataType::Int16 => fixed::<2>(r, count, datatype, |s| int_le::<2>(s, i16::MIN.into(), i16::MAX.into()))?,
+        DataType::Int32 => fixed::<4>(r, count, datatype, |s| int_le::<4>(s, i32::MIN.into(), i32::MAX.into()))?,
+        DataType::Int64 => fixed::<8>(r, count, datatype, |s| int_le::<8>(s, i64::MIN.into(), i64::MAX.into()))?,
+        DataType::Fp16 => fixed::<2>(r, count, datatype, |s| {
             float_le(s, |v: f64| f16::from_f64(v).to_le_bytes())
         })?,
-        DataType::Bf16 => scanner.fixed::<2>(count, datatype, |s| {
+        DataType::Bf16 => fixed::<2>(r, count, datatype, |s| {
             float_le(s, |v: f64| bf16::from_f64(v).to_le_bytes())
         })?,
-        DataType::Fp32 => scanner.fixed::<4>(count, datatype, |s| float_le(s, |v: f32| v.to_le_bytes()))?,
-        DataType::Fp64 => scanner.fixed::<8>(count, datatype, |s| float_le(s, |v: f64| v.to_le_bytes()))?,
-        DataType::Bytes => scanner.strings(count)?,
+        DataType::Fp32 => fixed::<4>(r, count, datatype, |s| float_le(s, |v: f32| v.to_le_bytes()))?,
+        DataType::Fp64 => fixed::<8>(r, count, datatype, |s| float_le(s, |v: f64| v.to_le_bytes()))?,
+        DataType::Bytes => strings(r, count)?,
     };
     Ok(Bytes::from(out))
 }
 
-/// Why one scalar could not become an element; the scanner adds which element it was.
+/// Why one scalar could not become an element; the caller adds which element it was.
 struct ScalarError(String);
 
 type Scalar<const N: usize> = std::result::Result<([u8; N], usize), ScalarError>;
 
-/// Deepest nesting of `data` arrays accepted. The scanner does not recurse, so this guards nothing but sanity: no
-/// tensor has 128 dimensions.
-pub const MAX_DATA_DEPTH: u32 = 128;
-
-struct Scanner<'a> {
-    text: &'a [u8],
-    pos: usize,
-    seen: usize,
-    depth: u32,
+fn element_error(index: usize, datatype: DataType, error: ScalarError) -> Error {
+    Error::invalid(format!("element {index} of {datatype} data: {}", error.0))
 }
 
-impl Scanner<'_> {
-    /// Moves to the start of the next scalar, stepping over brackets, commas and whitespace.
-    #[inline]
-    fn next_scalar(&mut self) -> Option<usize> {
-        while let Some(&c) = self.text.get(self.pos) {
-            match c {
-                b'[' => {
-                    self.depth += 1;
-                    if self.depth > MAX_DATA_DEPTH {
-                        // Stop here; `finish` reports it.
-                        return None;
-                    }
-                    self.pos += 1;
+fn count_error(expected: usize, got: usize) -> Error {
+    Error::invalid(format!(
+        "expected {expected} elements (the product of the shape), got {got}"
+    ))
+}
+
+/// Walks the nested arrays of `data`, calling `element` at each scalar with the number of scalars seen before it.
+#[inline(always)]
+fn walk(reader: &mut Reader<'_>, mut element: impl FnMut(&mut Reader<'_>, usize) -> Result<()>) -> Result<usize> {
+    let mut depth = 0u32;
+    let mut seen = 0usize;
+    'value: loop {
+        reader.skip_ws();
+        match reader.text.get(reader.pos) {
+            Some(b'[') => {
+                depth += 1;
+                if depth > MAX_DATA_DEPTH {
+                    return Err(reader.error(format_args!("`data` is nested deeper than {MAX_DATA_DEPTH} levels")));
                 }
-                b']' => {
-                    self.depth = self.depth.saturating_sub(1);
-                    self.pos += 1;
+                reader.pos += 1;
+                reader.skip_ws();
+                if reader.text.get(reader.pos) == Some(&b']') {
+                    reader.pos += 1;
+                    depth -= 1;
+                } else {
+                    continue 'value;
                 }
-                b',' | b' ' | b'\n' | b'\r' | b'\t' => self.pos += 1,
-                _ => return Some(self.pos),
+            }
+            Some(b'{') => {
+                return Err(Error::invalid(format!(
+                    "element {seen} of `data` is an object, not a tensor element"
+                )));
+            }
+            Some(_) => {
+                element(reader, seen)?;
+                seen += 1;
+            }
+            None => return Err(reader.error("unexpected end of `data`")),
+        }
+        // After a value: separators and closing brackets.
+        loop {
+            if depth == 0 {
+                return Ok(seen);
+            }
+            reader.skip_ws();
+            match reader.text.get(reader.pos) {
+                Some(b',') => {
+                    reader.pos += 1;
+                    continue 'value;
+                }
+                Some(b']') => {
+                    reader.pos += 1;
+                    depth -= 1;
+                }
+                _ => return Err(reader.error("expected ',' or ']' in `data`")),
             }
         }
-        None
     }
+}
 
-    fn finish(&mut self, count: usize) -> Result<()> {
-        if self.depth > MAX_DATA_DEPTH {
-            return Err(Error::invalid(format!(
-                "`data` is nested deeper than {MAX_DATA_DEPTH} levels"
-            )));
+#[inline(always)]
+fn fixed<const N: usize>(
+    reader: &mut Reader<'_>,
+    count: usize,
+    datatype: DataType,
+    parse_one: impl Fn(&[u8]) -> Scalar<N>,
+) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(count * N);
+    let seen = walk(reader, |reader, index| {
+        let (bytes, len) = parse_one(&reader.text[reader.pos..]).map_err(|e| element_error(index, datatype, e))?;
+        if index < count {
+            out.extend_from_slice(&bytes);
         }
-        if self.seen != count {
-            return Err(self.count_mismatch(count));
+        reader.pos += len;
+        Ok(())
+    })?;
+    if seen != count {
+        return Err(count_error(count, seen));
+    }
+    Ok(out)
+}
+
+fn strings(reader: &mut Reader<'_>, count: usize) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity((reader.text.len() - reader.pos).min(count.saturating_mul(8)));
+    let seen = walk(reader, |reader, index| {
+        if reader.text[reader.pos] != b'"' {
+            let found = describe_token(&reader.text[reader.pos..]);
+            return Err(element_error(
+                index,
+                DataType::Bytes,
+                ScalarError(format!("expected a string, got {found}")),
+            ));
+        }
+        let text = reader.string()?;
+        if index < count {
+            let len = u32::try_from(text.len())
+                .map_err(|_| element_error(index, DataType::Bytes, ScalarError("longer than 2^32 - 1 bytes".into())))?;
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend_from_slice(text.as_bytes());
         }
         Ok(())
+    })?;
+    if seen != count {
+        return Err(count_error(count, seen));
     }
-
-    fn count_mismatch(&mut self, expected: usize) -> Error {
-        // Count what is there, for a message that says expected vs got.
-        while let Some(start) = self.next_scalar() {
-            self.pos = start + token_len(&self.text[start..]).max(1);
-            self.seen += 1;
-        }
-        Error::invalid(format!(
-            "expected {expected} elements (the product of the shape), got {}",
-            self.seen
-        ))
-    }
-
-    fn element_error(&self, datatype: DataType, error: ScalarError) -> Error {
-        Error::invalid(format!("element {} of {datatype} data: {}", self.seen, error.0))
-    }
-
-    #[inline]
-    fn fixed<const N: usize>(
-        &mut self,
-        count: usize,
-        datatype: DataType,
-        parse_one: impl Fn(&[u8]) -> Scalar<N>,
-    ) -> Result<Vec<u8>> {
-        let mut out = Vec::with_capacity(count * N);
-        while let Some(start) = self.next_scalar() {
-            if self.seen == count {
-                return Err(self.count_mismatch(count));
-            }
-            let (bytes, len) = parse_one(&self.text[start..]).map_err(|e| self.element_error(datatype, e))?;
-            out.extend_from_slice(&bytes);
-            self.pos = start + len;
-            self.seen += 1;
-        }
-        self.finish(count)?;
-        Ok(out)
-    }
-
-    fn strings(&mut self, count: usize) -> Result<Vec<u8>> {
-        let mut out = Vec::with_capacity(self.text.len().min(count.saturating_mul(8)));
-        while let Some(start) = self.next_scalar() {
-            if self.seen == count {
-                return Err(self.count_mismatch(count));
-            }
-            let rest = &self.text[start..];
-            if rest[0] != b'"' {
-                return Err(self.element_error(
-                    DataType::Bytes,
-                    ScalarError(format!("expected a string, got {}", describe_token(rest))),
-                ));
-            }
-            let len = string_len(rest);
-            let body = &rest[1..len - 1];
-            let element_start = out.len();
-            out.extend_from_slice(&[0; BYTES_LENGTH_PREFIX]);
-            if memchr::memchr(b'\\', body).is_some() {
-                let unescaped: String = serde_json::from_slice(&rest[..len])
-                    .map_err(|e| self.element_error(DataType::Bytes, ScalarError(format!("invalid string: {e}"))))?;
-                out.extend_from_slice(unescaped.as_bytes());
-            } else {
-                out.extend_from_slice(body);
-            }
-            let element_len = out.len() - element_start - BYTES_LENGTH_PREFIX;
-            let prefix = u32::try_from(element_len).map_err(|_| {
-                self.element_error(
-                    DataType::Bytes,
-                    ScalarError("element longer than 2^32 - 1 bytes".into()),
-                )
-            })?;
-            out[element_start..element_start + BYTES_LENGTH_PREFIX].copy_from_slice(&prefix.to_le_bytes());
-            self.pos = start + len;
-            self.seen += 1;
-        }
-        self.finish(count)?;
-        Ok(out)
-    }
+    Ok(out)
 }
 
 /// Length of the JSON string token at the start of `s` (which begins with a quote), quotes included.
@@ -287,6 +281,9 @@ fn float_le<F: fast_float2::FastFloat + SpecialFloat, const N: usize>(
         b'n' if s.starts_with(b"null") => Ok((to_bytes(<F as SpecialFloat>::NAN), 4)),
         b'"' => {
             let len = string_len(s);
+            if len < 2 || s[len - 1] != b'"' {
+                return Err(ScalarError("unterminated string".into()));
+            }
             let value = match &s[1..len - 1] {
                 b"NaN" | b"nan" => <F as SpecialFloat>::NAN,
                 b"Infinity" | b"inf" => <F as SpecialFloat>::INFINITY,
@@ -465,6 +462,11 @@ mod tests {
         let e = parse(&nest(129), DataType::Int8, 1).unwrap_err().to_string();
         assert!(e.contains("deeper than 128"), "{e}");
         assert!(parse(&nest(100_000), DataType::Bytes, 1).is_err());
+        assert!(parse("[1,]", DataType::Int8, 1).is_err());
+        assert!(parse("[1 2]", DataType::Int8, 2).is_err());
+        assert!(parse("[1]]", DataType::Int8, 1).is_err());
+        assert!(parse("[[1]", DataType::Int8, 1).is_err());
+        assert_eq!(&parse(" [ [ 1 ] , [ ] , 2 ] ", DataType::Int8, 2).unwrap()[..], &[1, 2]);
     }
 
     #[test]
@@ -538,7 +540,7 @@ mod tests {
         let e = parse("[1]", DataType::Bytes, 1).unwrap_err().to_string();
         assert!(e.contains("expected a string, got `1`"), "{e}");
         let e = parse(r#"[{"a": 1}]"#, DataType::Bytes, 1).unwrap_err().to_string();
-        assert!(e.contains("an object"), "{e}");
+        assert!(e.contains("element 0 of `data` is an object"), "{e}");
     }
 
     #[test]

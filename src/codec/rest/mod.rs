@@ -3,6 +3,7 @@
 pub mod data;
 pub mod metadata;
 pub mod params;
+pub mod reader;
 pub mod request;
 pub mod response;
 pub mod tensor_doc;

@@ -1,99 +1,54 @@
 //! JSON form of parameters: `{"name": value, ...}` with bool, integer, float or string values.
 
-use std::fmt;
-
-use serde::Deserialize;
-use serde::de::{self, Deserializer, MapAccess, Visitor};
-
 use super::data::{WriteSpecial, write_json_string};
+use super::reader::Reader;
+use crate::error::{Error, Result};
 use crate::protocol::{ParamValue, Parameters};
 
-/// Parameters as read from JSON. `null` values are dropped (they mean "not given" to MLServer's models); arrays and
-/// objects are rejected because no protocol form can carry them; a name given twice is rejected.
-#[derive(Debug, Default)]
-pub struct JsonParameters(pub Parameters);
-
-impl<'de> Deserialize<'de> for JsonParameters {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_map(ParametersVisitor)
+/// Reads a parameters object (or `null`, meaning none). `null` values are dropped (they mean "not given" to
+/// MLServer's models); arrays and objects are rejected because no protocol form can carry them; a name given twice is
+/// rejected.
+pub fn read_parameters(reader: &mut Reader<'_>) -> Result<Parameters> {
+    let mut parameters = Parameters::new();
+    if reader.null() {
+        return Ok(parameters);
     }
-}
-
-struct ParametersVisitor;
-
-impl<'de> Visitor<'de> for ParametersVisitor {
-    type Value = JsonParameters;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object of parameters")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<JsonParameters, A::Error> {
-        let mut parameters = Parameters::new();
-        while let Some(name) = map.next_key::<String>()? {
-            let OptionalValue(value) = map.next_value()?;
-            if parameters.contains_key(&name) {
-                return Err(de::Error::custom(format_args!("parameter \"{name}\" is given twice")));
+    let mut members = reader.object()?;
+    while let Some(name) = members.next(reader)? {
+        let value = match reader.peek() {
+            Some(b'"') => Some(ParamValue::String(reader.string()?.into_owned())),
+            Some(b't' | b'f') => Some(ParamValue::Bool(reader.bool()?)),
+            Some(b'n') if reader.null() => None,
+            Some(b'[' | b'{') => {
+                return Err(Error::invalid(format!(
+                    "parameter \"{name}\" must be a bool, number or string"
+                )));
             }
-            if let Some(value) = value {
-                parameters.insert(name, value);
-            }
+            _ => Some(number_value(reader.number_token()?)),
+        };
+        if parameters.contains_key(name.as_ref()) {
+            return Err(Error::invalid(format!("parameter \"{name}\" is given twice")));
         }
-        Ok(JsonParameters(parameters))
+        if let Some(value) = value {
+            parameters.insert(name.into_owned(), value);
+        }
     }
+    Ok(parameters)
 }
 
-struct OptionalValue(Option<ParamValue>);
-
-impl<'de> Deserialize<'de> for OptionalValue {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(ValueVisitor)
+/// An integer token becomes int64 (or uint64 beyond int64's range); anything else becomes a double.
+fn number_value(token: &[u8]) -> ParamValue {
+    let integral = !token.iter().any(|c| matches!(c, b'.' | b'e' | b'E'));
+    let text = std::str::from_utf8(token).unwrap_or("0");
+    if integral {
+        if let Ok(v) = text.parse::<i64>() {
+            return ParamValue::Int64(v);
+        }
+        if let Ok(v) = text.parse::<u64>() {
+            return ParamValue::Uint64(v);
+        }
     }
-}
-
-struct ValueVisitor;
-
-impl<'de> Visitor<'de> for ValueVisitor {
-    type Value = OptionalValue;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a parameter value (bool, number or string)")
-    }
-
-    fn visit_bool<E>(self, v: bool) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(ParamValue::Bool(v))))
-    }
-
-    fn visit_i64<E>(self, v: i64) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(ParamValue::Int64(v))))
-    }
-
-    fn visit_u64<E>(self, v: u64) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(match i64::try_from(v) {
-            Ok(v) => ParamValue::Int64(v),
-            Err(_) => ParamValue::Uint64(v),
-        })))
-    }
-
-    fn visit_f64<E>(self, v: f64) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(ParamValue::Double(v))))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(ParamValue::String(v.to_owned()))))
-    }
-
-    fn visit_string<E>(self, v: String) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(Some(ParamValue::String(v))))
-    }
-
-    fn visit_unit<E>(self) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(None))
-    }
-
-    fn visit_none<E>(self) -> Result<OptionalValue, E> {
-        Ok(OptionalValue(None))
-    }
+    ParamValue::Double(fast_float2::parse(token).unwrap_or(f64::NAN))
 }
 
 /// Appends `"parameters":{...}` preceded by a comma, or nothing when there are none.
@@ -132,8 +87,11 @@ pub fn write_parameters(out: &mut Vec<u8>, parameters: &Parameters) {
 mod tests {
     use super::*;
 
-    fn parse(text: &str) -> Result<Parameters, serde_json::Error> {
-        serde_json::from_str::<JsonParameters>(text).map(|p| p.0)
+    fn parse(text: &str) -> Result<Parameters> {
+        let mut reader = Reader::new(text.as_bytes());
+        let parameters = read_parameters(&mut reader)?;
+        reader.end()?;
+        Ok(parameters)
     }
 
     #[test]
@@ -142,9 +100,15 @@ mod tests {
         let parameters = parse(text).unwrap();
         assert_eq!(parameters.keys().collect::<Vec<_>>(), ["z", "a", "big", "d", "s"]);
         assert_eq!(parameters["big"], ParamValue::Uint64(u64::MAX));
+        assert_eq!(parameters["d"], ParamValue::Double(0.5));
         let mut out = Vec::new();
         write_parameters(&mut out, &parameters);
         assert_eq!(String::from_utf8(out).unwrap(), text);
+        assert_eq!(parse("{\"x\": 1e2}").unwrap()["x"], ParamValue::Double(100.0));
+        assert_eq!(
+            parse("{\"x\": 1e999999}").unwrap()["x"],
+            ParamValue::Double(f64::INFINITY)
+        );
     }
 
     #[test]
@@ -163,5 +127,7 @@ mod tests {
                 .contains("given twice")
         );
         assert!(parse(r#"{"a":null}"#).unwrap().is_empty());
+        assert!(parse("null").unwrap().is_empty());
+        assert!(parse("[]").is_err());
     }
 }

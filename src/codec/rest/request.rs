@@ -2,14 +2,13 @@
 
 use std::collections::HashSet;
 
-use bytes::Bytes;
-use serde::Deserialize;
-
-use super::params::{JsonParameters, write_parameters_field};
-use super::tensor_doc::{BinarySections, DataForm, TensorDoc, write_tensor};
-use super::{BinaryOutputs, EncodedBody, json_error, split_body};
+use super::params::{read_parameters, write_parameters_field};
+use super::reader::Reader;
+use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
+use super::{BinaryOutputs, EncodedBody, split_body};
 use crate::error::{Error, Result};
 use crate::protocol::{DataType, InferRequest, ParamValue, Parameters, RequestedOutput, Tensor, TensorMetadata};
+use bytes::Bytes;
 
 /// Request-level parameter: return every output as binary data unless the output says otherwise.
 pub const BINARY_DATA_OUTPUT: &str = "binary_data_output";
@@ -30,23 +29,6 @@ pub enum RestRequest {
     RawBinary(Bytes),
 }
 
-#[derive(Deserialize)]
-struct RequestDoc<'a> {
-    model_name: Option<String>,
-    model_version: Option<String>,
-    id: Option<String>,
-    parameters: Option<JsonParameters>,
-    #[serde(borrow)]
-    inputs: Option<Vec<TensorDoc<'a>>>,
-    outputs: Option<Vec<OutputDoc>>,
-}
-
-#[derive(Deserialize)]
-struct OutputDoc {
-    name: Option<String>,
-    parameters: Option<JsonParameters>,
-}
-
 /// Decodes a REST inference request body. `header_length` is the `Inference-Header-Content-Length` header, if any.
 /// Binary input data is sliced from `body`, never copied.
 pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestRequest> {
@@ -54,58 +36,100 @@ pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestReq
         return Ok(RestRequest::RawBinary(body));
     }
     let (header, binary) = split_body(body, header_length)?;
-    let doc: RequestDoc<'_> = serde_json::from_slice(&header).map_err(|e| json_error("inference request", &e))?;
     let mut sections = BinarySections::new(binary);
-    let docs = doc
-        .inputs
-        .ok_or_else(|| Error::invalid("inference request has no \"inputs\""))?;
-    let mut inputs = Vec::with_capacity(docs.len());
-    let mut names = HashSet::with_capacity(docs.len());
-    for (index, input) in docs.into_iter().enumerate() {
-        let tensor = input.into_tensor("input", index, &mut sections)?;
-        if !names.insert(tensor.name.clone()) {
-            return Err(Error::invalid(format!(
-                "input name '{}' is used more than once",
-                tensor.name
-            )));
+    let mut reader = Reader::new(&header);
+    let mut request = InferRequest::default();
+    let mut inputs_seen = false;
+    let mut requested: Vec<RequestedOutput> = Vec::new();
+    let mut members = reader.object()?;
+    while let Some(key) = members.next(&mut reader)? {
+        match key.as_ref() {
+            "id" => request.id = optional_string(&mut reader)?,
+            "model_name" => request.model_name = optional_string(&mut reader)?.unwrap_or_default(),
+            "model_version" => request.model_version = optional_string(&mut reader)?.filter(|v| !v.is_empty()),
+            "parameters" => request.parameters = read_parameters(&mut reader)?,
+            "inputs" => {
+                if inputs_seen {
+                    return Err(Error::invalid("\"inputs\" is given twice"));
+                }
+                inputs_seen = true;
+                let mut names = HashSet::new();
+                let mut elements = reader.array()?;
+                while elements.next(&mut reader)? {
+                    let tensor = read_tensor(&mut reader, "input", request.inputs.len(), &mut sections)?;
+                    if !names.insert(tensor.name.clone()) {
+                        return Err(Error::invalid(format!(
+                            "input name '{}' is used more than once",
+                            tensor.name
+                        )));
+                    }
+                    request.inputs.push(tensor);
+                }
+            }
+            "outputs" => {
+                let mut elements = reader.array()?;
+                while elements.next(&mut reader)? {
+                    requested.push(read_requested_output(&mut reader, requested.len())?);
+                }
+            }
+            _ => reader.skip_value()?,
         }
-        inputs.push(tensor);
+    }
+    reader.end()?;
+    if !inputs_seen {
+        return Err(Error::invalid("inference request has no \"inputs\""));
     }
     sections.finish()?;
 
-    let mut parameters = doc.parameters.map(|p| p.0).unwrap_or_default();
     let mut binary_outputs = BinaryOutputs {
-        all: take_bool(&mut parameters, BINARY_DATA_OUTPUT, "request")?.unwrap_or(false),
+        all: take_bool(&mut request.parameters, BINARY_DATA_OUTPUT, "request")?.unwrap_or(false),
         outputs: Vec::new(),
     };
-    let output_docs = doc.outputs.unwrap_or_default();
-    let mut outputs = Vec::with_capacity(output_docs.len());
-    let mut output_names = HashSet::with_capacity(output_docs.len());
-    for (index, output) in output_docs.into_iter().enumerate() {
-        let name = output
-            .name
-            .ok_or_else(|| Error::invalid(format!("requested output {index} has no \"name\"")))?;
-        if !output_names.insert(name.clone()) {
-            return Err(Error::invalid(format!("output '{name}' is requested more than once")));
+    let mut output_names = HashSet::with_capacity(requested.len());
+    for output in &mut requested {
+        if !output_names.insert(output.name.clone()) {
+            return Err(Error::invalid(format!(
+                "output '{}' is requested more than once",
+                output.name
+            )));
         }
-        let mut parameters = output.parameters.map(|p| p.0).unwrap_or_default();
-        if let Some(binary) = take_bool(&mut parameters, BINARY_DATA, &format!("output '{name}'"))? {
-            binary_outputs.outputs.push((name.clone(), binary));
+        if let Some(binary) = take_bool(
+            &mut output.parameters,
+            BINARY_DATA,
+            &format!("output '{}'", output.name),
+        )? {
+            binary_outputs.outputs.push((output.name.clone(), binary));
         }
-        outputs.push(RequestedOutput { name, parameters });
     }
-    let request = InferRequest {
-        model_name: doc.model_name.unwrap_or_default(),
-        model_version: doc.model_version.filter(|v| !v.is_empty()),
-        id: doc.id,
-        parameters,
-        inputs,
-        outputs,
-    };
+    request.outputs = requested;
     Ok(RestRequest::Request {
         request,
         binary_outputs,
     })
+}
+
+/// A string member that may also be `null`.
+pub(super) fn optional_string(reader: &mut Reader<'_>) -> Result<Option<String>> {
+    if reader.null() {
+        Ok(None)
+    } else {
+        Ok(Some(reader.string()?.into_owned()))
+    }
+}
+
+fn read_requested_output(reader: &mut Reader<'_>, index: usize) -> Result<RequestedOutput> {
+    let mut name = None;
+    let mut parameters = Parameters::new();
+    let mut members = reader.object()?;
+    while let Some(key) = members.next(reader)? {
+        match key.as_ref() {
+            "name" => name = Some(reader.string()?.into_owned()),
+            "parameters" => parameters = read_parameters(reader)?,
+            _ => reader.skip_value()?,
+        }
+    }
+    let name = name.ok_or_else(|| Error::invalid(format!("requested output {index} has no \"name\"")))?;
+    Ok(RequestedOutput { name, parameters })
 }
 
 fn take_bool(parameters: &mut Parameters, name: &str, owner: &str) -> Result<Option<bool>> {

@@ -1,24 +1,14 @@
 //! `$inference_response` over REST: JSON, optionally followed by binary sections (binary tensor data extension).
 
-use bytes::Bytes;
-use serde::Deserialize;
-
 use super::data::write_json_string;
-use super::params::{JsonParameters, write_parameters_field};
-use super::tensor_doc::{BinarySections, DataForm, TensorDoc, write_tensor};
-use super::{BinaryOutputs, EncodedBody, json_error, split_body};
+use super::params::{read_parameters, write_parameters_field};
+use super::reader::Reader;
+use super::request::optional_string;
+use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
+use super::{BinaryOutputs, EncodedBody, split_body};
 use crate::error::{Error, Result};
 use crate::protocol::InferResponse;
-
-#[derive(Deserialize)]
-struct ResponseDoc<'a> {
-    model_name: Option<String>,
-    model_version: Option<String>,
-    id: Option<String>,
-    parameters: Option<JsonParameters>,
-    #[serde(borrow)]
-    outputs: Option<Vec<TensorDoc<'a>>>,
-}
+use bytes::Bytes;
 
 /// Decodes a REST inference response body, as a backend sends it. Binary output data is sliced from `body`.
 pub fn decode_response(body: Bytes, header_length: Option<u64>) -> Result<InferResponse> {
@@ -28,21 +18,31 @@ pub fn decode_response(body: Bytes, header_length: Option<u64>) -> Result<InferR
         ));
     }
     let (header, binary) = split_body(body, header_length)?;
-    let doc: ResponseDoc<'_> = serde_json::from_slice(&header).map_err(|e| json_error("inference response", &e))?;
     let mut sections = BinarySections::new(binary);
-    let docs = doc.outputs.unwrap_or_default();
-    let mut outputs = Vec::with_capacity(docs.len());
-    for (index, output) in docs.into_iter().enumerate() {
-        outputs.push(output.into_tensor("output", index, &mut sections)?);
+    let mut reader = Reader::new(&header);
+    let mut response = InferResponse::default();
+    let mut members = reader.object()?;
+    while let Some(key) = members.next(&mut reader)? {
+        match key.as_ref() {
+            "id" => response.id = optional_string(&mut reader)?,
+            "model_name" => response.model_name = optional_string(&mut reader)?.unwrap_or_default(),
+            "model_version" => response.model_version = optional_string(&mut reader)?.filter(|v| !v.is_empty()),
+            "parameters" => response.parameters = read_parameters(&mut reader)?,
+            "outputs" => {
+                let mut elements = reader.array()?;
+                while elements.next(&mut reader)? {
+                    let index = response.outputs.len();
+                    response
+                        .outputs
+                        .push(read_tensor(&mut reader, "output", index, &mut sections)?);
+                }
+            }
+            _ => reader.skip_value()?,
+        }
     }
+    reader.end()?;
     sections.finish()?;
-    Ok(InferResponse {
-        model_name: doc.model_name.unwrap_or_default(),
-        model_version: doc.model_version.filter(|v| !v.is_empty()),
-        id: doc.id,
-        parameters: doc.parameters.map(|p| p.0).unwrap_or_default(),
-        outputs,
-    })
+    Ok(response)
 }
 
 /// Encodes a response for a REST caller. Outputs are binary as `binary_outputs` (from the caller's request) says;

@@ -1,31 +1,17 @@
 //! One tensor object of a JSON header (`$request_input` or `$response_output`): read into a tensor whose data comes
 //! from JSON `data` or from the next binary section, and written back the same two ways.
 
-use std::borrow::Cow;
-
 use bytes::Bytes;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 
-use super::data::{parse_data, write_data, write_json_string};
-use super::params::{JsonParameters, write_parameters_field};
+use super::data::{read_data, write_data, write_json_string};
+use super::params::{read_parameters, write_parameters_field};
+use super::reader::Reader;
 use crate::error::{Error, Result};
 use crate::protocol::tensor::check_data;
 use crate::protocol::{DataType, ParamValue, Parameters, Tensor, element_count};
 
 /// The binary extension's parameter giving a tensor's section size in bytes.
 pub const BINARY_DATA_SIZE: &str = "binary_data_size";
-
-#[derive(Deserialize, Debug)]
-pub struct TensorDoc<'a> {
-    name: Option<String>,
-    #[serde(borrow)]
-    datatype: Option<Cow<'a, str>>,
-    shape: Option<Vec<serde_json::Value>>,
-    parameters: Option<JsonParameters>,
-    #[serde(borrow)]
-    data: Option<&'a RawValue>,
-}
 
 /// Binary sections after the JSON header, handed out in order.
 #[derive(Debug)]
@@ -64,68 +50,150 @@ impl BinarySections {
     }
 }
 
-impl TensorDoc<'_> {
-    /// Builds the tensor; `kind` is "input" or "output" and `index` its position, for error messages.
-    pub fn into_tensor(self, kind: &str, index: usize, sections: &mut BinarySections) -> Result<Tensor> {
-        let name = self
-            .name
-            .ok_or_else(|| Error::invalid(format!("{kind} {index} has no \"name\"")))?;
-        let what = format!("{kind} '{name}'");
-        let datatype = self
-            .datatype
-            .ok_or_else(|| Error::invalid(format!("{what} has no \"datatype\"")))?;
-        let datatype = DataType::parse(&datatype).map_err(|e| e.context(&what))?;
-        let shape = parse_shape(self.shape, &what)?;
-        let mut parameters = self.parameters.map(|p| p.0).unwrap_or_default();
-        let binary_size = parameters.shift_remove(BINARY_DATA_SIZE);
-        let data = match (self.data, binary_size) {
-            (Some(_), Some(_)) => {
-                return Err(Error::invalid(format!("{what} has both \"data\" and binary_data_size")));
-            }
-            (None, None) => {
-                return Err(Error::invalid(format!(
-                    "{what} has neither \"data\" nor binary_data_size"
-                )));
-            }
-            (Some(raw), None) => {
-                let count = element_count(&shape).map_err(|e| e.context(&what))?;
-                parse_data(raw.get().as_bytes(), datatype, count).map_err(|e| e.context(&what))?
-            }
-            (None, Some(size)) => {
-                let size = match size {
-                    ParamValue::Int64(v) if v >= 0 => v.unsigned_abs(),
-                    ParamValue::Uint64(v) => v,
-                    other => {
-                        return Err(Error::invalid(format!(
-                            "{what}: binary_data_size must be a non-negative integer, got {other:?}"
-                        )));
-                    }
-                };
-                let section = sections.take(size, &what)?;
-                check_data(datatype, &shape, &section)
-                    .map_err(|e| e.context(format_args!("{what} (binary_data_size {size})")))?;
-                section
-            }
-        };
-        Ok(Tensor {
-            name,
-            datatype,
-            shape,
-            parameters,
-            data,
-        })
-    }
+/// `data` as met in the object: parsed on the spot when the datatype and shape came first (the usual order), or
+/// kept as text until they are known.
+enum DataValue<'a> {
+    Parsed(Bytes),
+    Deferred(&'a [u8]),
 }
 
-fn parse_shape(shape: Option<Vec<serde_json::Value>>, what: &str) -> Result<Vec<u64>> {
-    let shape = shape.ok_or_else(|| Error::invalid(format!("{what} has no \"shape\"")))?;
-    shape
-        .iter()
-        .map(|dim| {
-            dim.as_u64()
-                .ok_or_else(|| Error::invalid(format!("{what}: shape dimension {dim} is not a non-negative integer")))
-        })
-        .collect()
+#[derive(Default)]
+struct Fields<'a> {
+    name: Option<String>,
+    datatype: Option<String>,
+    shape: Option<Vec<u64>>,
+    parameters: Option<Parameters>,
+    data: Option<DataValue<'a>>,
+}
+
+/// Reads one tensor object (`$request_input` or `$response_output`); `kind` is "input" or "output" and `index` its
+/// position, for error messages. Binary data comes from `sections`, in order.
+pub fn read_tensor(reader: &mut Reader<'_>, kind: &str, index: usize, sections: &mut BinarySections) -> Result<Tensor> {
+    let mut fields = Fields::default();
+    read_fields(reader, &mut fields).map_err(|e| match &fields.name {
+        Some(name) => e.context(format_args!("{kind} '{name}'")),
+        None => e.context(format_args!("{kind} {index}")),
+    })?;
+    let name = fields
+        .name
+        .ok_or_else(|| Error::invalid(format!("{kind} {index} has no \"name\"")))?;
+    let what = format!("{kind} '{name}'");
+    let datatype = fields
+        .datatype
+        .ok_or_else(|| Error::invalid(format!("{what} has no \"datatype\"")))?;
+    let datatype = DataType::parse(&datatype).map_err(|e| e.context(&what))?;
+    let shape = fields
+        .shape
+        .ok_or_else(|| Error::invalid(format!("{what} has no \"shape\"")))?;
+    let mut parameters = fields.parameters.unwrap_or_default();
+    let binary_size = parameters.shift_remove(BINARY_DATA_SIZE);
+    let data = match (fields.data, binary_size) {
+        (Some(_), Some(_)) => return Err(Error::invalid(format!("{what} has both \"data\" and binary_data_size"))),
+        (None, None) => {
+            return Err(Error::invalid(format!(
+                "{what} has neither \"data\" nor binary_data_size"
+            )));
+        }
+        (Some(DataValue::Parsed(data)), None) => data,
+        (Some(DataValue::Deferred(text)), None) => {
+            let count = element_count(&shape).map_err(|e| e.context(&what))?;
+            let mut data_reader = Reader::new(text);
+            read_data(&mut data_reader, datatype, count).map_err(|e| e.context(&what))?
+        }
+        (None, Some(size)) => {
+            let size = match size {
+                ParamValue::Int64(v) if v >= 0 => v.unsigned_abs(),
+                ParamValue::Uint64(v) => v,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "{what}: binary_data_size must be a non-negative integer, got {other:?}"
+                    )));
+                }
+            };
+            let section = sections.take(size, &what)?;
+            check_data(datatype, &shape, &section)
+                .map_err(|e| e.context(format_args!("{what} (binary_data_size {size})")))?;
+            section
+        }
+    };
+    Ok(Tensor {
+        name,
+        datatype,
+        shape,
+        parameters,
+        data,
+    })
+}
+
+fn read_fields<'a>(reader: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<()> {
+    let mut members = reader.object()?;
+    while let Some(key) = members.next(reader)? {
+        let duplicate = || Error::invalid(format!("\"{key}\" is given twice"));
+        match key.as_ref() {
+            "name" => {
+                if fields.name.replace(reader.string()?.into_owned()).is_some() {
+                    return Err(duplicate());
+                }
+            }
+            "datatype" => {
+                if fields.datatype.replace(reader.string()?.into_owned()).is_some() {
+                    return Err(duplicate());
+                }
+            }
+            "shape" => {
+                let shape = read_shape(reader)?;
+                if fields.shape.replace(shape).is_some() {
+                    return Err(duplicate());
+                }
+            }
+            "parameters" => {
+                if fields.parameters.replace(read_parameters(reader)?).is_some() {
+                    return Err(duplicate());
+                }
+            }
+            "data" => {
+                if fields.data.is_some() {
+                    return Err(duplicate());
+                }
+                if reader.null() {
+                    continue;
+                }
+                let known = fields
+                    .datatype
+                    .as_deref()
+                    .and_then(|d| DataType::parse(d).ok())
+                    .zip(fields.shape.as_ref());
+                fields.data = Some(match known {
+                    Some((datatype, shape)) => {
+                        let count = element_count(shape)?;
+                        DataValue::Parsed(read_data(reader, datatype, count)?)
+                    }
+                    None => DataValue::Deferred(reader.value_span()?),
+                });
+            }
+            _ => reader.skip_value()?,
+        }
+    }
+    Ok(())
+}
+
+fn read_shape(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
+    let mut shape = Vec::new();
+    let mut elements = reader.array()?;
+    while elements.next(reader)? {
+        let token = reader.number_token()?;
+        let dim = std::str::from_utf8(token)
+            .ok()
+            .and_then(|t| t.parse::<u64>().ok())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "shape dimension {} is not a non-negative integer",
+                    String::from_utf8_lossy(token)
+                ))
+            })?;
+        shape.push(dim);
+    }
+    Ok(shape)
 }
 
 /// Where a tensor's data goes when writing: inline JSON `data`, or a binary section after the header.
