@@ -8,6 +8,7 @@
 use bytes::Bytes;
 use half::{bf16, f16};
 
+use super::number::{parse_f32, parse_f64};
 use super::reader::Reader;
 use crate::error::{Error, Result};
 use crate::protocol::DataType;
@@ -48,13 +49,13 @@ pub fn read_data(reader: &mut Reader<'_>, datatype: DataType, count: u64) -> Res
         DataType::Int32 => fixed::<4>(r, count, datatype, |s| int_le::<4>(s, i32::MIN.into(), i32::MAX.into()))?,
         DataType::Int64 => fixed::<8>(r, count, datatype, |s| int_le::<8>(s, i64::MIN.into(), i64::MAX.into()))?,
         DataType::Fp16 => fixed::<2>(r, count, datatype, |s| {
-            float_le(s, |v: f64| f16::from_f64(v).to_le_bytes())
+            float_le(s, parse_f64, |v| f16::from_f64(v).to_le_bytes())
         })?,
         DataType::Bf16 => fixed::<2>(r, count, datatype, |s| {
-            float_le(s, |v: f64| bf16::from_f64(v).to_le_bytes())
+            float_le(s, parse_f64, |v| bf16::from_f64(v).to_le_bytes())
         })?,
-        DataType::Fp32 => fixed::<4>(r, count, datatype, |s| float_le(s, |v: f32| v.to_le_bytes()))?,
-        DataType::Fp64 => fixed::<8>(r, count, datatype, |s| float_le(s, |v: f64| v.to_le_bytes()))?,
+        DataType::Fp32 => fixed::<4>(r, count, datatype, |s| float_le(s, parse_f32, f32::to_le_bytes))?,
+        DataType::Fp64 => fixed::<8>(r, count, datatype, |s| float_le(s, parse_f64, f64::to_le_bytes))?,
         DataType::Bytes => strings(r, count)?,
     };
     Ok(Bytes::from(out))
@@ -105,6 +106,17 @@ fn walk(reader: &mut Reader<'_>, mut element: impl FnMut(&mut Reader<'_>, usize)
             Some(_) => {
                 element(reader, seen)?;
                 seen += 1;
+                // Flat runs ("1.5,2.25,-3") are what serializers emit: take them without the general machinery.
+                while reader.text.get(reader.pos) == Some(&b',')
+                    && reader
+                        .text
+                        .get(reader.pos + 1)
+                        .is_some_and(|&c| c == b'-' || c.is_ascii_digit() || c == b'"')
+                {
+                    reader.pos += 1;
+                    element(reader, seen)?;
+                    seen += 1;
+                }
             }
             None => return Err(reader.error("unexpected end of `data`")),
         }
@@ -136,15 +148,20 @@ fn fixed<const N: usize>(
     datatype: DataType,
     parse_one: impl Fn(&[u8]) -> Scalar<N>,
 ) -> Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(count * N);
-    let seen = walk(reader, |reader, index| {
-        let (bytes, len) = parse_one(&reader.text[reader.pos..]).map_err(|e| element_error(index, datatype, e))?;
-        if index < count {
-            out.extend_from_slice(&bytes);
-        }
-        reader.pos += len;
-        Ok(())
-    })?;
+    // Zeroed up front (fresh zero pages from the allocator cost nothing) so each element is one fixed-size store.
+    let mut out = vec![0u8; count * N];
+    let seen = walk(
+        reader,
+        #[inline(always)]
+        |reader, index| {
+            let (bytes, len) = parse_one(&reader.text[reader.pos..]).map_err(|e| element_error(index, datatype, e))?;
+            if let Some(slot) = out.get_mut(index * N..index * N + N) {
+                slot.copy_from_slice(&bytes);
+            }
+            reader.pos += len;
+            Ok(())
+        },
+    )?;
     if seen != count {
         return Err(count_error(count, seen));
     }
@@ -226,7 +243,7 @@ fn parse_bool(s: &[u8]) -> Scalar<1> {
 }
 
 /// Parses an integer token and checks it against `[min, max]`, giving its `N` little-endian bytes.
-#[inline]
+#[inline(always)]
 fn int_le<const N: usize>(s: &[u8], min: i128, max: i128) -> Scalar<N> {
     let negative = s.first() == Some(&b'-');
     let digits_start = usize::from(negative);
@@ -268,15 +285,16 @@ fn int_le<const N: usize>(s: &[u8], min: i128, max: i128) -> Scalar<N> {
 }
 
 /// Parses a float element: a number, `null` (NaN), or one of the special strings.
-#[inline]
-fn float_le<F: fast_float2::FastFloat + SpecialFloat, const N: usize>(
+#[inline(always)]
+fn float_le<F: SpecialFloat, const N: usize>(
     s: &[u8],
+    parse: impl Fn(&[u8]) -> Option<(F, usize)>,
     to_bytes: impl Fn(F) -> [u8; N],
 ) -> Scalar<N> {
     match s[0] {
-        b'-' | b'0'..=b'9' => match fast_float2::parse_partial::<F, _>(s) {
-            Ok((value, len)) => Ok((to_bytes(value), len)),
-            Err(_) => Err(ScalarError(format!("expected a number, got {}", describe_token(s)))),
+        b'-' | b'0'..=b'9' => match parse(s) {
+            Some((value, len)) => Ok((to_bytes(value), len)),
+            None => Err(ScalarError(format!("expected a number, got {}", describe_token(s)))),
         },
         b'n' if s.starts_with(b"null") => Ok((to_bytes(<F as SpecialFloat>::NAN), 4)),
         b'"' => {

@@ -2,6 +2,7 @@
 
 pub mod data;
 pub mod metadata;
+pub mod number;
 pub mod params;
 pub mod reader;
 pub mod request;
