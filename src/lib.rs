@@ -1,6 +1,8 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
 pub mod codec;
+pub mod convert;
+pub mod demo;
 pub mod error;
 pub mod protocol;
 

@@ -323,7 +323,10 @@ pub fn encode(tensor: &Tensor) -> Result<Bytes> {
 }
 
 fn encode_variable(out: &mut BytesMut, tensor: &Tensor, element_type: ElementType, what: &str) -> Result<()> {
+    let count = tensor.bytes_elements().count();
     let formats: Vec<&str> = match element_type.media_name() {
+        // A media tensor with no elements has no format to write.
+        Some(_) if count == 0 => Vec::new(),
         Some(media) => {
             let format = tensor.parameters.get(FORMAT).and_then(ParamValue::as_str).unwrap_or("");
             let formats: Vec<&str> = format.split(',').collect();
@@ -339,7 +342,6 @@ fn encode_variable(out: &mut BytesMut, tensor: &Tensor, element_type: ElementTyp
         }
         None => Vec::new(),
     };
-    let count = tensor.bytes_elements().count();
     if formats.len() > 1 && formats.len() != count {
         return Err(Error::invalid(format!(
             "{what} lists {} formats for {count} elements",
@@ -418,6 +420,10 @@ mod tests {
             vec![&b"ab"[..], &b"xyz"[..]]
         );
         assert_eq!(&encode(&tensor).unwrap()[..], encoded);
+        let empty: &[u8] = b"\x10\x01\x00";
+        let video = decode(&Bytes::from_static(empty), "v").unwrap();
+        assert_eq!(video.parameters.get(FORMAT), None);
+        assert_eq!(&encode(&video).unwrap()[..], empty);
         let same: &[u8] = b"\x0f\x01\x01\x04mp3a";
         let audio = decode(&Bytes::from_static(same), "a").unwrap();
         assert_eq!(audio.parameters.get(FORMAT), Some(&ParamValue::String("mp3".into())));

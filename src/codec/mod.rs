@@ -1,5 +1,6 @@
 //! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
 
 pub mod decthings;
+pub mod fuzzing;
 pub mod protobuf;
 pub mod rest;

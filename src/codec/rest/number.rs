@@ -32,14 +32,15 @@ fn digits(s: &[u8], mut i: usize, mantissa: &mut u64, count: &mut u32) -> usize 
         // only disturb the bytes after the first non-digit, which are not used.
         let high = (word & 0xf0f0_f0f0_f0f0_f0f0) ^ 0x3030_3030_3030_3030;
         let overflow = (word.wrapping_add(0x0606_0606_0606_0606) & 0xf0f0_f0f0_f0f0_f0f0) ^ 0x3030_3030_3030_3030;
-        let n = ((high | overflow).trailing_zeros() / 8) as usize;
+        let run = (high | overflow).trailing_zeros() / 8;
+        let n = run as usize;
         if n == 0 {
             return i;
         }
         // Keep the n digits, moved to the top so the bytes below read as leading zeros.
         let values = word.wrapping_sub(0x3030_3030_3030_3030) << (8 * (8 - n));
         *mantissa = mantissa.wrapping_mul(POW10_INT[n]).wrapping_add(eight_digits(values));
-        *count += n as u32;
+        *count += run;
         i += n;
         if n < 8 {
             return i;

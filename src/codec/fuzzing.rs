@@ -1,0 +1,78 @@
+//! Entry points for the fuzz targets in fuzz/ (and the fuzz smoke tests): each feeds arbitrary bytes to a decoder
+//! and checks that whatever it accepts is valid and survives re-encoding. None may panic.
+
+use bytes::Bytes;
+use prost::Message;
+
+use super::rest::{self, RestRequest};
+use super::{decthings, protobuf};
+use crate::proto::ModelInferRequest;
+
+/// The JSON request decoder.
+pub fn json_request(data: &[u8]) {
+    if let Ok(RestRequest::Request { request, .. }) = rest::decode_request(Bytes::copy_from_slice(data), None) {
+        for input in &request.inputs {
+            assert!(input.validate().is_ok(), "accepted an invalid tensor");
+        }
+        // Whatever was accepted encodes and decodes again.
+        if let Ok(body) = rest::encode_request(&request, true) {
+            let again = rest::decode_request(body.to_bytes(), body.header_length.map(|l| l as u64));
+            assert!(again.is_ok(), "re-encoded request was rejected: {:?}", again.err());
+        }
+    }
+}
+
+/// The binary-extension parser: the first two bytes choose the header length.
+pub fn binary_request(data: &[u8]) {
+    let Some((prefix, body)) = data.split_first_chunk::<2>() else {
+        return;
+    };
+    let header_length = u64::from(u16::from_le_bytes(*prefix)) % (body.len() as u64 + 2);
+    let body = Bytes::copy_from_slice(body);
+    if let Ok(RestRequest::Request {
+        request,
+        binary_outputs,
+    }) = rest::decode_request(body, Some(header_length))
+    {
+        for input in &request.inputs {
+            assert!(input.validate().is_ok(), "accepted an invalid tensor");
+        }
+        let response = crate::protocol::InferResponse {
+            outputs: request.inputs,
+            ..Default::default()
+        };
+        let encoded = rest::encode_response(&response, &binary_outputs);
+        if let Ok(body) = encoded {
+            let back = rest::decode_response(body.to_bytes(), body.header_length.map(|l| l as u64));
+            assert!(back.is_ok(), "re-encoded response was rejected: {:?}", back.err());
+        }
+    }
+}
+
+/// The protobuf conversion.
+pub fn protobuf_request(data: &[u8]) {
+    let Ok(message) = ModelInferRequest::decode(Bytes::copy_from_slice(data)) else {
+        return;
+    };
+    if let Ok(request) = protobuf::request_from_proto(message) {
+        for input in &request.inputs {
+            assert!(input.validate().is_ok(), "accepted an invalid tensor");
+        }
+        let again = protobuf::request_from_proto(protobuf::request_to_proto(request.clone()));
+        assert_eq!(
+            again.ok().as_ref(),
+            Some(&request),
+            "protobuf round trip changed the request"
+        );
+    }
+}
+
+/// The Decthings decoder.
+pub fn decthings(data: &[u8]) {
+    let bytes = Bytes::copy_from_slice(data);
+    if let Ok(tensor) = decthings::decode(&bytes, "t") {
+        assert!(tensor.validate().is_ok(), "accepted an invalid tensor");
+        let encoded = decthings::encode(&tensor).expect("a decoded tensor encodes");
+        assert_eq!(encoded, bytes, "Decthings round trip changed the bytes");
+    }
+}

@@ -1,0 +1,92 @@
+//! The fuzz targets' bodies under proptest, so every test run throws arbitrary and mutated inputs at each decoder.
+//! (The coverage-guided fuzzers in fuzz/ go much further; see README.md.)
+
+use bytes::Bytes;
+use oipgate::codec::fuzzing;
+use proptest::prelude::*;
+
+const JSON_SEEDS: &[&str] = &[
+    r#"{"id":"1","parameters":{"a":1,"b":"x"},"inputs":[{"name":"x","datatype":"FP32","shape":[2,2],"data":[[1,2],[3,null]]},{"name":"s","datatype":"BYTES","shape":[1],"data":["\u00e9"]}],"outputs":[{"name":"y","parameters":{"binary_data":true}}]}"#,
+    r#"{"inputs":[{"name":"b","datatype":"BOOL","shape":[3],"data":[true,false,true]},{"name":"i","datatype":"INT8","shape":[2],"data":[-128,127]}]}"#,
+    r#"{"inputs":[{"data":[1,2,3],"shape":[3],"datatype":"UINT64","name":"late"}]}"#,
+];
+
+/// Mutations of a seed: overwrite, insert and delete bytes at chosen places.
+fn mutated(seeds: &'static [&'static str]) -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::sample::select(seeds),
+        prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),
+    )
+        .prop_map(|(seed, edits)| {
+            let mut bytes = seed.as_bytes().to_vec();
+            for (at, byte, kind) in edits {
+                let i = at.index(bytes.len().max(1));
+                match kind {
+                    0 if !bytes.is_empty() => {
+                        let last = bytes.len() - 1;
+                        bytes[i.min(last)] = byte;
+                    }
+                    1 => bytes.insert(i.min(bytes.len()), byte),
+                    _ if !bytes.is_empty() => {
+                        let last = bytes.len() - 1;
+                        bytes.remove(i.min(last));
+                    }
+                    _ => {}
+                }
+            }
+            bytes
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn json_request_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::json_request(&data); }
+
+    #[test]
+    fn json_request_mutated(data in mutated(JSON_SEEDS)) { fuzzing::json_request(&data); }
+
+    #[test]
+    fn binary_request_mutated(data in mutated(JSON_SEEDS), tail in prop::collection::vec(any::<u8>(), 0..64), length in any::<u16>()) {
+        let mut input = length.to_le_bytes().to_vec();
+        input.extend_from_slice(&data);
+        input.extend_from_slice(&tail);
+        fuzzing::binary_request(&input);
+    }
+
+    #[test]
+    fn protobuf_request_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::protobuf_request(&data); }
+
+    #[test]
+    fn decthings_arbitrary(data in prop::collection::vec(any::<u8>(), 0..64)) { fuzzing::decthings(&data); }
+
+    #[test]
+    fn decthings_valid_prefixes(kind in 1u8..=16, dims in prop::collection::vec(0u8..4, 0..3), tail in prop::collection::vec(any::<u8>(), 0..48)) {
+        let mut input = vec![kind, u8::try_from(dims.len()).unwrap()];
+        input.extend_from_slice(&dims);
+        input.extend_from_slice(&tail);
+        fuzzing::decthings(&input);
+    }
+}
+
+#[test]
+fn protobuf_mutations_of_a_valid_message() {
+    use oipgate::codec::protobuf::request_to_proto;
+    use oipgate::codec::rest::{RestRequest, decode_request};
+    use prost::Message;
+    let RestRequest::Request { request, .. } =
+        decode_request(Bytes::from_static(JSON_SEEDS[0].as_bytes()), None).unwrap()
+    else {
+        panic!()
+    };
+    let wire = request_to_proto(request).encode_to_vec();
+    for i in 0..wire.len() {
+        for byte in [0u8, 1, 0x7f, 0x80, 0xff] {
+            let mut mutated = wire.clone();
+            mutated[i] = byte;
+            fuzzing::protobuf_request(&mutated);
+        }
+        fuzzing::protobuf_request(&wire[..i]);
+    }
+}
