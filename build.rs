@@ -7,6 +7,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         // Tensor payloads stay `bytes::Bytes`, so decoding from a received buffer slices instead of copying.
         .bytes(".inference")
+        // Ordered maps make encoding deterministic: the same request always gives the same bytes.
+        .btree_map(".inference")
         .build_client(true)
         .build_server(true)
         .compile_fds(descriptors)?;

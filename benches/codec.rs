@@ -12,6 +12,10 @@ use oipgate::proto::model_infer_response::InferOutputTensor;
 use oipgate::protocol::DataType;
 use prost::Message;
 
+/// The allocator the oipgate binary uses, so buffers behave as they do in production.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ELEMENTS: usize = 1 << 20;
 const LARGE: usize = 64 << 20;
 

@@ -7,6 +7,11 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use oipgate::convert::{Form, convert};
 
+/// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
+/// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "oipgate",

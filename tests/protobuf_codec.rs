@@ -1,6 +1,6 @@
 //! The protobuf codec: typed and raw contents, every rejection, and zero-copy raw contents.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use oipgate::codec::protobuf::{request_from_proto, request_to_proto, response_from_proto, response_to_proto};
@@ -17,7 +17,7 @@ fn input(name: &str, datatype: &str, shape: &[i64], contents: Option<InferTensor
         name: name.into(),
         datatype: datatype.into(),
         shape: shape.to_vec(),
-        parameters: HashMap::new(),
+        parameters: BTreeMap::new(),
         contents,
     }
 }
@@ -370,4 +370,29 @@ fn raw_output_to_binary_extension_chunks_without_copy() {
     assert_eq!(body.chunks.len(), 2);
     assert_eq!(body.chunks[1].as_ptr(), payload.as_ptr());
     assert_eq!(body.chunks[1].len(), payload.len());
+}
+
+#[test]
+fn chunked_encoding_is_prosts_encoding_without_copies() {
+    let mut request = request_from_proto(with_inputs(
+        vec![input("a", "FP32", &[2], None), input("empty", "UINT8", &[0], None), input("b", "BYTES", &[1], None)],
+        vec![Bytes::from(vec![0u8; 8]), Bytes::new(), Bytes::from_static(b"\x01\0\0\0z")],
+    ))
+    .unwrap();
+    request.parameters.insert("z".into(), ParamValue::Int64(1));
+    request.parameters.insert("a".into(), ParamValue::String("s".into()));
+    let encoded = oipgate::codec::protobuf::encode_request(request.clone());
+    assert_eq!(encoded.to_bytes(), Bytes::from(request_to_proto(request.clone()).encode_to_vec()));
+    let a = encoded.chunks.iter().find(|c| c.as_ptr() == request.inputs[0].data.as_ptr());
+    assert!(a.is_some(), "the tensor buffer is one of the chunks");
+    let decoded = request_from_proto(ModelInferRequest::decode(encoded.to_bytes()).unwrap()).unwrap();
+    assert_eq!(decoded, request);
+
+    let response = oipgate::protocol::InferResponse {
+        model_name: "m".into(),
+        outputs: request.inputs.clone(),
+        ..Default::default()
+    };
+    let encoded = oipgate::codec::protobuf::encode_response(response.clone());
+    assert_eq!(encoded.to_bytes(), Bytes::from(response_to_proto(response).encode_to_vec()));
 }

@@ -2,9 +2,10 @@
 //! typed contents are range-checked and packed into little-endian bytes. Encoding always uses raw contents, one per
 //! tensor, because Triton's Python client reads only those.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
 
 use super::rest::{BINARY_DATA, BINARY_DATA_OUTPUT, BINARY_DATA_SIZE};
 use crate::error::{Error, Result};
@@ -22,12 +23,12 @@ use crate::protocol::{
     Tensor, TensorMetadata, element_count,
 };
 
-type ProtoParameters = HashMap<String, InferParameter>;
+type ProtoParameters = BTreeMap<String, InferParameter>;
 
-/// Reads protobuf parameters, sorted by name: protobuf maps carry no order, and a fixed one keeps output stable.
-/// A parameter with no value set is dropped, as a JSON `null` is.
+/// Reads protobuf parameters, sorted by name (protobuf maps carry no order). A parameter with no value set is
+/// dropped, as a JSON `null` is.
 pub fn parameters_from_proto(parameters: ProtoParameters) -> Parameters {
-    let mut entries: Vec<(String, ParamValue)> = parameters
+    parameters
         .into_iter()
         .filter_map(|(name, value)| {
             let value = match value.parameter_choice? {
@@ -39,9 +40,7 @@ pub fn parameters_from_proto(parameters: ProtoParameters) -> Parameters {
             };
             Some((name, value))
         })
-        .collect();
-    entries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    entries.into_iter().collect()
+        .collect()
 }
 
 /// Writes parameters, leaving out the binary extension's HTTP-only ones named in `http_only`.
@@ -384,6 +383,69 @@ pub fn response_to_proto(response: InferResponse) -> ModelInferResponse {
         outputs,
         raw_output_contents: raw,
     }
+}
+
+/// A protobuf message as a list of buffers: the message without its raw contents, then each raw content's field
+/// header and the tensor buffer itself. Raw contents are the highest-numbered field of both messages, so this is
+/// exactly the encoding prost would produce, without copying tensor bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodedMessage {
+    pub chunks: Vec<Bytes>,
+}
+
+impl EncodedMessage {
+    fn new(head: Vec<u8>, field: u32, raw: Vec<Bytes>) -> Self {
+        let mut chunks = Vec::with_capacity(1 + 2 * raw.len());
+        let mut header = BytesMut::from(&head[..]);
+        for content in raw {
+            prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, &mut header);
+            prost::encoding::encode_varint(content.len() as u64, &mut header);
+            if !content.is_empty() {
+                chunks.push(header.split().freeze());
+                chunks.push(content);
+            }
+        }
+        if !header.is_empty() {
+            chunks.push(header.freeze());
+        }
+        EncodedMessage { chunks }
+    }
+
+    /// The encoded length, for a gRPC frame header.
+    pub fn len(&self) -> usize {
+        self.chunks.iter().map(Bytes::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole message in one buffer. This copies; senders should write the chunks instead.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.len());
+        for chunk in &self.chunks {
+            out.extend_from_slice(chunk);
+        }
+        out.freeze()
+    }
+}
+
+/// Field numbers of the raw contents.
+const RAW_INPUT_CONTENTS: u32 = 7;
+const RAW_OUTPUT_CONTENTS: u32 = 6;
+
+/// Encodes a request as a `ModelInferRequest` whose raw input contents are the tensors' own buffers.
+pub fn encode_request(request: InferRequest) -> EncodedMessage {
+    let mut message = request_to_proto(request);
+    let raw = std::mem::take(&mut message.raw_input_contents);
+    EncodedMessage::new(message.encode_to_vec(), RAW_INPUT_CONTENTS, raw)
+}
+
+/// Encodes a response as a `ModelInferResponse` whose raw output contents are the tensors' own buffers.
+pub fn encode_response(response: InferResponse) -> EncodedMessage {
+    let mut message = response_to_proto(response);
+    let raw = std::mem::take(&mut message.raw_output_contents);
+    EncodedMessage::new(message.encode_to_vec(), RAW_OUTPUT_CONTENTS, raw)
 }
 
 /// Dimensions beyond `i64::MAX` cannot be written; they saturate, and the receiver's size check then fails loudly.
