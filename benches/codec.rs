@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use oipgate::codec::protobuf::{request_to_proto, response_from_proto};
-use oipgate::codec::rest::{self, BinaryOutputs, RestRequest, data};
+use oipgate::codec::protobuf::{self, request_to_proto, response_from_proto};
+use oipgate::codec::rest::{self, BinaryOutputs, RestRequest, data, format, parallel};
 use oipgate::proto::ModelInferResponse;
 use oipgate::proto::model_infer_response::InferOutputTensor;
 use oipgate::protocol::DataType;
@@ -50,12 +50,16 @@ fn json_fp32_parse(c: &mut Criterion) {
     group.bench_function("baseline serde_json Vec<f32>", |b| {
         b.iter(|| black_box(serde_json::from_slice::<Vec<f32>>(black_box(&text)).unwrap()))
     });
-    group.bench_function("oipgate data -> LE bytes", |b| {
-        b.iter(|| black_box(data::parse_data(black_box(&text), DataType::Fp32, ELEMENTS as u64).unwrap()))
-    });
-    group.bench_function("oipgate whole request", |b| {
-        b.iter(|| black_box(rest::decode_request(black_box(request.clone()), None).unwrap()))
-    });
+    for (label, threads) in [("1 thread", 1), ("all cores", 0)] {
+        parallel::set_max_workers(threads);
+        group.bench_function(format!("oipgate data -> LE bytes, {label}"), |b| {
+            b.iter(|| black_box(data::parse_data(black_box(&text), DataType::Fp32, ELEMENTS as u64).unwrap()))
+        });
+        group.bench_function(format!("oipgate whole request, {label}"), |b| {
+            b.iter(|| black_box(rest::decode_request(black_box(request.clone()), None).unwrap()))
+        });
+    }
+    parallel::set_max_workers(0);
     group.finish();
 }
 
@@ -70,13 +74,17 @@ fn json_fp32_write(c: &mut Criterion) {
     group.bench_function("baseline serde_json to_vec Vec<f32>", |b| {
         b.iter(|| black_box(serde_json::to_vec(black_box(&values)).unwrap()))
     });
-    group.bench_function("oipgate LE bytes -> data", |b| {
-        b.iter(|| {
-            let mut out = Vec::new();
-            data::write_data(&mut out, DataType::Fp32, black_box(&raw)).unwrap();
-            black_box(out)
-        })
-    });
+    for (label, threads) in [("1 thread", 1), ("all cores", 0)] {
+        parallel::set_max_workers(threads);
+        group.bench_function(format!("oipgate LE bytes -> data, {label}"), |b| {
+            b.iter(|| {
+                let mut out = Vec::new();
+                format::write_data(&mut out, DataType::Fp32, black_box(&raw)).unwrap();
+                black_box(out)
+            })
+        });
+    }
+    parallel::set_max_workers(0);
     group.finish();
 }
 
@@ -101,19 +109,22 @@ fn binary_to_protobuf(c: &mut Criterion) {
             black_box(&destination);
         })
     });
+    group.bench_function("baseline memcpy 64 MiB into a new buffer", |b| {
+        b.iter(|| black_box(black_box(&source[..]).to_vec()))
+    });
+    let decode = |body: &Bytes| match rest::decode_request(body.clone(), Some(header.len() as u64)).unwrap() {
+        RestRequest::Request { request, .. } => request,
+        RestRequest::RawBinary(_) => unreachable!(),
+    };
     group.bench_with_input(
-        BenchmarkId::new("oipgate", "decode + encode ModelInferRequest"),
+        BenchmarkId::new("oipgate", "ModelInferRequest as chunks, zero copy"),
         &body,
-        |b, body| {
-            b.iter(|| {
-                let RestRequest::Request { request, .. } =
-                    rest::decode_request(body.clone(), Some(header.len() as u64)).unwrap()
-                else {
-                    unreachable!()
-                };
-                black_box(request_to_proto(request).encode_to_vec())
-            })
-        },
+        |b, body| b.iter(|| black_box(protobuf::encode_request(decode(body)))),
+    );
+    group.bench_with_input(
+        BenchmarkId::new("oipgate", "ModelInferRequest in one buffer, one copy"),
+        &body,
+        |b, body| b.iter(|| black_box(request_to_proto(decode(body)).encode_to_vec())),
     );
     group.finish();
 }

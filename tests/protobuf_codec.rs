@@ -375,15 +375,29 @@ fn raw_output_to_binary_extension_chunks_without_copy() {
 #[test]
 fn chunked_encoding_is_prosts_encoding_without_copies() {
     let mut request = request_from_proto(with_inputs(
-        vec![input("a", "FP32", &[2], None), input("empty", "UINT8", &[0], None), input("b", "BYTES", &[1], None)],
-        vec![Bytes::from(vec![0u8; 8]), Bytes::new(), Bytes::from_static(b"\x01\0\0\0z")],
+        vec![
+            input("a", "FP32", &[2], None),
+            input("empty", "UINT8", &[0], None),
+            input("b", "BYTES", &[1], None),
+        ],
+        vec![
+            Bytes::from(vec![0u8; 8]),
+            Bytes::new(),
+            Bytes::from_static(b"\x01\0\0\0z"),
+        ],
     ))
     .unwrap();
     request.parameters.insert("z".into(), ParamValue::Int64(1));
     request.parameters.insert("a".into(), ParamValue::String("s".into()));
     let encoded = oipgate::codec::protobuf::encode_request(request.clone());
-    assert_eq!(encoded.to_bytes(), Bytes::from(request_to_proto(request.clone()).encode_to_vec()));
-    let a = encoded.chunks.iter().find(|c| c.as_ptr() == request.inputs[0].data.as_ptr());
+    assert_eq!(
+        encoded.to_bytes(),
+        Bytes::from(request_to_proto(request.clone()).encode_to_vec())
+    );
+    let a = encoded
+        .chunks
+        .iter()
+        .find(|c| c.as_ptr() == request.inputs[0].data.as_ptr());
     assert!(a.is_some(), "the tensor buffer is one of the chunks");
     let decoded = request_from_proto(ModelInferRequest::decode(encoded.to_bytes()).unwrap()).unwrap();
     assert_eq!(decoded, request);
@@ -394,5 +408,8 @@ fn chunked_encoding_is_prosts_encoding_without_copies() {
         ..Default::default()
     };
     let encoded = oipgate::codec::protobuf::encode_response(response.clone());
-    assert_eq!(encoded.to_bytes(), Bytes::from(response_to_proto(response).encode_to_vec()));
+    assert_eq!(
+        encoded.to_bytes(),
+        Bytes::from(response_to_proto(response).encode_to_vec())
+    );
 }

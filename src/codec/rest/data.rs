@@ -1,4 +1,4 @@
-//! The JSON `data` of a tensor: parsed straight into little-endian bytes, and written back as a flat array.
+//! Reading the JSON `data` of a tensor straight into little-endian bytes.
 //!
 //! JSON conventions for floats (documented in docs/PROTOCOL.md): `null` is NaN (MLServer's convention) and NaN is
 //! written as `null`; +-Infinity is written as `1e999` / `-1e999`, which every IEEE-754 parser rounds to infinity.
@@ -9,10 +9,10 @@ use bytes::Bytes;
 use half::{bf16, f16};
 
 use super::number::{parse_f32, parse_f64};
+use super::parallel;
 use super::reader::Reader;
 use crate::error::{Error, Result};
 use crate::protocol::DataType;
-use crate::protocol::tensor::BytesElements;
 
 /// Deepest nesting of `data` arrays accepted: no tensor has 128 dimensions.
 pub const MAX_DATA_DEPTH: u32 = 128;
@@ -146,8 +146,17 @@ fn fixed<const N: usize>(
     reader: &mut Reader<'_>,
     count: usize,
     datatype: DataType,
-    parse_one: impl Fn(&[u8]) -> Scalar<N>,
+    parse_one: impl Fn(&[u8]) -> Scalar<N> + Sync,
 ) -> Result<Vec<u8>> {
+    let workers = parallel::workers(count);
+    if workers > 1 {
+        reader.skip_ws();
+        let flat = parallel::parse_flat(&reader.text[reader.pos..], count, workers, |s| parse_one(s).ok());
+        if let Some((out, len)) = flat {
+            reader.pos += len;
+            return Ok(out);
+        }
+    }
     // Zeroed up front (fresh zero pages from the allocator cost nothing) so each element is one fixed-size store.
     let mut out = vec![0u8; count * N];
     let seen = walk(
@@ -337,124 +346,10 @@ impl SpecialFloat for f64 {
     const NEG_INFINITY: f64 = f64::NEG_INFINITY;
 }
 
-/// Appends `data` (validated tensor bytes of `datatype`) as a flat JSON array.
-pub fn write_data(out: &mut Vec<u8>, datatype: DataType, data: &[u8]) -> Result<()> {
-    out.push(b'[');
-    let start = out.len();
-    match datatype {
-        DataType::Bool => {
-            out.reserve(data.len() * 6);
-            for &b in data {
-                out.extend_from_slice(if b != 0 { b"true," } else { b"false," });
-            }
-        }
-        DataType::Uint8 => write_ints(out, data, |b: [u8; 1]| b[0]),
-        DataType::Uint16 => write_ints(out, data, u16::from_le_bytes),
-        DataType::Uint32 => write_ints(out, data, u32::from_le_bytes),
-        DataType::Uint64 => write_ints(out, data, u64::from_le_bytes),
-        DataType::Int8 => write_ints(out, data, i8::from_le_bytes),
-        DataType::Int16 => write_ints(out, data, i16::from_le_bytes),
-        DataType::Int32 => write_ints(out, data, i32::from_le_bytes),
-        DataType::Int64 => write_ints(out, data, i64::from_le_bytes),
-        DataType::Fp16 => write_floats(out, data, |b| f16::from_le_bytes(b).to_f32()),
-        DataType::Bf16 => write_floats(out, data, |b| bf16::from_le_bytes(b).to_f32()),
-        DataType::Fp32 => write_floats(out, data, f32::from_le_bytes),
-        DataType::Fp64 => write_floats(out, data, f64::from_le_bytes),
-        DataType::Bytes => {
-            for (index, element) in BytesElements::new(data).enumerate() {
-                let text = std::str::from_utf8(element).map_err(|_| {
-                    Error::invalid(format!(
-                        "BYTES element {index} is not valid UTF-8, so it cannot be written as JSON; \
-                         ask for this tensor as binary data"
-                    ))
-                })?;
-                write_json_string(out, text);
-                out.push(b',');
-            }
-        }
-    }
-    if out.len() > start {
-        // Replace the trailing comma.
-        let last = out.len() - 1;
-        out[last] = b']';
-    } else {
-        out.push(b']');
-    }
-    Ok(())
-}
-
-fn write_ints<const N: usize, I: itoa::Integer>(out: &mut Vec<u8>, data: &[u8], from: impl Fn([u8; N]) -> I) {
-    let mut buffer = itoa::Buffer::new();
-    out.reserve(data.len() / N * 21);
-    for chunk in data.chunks_exact(N) {
-        let value = from(chunk.try_into().unwrap_or([0; N]));
-        out.extend_from_slice(buffer.format(value).as_bytes());
-        out.push(b',');
-    }
-}
-
-fn write_floats<const N: usize, F: zmij::Float + Copy + WriteSpecial>(
-    out: &mut Vec<u8>,
-    data: &[u8],
-    from: impl Fn([u8; N]) -> F,
-) {
-    let mut buffer = zmij::Buffer::new();
-    // The longest shortest-round-trip text plus its comma: "-1.17549435e-38," (16) for f32, 25 for f64.
-    out.reserve(data.len() / N * if N == 8 { 25 } else { 16 });
-    for chunk in data.chunks_exact(N) {
-        let value = from(chunk.try_into().unwrap_or([0; N]));
-        match value.special() {
-            None => out.extend_from_slice(buffer.format_finite(value).as_bytes()),
-            Some(text) => out.extend_from_slice(text),
-        }
-        out.push(b',');
-    }
-}
-
-/// The JSON text of a non-finite float, or `None` for a finite one.
-pub(crate) trait WriteSpecial {
-    fn special(self) -> Option<&'static [u8]>;
-}
-
-impl WriteSpecial for f32 {
-    #[inline]
-    fn special(self) -> Option<&'static [u8]> {
-        f64::from(self).special()
-    }
-}
-
-impl WriteSpecial for f64 {
-    #[inline]
-    fn special(self) -> Option<&'static [u8]> {
-        if self.is_finite() {
-            None
-        } else if self.is_nan() {
-            Some(b"null")
-        } else if self > 0.0 {
-            Some(b"1e999")
-        } else {
-            Some(b"-1e999")
-        }
-    }
-}
-
-/// Appends a JSON string literal.
-pub(crate) fn write_json_string(out: &mut Vec<u8>, text: &str) {
-    let clean = text.bytes().all(|c| c >= 0x20 && c != b'"' && c != b'\\');
-    if clean {
-        out.reserve(text.len() + 2);
-        out.push(b'"');
-        out.extend_from_slice(text.as_bytes());
-        out.push(b'"');
-    } else if serde_json::to_writer(&mut *out, text).is_err() {
-        // Writing into a Vec cannot fail; keep the output well-formed regardless.
-        out.extend_from_slice(b"\"\"");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::rest::format::write_data;
 
     fn parse(text: &str, datatype: DataType, count: u64) -> Result<Bytes> {
         parse_data(text.as_bytes(), datatype, count)
@@ -560,28 +455,5 @@ mod tests {
         assert!(e.contains("expected a string, got `1`"), "{e}");
         let e = parse(r#"[{"a": 1}]"#, DataType::Bytes, 1).unwrap_err().to_string();
         assert!(e.contains("element 0 of `data` is an object"), "{e}");
-    }
-
-    #[test]
-    fn non_utf8_bytes_cannot_be_json() {
-        let mut out = Vec::new();
-        let e = write_data(&mut out, DataType::Bytes, b"\x01\0\0\0\xff")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("not valid UTF-8"), "{e}");
-    }
-
-    #[test]
-    fn writes_every_integer_type() {
-        assert_eq!(written(DataType::Int8, &[0xff, 5]), "[-1,5]");
-        assert_eq!(
-            written(DataType::Uint64, &u64::MAX.to_le_bytes()),
-            "[18446744073709551615]"
-        );
-        assert_eq!(written(DataType::Bool, &[1, 0]), "[true,false]");
-        assert_eq!(written(DataType::Int32, &[]), "[]");
-        assert_eq!(written(DataType::Fp64, &1e300f64.to_le_bytes()), "[1e+300]");
-        assert_eq!(written(DataType::Fp32, &1e-7f32.to_le_bytes()), "[1e-7]");
-        assert_eq!(written(DataType::Fp64, &123456.5f64.to_le_bytes()), "[123456.5]");
     }
 }

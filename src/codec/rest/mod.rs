@@ -1,8 +1,10 @@
 //! REST bodies: JSON objects of every endpoint and the binary tensor data extension that follows them.
 
 pub mod data;
+pub mod format;
 pub mod metadata;
 pub mod number;
+pub mod parallel;
 pub mod params;
 pub mod reader;
 pub mod request;

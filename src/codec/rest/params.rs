@@ -1,6 +1,6 @@
 //! JSON form of parameters: `{"name": value, ...}` with bool, integer, float or string values.
 
-use super::data::{WriteSpecial, write_json_string};
+use super::format::{WriteSpecial, write_json_string};
 use super::reader::Reader;
 use crate::error::{Error, Result};
 use crate::protocol::{ParamValue, Parameters};

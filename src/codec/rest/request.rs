@@ -204,7 +204,7 @@ pub fn encode_request(request: &InferRequest, binary_inputs: bool) -> Result<Enc
     out.push(b'{');
     if let Some(id) = &request.id {
         out.extend_from_slice(b"\"id\":");
-        super::data::write_json_string(&mut out, id);
+        super::format::write_json_string(&mut out, id);
         out.push(b',');
     }
     out.extend_from_slice(b"\"inputs\":[");
@@ -222,7 +222,7 @@ pub fn encode_request(request: &InferRequest, binary_inputs: bool) -> Result<Enc
                 out.push(b',');
             }
             out.extend_from_slice(b"{\"name\":");
-            super::data::write_json_string(&mut out, &output.name);
+            super::format::write_json_string(&mut out, &output.name);
             write_parameters_field(&mut out, &output.parameters);
             out.push(b'}');
         }

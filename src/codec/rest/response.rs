@@ -1,6 +1,6 @@
 //! `$inference_response` over REST: JSON, optionally followed by binary sections (binary tensor data extension).
 
-use super::data::write_json_string;
+use super::format::write_json_string;
 use super::params::{read_parameters, write_parameters_field};
 use super::reader::Reader;
 use super::request::optional_string;

@@ -3,7 +3,8 @@
 
 use bytes::Bytes;
 
-use super::data::{read_data, write_data, write_json_string};
+use super::data::read_data;
+use super::format::{write_data, write_json_string};
 use super::params::{read_parameters, write_parameters_field};
 use super::reader::Reader;
 use crate::error::{Error, Result};
