@@ -90,3 +90,23 @@ fn protobuf_mutations_of_a_valid_message() {
         fuzzing::protobuf_request(&wire[..i]);
     }
 }
+
+/// Inputs the coverage-guided fuzzers found crashes with, kept as regressions.
+const FUZZ_CRASHES: &[(&str, &[u8])] = &[
+    // An unterminated string ending in a backslash, as a float tensor's `data`: the string scanner stepped past the end.
+    // A dimension written as a non-minimal varint (253, then 0 as u16): valid, but re-encoded minimally.
+    ("decthings", b"\x0b\x0b\xd0\x00G\x03\xfa\xfd\x00\x00\x00\x00\x00\x00!"),
+    ("json_request", b"{\x22iparametersraoeters\x22:{\x22a\x22:1},\x22inputs\x22:[{\x22namex\x22:\x22\x22,\x22datatype\x22:\x22FP16\x22,\x22shape\x22:[2,2],\x22data\x22:\x22\xa3\xa3\xa3\xa4\xa3\xa3\xa3\xa3\xa3\xa3n`me\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3V\x5c\x5c\x5c\x5c\x5c\x5c\x5c\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xe3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3\xa3]\x5c\x5c\x5c\x5c\x5c\x5c\x5c\xa3\x5c\x5c\x5c"),
+];
+
+#[test]
+fn fuzz_crash_regressions() {
+    for (target, input) in FUZZ_CRASHES {
+        match *target {
+            "json_request" => fuzzing::json_request(input),
+            "binary_request" => fuzzing::binary_request(input),
+            "protobuf_request" => fuzzing::protobuf_request(input),
+            _ => fuzzing::decthings(input),
+        }
+    }
+}

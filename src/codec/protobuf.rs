@@ -99,6 +99,49 @@ impl From<InferOutputTensor> for TensorParts {
     }
 }
 
+impl From<TensorParts> for InferInputTensor {
+    fn from(t: TensorParts) -> Self {
+        InferInputTensor {
+            name: t.name,
+            datatype: t.datatype,
+            shape: t.shape,
+            parameters: t.parameters,
+            contents: t.contents,
+        }
+    }
+}
+
+impl From<TensorParts> for InferOutputTensor {
+    fn from(t: TensorParts) -> Self {
+        InferOutputTensor {
+            name: t.name,
+            datatype: t.datatype,
+            shape: t.shape,
+            parameters: t.parameters,
+            contents: t.contents,
+        }
+    }
+}
+
+/// Splits tensors into their messages (without contents) and their data, for the raw contents field.
+fn tensors_to_proto<T: From<TensorParts>>(tensors: Vec<Tensor>) -> (Vec<T>, Vec<Bytes>) {
+    let mut raw = Vec::with_capacity(tensors.len());
+    let messages = tensors
+        .into_iter()
+        .map(|t| {
+            raw.push(t.data);
+            T::from(TensorParts {
+                name: t.name,
+                datatype: t.datatype.as_str().to_owned(),
+                shape: shape_to_proto(&t.shape),
+                parameters: parameters_to_proto(t.parameters, BINARY_DATA_SIZE),
+                contents: None,
+            })
+        })
+        .collect();
+    (messages, raw)
+}
+
 /// Reads tensors with their raw contents (if any), checking every rule of the protocol.
 fn tensors_from_proto(parts: Vec<TensorParts>, raw: Vec<Bytes>, kind: &str, raw_field: &str) -> Result<Vec<Tensor>> {
     if !raw.is_empty() && raw.len() != parts.len() {
@@ -311,21 +354,7 @@ pub fn request_from_proto(message: ModelInferRequest) -> Result<InferRequest> {
 
 /// Writes a `ModelInferRequest` with raw contents; the binary extension's HTTP-only parameters are left out.
 pub fn request_to_proto(request: InferRequest) -> ModelInferRequest {
-    let mut raw = Vec::with_capacity(request.inputs.len());
-    let inputs = request
-        .inputs
-        .into_iter()
-        .map(|t| {
-            raw.push(t.data);
-            InferInputTensor {
-                name: t.name,
-                datatype: t.datatype.as_str().to_owned(),
-                shape: shape_to_proto(&t.shape),
-                parameters: parameters_to_proto(t.parameters, BINARY_DATA_SIZE),
-                contents: None,
-            }
-        })
-        .collect();
+    let (inputs, raw) = tensors_to_proto(request.inputs);
     let outputs = request
         .outputs
         .into_iter()
@@ -360,21 +389,7 @@ pub fn response_from_proto(message: ModelInferResponse) -> Result<InferResponse>
 
 /// Writes a `ModelInferResponse` with one raw content per output, empty outputs included.
 pub fn response_to_proto(response: InferResponse) -> ModelInferResponse {
-    let mut raw = Vec::with_capacity(response.outputs.len());
-    let outputs = response
-        .outputs
-        .into_iter()
-        .map(|t| {
-            raw.push(t.data);
-            InferOutputTensor {
-                name: t.name,
-                datatype: t.datatype.as_str().to_owned(),
-                shape: shape_to_proto(&t.shape),
-                parameters: parameters_to_proto(t.parameters, BINARY_DATA_SIZE),
-                contents: None,
-            }
-        })
-        .collect();
+    let (outputs, raw) = tensors_to_proto(response.outputs);
     ModelInferResponse {
         model_name: response.model_name,
         model_version: response.model_version.unwrap_or_default(),

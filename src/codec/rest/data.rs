@@ -203,10 +203,11 @@ fn strings(reader: &mut Reader<'_>, count: usize) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Length of the JSON string token at the start of `s` (which begins with a quote), quotes included.
+/// Length of the JSON string token at the start of `s` (which begins with a quote), quotes included; all of `s`
+/// when the string is not terminated.
 fn string_len(s: &[u8]) -> usize {
     let mut i = 1;
-    while let Some(offset) = memchr::memchr2(b'"', b'\\', &s[i..]) {
+    while let Some(offset) = s.get(i..).and_then(|rest| memchr::memchr2(b'"', b'\\', rest)) {
         i += offset;
         if s[i] == b'\\' {
             i += 2;
@@ -359,6 +360,14 @@ mod tests {
         let mut out = Vec::new();
         write_data(&mut out, datatype, data).unwrap();
         String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn unterminated_strings_end_at_the_end() {
+        assert_eq!(string_len(b"\"ab\\"), 4);
+        assert_eq!(string_len(b"\"ab\\\""), 5);
+        assert_eq!(string_len(b"\"a\\\"b\""), 6);
+        assert!(parse("\"\\\\\\", DataType::Fp16, 1).is_err());
     }
 
     #[test]
