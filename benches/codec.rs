@@ -74,6 +74,13 @@ fn json_fp32_write(c: &mut Criterion) {
     group.bench_function("baseline serde_json to_vec Vec<f32>", |b| {
         b.iter(|| black_box(serde_json::to_vec(black_box(&values)).unwrap()))
     });
+    // The floor of any writer built on the fastest shortest-round-trip formatter (serde_json uses it too).
+    group.bench_function("reference: zmij formatting alone, no output", |b| {
+        b.iter(|| {
+            let mut buffer = zmij::Buffer::new();
+            black_box(values.iter().map(|&v| buffer.format_finite(black_box(v)).len()).sum::<usize>())
+        })
+    });
     for (label, threads) in [("1 thread", 1), ("all cores", 0)] {
         parallel::set_max_workers(threads);
         group.bench_function(format!("oipgate LE bytes -> data, {label}"), |b| {
