@@ -78,7 +78,12 @@ fn json_fp32_write(c: &mut Criterion) {
     group.bench_function("reference: zmij formatting alone, no output", |b| {
         b.iter(|| {
             let mut buffer = zmij::Buffer::new();
-            black_box(values.iter().map(|&v| buffer.format_finite(black_box(v)).len()).sum::<usize>())
+            black_box(
+                values
+                    .iter()
+                    .map(|&v| buffer.format_finite(black_box(v)).len())
+                    .sum::<usize>(),
+            )
         })
     });
     for (label, threads) in [("1 thread", 1), ("all cores", 0)] {
