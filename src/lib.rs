@@ -4,6 +4,7 @@ pub mod codec;
 pub mod convert;
 pub mod demo;
 pub mod error;
+pub mod modelserver;
 pub mod protocol;
 
 pub mod proto {

@@ -1,11 +1,13 @@
 //! The `oipgate` command line.
 
 use std::io::{Read, Write};
+use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use oipgate::convert::{Form, convert};
+use oipgate::modelserver::{self, ModelServerConfig};
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
 /// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them.
@@ -27,6 +29,24 @@ struct Cli {
 enum Command {
     /// Shows one inference request in every wire form oipgate speaks, converted and checked end to end.
     Demo,
+    /// Serves the built-in models over REST and gRPC (a real Open Inference Protocol backend).
+    ModelServer {
+        /// REST address (HTTP/1.1 and h2c); port 0 picks a free port.
+        #[arg(long)]
+        rest: Option<SocketAddr>,
+        /// gRPC address; port 0 picks a free port.
+        #[arg(long)]
+        grpc: Option<SocketAddr>,
+        /// Models to serve, e.g. "add_sub:1,2 identity simple_string" (default: every model, every version).
+        #[arg(long)]
+        models: Option<String>,
+        /// Server name reported in server metadata.
+        #[arg(long, default_value = "oipgate-model-server")]
+        name: String,
+        /// Largest REST body or gRPC message accepted, in bytes.
+        #[arg(long, default_value_t = 1 << 30)]
+        max_request_bytes: usize,
+    },
     /// Converts an inference request read from stdin between wire forms, writing it to stdout.
     Convert {
         #[arg(long, value_enum)]
@@ -48,6 +68,19 @@ fn main() -> ExitCode {
             to,
             header_length,
         } => run_convert(from, to, header_length),
+        Command::ModelServer {
+            rest,
+            grpc,
+            models,
+            name,
+            max_request_bytes,
+        } => run_model_server(ModelServerConfig {
+            rest,
+            grpc,
+            models,
+            name,
+            max_request_bytes,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -67,4 +100,38 @@ fn run_convert(from: Form, to: Form, header_length: Option<u64>) -> Result<(), B
     }
     std::io::stdout().write_all(&converted.body)?;
     Ok(())
+}
+
+fn run_model_server(config: ModelServerConfig) -> Result<(), Box<dyn std::error::Error>> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let server = modelserver::start(config).await?;
+        // One line with the bound addresses, for people and for scripts that started it on port 0.
+        println!("oipgate model-server listening: {}", server.describe());
+        std::io::stdout().flush()?;
+        shutdown_signal().await;
+        server.shutdown().await;
+        Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(_) => {
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
 }

@@ -1,0 +1,120 @@
+//! The model server's gRPC service: the six core RPCs and Triton's repository RPCs.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use super::ModelServerState;
+use crate::codec::protobuf;
+use crate::proto::grpc_inference_service_server::GrpcInferenceService;
+use crate::proto::repository_index_response::ModelIndex;
+use crate::proto::{
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
+    ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
+    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+};
+
+#[derive(Debug, Clone)]
+pub struct GrpcModelServer {
+    pub state: Arc<ModelServerState>,
+}
+
+fn version(text: &str) -> Option<&str> {
+    Some(text).filter(|v| !v.is_empty())
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for GrpcModelServer {
+    async fn server_live(&self, _: Request<ServerLiveRequest>) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(&self, _: Request<ServerReadyRequest>) -> Result<Response<ServerReadyResponse>, Status> {
+        Ok(Response::new(ServerReadyResponse {
+            ready: self.state.repository.all_ready(),
+        }))
+    }
+
+    async fn model_ready(&self, request: Request<ModelReadyRequest>) -> Result<Response<ModelReadyResponse>, Status> {
+        let request = request.into_inner();
+        let ready = self
+            .state
+            .repository
+            .model_ready(&request.name, version(&request.version))?;
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(protobuf::server_metadata_to_proto(
+            self.state.metadata.clone(),
+        )))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let request = request.into_inner();
+        let metadata = self
+            .state
+            .repository
+            .metadata(&request.name, version(&request.version))?;
+        Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
+    }
+
+    async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
+        let message = request.into_inner();
+        let model = message.model_name.clone();
+        let model_version = message.model_version.clone();
+        let request = protobuf::request_from_proto(message)?;
+        let response = self
+            .state
+            .repository
+            .infer(&model, version(&model_version), request)
+            .await?;
+        Ok(Response::new(protobuf::response_to_proto(response)))
+    }
+
+    async fn repository_index(
+        &self,
+        request: Request<RepositoryIndexRequest>,
+    ) -> Result<Response<RepositoryIndexResponse>, Status> {
+        let models = self
+            .state
+            .repository
+            .index(request.into_inner().ready)
+            .into_iter()
+            .map(|e| ModelIndex {
+                name: e.name,
+                version: e.version,
+                state: e.state.to_owned(),
+                reason: e.reason,
+            })
+            .collect();
+        Ok(Response::new(RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        request: Request<RepositoryModelLoadRequest>,
+    ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
+        self.state
+            .repository
+            .set_ready(&request.into_inner().model_name, true)?;
+        Ok(Response::new(RepositoryModelLoadResponse {}))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: Request<RepositoryModelUnloadRequest>,
+    ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
+        self.state
+            .repository
+            .set_ready(&request.into_inner().model_name, false)?;
+        Ok(Response::new(RepositoryModelUnloadResponse {}))
+    }
+}

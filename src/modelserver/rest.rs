@@ -1,0 +1,312 @@
+//! The model server's REST endpoints (HTTP/1.1 and h2c on one port): health, metadata, inference with JSON and the
+//! binary tensor data extension, and Triton's repository extension.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{ALLOW, CONTENT_TYPE};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Limited};
+
+use super::ModelServerState;
+use crate::codec::rest::{self, EncodedBody, RestRequest};
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::protocol::{ModelReady, ServerLive, ServerReady};
+
+/// The binary extension's header giving the JSON part's length.
+pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
+
+/// A response body made of shared buffers, written one after another without being joined.
+#[derive(Debug, Default)]
+pub struct ChunksBody {
+    chunks: VecDeque<Bytes>,
+    remaining: u64,
+}
+
+impl ChunksBody {
+    pub fn new(chunks: Vec<Bytes>) -> Self {
+        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
+        ChunksBody {
+            chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(),
+            remaining,
+        }
+    }
+}
+
+impl Body for ChunksBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.chunks.pop_front().map(|chunk| {
+            self.remaining -= chunk.len() as u64;
+            Ok(Frame::data(chunk))
+        }))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
+}
+
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChunksBody> {
+    let mut response = Response::new(ChunksBody::new(vec![Bytes::from(body)]));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// The protocol's error answer: the error's status and `{"error": "<message>"}`.
+pub fn error_response(error: &Error) -> Response<ChunksBody> {
+    json_response(error.http_status(), rest::encode_error(error.message()))
+}
+
+fn encoded_response(body: EncodedBody) -> Response<ChunksBody> {
+    let mut response = Response::new(ChunksBody::new(Vec::new()));
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(body.content_type()));
+    if let Some(length) = body.header_length {
+        headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    *response.body_mut() = ChunksBody::new(body.chunks);
+    response
+}
+
+/// Which endpoint a path names.
+#[derive(Debug, PartialEq, Eq)]
+enum Route<'a> {
+    ServerMetadata,
+    Live,
+    Ready,
+    ModelMetadata(&'a str, Option<&'a str>),
+    ModelReady(&'a str, Option<&'a str>),
+    Infer(&'a str, Option<&'a str>),
+    RepositoryIndex,
+    RepositoryLoad(&'a str),
+    RepositoryUnload(&'a str),
+}
+
+impl Route<'_> {
+    /// The one method each endpoint answers.
+    fn method(&self) -> Method {
+        match self {
+            Route::ServerMetadata | Route::Live | Route::Ready | Route::ModelMetadata(..) | Route::ModelReady(..) => {
+                Method::GET
+            }
+            Route::Infer(..) | Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
+                Method::POST
+            }
+        }
+    }
+}
+
+fn route(path: &str) -> Option<Route<'_>> {
+    let rest = path.strip_prefix("/v2")?;
+    if !rest.is_empty() && !rest.starts_with('/') {
+        return None;
+    }
+    let segments: Vec<&str> = rest.split('/').skip(1).collect();
+    Some(match segments.as_slice() {
+        [] | [""] => Route::ServerMetadata,
+        ["health", "live"] => Route::Live,
+        ["health", "ready"] => Route::Ready,
+        ["repository", "index"] => Route::RepositoryIndex,
+        ["repository", "models", model, "load"] => Route::RepositoryLoad(model),
+        ["repository", "models", model, "unload"] => Route::RepositoryUnload(model),
+        ["models", model] => Route::ModelMetadata(model, None),
+        ["models", model, "ready"] => Route::ModelReady(model, None),
+        ["models", model, "infer"] => Route::Infer(model, None),
+        ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
+        ["models", model, "versions", version, "ready"] => Route::ModelReady(model, Some(version)),
+        ["models", model, "versions", version, "infer"] => Route::Infer(model, Some(version)),
+        _ => return None,
+    })
+}
+
+/// Answers one REST request.
+pub async fn handle<B>(state: Arc<ModelServerState>, request: Request<B>) -> Result<Response<ChunksBody>, Infallible>
+where
+    B: Body<Data = Bytes> + Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    Ok(match answer(&state, request).await {
+        Ok(response) => response,
+        Err(error) => error_response(&error),
+    })
+}
+
+async fn answer<B>(state: &ModelServerState, request: Request<B>) -> Result<Response<ChunksBody>>
+where
+    B: Body<Data = Bytes> + Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let path = request.uri().path().to_owned();
+    let route = route(&path).ok_or_else(|| Error::not_found(format!("no endpoint at {path}")))?;
+    if request.method() != route.method() {
+        let mut response = error_response(&Error::new(
+            ErrorKind::MethodNotAllowed,
+            Origin::Client,
+            format!("{path} answers {} only, not {}", route.method(), request.method()),
+        ));
+        let allow = if route.method() == Method::GET { "GET" } else { "POST" };
+        response.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
+        return Ok(response);
+    }
+    let repository = &state.repository;
+    Ok(match route {
+        Route::ServerMetadata => json_response(StatusCode::OK, rest::encode_server_metadata(&state.metadata)),
+        Route::Live => json_response(StatusCode::OK, rest::encode_server_live(ServerLive { live: true })),
+        Route::Ready => {
+            let ready = repository.all_ready();
+            json_response(health_status(ready), rest::encode_server_ready(ServerReady { ready }))
+        }
+        Route::ModelMetadata(model, version) => json_response(
+            StatusCode::OK,
+            rest::encode_model_metadata(&repository.metadata(model, version)?),
+        ),
+        Route::ModelReady(model, version) => {
+            let ready = repository.model_ready(model, version)?;
+            json_response(
+                health_status(ready),
+                rest::encode_model_ready(&ModelReady {
+                    name: model.to_owned(),
+                    ready,
+                }),
+            )
+        }
+        Route::Infer(model, version) => infer(state, model, version, request).await?,
+        Route::RepositoryIndex => {
+            let body = read_body(request, state.max_request_bytes).await?;
+            let ready_only = if body.iter().all(u8::is_ascii_whitespace) {
+                false
+            } else {
+                #[derive(serde::Deserialize)]
+                struct IndexRequest {
+                    #[serde(default)]
+                    ready: bool,
+                }
+                serde_json::from_slice::<IndexRequest>(&body)
+                    .map_err(|e| Error::invalid(format!("invalid repository index request: {e}")))?
+                    .ready
+            };
+            let entries: Vec<serde_json::Value> = repository
+                .index(ready_only)
+                .into_iter()
+                .map(
+                    |e| serde_json::json!({"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}),
+                )
+                .collect();
+            json_response(StatusCode::OK, serde_json::to_vec(&entries).unwrap_or_default())
+        }
+        Route::RepositoryLoad(model) | Route::RepositoryUnload(model) => {
+            let load = matches!(route, Route::RepositoryLoad(_));
+            repository.set_ready(model, load)?;
+            Response::new(ChunksBody::default())
+        }
+    })
+}
+
+/// Healthy answers are 200; unhealthy ones 503, so HTTP-only probes (Kubernetes, load balancers) see them too.
+fn health_status(healthy: bool) -> StatusCode {
+    if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn read_body<B>(request: Request<B>, limit: usize) -> Result<Bytes>
+where
+    B: Body<Data = Bytes> + Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    match Limited::new(request.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(Error::new(
+            ErrorKind::PayloadTooLarge,
+            Origin::Client,
+            format!("request body is larger than the limit of {limit} bytes"),
+        )),
+        Err(error) => Err(Error::invalid(format!("could not read the request body: {error}"))),
+    }
+}
+
+async fn infer<B>(
+    state: &ModelServerState,
+    model: &str,
+    version: Option<&str>,
+    request: Request<B>,
+) -> Result<Response<ChunksBody>>
+where
+    B: Body<Data = Bytes> + Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let header_length = match request.headers().get(INFERENCE_HEADER_CONTENT_LENGTH) {
+        None => None,
+        Some(value) => Some(
+            value
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
+                    ))
+                })?,
+        ),
+    };
+    let body = read_body(request, state.max_request_bytes).await?;
+    let (infer_request, binary_outputs) = match rest::decode_request(body, header_length)? {
+        RestRequest::Request {
+            request,
+            binary_outputs,
+        } => (request, binary_outputs),
+        RestRequest::RawBinary(body) => {
+            let metadata = state.repository.metadata(model, version)?;
+            let [input] = metadata.inputs.as_slice() else {
+                return Err(Error::invalid(format!(
+                    "a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one \
+                     input; '{model}' has {}",
+                    metadata.inputs.len()
+                )));
+            };
+            rest::raw_binary_request(body, input)?
+        }
+    };
+    let response = state.repository.infer(model, version, infer_request).await?;
+    Ok(encoded_response(rest::encode_response(&response, &binary_outputs)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(route("/v2"), Some(Route::ServerMetadata));
+        assert_eq!(route("/v2/"), Some(Route::ServerMetadata));
+        assert_eq!(
+            route("/v2/models/m/versions/2/infer"),
+            Some(Route::Infer("m", Some("2")))
+        );
+        assert_eq!(route("/v2/models/m/ready"), Some(Route::ModelReady("m", None)));
+        assert_eq!(
+            route("/v2/repository/models/m/unload"),
+            Some(Route::RepositoryUnload("m"))
+        );
+        assert_eq!(route("/v2/models/m/versions"), None);
+        assert_eq!(route("/v1/models/m"), None);
+        assert_eq!(route("/v2x"), None);
+    }
+}
