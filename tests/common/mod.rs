@@ -1,0 +1,131 @@
+//! Helpers shared by the black-box tests: start the built binary on port 0, and talk to it over REST and gRPC.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use tonic::transport::Channel;
+
+/// `oipgate model-server` started as a child process; killed when dropped.
+pub struct ModelServerProcess {
+    child: Child,
+    pub rest: Option<SocketAddr>,
+    pub grpc: Option<SocketAddr>,
+}
+
+impl ModelServerProcess {
+    pub fn start(args: &[&str]) -> ModelServerProcess {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
+            .arg("model-server")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("oipgate starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let address = |key: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))
+                .map(|a| a.parse().expect("an address"))
+        };
+        let (rest, grpc) = (address("rest="), address("grpc="));
+        assert!(rest.is_some() || grpc.is_some(), "no addresses in {line:?}");
+        ModelServerProcess { child, rest, grpc }
+    }
+
+    pub fn both() -> ModelServerProcess {
+        ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+    }
+
+    pub fn rest_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.rest.expect("a REST address"))
+    }
+
+    pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<Channel> {
+        GrpcInferenceServiceClient::connect(format!("http://{}", self.grpc.expect("a gRPC address")))
+            .await
+            .expect("gRPC connects")
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX)
+    }
+}
+
+impl Drop for ModelServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP answer.
+#[derive(Debug)]
+pub struct HttpAnswer {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl HttpAnswer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+pub fn http_client(h2c: bool) -> Client<HttpConnector, Full<Bytes>> {
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder.http2_only(h2c);
+    builder.build_http()
+}
+
+pub async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, String)],
+    body: impl Into<Bytes>,
+) -> HttpAnswer {
+    let mut request = http::Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, value);
+    }
+    let response = client
+        .request(request.body(Full::new(body.into())).unwrap())
+        .await
+        .expect("HTTP request");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.expect("HTTP body").to_bytes();
+    HttpAnswer { status, headers, body }
+}
+
+pub async fn get(url: &str) -> HttpAnswer {
+    send(&http_client(false), "GET", url, &[], Bytes::new()).await
+}
+
+pub async fn post(url: &str, body: impl Into<Bytes>) -> HttpAnswer {
+    send(&http_client(false), "POST", url, &[], body).await
+}
+
+/// An add_sub request body with INPUT0 = 0..16 and INPUT1 = 1s, in `datatype`.
+pub fn add_sub_json(datatype: &str) -> String {
+    let a: Vec<String> = (0..16).map(|i| i.to_string()).collect();
+    format!(
+        r#"{{"id":"r1","inputs":[{{"name":"INPUT0","datatype":"{datatype}","shape":[1,16],"data":[{}]}},{{"name":"INPUT1","datatype":"{datatype}","shape":[1,16],"data":[{}]}}]}}"#,
+        a.join(","),
+        vec!["1"; 16].join(",")
+    )
+}

@@ -1,0 +1,290 @@
+//! `oipgate model-server` over gRPC, as a client sees it.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use common::ModelServerProcess;
+use oipgate::proto::infer_parameter::ParameterChoice;
+use oipgate::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+use oipgate::proto::{
+    InferParameter, InferTensorContents, ModelInferRequest, ModelMetadataRequest, ModelReadyRequest,
+    RepositoryIndexRequest, RepositoryModelLoadRequest, RepositoryModelUnloadRequest, ServerLiveRequest,
+    ServerMetadataRequest, ServerReadyRequest,
+};
+use tonic::Code;
+
+fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
+    values
+        .into_iter()
+        .flat_map(i32::to_le_bytes)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+fn add_sub_request(version: &str, raw: bool) -> ModelInferRequest {
+    let tensor = |name: &str, values: Vec<i32>| InferInputTensor {
+        name: name.into(),
+        datatype: "INT32".into(),
+        shape: vec![1, 16],
+        parameters: BTreeMap::new(),
+        contents: (!raw).then(|| InferTensorContents {
+            int_contents: values,
+            ..Default::default()
+        }),
+    };
+    ModelInferRequest {
+        model_name: "add_sub".into(),
+        model_version: version.into(),
+        id: "g1".into(),
+        inputs: vec![tensor("INPUT0", (0..16).collect()), tensor("INPUT1", vec![1; 16])],
+        raw_input_contents: if raw {
+            vec![int32s(0..16), int32s([1; 16])]
+        } else {
+            vec![]
+        },
+        ..Default::default()
+    }
+}
+
+fn decode_int32s(bytes: &[u8]) -> Vec<i32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test]
+async fn health_and_metadata() {
+    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "grpc-unit"]);
+    assert!(server.rest.is_none(), "only gRPC was asked for");
+    let mut client = server.grpc_client().await;
+    assert!(
+        client
+            .server_live(ServerLiveRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .live
+    );
+    assert!(
+        client
+            .server_ready(ServerReadyRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    let metadata = client
+        .server_metadata(ServerMetadataRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(metadata.name, "grpc-unit");
+    let model = client
+        .model_metadata(ModelMetadataRequest {
+            name: "add_sub".into(),
+            version: "1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(model.versions, ["1", "2"]);
+    assert_eq!(model.inputs[0].shape, [-1, 16]);
+    let ready = client
+        .model_ready(ModelReadyRequest {
+            name: "identity".into(),
+            version: String::new(),
+        })
+        .await;
+    assert!(ready.unwrap().into_inner().ready);
+    let unknown = client
+        .model_ready(ModelReadyRequest {
+            name: "nope".into(),
+            version: String::new(),
+        })
+        .await;
+    assert_eq!(unknown.unwrap_err().code(), Code::NotFound);
+    let unknown = client
+        .model_metadata(ModelMetadataRequest {
+            name: "add_sub".into(),
+            version: "7".into(),
+        })
+        .await;
+    assert_eq!(unknown.unwrap_err().code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn add_sub_with_raw_and_typed_inputs_answers_raw() {
+    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let mut client = server.grpc_client().await;
+    for (version, raw) in [("1", true), ("2", false), ("", true)] {
+        let response = client
+            .model_infer(add_sub_request(version, raw))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(response.model_version, if version == "1" { "1" } else { "2" });
+        assert_eq!(response.id, "g1");
+        assert_eq!(
+            response.raw_output_contents.len(),
+            response.outputs.len(),
+            "one raw content per output"
+        );
+        assert!(response.outputs.iter().all(|o| o.contents.is_none()));
+        assert_eq!(
+            decode_int32s(&response.raw_output_contents[0]),
+            (1..17).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            decode_int32s(&response.raw_output_contents[1]),
+            (-1..15).collect::<Vec<_>>()
+        );
+        if response.model_version == "2" {
+            assert_eq!(response.outputs[2].name, "VERSION");
+            assert_eq!(decode_int32s(&response.raw_output_contents[2]), [2]);
+        }
+    }
+    let mut only_sum = add_sub_request("1", true);
+    only_sum.outputs = vec![InferRequestedOutputTensor {
+        name: "OUTPUT1".into(),
+        parameters: BTreeMap::new(),
+    }];
+    let response = client.model_infer(only_sum).await.unwrap().into_inner();
+    assert_eq!(response.outputs.len(), 1);
+    assert_eq!(response.outputs[0].name, "OUTPUT1");
+}
+
+#[tokio::test]
+async fn errors_carry_their_grpc_codes() {
+    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let mut client = server.grpc_client().await;
+    let mut unknown = add_sub_request("1", true);
+    unknown.model_name = "nope".into();
+    assert_eq!(client.model_infer(unknown).await.unwrap_err().code(), Code::NotFound);
+    let mut bad_shape = add_sub_request("1", true);
+    bad_shape.inputs[1].shape = vec![16];
+    let status = client.model_infer(bad_shape).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("input 'INPUT1'"), "{}", status.message());
+    let mut mixed = add_sub_request("1", true);
+    mixed.inputs[0].contents = Some(InferTensorContents {
+        int_contents: vec![0; 16],
+        ..Default::default()
+    });
+    assert_eq!(
+        client.model_infer(mixed).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let flaky = ModelInferRequest {
+        model_name: "flaky".into(),
+        parameters: BTreeMap::from([(
+            "fail".to_owned(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::BoolParam(true)),
+            },
+        )]),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([5])],
+        ..Default::default()
+    };
+    let status = client.model_infer(flaky).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal);
+    assert!(status.message().contains("fail=true"));
+}
+
+#[tokio::test]
+async fn readiness_flips_with_repository_rpcs() {
+    let server = ModelServerProcess::both();
+    let mut client = server.grpc_client().await;
+    let index = client
+        .repository_index(RepositoryIndexRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        index
+            .models
+            .iter()
+            .any(|m| m.name == "add_sub" && m.version == "1" && m.state == "READY")
+    );
+    client
+        .repository_model_unload(RepositoryModelUnloadRequest {
+            model_name: "add_sub".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let ready = client
+        .model_ready(ModelReadyRequest {
+            name: "add_sub".into(),
+            version: "1".into(),
+        })
+        .await;
+    assert!(!ready.unwrap().into_inner().ready);
+    assert!(
+        !client
+            .server_ready(ServerReadyRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    assert_eq!(
+        client.model_infer(add_sub_request("1", true)).await.unwrap_err().code(),
+        Code::Unavailable
+    );
+    // The REST side sees the same state.
+    assert_eq!(
+        common::get(&server.rest_url("/v2/models/add_sub/ready")).await.status,
+        503
+    );
+    let ready_only = client
+        .repository_index(RepositoryIndexRequest {
+            ready: true,
+            ..Default::default()
+        })
+        .await;
+    assert!(
+        ready_only
+            .unwrap()
+            .into_inner()
+            .models
+            .iter()
+            .all(|m| m.name != "add_sub")
+    );
+    client
+        .repository_model_load(RepositoryModelLoadRequest {
+            model_name: "add_sub".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(client.model_infer(add_sub_request("1", true)).await.is_ok());
+}
+
+#[tokio::test]
+async fn large_messages_pass_the_default_size_limit() {
+    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--models", "identity"]);
+    let mut client = server.grpc_client().await;
+    let payload = Bytes::from(vec![7u8; 16 << 20]);
+    let request = ModelInferRequest {
+        model_name: "identity".into(),
+        inputs: vec![InferInputTensor {
+            name: "big".into(),
+            datatype: "UINT8".into(),
+            shape: vec![16 << 20],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![payload.clone()],
+        ..Default::default()
+    };
+    let response = client.model_infer(request).await.unwrap().into_inner();
+    assert_eq!(response.raw_output_contents[0], payload);
+}
