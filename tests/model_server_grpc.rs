@@ -288,3 +288,56 @@ async fn large_messages_pass_the_default_size_limit() {
     let response = client.model_infer(request).await.unwrap().into_inner();
     assert_eq!(response.raw_output_contents[0], payload);
 }
+
+#[tokio::test]
+async fn simple_string_with_typed_bytes_and_slow() {
+    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let mut client = server.grpc_client().await;
+    let strings = ModelInferRequest {
+        model_name: "simple_string".into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "BYTES".into(),
+            shape: vec![2],
+            parameters: BTreeMap::from([(
+                "content_type".to_owned(),
+                InferParameter {
+                    parameter_choice: Some(ParameterChoice::StringParam("str".into())),
+                },
+            )]),
+            contents: Some(InferTensorContents {
+                bytes_contents: vec![Bytes::from_static(b"abc"), Bytes::from_static("ñu".as_bytes())],
+                ..Default::default()
+            }),
+        }],
+        ..Default::default()
+    };
+    let response = client.model_infer(strings).await.unwrap().into_inner();
+    assert_eq!(
+        &response.raw_output_contents[0][..],
+        b"\x03\0\0\0cba\x03\0\0\0u\xc3\xb1"
+    );
+    assert!(response.outputs[0].parameters.contains_key("content_type"));
+
+    let slow = ModelInferRequest {
+        model_name: "slow".into(),
+        parameters: BTreeMap::from([(
+            "delay_ms".to_owned(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Int64Param(100)),
+            },
+        )]),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([9])],
+        ..Default::default()
+    };
+    let started = std::time::Instant::now();
+    let response = client.model_infer(slow).await.unwrap().into_inner();
+    assert!(started.elapsed() >= std::time::Duration::from_millis(100));
+    assert_eq!(decode_int32s(&response.raw_output_contents[0]), [9]);
+}
