@@ -1,11 +1,13 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
 pub mod codec;
+pub mod config;
 pub mod convert;
 pub mod demo;
 pub mod error;
 pub mod modelserver;
 pub mod protocol;
+pub mod routing;
 
 pub mod proto {
     //! Generated protobuf types and gRPC service stubs for `package inference`.

@@ -47,6 +47,11 @@ enum Command {
         #[arg(long, default_value_t = 1 << 30)]
         max_request_bytes: usize,
     },
+    /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
+    CheckConfig {
+        /// The TOML configuration file.
+        file: std::path::PathBuf,
+    },
     /// Converts an inference request read from stdin between wire forms, writing it to stdout.
     Convert {
         #[arg(long, value_enum)]
@@ -68,6 +73,7 @@ fn main() -> ExitCode {
             to,
             header_length,
         } => run_convert(from, to, header_length),
+        Command::CheckConfig { file } => return check_config(&file),
         Command::ModelServer {
             rest,
             grpc,
@@ -134,4 +140,20 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = interrupt.await;
+}
+
+fn check_config(file: &std::path::Path) -> ExitCode {
+    match oipgate::config::Config::load(file, &oipgate::config::environment_overrides()) {
+        Ok(config) => {
+            println!("{}: valid: {}", file.display(), config.summary());
+            ExitCode::SUCCESS
+        }
+        Err(problems) => {
+            for problem in &problems {
+                eprintln!("{}: {problem}", file.display());
+            }
+            eprintln!("{}: {} problem(s)", file.display(), problems.len());
+            ExitCode::FAILURE
+        }
+    }
 }

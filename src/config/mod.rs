@@ -1,0 +1,383 @@
+//! Gateway configuration: read raw (TOML plus environment overrides), then validated into types that cannot hold a
+//! bad route. Every problem is reported with its key path, all at once.
+
+pub mod raw;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+pub use raw::{Problem, RawConfig};
+
+/// Default REST front door.
+pub const DEFAULT_REST: &str = "127.0.0.1:8000";
+/// Default gRPC front door.
+pub const DEFAULT_GRPC: &str = "127.0.0.1:8001";
+/// Default body / message limit: 64 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
+/// Default whole-request deadline.
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub listen: Listen,
+    pub limits: Limits,
+    pub backends: Vec<Backend>,
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listen {
+    pub rest: SocketAddr,
+    pub grpc: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// REST body and gRPC message limit, in bytes.
+    pub max_request_bytes: u64,
+    pub request_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackendProtocol {
+    Rest,
+    Grpc,
+}
+
+/// A replica's address: an IP address or a DNS name, and a port.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl Endpoint {
+    /// Parses `host:port` (`[v6]:port` for IPv6); the host is an IP address or a DNS name.
+    pub fn parse(text: &str) -> Result<Endpoint, String> {
+        if let Ok(addr) = text.parse::<SocketAddr>() {
+            return Ok(Endpoint {
+                host: addr.ip().to_string(),
+                port: addr.port(),
+            });
+        }
+        let (host, port) = text
+            .rsplit_once(':')
+            .ok_or_else(|| format!("\"{text}\" is not host:port"))?;
+        let port: u16 = port.parse().map_err(|_| format!("\"{text}\" has no valid port"))?;
+        let valid_name = !host.is_empty()
+            && host.len() <= 253
+            && host.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            });
+        if !valid_name || port == 0 {
+            return Err(format!(
+                "\"{text}\" is not host:port with an IP address or DNS name and a non-zero port"
+            ));
+        }
+        Ok(Endpoint {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    pub name: String,
+    pub protocol: BackendProtocol,
+    pub endpoints: Vec<Endpoint>,
+    /// REST backends only: it speaks the binary tensor data extension.
+    pub binary_data: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Public name.
+    pub name: String,
+    pub versions: Vec<VersionConfig>,
+    /// The version a request that names none gets.
+    pub default_version: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionConfig {
+    /// Public version.
+    pub version: String,
+    /// Index into [`Config::backends`].
+    pub backend: usize,
+    pub upstream_name: String,
+    pub upstream_version: String,
+}
+
+impl Config {
+    /// Loads, layers environment overrides and validates; every problem is returned.
+    pub fn load(path: &Path, environment: &[(String, String)]) -> Result<Config, Vec<Problem>> {
+        validate(raw::load(path, environment).map_err(|p| vec![p])?)
+    }
+
+    /// One line for logs and `check-config`.
+    pub fn summary(&self) -> String {
+        let endpoints: usize = self.backends.iter().map(|b| b.endpoints.len()).sum();
+        let versions: usize = self.models.iter().map(|m| m.versions.len()).sum();
+        format!(
+            "{} backends ({endpoints} endpoints), {} models ({versions} versions); REST {}, gRPC {}",
+            self.backends.len(),
+            self.models.len(),
+            self.listen.rest,
+            self.listen.grpc
+        )
+    }
+}
+
+/// The environment's `OIPGATE__...` overrides.
+pub fn environment_overrides() -> Vec<(String, String)> {
+    std::env::vars()
+        .filter(|(key, _)| key.starts_with("OIPGATE__"))
+        .collect()
+}
+
+/// Collects problems with their key paths.
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+fn address(problems: &mut Problems, path: &str, value: Option<&str>, default: Option<&str>) -> Option<SocketAddr> {
+    let text = value.or(default)?;
+    match text.parse() {
+        Ok(addr) => Some(addr),
+        Err(_) => {
+            problems.add(path, format!("\"{text}\" is not an address (ip:port)"));
+            None
+        }
+    }
+}
+
+/// A name that can stand in a URL path segment.
+fn check_name(problems: &mut Problems, path: &str, what: &str, name: &str) {
+    if name.is_empty() {
+        problems.add(path, format!("{what} must not be empty"));
+    } else if name.contains(['/', '?', '#']) || name.chars().any(char::is_whitespace) {
+        problems.add(
+            path,
+            format!("{what} \"{name}\" must not contain '/', '?', '#' or whitespace"),
+        );
+    }
+}
+
+/// Turns a raw configuration into a valid one, or every problem with it.
+pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
+    let mut problems = Problems::default();
+    let rest = address(
+        &mut problems,
+        "listen.rest",
+        raw.listen.rest.as_deref(),
+        Some(DEFAULT_REST),
+    );
+    let grpc = address(
+        &mut problems,
+        "listen.grpc",
+        raw.listen.grpc.as_deref(),
+        Some(DEFAULT_GRPC),
+    );
+    let metrics = address(&mut problems, "listen.metrics", raw.listen.metrics.as_deref(), None);
+    if rest.is_some() && rest == grpc && rest.is_some_and(|a| a.port() != 0) {
+        problems.add("listen.grpc", "the gRPC address is the same as the REST address");
+    }
+    let max_request_bytes = raw.limits.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
+    if max_request_bytes == 0 || max_request_bytes > u64::from(u32::MAX) {
+        problems.add(
+            "limits.max_request_bytes",
+            format!("{max_request_bytes} is outside 1 to {} bytes", u32::MAX),
+        );
+    }
+    let timeout_ms = raw.limits.request_timeout_ms.unwrap_or(DEFAULT_REQUEST_TIMEOUT_MS);
+    if timeout_ms == 0 {
+        problems.add("limits.request_timeout_ms", "must be at least 1");
+    }
+
+    let mut backend_index: HashMap<&str, usize> = HashMap::new();
+    let mut backends = Vec::with_capacity(raw.backends.len());
+    for (i, backend) in raw.backends.iter().enumerate() {
+        let path = format!("backends[{i}]");
+        check_name(&mut problems, &format!("{path}.name"), "backend name", &backend.name);
+        if let Some(first) = backend_index.insert(&backend.name, i) {
+            problems.add(
+                format!("{path}.name"),
+                format!("duplicate backend name \"{}\" (also backends[{first}])", backend.name),
+            );
+        }
+        let protocol = match backend.protocol.as_str() {
+            "rest" => BackendProtocol::Rest,
+            "grpc" => BackendProtocol::Grpc,
+            other => {
+                problems.add(
+                    format!("{path}.protocol"),
+                    format!("\"{other}\" is not \"rest\" or \"grpc\""),
+                );
+                BackendProtocol::Rest
+            }
+        };
+        if backend.binary_data && protocol == BackendProtocol::Grpc {
+            problems.add(format!("{path}.binary_data"), "applies to REST backends only");
+        }
+        if backend.endpoints.is_empty() {
+            problems.add(format!("{path}.endpoints"), "a backend needs at least one endpoint");
+        }
+        let mut endpoints = Vec::with_capacity(backend.endpoints.len());
+        for (j, text) in backend.endpoints.iter().enumerate() {
+            match Endpoint::parse(text) {
+                Ok(endpoint) if endpoints.contains(&endpoint) => {
+                    problems.add(format!("{path}.endpoints[{j}]"), format!("{endpoint} is listed twice"));
+                }
+                Ok(endpoint) => endpoints.push(endpoint),
+                Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
+            }
+        }
+        backends.push(Backend {
+            name: backend.name.clone(),
+            protocol,
+            endpoints,
+            binary_data: backend.binary_data,
+        });
+    }
+
+    if raw.models.is_empty() {
+        problems.add("models", "no models are configured");
+    }
+    let mut model_index: HashMap<&str, usize> = HashMap::new();
+    let mut models = Vec::with_capacity(raw.models.len());
+    for (i, model) in raw.models.iter().enumerate() {
+        let path = format!("models[{i}]");
+        check_name(&mut problems, &format!("{path}.name"), "model name", &model.name);
+        if let Some(first) = model_index.insert(&model.name, i) {
+            problems.add(
+                format!("{path}.name"),
+                format!("duplicate model name \"{}\" (also models[{first}])", model.name),
+            );
+        }
+        if model.versions.is_empty() {
+            problems.add(format!("{path}.versions"), "a model needs at least one version");
+        }
+        let mut versions: Vec<VersionConfig> = Vec::with_capacity(model.versions.len());
+        for (j, version) in model.versions.iter().enumerate() {
+            let vpath = format!("{path}.versions[{j}]");
+            check_name(&mut problems, &format!("{vpath}.version"), "version", &version.version);
+            if versions.iter().any(|v| v.version == version.version) {
+                problems.add(
+                    format!("{vpath}.version"),
+                    format!("version \"{}\" is listed twice", version.version),
+                );
+            }
+            let backend = match backend_index.get(version.backend.as_str()) {
+                Some(&index) => index,
+                None => {
+                    problems.add(
+                        format!("{vpath}.backend"),
+                        format!("no backend named \"{}\"", version.backend),
+                    );
+                    0
+                }
+            };
+            let upstream_name = version.upstream_name.clone().unwrap_or_else(|| model.name.clone());
+            let upstream_version = version
+                .upstream_version
+                .clone()
+                .unwrap_or_else(|| version.version.clone());
+            check_name(
+                &mut problems,
+                &format!("{vpath}.upstream_name"),
+                "upstream name",
+                &upstream_name,
+            );
+            check_name(
+                &mut problems,
+                &format!("{vpath}.upstream_version"),
+                "upstream version",
+                &upstream_version,
+            );
+            versions.push(VersionConfig {
+                version: version.version.clone(),
+                backend,
+                upstream_name,
+                upstream_version,
+            });
+        }
+        let default_version = match &model.default_version {
+            Some(default) => {
+                if !versions.iter().any(|v| &v.version == default) {
+                    let known: Vec<&str> = versions.iter().map(|v| v.version.as_str()).collect();
+                    problems.add(
+                        format!("{path}.default_version"),
+                        format!("\"{default}\" is not one of the model's versions {known:?}"),
+                    );
+                }
+                default.clone()
+            }
+            None => latest(&versions).unwrap_or_default(),
+        };
+        models.push(ModelConfig {
+            name: model.name.clone(),
+            versions,
+            default_version,
+        });
+    }
+
+    if !problems.0.is_empty() {
+        return Err(problems.0);
+    }
+    let (Some(rest), Some(grpc)) = (rest, grpc) else {
+        return Err(vec![Problem {
+            path: "listen".into(),
+            message: "missing addresses".into(),
+        }]);
+    };
+    Ok(Config {
+        listen: Listen { rest, grpc, metrics },
+        limits: Limits {
+            max_request_bytes,
+            request_timeout: Duration::from_millis(timeout_ms),
+        },
+        backends,
+        models,
+    })
+}
+
+/// With no `default_version`: the highest numeric version, as model servers choose; the last listed when versions are
+/// not all numbers.
+fn latest(versions: &[VersionConfig]) -> Option<String> {
+    let numeric: Option<Vec<(u64, &str)>> = versions
+        .iter()
+        .map(|v| v.version.parse::<u64>().ok().map(|n| (n, v.version.as_str())))
+        .collect();
+    match numeric {
+        Some(numbers) => numbers.into_iter().max_by_key(|(n, _)| *n).map(|(_, v)| v.to_owned()),
+        None => versions.last().map(|v| v.version.clone()),
+    }
+}

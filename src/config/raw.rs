@@ -1,0 +1,131 @@
+//! The configuration as written: serde types that refuse unknown keys, read from a TOML file with
+//! `OIPGATE__SECTION__KEY` environment overrides on top.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub listen: RawListen,
+    #[serde(default)]
+    pub limits: RawLimits,
+    #[serde(default)]
+    pub backends: Vec<RawBackend>,
+    #[serde(default)]
+    pub models: Vec<RawModel>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawListen {
+    /// REST front door, HTTP/1.1 and h2c on one port.
+    pub rest: Option<String>,
+    /// gRPC front door.
+    pub grpc: Option<String>,
+    /// Prometheus metrics.
+    pub metrics: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// REST body and gRPC message size limit, in bytes.
+    pub max_request_bytes: Option<u64>,
+    /// Whole-request deadline, in milliseconds.
+    pub request_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBackend {
+    pub name: String,
+    /// "rest" or "grpc".
+    pub protocol: String,
+    /// Replicas, as `host:port`.
+    pub endpoints: Vec<String>,
+    /// A REST backend that speaks the binary tensor data extension.
+    #[serde(default)]
+    pub binary_data: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    /// The public name clients use.
+    pub name: String,
+    pub versions: Vec<RawVersion>,
+    /// The version a request that names none gets.
+    pub default_version: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawVersion {
+    pub version: String,
+    pub backend: String,
+    /// The backend's name for the model, when it differs from the public one.
+    pub upstream_name: Option<String>,
+    /// The backend's version, when it differs from the public one.
+    pub upstream_version: Option<String>,
+}
+
+/// A problem found while loading or validating, with the key it concerns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Key path such as `models[2].versions[0].backend`; empty for the file as a whole.
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Reads `path` (TOML) with environment overrides (`OIPGATE__LIMITS__MAX_REQUEST_BYTES=...`) from `environment`.
+pub fn load(path: &Path, environment: &[(String, String)]) -> Result<RawConfig, Problem> {
+    let text = std::fs::read_to_string(path).map_err(|e| Problem {
+        path: String::new(),
+        message: format!("cannot read {}: {e}", path.display()),
+    })?;
+    parse(&text, environment)
+}
+
+/// Parses TOML text with environment overrides.
+pub fn parse(text: &str, environment: &[(String, String)]) -> Result<RawConfig, Problem> {
+    let overrides: config::Map<String, String> = environment.iter().cloned().collect();
+    let layered = config::Config::builder()
+        .add_source(config::File::from_str(text, config::FileFormat::Toml))
+        .add_source(
+            config::Environment::with_prefix("OIPGATE")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(overrides)),
+        )
+        .build()
+        .map_err(|e| Problem {
+            path: String::new(),
+            message: e.to_string(),
+        })?;
+    serde_path_to_error::deserialize(layered).map_err(|e| {
+        let message = e.inner().to_string();
+        // The config crate appends the key it was at; the path already says so.
+        let message = match message.rfind(" for key `") {
+            Some(at) if message.ends_with('`') => message[..at].to_owned(),
+            _ => message,
+        };
+        Problem {
+            path: e.path().to_string().trim_start_matches('.').replace('?', ""),
+            message,
+        }
+    })
+}

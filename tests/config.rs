@@ -1,0 +1,243 @@
+//! Configuration: the issue's example as written, every rejection with its key path, environment overrides, the
+//! route table, and `oipgate check-config` as a user runs it.
+
+use std::time::Duration;
+
+use oipgate::config::{BackendProtocol, Config, Endpoint, raw, validate};
+use oipgate::routing::RouteTable;
+
+const EXAMPLE: &str = r#"
+[listen]
+rest = "127.0.0.1:8000"        # HTTP/1.1 and h2c on one port
+grpc = "127.0.0.1:8001"
+
+[limits]
+max_request_bytes = 67108864   # REST body and gRPC message, after which 413 / RESOURCE_EXHAUSTED
+request_timeout_ms = 30000
+
+[[backends]]
+name = "fleet-a"
+protocol = "rest"              # "rest" or "grpc"
+endpoints = ["127.0.0.1:9000"]
+binary_data = true             # this REST backend understands the binary tensor data extension
+
+[[backends]]
+name = "fleet-b"
+protocol = "grpc"
+endpoints = ["127.0.0.1:9101"]
+
+[[models]]
+name = "add_sub"
+versions = [
+  { version = "1", backend = "fleet-a" },
+  { version = "2", backend = "fleet-b" },
+]
+default_version = "1"          # used when a request names no version (canary splits come in the traffic issue)
+
+[[models]]
+name = "classifier"            # the public name clients use
+versions = [
+  { version = "3", backend = "fleet-b", upstream_name = "distilbert", upstream_version = "7" },
+]
+"#;
+
+fn load(text: &str) -> Result<Config, Vec<String>> {
+    load_with(text, &[])
+}
+
+fn load_with(text: &str, environment: &[(&str, &str)]) -> Result<Config, Vec<String>> {
+    let environment: Vec<(String, String)> = environment
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let raw = raw::parse(text, &environment).map_err(|p| vec![p.to_string()])?;
+    validate(raw).map_err(|problems| problems.iter().map(ToString::to_string).collect())
+}
+
+fn problems(text: &str) -> Vec<String> {
+    load(text).expect_err("the configuration should be rejected")
+}
+
+#[test]
+fn the_example_is_accepted_as_written() {
+    let config = load(EXAMPLE).unwrap();
+    assert_eq!(config.listen.rest, "127.0.0.1:8000".parse().unwrap());
+    assert_eq!(config.limits.max_request_bytes, 64 << 20);
+    assert_eq!(config.limits.request_timeout, Duration::from_secs(30));
+    assert_eq!(config.backends[0].protocol, BackendProtocol::Rest);
+    assert!(config.backends[0].binary_data);
+    assert_eq!(
+        config.backends[1].endpoints,
+        vec![Endpoint {
+            host: "127.0.0.1".into(),
+            port: 9101
+        }]
+    );
+    let classifier = &config.models[1];
+    assert_eq!(classifier.versions[0].upstream_name, "distilbert");
+    assert_eq!(classifier.versions[0].upstream_version, "7");
+    assert_eq!(classifier.default_version, "3");
+    assert_eq!(
+        config.summary(),
+        "2 backends (2 endpoints), 2 models (3 versions); REST 127.0.0.1:8000, gRPC 127.0.0.1:8001"
+    );
+}
+
+#[test]
+fn routes_resolve_public_names_to_backends() {
+    let config = load(EXAMPLE).unwrap();
+    let table = RouteTable::new(&config).unwrap();
+    let default = table.resolve("add_sub", None).unwrap();
+    assert_eq!((default.version.as_str(), default.backend), ("1", 0));
+    assert_eq!(table.resolve("add_sub", Some("2")).unwrap().backend, 1);
+    let aliased = table.resolve("classifier", Some("3")).unwrap();
+    assert_eq!(
+        (aliased.upstream_name.as_str(), aliased.upstream_version.as_str()),
+        ("distilbert", "7")
+    );
+    let unknown = table.resolve("nope", None).unwrap_err();
+    assert_eq!(unknown.http_status().as_u16(), 404);
+    let version = table.resolve("add_sub", Some("9")).unwrap_err();
+    assert_eq!(version.grpc_code(), tonic::Code::NotFound);
+    assert!(
+        version
+            .message()
+            .contains("unknown version '9' of model 'add_sub' (it has 1, 2)"),
+        "{version}"
+    );
+    assert_eq!(table.versions("add_sub").unwrap(), ["1", "2"]);
+}
+
+#[test]
+fn latest_version_is_the_default_when_none_is_named() {
+    let text = EXAMPLE.replace("default_version = \"1\"", "");
+    let config = load(&text).unwrap();
+    assert_eq!(config.models[0].default_version, "2");
+}
+
+#[test]
+fn every_problem_is_reported_with_its_key_path() {
+    let text = EXAMPLE
+        .replace("backend = \"fleet-b\" }", "backend = \"fleet-c\" }")
+        .replace("endpoints = [\"127.0.0.1:9101\"]", "endpoints = []")
+        .replace("default_version = \"1\"", "default_version = \"5\"")
+        .replace("rest = \"127.0.0.1:8000\"", "rest = \"localhost\"");
+    let found = problems(&text);
+    let expected = [
+        "listen.rest: \"localhost\" is not an address (ip:port)",
+        "backends[1].endpoints: a backend needs at least one endpoint",
+        "models[0].versions[1].backend: no backend named \"fleet-c\"",
+        "models[0].default_version: \"5\" is not one of the model's versions [\"1\", \"2\"]",
+    ];
+    for message in expected {
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+}
+
+#[test]
+fn duplicates_bad_endpoints_and_protocols() {
+    let text = EXAMPLE
+        .replace("name = \"fleet-b\"", "name = \"fleet-a\"")
+        .replace("name = \"classifier\"", "name = \"add_sub\"")
+        .replace("protocol = \"grpc\"", "protocol = \"http\"")
+        .replace(
+            "endpoints = [\"127.0.0.1:9000\"]",
+            "endpoints = [\"127.0.0.1:9000\", \"no port\", \"127.0.0.1:9000\"]",
+        );
+    let found = problems(&text);
+    for message in [
+        "backends[1].name: duplicate backend name \"fleet-a\" (also backends[0])",
+        "models[1].name: duplicate model name \"add_sub\" (also models[0])",
+        "backends[1].protocol: \"http\" is not \"rest\" or \"grpc\"",
+        "backends[0].endpoints[1]: \"no port\" is not host:port",
+        "backends[0].endpoints[2]: 127.0.0.1:9000 is listed twice",
+    ] {
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+    assert!(
+        Endpoint::parse("model-a.fleet.svc:9000").is_ok(),
+        "DNS names are endpoints"
+    );
+    assert!(Endpoint::parse("[::1]:9000").is_ok());
+    assert!(Endpoint::parse("bad_name:9000").is_err());
+    assert!(Endpoint::parse("host:0").is_err());
+}
+
+#[test]
+fn unknown_keys_are_refused_with_their_path() {
+    let found = problems(&EXAMPLE.replace("binary_data = true", "binary_data = true\nbinary = true"));
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("backends[0].binary: unknown field `binary`, expected one of"),
+        "{found:?}"
+    );
+    assert!(!found[0].contains("for key"), "{found:?}");
+    let found = problems(&EXAMPLE.replace("[limits]", "[limits]\nmax_bytes = 1"));
+    assert!(
+        found[0].starts_with("limits.max_bytes: unknown field `max_bytes`"),
+        "{found:?}"
+    );
+    let found = problems(&EXAMPLE.replace("backend = \"fleet-a\" }", "backend = \"fleet-a\", weigth = 3 }"));
+    assert!(
+        found[0].starts_with("models[0].versions[0].weigth: unknown field `weigth`"),
+        "{found:?}"
+    );
+    let found = problems("[listen\nrest = 1");
+    assert_eq!(found.len(), 1);
+    let found = problems(&EXAMPLE.replace("request_timeout_ms = 30000", "request_timeout_ms = \"soon\""));
+    assert!(found[0].starts_with("limits.request_timeout_ms"), "{found:?}");
+}
+
+#[test]
+fn environment_overrides_file_values() {
+    let config = load_with(
+        EXAMPLE,
+        &[
+            ("OIPGATE__LIMITS__MAX_REQUEST_BYTES", "1024"),
+            ("OIPGATE__LISTEN__REST", "127.0.0.1:18000"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(config.limits.max_request_bytes, 1024);
+    assert_eq!(config.listen.rest, "127.0.0.1:18000".parse().unwrap());
+    let bad = load_with(EXAMPLE, &[("OIPGATE__LIMITS__MAX_REQUEST_BYTES", "0")]).unwrap_err();
+    assert!(bad[0].starts_with("limits.max_request_bytes"), "{bad:?}");
+}
+
+#[test]
+fn check_config_command() {
+    let dir = std::env::temp_dir().join(format!("oipgate-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good.toml");
+    std::fs::write(&good, EXAMPLE).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        EXAMPLE.replace("backend = \"fleet-b\" }", "backend = \"fleet-c\" }"),
+    )
+    .unwrap();
+    let run = |path: &std::path::Path, env: &[(&str, &str)]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"));
+        command.arg("check-config").arg(path);
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        command.output().unwrap()
+    };
+    let ok = run(&good, &[]);
+    assert!(ok.status.success());
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("valid: 2 backends (2 endpoints), 2 models (3 versions)"));
+    let failed = run(&bad, &[]);
+    assert_eq!(failed.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert!(
+        stderr.contains("models[0].versions[1].backend: no backend named \"fleet-c\""),
+        "{stderr}"
+    );
+    let overridden = run(&good, &[("OIPGATE__LISTEN__GRPC", "nonsense")]);
+    assert_eq!(overridden.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&overridden.stderr).contains("listen.grpc"));
+    let missing = run(&dir.join("missing.toml"), &[]);
+    assert_eq!(missing.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
