@@ -59,6 +59,9 @@ proptest! {
     fn protobuf_request_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::protobuf_request(&data); }
 
     #[test]
+    fn splice_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::splice(&data); }
+
+    #[test]
     fn decthings_arbitrary(data in prop::collection::vec(any::<u8>(), 0..64)) { fuzzing::decthings(&data); }
 
     #[test]
@@ -86,8 +89,10 @@ fn protobuf_mutations_of_a_valid_message() {
             let mut mutated = wire.clone();
             mutated[i] = byte;
             fuzzing::protobuf_request(&mutated);
+            fuzzing::splice(&mutated);
         }
         fuzzing::protobuf_request(&wire[..i]);
+        fuzzing::splice(&wire[..i]);
     }
 }
 
@@ -106,6 +111,7 @@ fn fuzz_crash_regressions() {
             "json_request" => fuzzing::json_request(input),
             "binary_request" => fuzzing::binary_request(input),
             "protobuf_request" => fuzzing::protobuf_request(input),
+            "splice" => fuzzing::splice(input),
             _ => fuzzing::decthings(input),
         }
     }

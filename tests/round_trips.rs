@@ -239,6 +239,18 @@ proptest! {
     }
 
     #[test]
+    fn splice_renames_only_the_names(request in request(false), name in "[a-z_]{1,12}", version in "[0-9]{0,3}") {
+        let wire = Bytes::from(protobuf::request_to_proto(request.clone()).encode_to_vec());
+        let fields = oipgate::codec::splice::model_fields(&wire).unwrap();
+        prop_assert_eq!((fields.name, fields.version), ("", ""));
+        let renamed: Vec<u8> = oipgate::codec::splice::rename(&wire, &name, &version).unwrap().concat();
+        let back = protobuf::request_from_proto(ModelInferRequest::decode(&renamed[..]).unwrap()).unwrap();
+        prop_assert_eq!(&back.model_name, &name);
+        prop_assert_eq!(back.model_version.as_deref().unwrap_or(""), version.as_str());
+        prop_assert_eq!(InferRequest { model_name: String::new(), model_version: None, ..back }, request);
+    }
+
+    #[test]
     fn decthings_round_trip(tensor in tensor("d".into(), false)) {
         prop_assert_eq!(canonical_nans(&through_decthings(&tensor)), canonical_nans(&tensor));
     }

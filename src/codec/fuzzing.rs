@@ -78,3 +78,29 @@ pub fn decthings(data: &[u8]) {
         assert_eq!(again, tensor, "Decthings round trip changed the tensor");
     }
 }
+
+/// The passthrough splicer: whatever it reads agrees with prost, and a renamed message decodes to the original with
+/// only the names changed.
+pub fn splice(data: &[u8]) {
+    use super::splice;
+    let bytes = Bytes::copy_from_slice(data);
+    let decoded = ModelInferRequest::decode(bytes.clone());
+    let Ok(fields) = splice::model_fields(&bytes) else {
+        return;
+    };
+    if let Ok(message) = &decoded {
+        assert_eq!(
+            (fields.name, fields.version),
+            (message.model_name.as_str(), message.model_version.as_str())
+        );
+    }
+    let renamed = splice::rename(&bytes, "renamed", "9").expect("framing was already checked");
+    let renamed: Vec<u8> = renamed.concat();
+    if let Ok(mut original) = decoded {
+        let mut again = ModelInferRequest::decode(&renamed[..]).expect("a renamed valid message decodes");
+        original.model_name = "renamed".into();
+        original.model_version = "9".into();
+        again.model_name = "renamed".into();
+        assert_eq!(again, original, "renaming changed more than the names");
+    }
+}

@@ -4,3 +4,4 @@ pub mod decthings;
 pub mod fuzzing;
 pub mod protobuf;
 pub mod rest;
+pub mod splice;

@@ -1,0 +1,235 @@
+//! Reading and rewriting the model name (field 1) and version (field 2) of an encoded `ModelInferRequest` or
+//! `ModelInferResponse` without decoding anything else: the gRPC passthrough path renames public names to a
+//! backend's names and back while the tensors stay untouched bytes.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::error::{Error, Result};
+
+const MODEL_NAME: u64 = 1;
+const MODEL_VERSION: u64 = 2;
+
+/// The model name and version of an encoded message. Protobuf lets a field repeat; the last occurrence wins.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelFields<'a> {
+    pub name: &'a str,
+    pub version: &'a str,
+}
+
+/// Where a top-level field sits in the message.
+struct Field {
+    number: u64,
+    wire_type: u64,
+    /// The whole field: key, length and value.
+    start: usize,
+    end: usize,
+    /// The value of a length-delimited field.
+    value_start: usize,
+}
+
+fn varint(bytes: &[u8], pos: &mut usize) -> Result<u64> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *bytes
+            .get(*pos)
+            .ok_or_else(|| Error::invalid("protobuf message ends inside a varint"))?;
+        *pos += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Ok(value);
+        }
+    }
+    Err(Error::invalid("protobuf varint is longer than 10 bytes"))
+}
+
+/// Walks the top-level fields, checking only their framing.
+fn fields(message: &[u8]) -> impl Iterator<Item = Result<Field>> + '_ {
+    let mut pos = 0;
+    std::iter::from_fn(move || {
+        if pos >= message.len() {
+            return None;
+        }
+        let start = pos;
+        let field = (|| {
+            let key = varint(message, &mut pos)?;
+            let number = key >> 3;
+            if number == 0 {
+                return Err(Error::invalid("protobuf field number 0"));
+            }
+            let mut value_start = pos;
+            match key & 7 {
+                0 => {
+                    varint(message, &mut pos)?;
+                }
+                1 => pos += 8,
+                5 => pos += 4,
+                2 => {
+                    let length = varint(message, &mut pos)?;
+                    value_start = pos;
+                    pos = usize::try_from(length)
+                        .ok()
+                        .and_then(|l| pos.checked_add(l))
+                        .unwrap_or(usize::MAX);
+                }
+                other => return Err(Error::invalid(format!("protobuf wire type {other} is not supported"))),
+            }
+            if pos > message.len() {
+                return Err(Error::invalid("protobuf field runs past the end of the message"));
+            }
+            Ok(Field {
+                number,
+                wire_type: key & 7,
+                start,
+                end: pos,
+                value_start,
+            })
+        })();
+        if field.is_err() {
+            pos = message.len();
+        }
+        Some(field)
+    })
+}
+
+fn text_of<'a>(message: &'a [u8], field: &Field, what: &str) -> Result<&'a str> {
+    if field.wire_type != 2 {
+        return Err(Error::invalid(format!("{what} is not encoded as a string")));
+    }
+    std::str::from_utf8(&message[field.value_start..field.end])
+        .map_err(|_| Error::invalid(format!("{what} is not valid UTF-8")))
+}
+
+/// Reads the model name and version, checking the framing of every top-level field (not their contents).
+pub fn model_fields(message: &[u8]) -> Result<ModelFields<'_>> {
+    let mut found = ModelFields::default();
+    for field in fields(message) {
+        let field = field?;
+        match field.number {
+            MODEL_NAME => found.name = text_of(message, &field, "model_name")?,
+            MODEL_VERSION => found.version = text_of(message, &field, "model_version")?,
+            _ => {}
+        }
+    }
+    Ok(found)
+}
+
+fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {
+    if value.is_empty() {
+        return;
+    }
+    prost::encoding::encode_varint(number << 3 | 2, out);
+    prost::encoding::encode_varint(value.len() as u64, out);
+    out.put_slice(value.as_bytes());
+}
+
+/// The message with its model name and version replaced, as chunks: the new fields first, then the rest of the
+/// original message as slices of it (tensor bytes are never copied). An empty `version` leaves the field out.
+pub fn rename(message: &Bytes, name: &str, version: &str) -> Result<Vec<Bytes>> {
+    let mut head = BytesMut::with_capacity(name.len() + version.len() + 8);
+    put_string_field(&mut head, MODEL_NAME, name);
+    put_string_field(&mut head, MODEL_VERSION, version);
+    let mut chunks = vec![head.freeze()];
+    let mut kept_from = 0;
+    for field in fields(message) {
+        let field = field?;
+        if matches!(field.number, MODEL_NAME | MODEL_VERSION) {
+            if field.start > kept_from {
+                chunks.push(message.slice(kept_from..field.start));
+            }
+            kept_from = field.end;
+        }
+    }
+    if kept_from < message.len() {
+        chunks.push(message.slice(kept_from..));
+    }
+    Ok(chunks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{ModelInferRequest, ModelInferResponse};
+    use prost::Message;
+
+    fn join(chunks: &[Bytes]) -> Vec<u8> {
+        chunks.concat()
+    }
+
+    #[test]
+    fn reads_and_renames_a_request_without_touching_tensors() {
+        let request = ModelInferRequest {
+            model_name: "public".into(),
+            model_version: "1".into(),
+            id: "r".into(),
+            raw_input_contents: vec![Bytes::from(vec![9u8; 1000])],
+            ..Default::default()
+        };
+        let wire = Bytes::from(request.encode_to_vec());
+        assert_eq!(
+            model_fields(&wire).unwrap(),
+            ModelFields {
+                name: "public",
+                version: "1"
+            }
+        );
+        let chunks = rename(&wire, "backend-name", "7").unwrap();
+        // The rest of the message is one slice of the original.
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[1].as_ptr(), wire[11..].as_ptr());
+        let renamed = ModelInferRequest::decode(&join(&chunks)[..]).unwrap();
+        assert_eq!(renamed.model_name, "backend-name");
+        assert_eq!(renamed.model_version, "7");
+        assert_eq!(renamed.id, "r");
+        assert_eq!(renamed.raw_input_contents, request.raw_input_contents);
+        let unversioned = ModelInferRequest::decode(&join(&rename(&wire, "x", "").unwrap())[..]).unwrap();
+        assert_eq!(unversioned.model_version, "");
+    }
+
+    #[test]
+    fn repeated_and_late_fields_follow_protobuf_rules() {
+        // model_name twice, the second after other fields: the last one wins, and both are replaced.
+        let mut wire = ModelInferResponse {
+            model_name: "first".into(),
+            id: "i".into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        wire.extend_from_slice(
+            &ModelInferResponse {
+                model_name: "second".into(),
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        );
+        let wire = Bytes::from(wire);
+        assert_eq!(model_fields(&wire).unwrap().name, "second");
+        assert_eq!(ModelInferResponse::decode(&wire[..]).unwrap().model_name, "second");
+        let renamed = ModelInferResponse::decode(&join(&rename(&wire, "public", "3").unwrap())[..]).unwrap();
+        assert_eq!(
+            (
+                renamed.model_name.as_str(),
+                renamed.model_version.as_str(),
+                renamed.id.as_str()
+            ),
+            ("public", "3", "i")
+        );
+    }
+
+    #[test]
+    fn broken_framing_is_an_error() {
+        let cases: [&[u8]; 7] = [
+            &[0x0a, 0x05, b'a'],
+            &[0x0a],
+            &[0x80],
+            &[0x00, 0x01],
+            &[0x0b],
+            &[0x0a, 0x01, 0xff],
+            &[0x08, 0x01],
+        ];
+        for bad in cases {
+            assert!(model_fields(bad).is_err(), "{bad:?}");
+        }
+        assert!(rename(&Bytes::from_static(&[0x0a, 0x05, b'a']), "x", "").is_err());
+        assert_eq!(model_fields(&[]).unwrap(), ModelFields::default());
+    }
+}
