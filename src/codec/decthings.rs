@@ -159,6 +159,19 @@ impl Reader<'_> {
 /// a slice of `bytes`; variable-size elements are re-laid out with 4-byte length prefixes.
 pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
     let mut reader = Reader { bytes, pos: 0 };
+    let tensor = read_tensor(&mut reader, name)?;
+    if reader.remaining() > 0 {
+        return Err(Error::invalid(format!(
+            "{} trailing bytes after the Decthings tensor's last element",
+            reader.remaining()
+        )));
+    }
+    Ok(tensor)
+}
+
+/// Reads one tensor at the reader's position, leaving it after the tensor's last byte.
+fn read_tensor(reader: &mut Reader<'_>, name: &str) -> Result<Tensor> {
+    let bytes = reader.bytes;
     let element_type = ElementType::from_byte(reader.byte("the type byte")?)?;
     let ndims = reader.byte("the dimension count")?;
     let shape = (0..ndims)
@@ -254,12 +267,6 @@ pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
             (DataType::Bytes, data.freeze())
         }
     };
-    if reader.remaining() > 0 {
-        return Err(Error::invalid(format!(
-            "{} trailing bytes after the Decthings tensor's last element",
-            reader.remaining()
-        )));
-    }
     Ok(Tensor {
         name: name.to_owned(),
         datatype,
@@ -267,6 +274,51 @@ pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
         parameters,
         data,
     })
+}
+
+/// Decodes the REST front door's Decthings body: entries, each a varint name length, the UTF-8 name, and one
+/// Decthings tensor, until the body ends. Names must be unique.
+pub fn decode_entries(body: &Bytes) -> Result<Vec<Tensor>> {
+    let mut reader = Reader { bytes: body, pos: 0 };
+    let mut tensors: Vec<Tensor> = Vec::new();
+    while reader.remaining() > 0 {
+        let index = tensors.len();
+        let length = reader.varint(&format!("the name length of entry {index}"))?;
+        let length = usize::try_from(length)
+            .ok()
+            .filter(|&l| l <= reader.remaining())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "Decthings entry {index} declares a name of {length} bytes, {} remain",
+                    reader.remaining()
+                ))
+            })?;
+        let name = std::str::from_utf8(reader.take(length, "a name")?)
+            .map_err(|_| Error::invalid(format!("the name of Decthings entry {index} is not valid UTF-8")))?
+            .to_owned();
+        if name.is_empty() {
+            return Err(Error::invalid(format!("Decthings entry {index} has an empty name")));
+        }
+        if tensors.iter().any(|t| t.name == name) {
+            return Err(Error::invalid(format!(
+                "Decthings entry name '{name}' is used more than once"
+            )));
+        }
+        let tensor = read_tensor(&mut reader, &name).map_err(|e| e.context(format_args!("entry '{name}'")))?;
+        tensors.push(tensor);
+    }
+    Ok(tensors)
+}
+
+/// Encodes tensors as the REST front door's Decthings body (see [`decode_entries`]).
+pub fn encode_entries(tensors: &[Tensor]) -> Result<Bytes> {
+    let mut out = BytesMut::new();
+    for tensor in tensors {
+        put_varint(&mut out, tensor.name.len() as u64);
+        out.put_slice(tensor.name.as_bytes());
+        out.put_slice(&encode(tensor)?);
+    }
+    Ok(out.freeze())
 }
 
 /// Encodes a validated V2 tensor as a Decthings tensor (see the module's mapping).
@@ -463,6 +515,28 @@ mod tests {
         assert!(decode(&many_strings, "t").is_err());
         let bad_bool = Bytes::from_static(b"\x0d\x01\x01\x02");
         assert!(decode(&bad_bool, "t").unwrap_err().to_string().contains("not 0 or 1"));
+    }
+
+    #[test]
+    fn entries_frame_named_tensors() {
+        let body: &[u8] = b"\x02in\x05\x01\x01\x07\0\0\0\x01s\x0b\x01\x01\x02hi";
+        let tensors = decode_entries(&Bytes::from_static(body)).unwrap();
+        assert_eq!(tensors.len(), 2);
+        assert_eq!((tensors[0].name.as_str(), tensors[0].datatype), ("in", DataType::Int32));
+        assert_eq!(tensors[1].bytes_elements().collect::<Vec<_>>(), vec![&b"hi"[..]]);
+        assert_eq!(&encode_entries(&tensors).unwrap()[..], body);
+        assert!(decode_entries(&Bytes::new()).unwrap().is_empty());
+        let cases: [(&[u8], &str); 5] = [
+            (b"\x05ab", "declares a name of 5 bytes"),
+            (b"\x01\xff\x01\x00", "not valid UTF-8"),
+            (b"\x00\x01\x00", "empty name"),
+            (b"\x01a\x01\x01\x02\0\0\x80", "entry 'a'"),
+            (b"\x01a\x0d\x00\x01\x01a\x0d\x00\x01", "used more than once"),
+        ];
+        for (bad, message) in cases {
+            let error = decode_entries(&Bytes::from_static(bad)).unwrap_err().to_string();
+            assert!(error.contains(message), "{bad:?}: {error}");
+        }
     }
 
     #[test]
