@@ -1,5 +1,6 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
+pub mod body;
 pub mod codec;
 pub mod config;
 pub mod convert;
@@ -8,6 +9,7 @@ pub mod error;
 pub mod modelserver;
 pub mod protocol;
 pub mod routing;
+pub mod upstream;
 
 pub mod proto {
     //! Generated protobuf types and gRPC service stubs for `package inference`.

@@ -1,62 +1,23 @@
 //! The model server's REST endpoints (HTTP/1.1 and h2c on one port): health, metadata, inference with JSON and the
 //! binary tensor data extension, and Triton's repository extension.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::header::{ALLOW, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 
 use super::ModelServerState;
+pub use crate::body::ChunksBody;
 use crate::codec::rest::{self, EncodedBody, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
 
 /// The binary extension's header giving the JSON part's length.
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
-
-/// A response body made of shared buffers, written one after another without being joined.
-#[derive(Debug, Default)]
-pub struct ChunksBody {
-    chunks: VecDeque<Bytes>,
-    remaining: u64,
-}
-
-impl ChunksBody {
-    pub fn new(chunks: Vec<Bytes>) -> Self {
-        let remaining = chunks.iter().map(|c| c.len() as u64).sum();
-        ChunksBody {
-            chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(),
-            remaining,
-        }
-    }
-}
-
-impl Body for ChunksBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.chunks.pop_front().map(|chunk| {
-            self.remaining -= chunk.len() as u64;
-            Ok(Frame::data(chunk))
-        }))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.remaining)
-    }
-}
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChunksBody> {
     let mut response = Response::new(ChunksBody::new(vec![Bytes::from(body)]));

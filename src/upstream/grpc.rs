@@ -1,0 +1,257 @@
+//! gRPC calls to a backend, framed by hand over HTTP/2 so a message given as chunks (tensor buffers among them) is
+//! written without being copied into one buffer, and the answer's message is a slice of what arrived.
+
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{CONTENT_TYPE, TE, USER_AGENT};
+use http::{HeaderMap, HeaderValue, Method, Request};
+use http_body_util::{BodyExt, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tonic::Code;
+
+use crate::body::ChunksBody;
+use crate::config::Endpoint;
+use crate::error::{Error, ErrorKind, Origin, Result};
+
+/// The gRPC message-frame header: a compression flag and a big-endian length.
+const FRAME_HEADER: usize = 5;
+
+/// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
+const STREAM_WINDOW: u32 = 8 << 20;
+const CONNECTION_WINDOW: u32 = 32 << 20;
+
+/// One backend endpoint spoken to over gRPC. Cheap to clone; connections are pooled and shared.
+#[derive(Debug, Clone)]
+pub struct GrpcUpstream {
+    client: Client<HttpConnector, ChunksBody>,
+    authority: String,
+    max_response_bytes: usize,
+}
+
+impl GrpcUpstream {
+    pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> GrpcUpstream {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .http2_initial_stream_window_size(STREAM_WINDOW)
+            .http2_initial_connection_window_size(CONNECTION_WINDOW)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        GrpcUpstream {
+            client,
+            authority: endpoint.to_string(),
+            max_response_bytes,
+        }
+    }
+
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+
+    /// Calls `method` (a full path such as `/inference.GRPCInferenceService/ModelInfer`) with one request message
+    /// given as chunks, and gives the response message. `deadline` bounds the whole call and is passed on as
+    /// `grpc-timeout`; `metadata` is added to the request headers.
+    pub async fn unary(
+        &self,
+        method: &str,
+        message: Vec<Bytes>,
+        deadline: Option<Duration>,
+        metadata: &HeaderMap,
+    ) -> Result<Bytes> {
+        let call = self.call(method, message, deadline, metadata);
+        match deadline {
+            None => call.await,
+            Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    Origin::Upstream,
+                    format!(
+                        "backend {} did not answer within {} ms",
+                        self.authority,
+                        limit.as_millis()
+                    ),
+                ))
+            }),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: &str,
+        message: Vec<Bytes>,
+        deadline: Option<Duration>,
+        metadata: &HeaderMap,
+    ) -> Result<Bytes> {
+        let length: usize = message.iter().map(Bytes::len).sum();
+        let length = u32::try_from(length).map_err(|_| {
+            Error::invalid(format!(
+                "a gRPC message of {length} bytes exceeds the 4 GiB frame limit"
+            ))
+        })?;
+        let mut header = BytesMut::with_capacity(FRAME_HEADER);
+        header.put_u8(0);
+        header.put_u32(length);
+        let mut chunks = Vec::with_capacity(message.len() + 1);
+        chunks.push(header.freeze());
+        chunks.extend(message);
+
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(format!("http://{}{method}", self.authority))
+            .body(ChunksBody::new(chunks))
+            .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
+        let headers = request.headers_mut();
+        for (name, value) in metadata {
+            headers.append(name, value.clone());
+        }
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(TE, HeaderValue::from_static("trailers"));
+        headers.insert(
+            USER_AGENT,
+            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
+        );
+        if let Some(deadline) = deadline {
+            // grpc-timeout allows at most eight digits.
+            let millis = deadline.as_millis().clamp(1, 99_999_999);
+            let value = format!("{millis}m");
+            headers.insert(
+                "grpc-timeout",
+                HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("1m")),
+            );
+        }
+
+        let response = self.client.request(request).await.map_err(|e| {
+            Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("backend {} unreachable: {e}", self.authority),
+            )
+        })?;
+        if response.status() != http::StatusCode::OK {
+            return Err(Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!(
+                    "backend {} answered HTTP {} to a gRPC call",
+                    self.authority,
+                    response.status()
+                ),
+            ));
+        }
+        // Trailers-only answers carry the status in the headers.
+        if let Some(error) = status_error(response.headers()) {
+            return Err(error);
+        }
+        let limit = self.max_response_bytes.saturating_add(FRAME_HEADER);
+        let collected = Limited::new(response.into_body(), limit).collect().await.map_err(|e| {
+            let message = if e.is::<http_body_util::LengthLimitError>() {
+                format!(
+                    "backend {} answered more than the limit of {} bytes",
+                    self.authority, self.max_response_bytes
+                )
+            } else {
+                format!("backend {} broke off its answer: {e}", self.authority)
+            };
+            Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
+        })?;
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        if let Some(error) = status_error(&trailers) {
+            return Err(error);
+        }
+        if trailers.get("grpc-status").is_none() {
+            return Err(Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("backend {} ended its answer without a grpc-status", self.authority),
+            ));
+        }
+        single_message(collected.to_bytes()).map_err(|e| e.into_upstream_protocol_error())
+    }
+}
+
+/// The error a `grpc-status` other than OK stands for, with its `grpc-message`.
+fn status_error(headers: &HeaderMap) -> Option<Error> {
+    let status = headers.get("grpc-status")?.to_str().ok()?.trim().parse::<i32>().ok()?;
+    if status == 0 {
+        return None;
+    }
+    let message = headers
+        .get("grpc-message")
+        .map(|m| percent_decode(m.as_bytes()))
+        .unwrap_or_default();
+    Some(Error::from_upstream_grpc(Code::from_i32(status), message))
+}
+
+/// gRPC percent-encodes `grpc-message`.
+fn percent_decode(text: &[u8]) -> String {
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            text[i],
+            text.get(i + 1).and_then(|&b| hex(b)),
+            text.get(i + 2).and_then(|&b| hex(b)),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                out.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
+                i += 3;
+            }
+            (byte, _, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The one message of a unary answer, as a slice of the body.
+fn single_message(mut body: Bytes) -> Result<Bytes> {
+    if body.len() < FRAME_HEADER {
+        return Err(Error::invalid(format!(
+            "answer of {} bytes holds no gRPC message",
+            body.len()
+        )));
+    }
+    if body[0] != 0 {
+        return Err(Error::invalid("answer is compressed, which was not offered"));
+    }
+    let length = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+    if body.len() - FRAME_HEADER != length {
+        return Err(Error::invalid(format!(
+            "answer frames a {length}-byte message but carries {} bytes",
+            body.len() - FRAME_HEADER
+        )));
+    }
+    Ok(body.split_off(FRAME_HEADER))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_and_statuses() {
+        assert_eq!(
+            single_message(Bytes::from_static(b"\0\0\0\0\x02ab")).unwrap(),
+            Bytes::from_static(b"ab")
+        );
+        assert!(single_message(Bytes::from_static(b"\0\0\0\0\x03ab")).is_err());
+        assert!(single_message(Bytes::from_static(b"\x01\0\0\0\x02ab")).is_err());
+        assert!(single_message(Bytes::from_static(b"\0\0")).is_err());
+        assert_eq!(percent_decode(b"model %27x%27 not found%"), "model 'x' not found%");
+        let mut headers = HeaderMap::new();
+        headers.insert("grpc-status", HeaderValue::from_static("5"));
+        headers.insert("grpc-message", HeaderValue::from_static("unknown%20model"));
+        let error = status_error(&headers).unwrap();
+        assert_eq!((error.grpc_code(), error.message()), (Code::NotFound, "unknown model"));
+        headers.insert("grpc-status", HeaderValue::from_static("0"));
+        assert!(status_error(&headers).is_none());
+    }
+}
