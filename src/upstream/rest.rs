@@ -1,0 +1,267 @@
+//! REST calls to a backend over pooled HTTP/1.1 keep-alive connections: inference bodies go out as their chunks
+//! (binary sections are the tensors' own buffers), answers come back decoded, and a backend's error keeps its status
+//! and message.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CONTENT_TYPE, USER_AGENT};
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::body::ChunksBody;
+use crate::codec::rest::{self, EncodedBody};
+use crate::config::Endpoint;
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
+
+/// The binary extension's header giving the JSON part's length.
+pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
+
+/// One backend endpoint spoken to over REST. Cheap to clone; connections are pooled and shared.
+#[derive(Debug, Clone)]
+pub struct RestUpstream {
+    client: Client<HttpConnector, ChunksBody>,
+    authority: String,
+    max_response_bytes: usize,
+}
+
+/// A raw answer: status, headers and the whole body.
+#[derive(Debug)]
+pub struct RestAnswer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// Percent-encodes a path segment (model names and versions are checked to hold no '/', but may hold anything else).
+pub fn path_segment(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// `/v2/models/<model>[/versions/<version>]` followed by `suffix`.
+pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
+    match version.filter(|v| !v.is_empty()) {
+        Some(version) => format!(
+            "/v2/models/{}/versions/{}{suffix}",
+            path_segment(model),
+            path_segment(version)
+        ),
+        None => format!("/v2/models/{}{suffix}", path_segment(model)),
+    }
+}
+
+impl RestUpstream {
+    pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> RestUpstream {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        RestUpstream {
+            client,
+            authority: endpoint.to_string(),
+            max_response_bytes,
+        }
+    }
+
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+
+    /// Sends one request and reads the whole answer, within `deadline`.
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &HeaderMap,
+        body: Vec<Bytes>,
+        deadline: Option<Duration>,
+    ) -> Result<RestAnswer> {
+        let call = self.exchange(method, path, headers, body);
+        match deadline {
+            None => call.await,
+            Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    Origin::Upstream,
+                    format!(
+                        "backend {} did not answer within {} ms",
+                        self.authority,
+                        limit.as_millis()
+                    ),
+                ))
+            }),
+        }
+    }
+
+    async fn exchange(&self, method: Method, path: &str, headers: &HeaderMap, body: Vec<Bytes>) -> Result<RestAnswer> {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.authority))
+            .body(ChunksBody::new(body))
+            .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
+        let request_headers = request.headers_mut();
+        for (name, value) in headers {
+            request_headers.append(name, value.clone());
+        }
+        request_headers.insert(
+            USER_AGENT,
+            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
+        );
+        let response = self.client.request(request).await.map_err(|e| {
+            Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("backend {} unreachable: {e}", self.authority),
+            )
+        })?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = Limited::new(response.into_body(), self.max_response_bytes)
+            .collect()
+            .await
+            .map_err(|e| {
+                let message = if e.is::<http_body_util::LengthLimitError>() {
+                    format!(
+                        "backend {} answered more than the limit of {} bytes",
+                        self.authority, self.max_response_bytes
+                    )
+                } else {
+                    format!("backend {} broke off its answer: {e}", self.authority)
+                };
+                Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
+            })?;
+        Ok(RestAnswer {
+            status,
+            headers,
+            body: body.to_bytes(),
+        })
+    }
+
+    /// The backend's error, when the answer is not a success.
+    fn check(&self, answer: &RestAnswer) -> Result<()> {
+        if answer.status.is_success() {
+            return Ok(());
+        }
+        let message = rest::decode_error(&answer.body);
+        let message = if message.is_empty() {
+            format!("backend {} answered {}", self.authority, answer.status)
+        } else {
+            message
+        };
+        Err(Error::from_upstream_http(answer.status.as_u16(), message))
+    }
+
+    /// Runs an inference: `body` is an encoded request (JSON, or binary-extension when the backend speaks it).
+    pub async fn infer(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        body: EncodedBody,
+        headers: &HeaderMap,
+        deadline: Option<Duration>,
+    ) -> Result<InferResponse> {
+        let mut headers = headers.clone();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(body.content_type()));
+        if let Some(length) = body.header_length {
+            headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(length));
+        }
+        let path = model_path(model, version, "/infer");
+        let answer = self.send(Method::POST, &path, &headers, body.chunks, deadline).await?;
+        self.check(&answer)?;
+        let length = match answer.headers.get(INFERENCE_HEADER_CONTENT_LENGTH) {
+            None => None,
+            Some(value) => Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        Error::invalid(format!("{INFERENCE_HEADER_CONTENT_LENGTH} {value:?} is not a number"))
+                            .into_upstream_protocol_error()
+                    })?,
+            ),
+        };
+        rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)
+    }
+
+    pub async fn model_metadata(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        deadline: Option<Duration>,
+    ) -> Result<ModelMetadata> {
+        let answer = self
+            .send(
+                Method::GET,
+                &model_path(model, version, ""),
+                &HeaderMap::new(),
+                Vec::new(),
+                deadline,
+            )
+            .await?;
+        self.check(&answer)?;
+        rest::decode_model_metadata(&answer.body).map_err(Error::into_upstream_protocol_error)
+    }
+
+    /// Model readiness; an unknown model is an error, an unready one is `ready: false`.
+    pub async fn model_ready(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        deadline: Option<Duration>,
+    ) -> Result<ModelReady> {
+        let path = model_path(model, version, "/ready");
+        let answer = self
+            .send(Method::GET, &path, &HeaderMap::new(), Vec::new(), deadline)
+            .await?;
+        if answer.status == StatusCode::NOT_FOUND {
+            self.check(&answer)?;
+        }
+        rest::decode_model_ready(answer.status.is_success(), &answer.body, model)
+            .map_err(Error::into_upstream_protocol_error)
+    }
+
+    pub async fn server_ready(&self, deadline: Option<Duration>) -> Result<ServerReady> {
+        let answer = self
+            .send(Method::GET, "/v2/health/ready", &HeaderMap::new(), Vec::new(), deadline)
+            .await?;
+        rest::decode_server_ready(answer.status.is_success(), &answer.body).map_err(Error::into_upstream_protocol_error)
+    }
+
+    pub async fn server_metadata(&self, deadline: Option<Duration>) -> Result<ServerMetadata> {
+        let answer = self
+            .send(Method::GET, "/v2", &HeaderMap::new(), Vec::new(), deadline)
+            .await?;
+        self.check(&answer)?;
+        rest::decode_server_metadata(&answer.body).map_err(Error::into_upstream_protocol_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_encode_their_segments() {
+        assert_eq!(model_path("add_sub", None, "/infer"), "/v2/models/add_sub/infer");
+        assert_eq!(
+            model_path("a b%", Some("1"), "/ready"),
+            "/v2/models/a%20b%25/versions/1/ready"
+        );
+        assert_eq!(model_path("m", Some(""), ""), "/v2/models/m");
+    }
+}

@@ -1,0 +1,188 @@
+//! The REST upstream client against the built-in model server: JSON and binary-extension inference, metadata and
+//! health, backend errors kept, readiness, a backend that is down.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::ModelServerProcess;
+use http::{HeaderMap, Method};
+use oipgate::codec::rest::{self, BINARY_DATA_OUTPUT};
+use oipgate::config::Endpoint;
+use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
+use oipgate::upstream::RestUpstream;
+use oipgate::{ErrorKind, Origin};
+
+fn upstream(server: &ModelServerProcess) -> RestUpstream {
+    let addr = server.rest.unwrap();
+    RestUpstream::new(
+        &Endpoint {
+            host: addr.ip().to_string(),
+            port: addr.port(),
+        },
+        Duration::from_secs(2),
+        1 << 30,
+    )
+}
+
+fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
+    values
+        .into_iter()
+        .flat_map(i32::to_le_bytes)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+fn add_sub() -> InferRequest {
+    InferRequest {
+        id: Some("q".into()),
+        inputs: vec![
+            Tensor::new("INPUT0", DataType::Int32, vec![1, 16], int32s(0..16)).unwrap(),
+            Tensor::new("INPUT1", DataType::Int32, vec![1, 16], int32s([3; 16])).unwrap(),
+        ],
+        ..InferRequest::default()
+    }
+}
+
+#[tokio::test]
+async fn inference_as_json_and_as_binary() {
+    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let client = upstream(&server);
+    let json = client
+        .infer(
+            "add_sub",
+            Some("1"),
+            rest::encode_request(&add_sub(), false).unwrap(),
+            &HeaderMap::new(),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(json.model_version.as_deref(), Some("1"));
+    assert_eq!(json.id.as_deref(), Some("q"));
+    assert_eq!(json.outputs[0].data, int32s(3..19));
+
+    let mut binary_request = add_sub();
+    binary_request
+        .parameters
+        .insert(BINARY_DATA_OUTPUT.into(), ParamValue::Bool(true));
+    let binary = rest::encode_request(&binary_request, true).unwrap();
+    assert!(binary.header_length.is_some());
+    let answer = client
+        .infer("add_sub", None, binary, &HeaderMap::new(), None)
+        .await
+        .unwrap();
+    assert_eq!(answer.model_version.as_deref(), Some("2"));
+    assert_eq!(answer.outputs[1].data, int32s(-3..13));
+    assert!(
+        answer.outputs.iter().all(|o| o.parameters.is_empty()),
+        "binary_data_size is consumed"
+    );
+}
+
+#[tokio::test]
+async fn errors_keep_status_and_message() {
+    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let client = upstream(&server);
+    let error = client
+        .infer(
+            "nope",
+            None,
+            rest::encode_request(&add_sub(), false).unwrap(),
+            &HeaderMap::new(),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (error.http_status().as_u16(), error.message()),
+        (404, "unknown model 'nope'")
+    );
+    assert_eq!(error.origin(), Origin::Upstream);
+    let mut bad = add_sub();
+    bad.inputs[1].shape = vec![16];
+    let error = client
+        .infer(
+            "add_sub",
+            None,
+            rest::encode_request(&bad, false).unwrap(),
+            &HeaderMap::new(),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.grpc_code(), tonic::Code::InvalidArgument);
+    assert!(error.message().contains("input 'INPUT1'"), "{}", error.message());
+}
+
+#[tokio::test]
+async fn metadata_and_readiness() {
+    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--name", "backend-x"]);
+    let client = upstream(&server);
+    assert_eq!(client.server_metadata(None).await.unwrap().name, "backend-x");
+    let metadata = client.model_metadata("add_sub", Some("1"), None).await.unwrap();
+    assert_eq!(metadata.versions, ["1", "2"]);
+    assert!(client.server_ready(None).await.unwrap().ready);
+    assert!(client.model_ready("add_sub", None, None).await.unwrap().ready);
+    let unload = client
+        .send(
+            Method::POST,
+            "/v2/repository/models/add_sub/unload",
+            &HeaderMap::new(),
+            Vec::new(),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(unload.status, 200);
+    assert!(!client.model_ready("add_sub", Some("2"), None).await.unwrap().ready);
+    assert!(!client.server_ready(None).await.unwrap().ready);
+    let unknown = client.model_ready("nope", None, None).await.unwrap_err();
+    assert_eq!(unknown.http_status().as_u16(), 404);
+    let error = client.model_metadata("add_sub", Some("5"), None).await.unwrap_err();
+    assert_eq!(error.http_status().as_u16(), 404);
+}
+
+#[tokio::test]
+async fn deadline_and_a_backend_that_is_down() {
+    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let client = upstream(&server);
+    let mut slow = InferRequest {
+        inputs: vec![Tensor::new("x", DataType::Int8, vec![1], Bytes::from_static(&[1])).unwrap()],
+        ..InferRequest::default()
+    };
+    slow.parameters.insert("delay_ms".into(), ParamValue::Int64(5_000));
+    let started = Instant::now();
+    let error = client
+        .infer(
+            "slow",
+            None,
+            rest::encode_request(&slow, false).unwrap(),
+            &HeaderMap::new(),
+            Some(Duration::from_millis(200)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!((error.kind(), error.http_status().as_u16()), (ErrorKind::Timeout, 504));
+    assert!(started.elapsed() < Duration::from_secs(3));
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let down = RestUpstream::new(
+        &Endpoint {
+            host: "127.0.0.1".into(),
+            port,
+        },
+        Duration::from_secs(1),
+        1024,
+    );
+    let error = down.server_ready(Some(Duration::from_secs(5))).await.unwrap_err();
+    assert_eq!(
+        (error.kind(), error.http_status().as_u16()),
+        (ErrorKind::BadGateway, 502)
+    );
+}
