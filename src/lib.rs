@@ -5,6 +5,7 @@ pub mod codec;
 pub mod config;
 pub mod convert;
 pub mod demo;
+pub mod dispatch;
 pub mod error;
 pub mod modelserver;
 pub mod protocol;

@@ -1,0 +1,328 @@
+//! The one internal call behind both front doors: a request for a public model and version is resolved to a
+//! backend, sent over the backend's own protocol (translated when the client spoke the other one), and answered with
+//! the public names restored.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use prost::Message;
+
+use crate::codec::rest::{self, BINARY_DATA_OUTPUT};
+use crate::codec::{protobuf, splice};
+use crate::config::{BackendProtocol, Config};
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::proto::{
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
+    ModelReadyResponse,
+};
+use crate::protocol::{InferRequest, InferResponse, ModelMetadata, ParamValue, ServerMetadata};
+use crate::routing::{RouteTable, VersionRoute};
+use crate::upstream::{GrpcUpstream, RestUpstream};
+
+const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
+const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";
+const MODEL_READY: &str = "/inference.GRPCInferenceService/ModelReady";
+
+/// How long a connection attempt to a backend may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a server-ready answer is reused.
+const READY_CACHE: Duration = Duration::from_secs(1);
+/// Bound on each readiness probe of a backend.
+const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
+
+/// What one request carries besides its payload.
+#[derive(Debug, Clone, Default)]
+pub struct CallContext {
+    /// The client's deadline, if it set one; the configured request timeout bounds it.
+    pub deadline: Option<Duration>,
+    /// Headers (or gRPC metadata) to pass on to the backend, such as `x-request-id` and `traceparent`.
+    pub forward: HeaderMap,
+}
+
+/// A backend's replicas, spoken to over its protocol.
+#[derive(Debug)]
+enum Replicas {
+    Rest {
+        endpoints: Vec<RestUpstream>,
+        binary_data: bool,
+    },
+    Grpc {
+        endpoints: Vec<GrpcUpstream>,
+    },
+}
+
+#[derive(Debug)]
+struct BackendClients {
+    name: String,
+    replicas: Replicas,
+    next: AtomicUsize,
+}
+
+impl BackendClients {
+    /// The next replica, round robin.
+    fn pick<T>(&self, endpoints: &[T]) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % endpoints.len().max(1)
+    }
+}
+
+/// The gateway's routing and backends, built once from a validated configuration.
+#[derive(Debug)]
+pub struct Dispatcher {
+    routes: RouteTable,
+    backends: Vec<BackendClients>,
+    request_timeout: Duration,
+    metadata: ServerMetadata,
+    ready_cache: Mutex<Option<(Instant, bool)>>,
+}
+
+/// Extensions the gateway supports, as its server metadata reports them.
+pub const EXTENSIONS: [&str; 1] = ["binary_tensor_data"];
+
+impl Dispatcher {
+    pub fn new(config: &Config, name: &str) -> Result<Dispatcher> {
+        let max_response = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
+        let backends = config
+            .backends
+            .iter()
+            .map(|backend| {
+                let replicas = match backend.protocol {
+                    BackendProtocol::Rest => Replicas::Rest {
+                        endpoints: backend
+                            .endpoints
+                            .iter()
+                            .map(|e| RestUpstream::new(e, CONNECT_TIMEOUT, max_response))
+                            .collect(),
+                        binary_data: backend.binary_data,
+                    },
+                    BackendProtocol::Grpc => Replicas::Grpc {
+                        endpoints: backend
+                            .endpoints
+                            .iter()
+                            .map(|e| GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response))
+                            .collect(),
+                    },
+                };
+                BackendClients {
+                    name: backend.name.clone(),
+                    replicas,
+                    next: AtomicUsize::new(0),
+                }
+            })
+            .collect();
+        Ok(Dispatcher {
+            routes: RouteTable::new(config)?,
+            backends,
+            request_timeout: config.limits.request_timeout,
+            metadata: ServerMetadata {
+                name: name.to_owned(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                extensions: EXTENSIONS.iter().map(|e| (*e).to_owned()).collect(),
+            },
+            ready_cache: Mutex::new(None),
+        })
+    }
+
+    pub fn routes(&self) -> &RouteTable {
+        &self.routes
+    }
+
+    pub fn server_metadata(&self) -> &ServerMetadata {
+        &self.metadata
+    }
+
+    fn deadline(&self, context: &CallContext) -> Duration {
+        context
+            .deadline
+            .map_or(self.request_timeout, |d| d.min(self.request_timeout))
+    }
+
+    fn backend(&self, route: &VersionRoute) -> Result<&BackendClients> {
+        self.backends
+            .get(route.backend)
+            .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend)))
+    }
+
+    /// Whether the backend serving `model` (at `version`, or its default) speaks gRPC: then a gRPC client's request
+    /// can pass through as bytes.
+    pub fn is_grpc(&self, model: &str, version: Option<&str>) -> Result<bool> {
+        let route = self.routes.resolve(model, version)?;
+        Ok(matches!(self.backend(route)?.replicas, Replicas::Grpc { .. }))
+    }
+
+    /// Runs an inference given as a decoded request, over whichever protocol the backend speaks, and answers with
+    /// the public model name and version.
+    pub async fn infer(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        mut request: InferRequest,
+        context: &CallContext,
+    ) -> Result<InferResponse> {
+        let route = self.routes.resolve(model, version)?;
+        let backend = self.backend(route)?;
+        let deadline = Some(self.deadline(context));
+        request.model_name = route.upstream_name.clone();
+        request.model_version = Some(route.upstream_version.clone()).filter(|v| !v.is_empty());
+        let mut response = match &backend.replicas {
+            Replicas::Rest { endpoints, binary_data } => {
+                let endpoint = &endpoints[backend.pick(endpoints)];
+                if *binary_data {
+                    // The backend answers in binary: no floats printed and parsed on the way back.
+                    request
+                        .parameters
+                        .insert(BINARY_DATA_OUTPUT.to_owned(), ParamValue::Bool(true));
+                }
+                let body = rest::encode_request(&request, *binary_data)?;
+                endpoint
+                    .infer(
+                        &route.upstream_name,
+                        request.model_version.as_deref(),
+                        body,
+                        &context.forward,
+                        deadline,
+                    )
+                    .await?
+            }
+            Replicas::Grpc { endpoints } => {
+                let endpoint = &endpoints[backend.pick(endpoints)];
+                let message = protobuf::encode_request(request);
+                let answer = endpoint
+                    .unary(MODEL_INFER, message.chunks, deadline, &context.forward)
+                    .await?;
+                let decoded = ModelInferResponse::decode(answer).map_err(|e| bad_answer(&backend.name, e))?;
+                protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?
+            }
+        };
+        response.model_name = route.model.clone();
+        response.model_version = Some(route.version.clone());
+        Ok(response)
+    }
+
+    /// The gRPC front door's inference: an encoded `ModelInferRequest` in, an encoded `ModelInferResponse` out.
+    /// To a gRPC backend it passes through as bytes with only the names spliced; to a REST backend it is translated.
+    pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<Vec<Bytes>> {
+        let fields = splice::model_fields(&message)?;
+        let route = self.routes.resolve(fields.name, Some(fields.version))?.clone();
+        let backend = self.backend(&route)?;
+        match &backend.replicas {
+            Replicas::Grpc { endpoints } => {
+                let endpoint = &endpoints[backend.pick(endpoints)];
+                let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
+                let answer = endpoint
+                    .unary(MODEL_INFER, renamed, Some(self.deadline(context)), &context.forward)
+                    .await?;
+                splice::rename(&answer, &route.model, &route.version).map_err(Error::into_upstream_protocol_error)
+            }
+            Replicas::Rest { .. } => {
+                let decoded = ModelInferRequest::decode(message)
+                    .map_err(|e| Error::invalid(format!("invalid ModelInferRequest: {e}")))?;
+                let request = protobuf::request_from_proto(decoded)?;
+                let response = self.infer(&route.model, Some(&route.version), request, context).await?;
+                Ok(protobuf::encode_response(response).chunks)
+            }
+        }
+    }
+
+    /// Model metadata from the backend serving the resolved version, with the public name and versions.
+    pub async fn model_metadata(&self, model: &str, version: Option<&str>) -> Result<ModelMetadata> {
+        let route = self.routes.resolve(model, version)?;
+        let backend = self.backend(route)?;
+        let deadline = Some(self.request_timeout);
+        let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
+        let mut metadata = match &backend.replicas {
+            Replicas::Rest { endpoints, .. } => {
+                endpoints[backend.pick(endpoints)]
+                    .model_metadata(&route.upstream_name, upstream_version, deadline)
+                    .await?
+            }
+            Replicas::Grpc { endpoints } => {
+                let request = ModelMetadataRequest {
+                    name: route.upstream_name.clone(),
+                    version: route.upstream_version.clone(),
+                };
+                let answer = endpoints[backend.pick(endpoints)]
+                    .unary(
+                        MODEL_METADATA,
+                        vec![Bytes::from(request.encode_to_vec())],
+                        deadline,
+                        &HeaderMap::new(),
+                    )
+                    .await?;
+                let decoded = ModelMetadataResponse::decode(answer).map_err(|e| bad_answer(&backend.name, e))?;
+                protobuf::model_metadata_from_proto(decoded)
+            }
+        };
+        metadata.name = route.model.clone();
+        metadata.versions = self.routes.versions(model).map(<[String]>::to_vec).unwrap_or_default();
+        Ok(metadata)
+    }
+
+    /// Whether the backend serving the resolved version says the model is ready.
+    pub async fn model_ready(&self, model: &str, version: Option<&str>) -> Result<bool> {
+        self.route_ready(self.routes.resolve(model, version)?, self.request_timeout)
+            .await
+    }
+
+    async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
+        let backend = self.backend(route)?;
+        let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
+        match &backend.replicas {
+            Replicas::Rest { endpoints, .. } => Ok(endpoints[backend.pick(endpoints)]
+                .model_ready(&route.upstream_name, upstream_version, Some(deadline))
+                .await?
+                .ready),
+            Replicas::Grpc { endpoints } => {
+                let request = ModelReadyRequest {
+                    name: route.upstream_name.clone(),
+                    version: route.upstream_version.clone(),
+                };
+                let answer = endpoints[backend.pick(endpoints)]
+                    .unary(
+                        MODEL_READY,
+                        vec![Bytes::from(request.encode_to_vec())],
+                        Some(deadline),
+                        &HeaderMap::new(),
+                    )
+                    .await?;
+                Ok(ModelReadyResponse::decode(answer)
+                    .map_err(|e| bad_answer(&backend.name, e))?
+                    .ready)
+            }
+        }
+    }
+
+    /// The gateway is ready when every configured model's default version is ready at its backend. Answers are
+    /// reused for up to a second so probes cannot flood the backends.
+    pub async fn server_ready(&self) -> bool {
+        if let Ok(cache) = self.ready_cache.lock()
+            && let Some((at, ready)) = *cache
+            && at.elapsed() < READY_CACHE
+        {
+            return ready;
+        }
+        let checks = self
+            .routes
+            .models()
+            .filter_map(|model| self.routes.resolve(model, None).ok())
+            .map(|route| async move { self.route_ready(route, READY_PROBE_TIMEOUT).await.unwrap_or(false) });
+        let ready = futures_util::future::join_all(checks)
+            .await
+            .into_iter()
+            .all(|ready| ready);
+        if let Ok(mut cache) = self.ready_cache.lock() {
+            *cache = Some((Instant::now(), ready));
+        }
+        ready
+    }
+}
+
+fn bad_answer(backend: &str, error: prost::DecodeError) -> Error {
+    Error::new(
+        ErrorKind::BadGateway,
+        Origin::Upstream,
+        format!("backend {backend} sent an invalid message: {error}"),
+    )
+}
