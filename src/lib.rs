@@ -7,6 +7,7 @@ pub mod convert;
 pub mod demo;
 pub mod dispatch;
 pub mod error;
+pub mod frontend;
 pub mod modelserver;
 pub mod protocol;
 pub mod routing;
@@ -16,6 +17,9 @@ pub mod proto {
     //! Generated protobuf types and gRPC service stubs for `package inference`.
     #![allow(clippy::all, missing_debug_implementations, unused_qualifications)]
     tonic::include_proto!("inference");
+
+    /// The encoded descriptors of `proto/grpc_predict_v2.proto`, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inference_descriptor.bin"));
 }
 
 pub use error::{Error, ErrorKind, Origin, Result};

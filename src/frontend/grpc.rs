@@ -1,0 +1,351 @@
+//! The gRPC front door: `inference.GRPCInferenceService` (ModelInfer passes through as bytes, everything else is
+//! typed), `grpc.health.v1.Health` and server reflection, on tonic.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes};
+use tokio::net::TcpListener;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::server::{NamedService, UnaryService};
+use tonic::{Request, Response, Status};
+
+use super::forwarded_headers;
+use crate::codec::protobuf;
+use crate::dispatch::{CallContext, Dispatcher};
+use crate::error::Result;
+use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
+use crate::proto::{
+    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
+    ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
+    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+};
+
+const SERVICE: &str = "inference.GRPCInferenceService";
+const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
+/// How often the health service's status is refreshed from the backends.
+const HEALTH_REFRESH: Duration = Duration::from_secs(1);
+
+/// Messages as bytes: decoding slices the received buffer, encoding writes the chunks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawCodec;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawEncoder;
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawDecoder;
+
+impl Codec for RawCodec {
+    type Encode = Vec<Bytes>;
+    type Decode = Bytes;
+    type Encoder = RawEncoder;
+    type Decoder = RawDecoder;
+
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+
+    fn decoder(&mut self) -> RawDecoder {
+        RawDecoder
+    }
+}
+
+impl Encoder for RawEncoder {
+    type Item = Vec<Bytes>;
+    type Error = Status;
+
+    fn encode(&mut self, chunks: Vec<Bytes>, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        // tonic frames from its own buffer, so the answer is copied once here.
+        for chunk in chunks {
+            buf.put_slice(&chunk);
+        }
+        Ok(())
+    }
+}
+
+impl Decoder for RawDecoder {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        let length = buf.remaining();
+        Ok(Some(buf.copy_to_bytes(length)))
+    }
+}
+
+/// Parses a `grpc-timeout` value: up to eight digits and a unit (H, M, S, m, u, n).
+pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount * 3600),
+        "M" => Duration::from_secs(amount * 60),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+fn context<T>(request: &Request<T>) -> CallContext {
+    let headers = request.metadata().clone().into_headers();
+    CallContext {
+        deadline: headers
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_grpc_timeout),
+        forward: forwarded_headers(&headers),
+    }
+}
+
+/// `ModelInfer` on raw bytes.
+#[derive(Debug, Clone)]
+struct InferRaw {
+    dispatcher: Arc<Dispatcher>,
+}
+
+impl UnaryService<Bytes> for InferRaw {
+    type Response = Vec<Bytes>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Vec<Bytes>>, Status>> + Send>>;
+
+    fn call(&mut self, request: Request<Bytes>) -> Self::Future {
+        let dispatcher = self.dispatcher.clone();
+        Box::pin(async move {
+            let context = context(&request);
+            let request_id = context.forward.get(super::REQUEST_ID).cloned();
+            let chunks = dispatcher
+                .infer_grpc(request.into_inner(), &context)
+                .await
+                .map_err(|e| e.to_grpc_status())?;
+            let mut response = Response::new(chunks);
+            if let Some(id) = request_id.and_then(|v| v.to_str().ok().and_then(|v| v.parse().ok())) {
+                response.metadata_mut().insert(super::REQUEST_ID, id);
+            }
+            Ok(response)
+        })
+    }
+}
+
+/// The typed RPCs.
+#[derive(Debug, Clone)]
+struct Typed {
+    dispatcher: Arc<Dispatcher>,
+}
+
+fn version(text: &str) -> Option<&str> {
+    Some(text).filter(|v| !v.is_empty())
+}
+
+#[tonic::async_trait]
+impl GrpcInferenceService for Typed {
+    async fn server_live(&self, _: Request<ServerLiveRequest>) -> Result<Response<ServerLiveResponse>, Status> {
+        Ok(Response::new(ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(&self, _: Request<ServerReadyRequest>) -> Result<Response<ServerReadyResponse>, Status> {
+        Ok(Response::new(ServerReadyResponse {
+            ready: self.dispatcher.server_ready().await,
+        }))
+    }
+
+    async fn model_ready(&self, request: Request<ModelReadyRequest>) -> Result<Response<ModelReadyResponse>, Status> {
+        let request = request.into_inner();
+        let ready = self
+            .dispatcher
+            .model_ready(&request.name, version(&request.version))
+            .await?;
+        Ok(Response::new(ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<ServerMetadataRequest>,
+    ) -> Result<Response<ServerMetadataResponse>, Status> {
+        Ok(Response::new(protobuf::server_metadata_to_proto(
+            self.dispatcher.server_metadata().clone(),
+        )))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<ModelMetadataRequest>,
+    ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let request = request.into_inner();
+        let metadata = self
+            .dispatcher
+            .model_metadata(&request.name, version(&request.version))
+            .await?;
+        Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
+    }
+
+    async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
+        // Not reached: the router sends ModelInfer to the raw path. Kept correct all the same.
+        let context = context(&request);
+        let message = request.into_inner();
+        let (model, model_version) = (message.model_name.clone(), message.model_version.clone());
+        let decoded = protobuf::request_from_proto(message)?;
+        let response = self
+            .dispatcher
+            .infer(&model, version(&model_version), decoded, &context)
+            .await?;
+        Ok(Response::new(protobuf::response_to_proto(response)))
+    }
+
+    async fn repository_index(
+        &self,
+        _: Request<RepositoryIndexRequest>,
+    ) -> Result<Response<RepositoryIndexResponse>, Status> {
+        Err(Status::unimplemented(
+            "the gateway has no model repository; ask the backends",
+        ))
+    }
+
+    async fn repository_model_load(
+        &self,
+        _: Request<RepositoryModelLoadRequest>,
+    ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
+        Err(Status::unimplemented(
+            "the gateway does not load models; ask the backends",
+        ))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        _: Request<RepositoryModelUnloadRequest>,
+    ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
+        Err(Status::unimplemented(
+            "the gateway does not unload models; ask the backends",
+        ))
+    }
+}
+
+/// `inference.GRPCInferenceService`: ModelInfer on the raw path, the rest typed.
+#[derive(Debug, Clone)]
+pub struct InferenceService {
+    raw: InferRaw,
+    typed: GrpcInferenceServiceServer<Typed>,
+    max_message_bytes: usize,
+}
+
+impl InferenceService {
+    pub fn new(dispatcher: Arc<Dispatcher>, max_message_bytes: usize) -> Self {
+        let typed = GrpcInferenceServiceServer::new(Typed {
+            dispatcher: dispatcher.clone(),
+        })
+        .max_decoding_message_size(max_message_bytes)
+        .max_encoding_message_size(usize::MAX);
+        InferenceService {
+            raw: InferRaw { dispatcher },
+            typed,
+            max_message_bytes,
+        }
+    }
+}
+
+impl NamedService for InferenceService {
+    const NAME: &'static str = SERVICE;
+}
+
+impl<B> tower_service::Service<http::Request<B>> for InferenceService
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() == MODEL_INFER_PATH {
+            let raw = self.raw.clone();
+            let limit = self.max_message_bytes;
+            Box::pin(async move {
+                let mut grpc =
+                    tonic::server::Grpc::new(RawCodec).apply_max_message_size_config(Some(limit), Some(usize::MAX));
+                Ok(grpc.unary(raw, request).await)
+            })
+        } else {
+            self.typed.call(request)
+        }
+    }
+}
+
+/// Serves the gRPC front door on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    dispatcher: Arc<Dispatcher>,
+    max_message_bytes: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::result::Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    let watched = dispatcher.clone();
+    let health_task = tokio::spawn(async move {
+        loop {
+            let status = if watched.server_ready().await {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            reporter.set_service_status(SERVICE, status).await;
+            reporter.set_service_status("", status).await;
+            tokio::time::sleep(HEALTH_REFRESH).await;
+        }
+    });
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1();
+    let result = match reflection {
+        Ok(reflection) => {
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(InferenceService::new(dispatcher, max_message_bytes))
+                .add_service(health)
+                .add_service(reflection)
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+                .await
+        }
+        Err(error) => {
+            eprintln!("gRPC reflection is unavailable: {error}");
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(InferenceService::new(dispatcher, max_message_bytes))
+                .add_service(health)
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
+                .await
+        }
+    };
+    health_task.abort();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts() {
+        assert_eq!(parse_grpc_timeout("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_grpc_timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("5000u"), Some(Duration::from_millis(5)));
+        assert_eq!(parse_grpc_timeout("123456789m"), None);
+        assert_eq!(parse_grpc_timeout("m"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+        assert_eq!(parse_grpc_timeout("10x"), None);
+    }
+}

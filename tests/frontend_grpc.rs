@@ -1,0 +1,295 @@
+//! The gRPC front door in front of real model servers, driven by generated clients: passthrough and translated
+//! inference, the typed RPCs, request ids, health checking and server reflection.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use oipgate::config::{raw, validate};
+use oipgate::dispatch::Dispatcher;
+use oipgate::frontend::grpc;
+use oipgate::modelserver::{self, ModelServerConfig, RunningModelServer};
+use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use oipgate::proto::model_infer_request::InferInputTensor;
+use oipgate::proto::{
+    ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, RepositoryIndexRequest, ServerLiveRequest,
+    ServerMetadataRequest, ServerReadyRequest,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+struct Gateway {
+    _backends: (RunningModelServer, RunningModelServer),
+    addr: SocketAddr,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn gateway() -> Gateway {
+    let any = || Some("127.0.0.1:0".parse().unwrap());
+    let rest = modelserver::start(ModelServerConfig {
+        rest: any(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let grpc_backend = modelserver::start(ModelServerConfig {
+        grpc: any(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let text = format!(
+        r#"
+        [limits]
+        max_request_bytes = 67108864
+        [[backends]]
+        name = "a"
+        protocol = "rest"
+        endpoints = ["{}"]
+        binary_data = true
+        [[backends]]
+        name = "b"
+        protocol = "grpc"
+        endpoints = ["{}"]
+        [[models]]
+        name = "add_sub"
+        versions = [ {{ version = "1", backend = "a" }}, {{ version = "2", backend = "b" }} ]
+        default_version = "1"
+        [[models]]
+        name = "classifier"
+        versions = [ {{ version = "3", backend = "b", upstream_name = "add_sub", upstream_version = "1" }} ]
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "b" }} ]
+        "#,
+        rest.rest_addr.unwrap(),
+        grpc_backend.grpc_addr.unwrap()
+    );
+    let config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
+    let dispatcher = Arc::new(Dispatcher::new(&config, "oipgate-test").unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(grpc::serve(listener, dispatcher, 64 << 20, async move {
+        let _ = stopped.await;
+    }));
+    Gateway {
+        _backends: (rest, grpc_backend),
+        addr,
+        _stop: stop,
+    }
+}
+
+async fn client(addr: SocketAddr) -> GrpcInferenceServiceClient<Channel> {
+    GrpcInferenceServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX)
+}
+
+fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
+    values
+        .into_iter()
+        .flat_map(i32::to_le_bytes)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+fn add_sub(model: &str, version: &str) -> ModelInferRequest {
+    let tensor = |name: &str| InferInputTensor {
+        name: name.into(),
+        datatype: "INT32".into(),
+        shape: vec![1, 16],
+        ..Default::default()
+    };
+    ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        id: "front-1".into(),
+        inputs: vec![tensor("INPUT0"), tensor("INPUT1")],
+        raw_input_contents: vec![int32s(0..16), int32s([10; 16])],
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn inference_through_both_paths() {
+    let gateway = gateway().await;
+    let mut client = client(gateway.addr).await;
+    for (model, version, public) in [
+        ("add_sub", "2", "2"),
+        ("add_sub", "1", "1"),
+        ("add_sub", "", "1"),
+        ("classifier", "3", "3"),
+    ] {
+        let response = client.model_infer(add_sub(model, version)).await.unwrap();
+        let request_id = response
+            .metadata()
+            .get("x-request-id")
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert!(
+            request_id.is_some_and(|id| !id.is_empty()),
+            "a request id is generated and echoed"
+        );
+        let response = response.into_inner();
+        assert_eq!(
+            (response.model_name.as_str(), response.model_version.as_str()),
+            (model, public)
+        );
+        assert_eq!(response.id, "front-1");
+        assert_eq!(response.raw_output_contents.len(), response.outputs.len());
+        assert_eq!(response.raw_output_contents[0], int32s(10..26), "{model} {version}");
+    }
+    let mut with_id = tonic::Request::new(add_sub("add_sub", "2"));
+    with_id
+        .metadata_mut()
+        .insert("x-request-id", "mine-42".parse().unwrap());
+    let response = client.model_infer(with_id).await.unwrap();
+    assert_eq!(response.metadata().get("x-request-id").unwrap(), "mine-42");
+}
+
+#[tokio::test]
+async fn typed_rpcs_and_errors() {
+    let gateway = gateway().await;
+    let mut client = client(gateway.addr).await;
+    assert!(
+        client
+            .server_live(ServerLiveRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .live
+    );
+    assert!(
+        client
+            .server_ready(ServerReadyRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    assert_eq!(
+        client
+            .server_metadata(ServerMetadataRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .name,
+        "oipgate-test"
+    );
+    let metadata = client
+        .model_metadata(ModelMetadataRequest {
+            name: "classifier".into(),
+            version: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (metadata.name.as_str(), metadata.versions.clone()),
+        ("classifier", vec!["3".to_owned()])
+    );
+    assert!(
+        client
+            .model_ready(ModelReadyRequest {
+                name: "add_sub".into(),
+                version: "1".into()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    let unknown = client.model_infer(add_sub("nope", "")).await.unwrap_err();
+    assert_eq!(
+        (unknown.code(), unknown.message()),
+        (Code::NotFound, "unknown model 'nope'")
+    );
+    let mut bad = add_sub("add_sub", "1");
+    bad.inputs[1].shape = vec![16];
+    assert_eq!(client.model_infer(bad).await.unwrap_err().code(), Code::InvalidArgument);
+    let repository = client
+        .repository_index(RepositoryIndexRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(repository.code(), Code::Unimplemented);
+}
+
+#[tokio::test]
+async fn messages_beyond_four_mebibytes_pass() {
+    let gateway = gateway().await;
+    let mut client = client(gateway.addr).await;
+    let payload = Bytes::from(vec![5u8; 20 << 20]);
+    let request = ModelInferRequest {
+        model_name: "identity".into(),
+        inputs: vec![InferInputTensor {
+            name: "big".into(),
+            datatype: "UINT8".into(),
+            shape: vec![20 << 20],
+            parameters: BTreeMap::new(),
+            contents: None,
+        }],
+        raw_input_contents: vec![payload.clone()],
+        ..Default::default()
+    };
+    let response = client.model_infer(request).await.unwrap().into_inner();
+    assert_eq!(response.raw_output_contents[0], payload);
+}
+
+#[tokio::test]
+async fn health_checking_and_reflection() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let gateway = gateway().await;
+    let channel = Channel::from_shared(format!("http://{}", gateway.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel.clone());
+    let mut status = ServingStatus::Unknown;
+    for _ in 0..50 {
+        let answer = health
+            .check(HealthCheckRequest {
+                service: "inference.GRPCInferenceService".into(),
+            })
+            .await;
+        if let Ok(answer) = answer {
+            status = answer.into_inner().status();
+            if status == ServingStatus::Serving {
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, ServingStatus::Serving);
+
+    let mut reflection = ServerReflectionClient::new(channel);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter(vec![request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        panic!("no service list")
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"inference.GRPCInferenceService".to_owned()),
+        "{names:?}"
+    );
+    assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
+}
