@@ -33,6 +33,17 @@ const READY_CACHE: Duration = Duration::from_secs(1);
 /// Bound on each readiness probe of a backend.
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
+/// A REST request proxied to a backend unchanged but for its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Passthrough {
+    /// `host:port` of the chosen replica.
+    pub authority: String,
+    /// The backend's path for the model and version.
+    pub path: String,
+    /// Bound on the backend's answer.
+    pub timeout: Duration,
+}
+
 /// What one request carries besides its payload.
 #[derive(Debug, Clone, Default)]
 pub struct CallContext {
@@ -150,6 +161,33 @@ impl Dispatcher {
     pub fn is_grpc(&self, model: &str, version: Option<&str>) -> Result<bool> {
         let route = self.routes.resolve(model, version)?;
         Ok(matches!(self.backend(route)?.replicas, Replicas::Grpc { .. }))
+    }
+
+    /// Where a REST client's inference can be proxied as it is: a REST backend that uses the public names (no alias
+    /// to rename in the answer) and understands the body (binary-extension bodies only to backends that speak it).
+    pub fn rest_passthrough(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        binary_body: bool,
+    ) -> Result<Option<Passthrough>> {
+        let route = self.routes.resolve(model, version)?;
+        let backend = self.backend(route)?;
+        let Replicas::Rest { endpoints, binary_data } = &backend.replicas else {
+            return Ok(None);
+        };
+        if route.upstream_name != route.model
+            || route.upstream_version != route.version
+            || (binary_body && !binary_data)
+        {
+            return Ok(None);
+        }
+        let endpoint = &endpoints[backend.pick(endpoints)];
+        Ok(Some(Passthrough {
+            authority: endpoint.authority().to_owned(),
+            path: crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer"),
+            timeout: self.request_timeout,
+        }))
     }
 
     /// Runs an inference given as a decoded request, over whichever protocol the backend speaks, and answers with

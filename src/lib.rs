@@ -1,5 +1,6 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
+pub mod app;
 pub mod body;
 pub mod codec;
 pub mod config;

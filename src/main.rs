@@ -47,6 +47,12 @@ enum Command {
         #[arg(long, default_value_t = 1 << 30)]
         max_request_bytes: usize,
     },
+    /// Runs the gateway: REST (HTTP/1.1 and h2c) and gRPC front doors in front of the configured backends.
+    Serve {
+        /// The TOML configuration file; OIPGATE__SECTION__KEY environment variables override its values.
+        #[arg(long)]
+        config: std::path::PathBuf,
+    },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
     CheckConfig {
         /// The TOML configuration file.
@@ -73,6 +79,7 @@ fn main() -> ExitCode {
             to,
             header_length,
         } => run_convert(from, to, header_length),
+        Command::Serve { config } => run_serve(&config),
         Command::CheckConfig { file } => return check_config(&file),
         Command::ModelServer {
             rest,
@@ -156,4 +163,14 @@ fn check_config(file: &std::path::Path) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn run_serve(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+    let config =
+        oipgate::config::Config::load(path, &oipgate::config::environment_overrides()).map_err(|problems| {
+            let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
+            lines.join("\n")
+        })?;
+    oipgate::app::serve(config, "oipgate")?;
+    Ok(())
 }

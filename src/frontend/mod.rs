@@ -1,6 +1,8 @@
 //! The front doors: thin adapters from REST and gRPC onto the one dispatch call.
 
 pub mod grpc;
+pub mod paths;
+pub mod rest;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};

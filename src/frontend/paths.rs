@@ -1,0 +1,77 @@
+//! The protocol's REST paths: which endpoint a path names, and the one method each answers.
+
+use http::Method;
+
+/// Which endpoint a path names.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Route<'a> {
+    ServerMetadata,
+    Live,
+    Ready,
+    ModelMetadata(&'a str, Option<&'a str>),
+    ModelReady(&'a str, Option<&'a str>),
+    Infer(&'a str, Option<&'a str>),
+    RepositoryIndex,
+    RepositoryLoad(&'a str),
+    RepositoryUnload(&'a str),
+}
+
+impl Route<'_> {
+    /// The one method each endpoint answers.
+    pub fn method(&self) -> Method {
+        match self {
+            Route::ServerMetadata | Route::Live | Route::Ready | Route::ModelMetadata(..) | Route::ModelReady(..) => {
+                Method::GET
+            }
+            Route::Infer(..) | Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
+                Method::POST
+            }
+        }
+    }
+}
+
+pub fn route(path: &str) -> Option<Route<'_>> {
+    let rest = path.strip_prefix("/v2")?;
+    if !rest.is_empty() && !rest.starts_with('/') {
+        return None;
+    }
+    let segments: Vec<&str> = rest.split('/').skip(1).collect();
+    Some(match segments.as_slice() {
+        [] | [""] => Route::ServerMetadata,
+        ["health", "live"] => Route::Live,
+        ["health", "ready"] => Route::Ready,
+        ["repository", "index"] => Route::RepositoryIndex,
+        ["repository", "models", model, "load"] => Route::RepositoryLoad(model),
+        ["repository", "models", model, "unload"] => Route::RepositoryUnload(model),
+        ["models", model] => Route::ModelMetadata(model, None),
+        ["models", model, "ready"] => Route::ModelReady(model, None),
+        ["models", model, "infer"] => Route::Infer(model, None),
+        ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
+        ["models", model, "versions", version, "ready"] => Route::ModelReady(model, Some(version)),
+        ["models", model, "versions", version, "infer"] => Route::Infer(model, Some(version)),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(route("/v2"), Some(Route::ServerMetadata));
+        assert_eq!(route("/v2/"), Some(Route::ServerMetadata));
+        assert_eq!(
+            route("/v2/models/m/versions/2/infer"),
+            Some(Route::Infer("m", Some("2")))
+        );
+        assert_eq!(route("/v2/models/m/ready"), Some(Route::ModelReady("m", None)));
+        assert_eq!(
+            route("/v2/repository/models/m/unload"),
+            Some(Route::RepositoryUnload("m"))
+        );
+        assert_eq!(route("/v2/models/m/versions"), None);
+        assert_eq!(route("/v1/models/m"), None);
+        assert_eq!(route("/v2x"), None);
+    }
+}

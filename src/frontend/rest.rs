@@ -1,0 +1,475 @@
+//! The REST front door on pingora (HTTP/1.1 and h2c on one port): health and metadata answered by the gateway,
+//! inference proxied untouched to REST backends that need no translation, and decoded, dispatched and re-encoded for
+//! everything else (gRPC backends, aliased names, Decthings bodies).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Method, StatusCode};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::HttpPeer;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::{ErrorType, OkOrErr, OrErr};
+
+use super::paths::{Route, route};
+use super::{REQUEST_ID, forwarded_headers};
+use crate::codec::decthings;
+use crate::codec::rest::{self, BinaryOutputs, EncodedBody, RestRequest};
+use crate::dispatch::{CallContext, Dispatcher, Passthrough};
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::protocol::{InferRequest, ModelReady, ServerLive, ServerReady};
+use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
+
+/// Content type of Decthings request and response bodies.
+pub const DECTHINGS_CONTENT_TYPE: &str = "application/x-decthings-tensors";
+/// How long connecting to a backend may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The REST front door's logic.
+#[derive(Debug)]
+pub struct RestFrontDoor {
+    dispatcher: Arc<Dispatcher>,
+    max_request_bytes: u64,
+}
+
+/// Per-request state.
+#[derive(Debug, Default)]
+pub struct RestContext {
+    passthrough: Option<Passthrough>,
+    request_id: Option<HeaderValue>,
+    received: u64,
+}
+
+impl RestFrontDoor {
+    pub fn new(dispatcher: Arc<Dispatcher>, max_request_bytes: u64) -> Self {
+        RestFrontDoor {
+            dispatcher,
+            max_request_bytes,
+        }
+    }
+
+    fn too_large(&self) -> Error {
+        Error::new(
+            ErrorKind::PayloadTooLarge,
+            Origin::Client,
+            format!(
+                "request body is larger than the limit of {} bytes",
+                self.max_request_bytes
+            ),
+        )
+    }
+
+    /// Answers the request unless it is to be proxied; `Ok(true)` when an answer was written.
+    async fn handle(&self, session: &mut Session, context: &mut RestContext) -> Result<bool> {
+        let header = session.req_header();
+        let path = header.uri.path().to_owned();
+        let method = header.method.clone();
+        let route = route(&path).ok_or_else(|| Error::not_found(format!("no endpoint at {path}")))?;
+        if method != route.method() {
+            return Err(Error::new(
+                ErrorKind::MethodNotAllowed,
+                Origin::Client,
+                format!("{path} answers {} only, not {method}", route.method()),
+            ));
+        }
+        let dispatcher = &self.dispatcher;
+        match route {
+            Route::ServerMetadata => {
+                respond_json(
+                    session,
+                    context,
+                    StatusCode::OK,
+                    rest::encode_server_metadata(dispatcher.server_metadata()),
+                )
+                .await?
+            }
+            Route::Live => {
+                respond_json(
+                    session,
+                    context,
+                    StatusCode::OK,
+                    rest::encode_server_live(ServerLive { live: true }),
+                )
+                .await?
+            }
+            Route::Ready => {
+                let ready = dispatcher.server_ready().await;
+                respond_json(
+                    session,
+                    context,
+                    health_status(ready),
+                    rest::encode_server_ready(ServerReady { ready }),
+                )
+                .await?
+            }
+            Route::ModelMetadata(model, version) => {
+                let metadata = dispatcher.model_metadata(model, version).await?;
+                respond_json(session, context, StatusCode::OK, rest::encode_model_metadata(&metadata)).await?
+            }
+            Route::ModelReady(model, version) => {
+                let ready = dispatcher.model_ready(model, version).await?;
+                let body = rest::encode_model_ready(&ModelReady {
+                    name: model.to_owned(),
+                    ready,
+                });
+                respond_json(session, context, health_status(ready), body).await?
+            }
+            Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
+                return Err(Error::not_found(
+                    "the gateway has no model repository; ask the backends",
+                ));
+            }
+            Route::Infer(model, version) => {
+                return self
+                    .infer(session, context, model.to_owned(), version.map(str::to_owned))
+                    .await;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn infer(
+        &self,
+        session: &mut Session,
+        context: &mut RestContext,
+        model: String,
+        version: Option<String>,
+    ) -> Result<bool> {
+        let header = session.req_header();
+        let declared = header
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > self.max_request_bytes) {
+            return Err(self.too_large());
+        }
+        let header_length = match header.headers.get(INFERENCE_HEADER_CONTENT_LENGTH) {
+            None => None,
+            Some(value) => Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
+                        ))
+                    })?,
+            ),
+        };
+        let content_type = header
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let decthings_in = content_type.starts_with(DECTHINGS_CONTENT_TYPE);
+        let decthings_out = header
+            .headers
+            .get(http::header::ACCEPT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE));
+        let deadline = header
+            .headers
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(super::grpc::parse_grpc_timeout);
+        let forward = forwarded_headers(&header.headers);
+        context.request_id = forward.get(REQUEST_ID).cloned();
+
+        if !decthings_in
+            && !decthings_out
+            && let Some(target) =
+                self.dispatcher
+                    .rest_passthrough(&model, version.as_deref(), header_length.is_some())?
+        {
+            context.passthrough = Some(target);
+            return Ok(false);
+        }
+
+        let body = self.read_body(session).await?;
+        let call = CallContext { deadline, forward };
+        let (request, binary_outputs) = if decthings_in {
+            let inputs = decthings::decode_entries(&body)?;
+            (
+                InferRequest {
+                    inputs,
+                    ..InferRequest::default()
+                },
+                BinaryOutputs::default(),
+            )
+        } else {
+            match rest::decode_request(body, header_length)? {
+                RestRequest::Request {
+                    request,
+                    binary_outputs,
+                } => (request, binary_outputs),
+                RestRequest::RawBinary(body) => {
+                    let metadata = self.dispatcher.model_metadata(&model, version.as_deref()).await?;
+                    let [input] = metadata.inputs.as_slice() else {
+                        return Err(Error::invalid(format!(
+                            "a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; \
+                             '{model}' has {}",
+                            metadata.inputs.len()
+                        )));
+                    };
+                    rest::raw_binary_request(body, input)?
+                }
+            }
+        };
+        let response = self
+            .dispatcher
+            .infer(&model, version.as_deref(), request, &call)
+            .await?;
+        if decthings_out {
+            let mut answer = ResponseHeader::build(StatusCode::OK, Some(6)).map_err(pingora_failure)?;
+            answer
+                .insert_header(http::header::CONTENT_TYPE, DECTHINGS_CONTENT_TYPE)
+                .map_err(pingora_failure)?;
+            answer
+                .insert_header("model-name", response.model_name.as_str())
+                .map_err(pingora_failure)?;
+            if let Some(version) = &response.model_version {
+                answer
+                    .insert_header("model-version", version.as_str())
+                    .map_err(pingora_failure)?;
+            }
+            if let Some(id) = &response.id {
+                answer
+                    .insert_header("inference-id", id.as_str())
+                    .map_err(pingora_failure)?;
+            }
+            let body = decthings::encode_entries(&response.outputs)?;
+            write(session, context, answer, vec![body]).await?;
+        } else {
+            let encoded = rest::encode_response(&response, &binary_outputs)?;
+            respond_encoded(session, context, encoded).await?;
+        }
+        Ok(true)
+    }
+
+    /// Reads the whole body, refusing it as soon as it passes the limit.
+    async fn read_body(&self, session: &mut Session) -> Result<Bytes> {
+        let mut body = BytesMut::new();
+        let mut first: Option<Bytes> = None;
+        while let Some(chunk) = session
+            .read_request_body()
+            .await
+            .map_err(|e| Error::invalid(format!("could not read the request body: {e}")))?
+        {
+            if (body.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len()) as u64 > self.max_request_bytes {
+                return Err(self.too_large());
+            }
+            // One chunk is kept as it is; only a body in several pieces is joined.
+            match first.take() {
+                None if body.is_empty() => first = Some(chunk),
+                Some(previous) => {
+                    body.extend_from_slice(&previous);
+                    body.extend_from_slice(&chunk);
+                }
+                None => body.extend_from_slice(&chunk),
+            }
+        }
+        Ok(first.unwrap_or_else(|| body.freeze()))
+    }
+}
+
+fn health_status(healthy: bool) -> StatusCode {
+    if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+fn pingora_failure(error: Box<pingora::Error>) -> Error {
+    Error::internal(format!("could not write the answer: {error}"))
+}
+
+async fn write(
+    session: &mut Session,
+    context: &RestContext,
+    mut header: ResponseHeader,
+    chunks: Vec<Bytes>,
+) -> Result<()> {
+    let length: usize = chunks.iter().map(Bytes::len).sum();
+    header
+        .insert_header(http::header::CONTENT_LENGTH, length)
+        .map_err(pingora_failure)?;
+    if let Some(id) = &context.request_id {
+        header.insert_header(REQUEST_ID, id.clone()).map_err(pingora_failure)?;
+    }
+    session
+        .write_response_header(Box::new(header), chunks.is_empty())
+        .await
+        .map_err(pingora_failure)?;
+    let count = chunks.len();
+    for (index, chunk) in chunks.into_iter().enumerate() {
+        session
+            .write_response_body(Some(chunk), index + 1 == count)
+            .await
+            .map_err(pingora_failure)?;
+    }
+    Ok(())
+}
+
+async fn respond_json(session: &mut Session, context: &RestContext, status: StatusCode, body: Vec<u8>) -> Result<()> {
+    let mut header = ResponseHeader::build(status, Some(4)).map_err(pingora_failure)?;
+    header
+        .insert_header(http::header::CONTENT_TYPE, "application/json")
+        .map_err(pingora_failure)?;
+    write(session, context, header, vec![Bytes::from(body)]).await
+}
+
+async fn respond_encoded(session: &mut Session, context: &RestContext, body: EncodedBody) -> Result<()> {
+    let mut header = ResponseHeader::build(StatusCode::OK, Some(5)).map_err(pingora_failure)?;
+    header
+        .insert_header(http::header::CONTENT_TYPE, body.content_type())
+        .map_err(pingora_failure)?;
+    if let Some(length) = body.header_length {
+        header
+            .insert_header(INFERENCE_HEADER_CONTENT_LENGTH, length)
+            .map_err(pingora_failure)?;
+    }
+    write(session, context, header, body.chunks).await
+}
+
+/// The protocol's error answer: the error's status and `{"error": "<message>"}`.
+async fn respond_error(session: &mut Session, context: &RestContext, error: &Error) {
+    let mut header = match ResponseHeader::build(error.http_status(), Some(5)) {
+        Ok(header) => header,
+        Err(_) => return,
+    };
+    let _ = header.insert_header(http::header::CONTENT_TYPE, "application/json");
+    if error.kind() == ErrorKind::MethodNotAllowed {
+        let allow = if session.req_header().method == Method::GET {
+            "POST"
+        } else {
+            "GET"
+        };
+        let _ = header.insert_header(http::header::ALLOW, allow);
+    }
+    let _ = write(
+        session,
+        context,
+        header,
+        vec![Bytes::from(rest::encode_error(error.message()))],
+    )
+    .await;
+}
+
+#[async_trait]
+impl ProxyHttp for RestFrontDoor {
+    type CTX = RestContext;
+
+    fn new_ctx(&self) -> RestContext {
+        RestContext::default()
+    }
+
+    async fn request_filter(&self, session: &mut Session, context: &mut RestContext) -> pingora::Result<bool> {
+        match self.handle(session, context).await {
+            Ok(handled) => Ok(handled),
+            Err(error) => {
+                respond_error(session, context, &error).await;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, context: &mut RestContext) -> pingora::Result<Box<HttpPeer>> {
+        let target = context
+            .passthrough
+            .as_ref()
+            .or_err(ErrorType::InternalError, "no backend chosen")?;
+        let mut peer = HttpPeer::new(target.authority.as_str(), false, String::new());
+        peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
+        peer.options.read_timeout = Some(target.timeout);
+        peer.options.write_timeout = Some(target.timeout);
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut RequestHeader,
+        context: &mut RestContext,
+    ) -> pingora::Result<()> {
+        if let Some(target) = &context.passthrough {
+            let uri: http::Uri = target.path.parse().or_err(ErrorType::InternalError, "backend path")?;
+            upstream_request.set_uri(uri);
+        }
+        if let Some(id) = &context.request_id {
+            upstream_request.insert_header(REQUEST_ID, id.clone())?;
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        context: &mut RestContext,
+    ) -> pingora::Result<()> {
+        context.received += body.as_ref().map_or(0, |b| b.len() as u64);
+        if context.received > self.max_request_bytes {
+            return Err(pingora::Error::explain(
+                ErrorType::HTTPStatus(413),
+                "request body is larger than the limit",
+            ));
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        response: &mut ResponseHeader,
+        context: &mut RestContext,
+    ) -> pingora::Result<()> {
+        if let Some(id) = &context.request_id {
+            response.insert_header(REQUEST_ID, id.clone())?;
+        }
+        Ok(())
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        error: &pingora::Error,
+        context: &mut RestContext,
+    ) -> FailToProxy {
+        let (kind, message) = match error.etype() {
+            ErrorType::HTTPStatus(413) => (
+                ErrorKind::PayloadTooLarge,
+                format!(
+                    "request body is larger than the limit of {} bytes",
+                    self.max_request_bytes
+                ),
+            ),
+            ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout => {
+                (ErrorKind::Timeout, format!("backend did not answer in time: {error}"))
+            }
+            ErrorType::HTTPStatus(status) => (ErrorKind::from_http_status(*status), error.to_string()),
+            _ => match error.esource() {
+                pingora::ErrorSource::Downstream => (
+                    ErrorKind::InvalidArgument,
+                    format!("the request could not be read: {error}"),
+                ),
+                _ => (
+                    ErrorKind::BadGateway,
+                    format!("backend unreachable or broke off: {error}"),
+                ),
+            },
+        };
+        let failure = Error::new(kind, Origin::Upstream, message);
+        let code = failure.http_status().as_u16();
+        respond_error(session, context, &failure).await;
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+}
