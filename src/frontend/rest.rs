@@ -24,6 +24,8 @@ use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// Content type of Decthings request and response bodies.
 pub const DECTHINGS_CONTENT_TYPE: &str = "application/x-decthings-tensors";
+/// How long a refused body is read and dropped so the client can read the refusal.
+const LINGER: Duration = Duration::from_secs(5);
 /// How long connecting to a backend may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -276,6 +278,13 @@ impl RestFrontDoor {
     }
 }
 
+/// Reads and drops what is left of a refused body, for a bounded time, so a client still sending it gets to read the
+/// answer instead of a reset connection (nginx's lingering close). Nothing is kept.
+async fn discard_body(session: &mut Session) {
+    let drain = async { while let Ok(Some(_)) = session.read_request_body().await {} };
+    let _ = tokio::time::timeout(LINGER, drain).await;
+}
+
 fn health_status(healthy: bool) -> StatusCode {
     if healthy {
         StatusCode::OK
@@ -373,6 +382,9 @@ impl ProxyHttp for RestFrontDoor {
             Ok(handled) => Ok(handled),
             Err(error) => {
                 respond_error(session, context, &error).await;
+                if error.kind() == ErrorKind::PayloadTooLarge {
+                    discard_body(session).await;
+                }
                 Ok(true)
             }
         }

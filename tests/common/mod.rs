@@ -129,3 +129,80 @@ pub fn add_sub_json(datatype: &str) -> String {
         vec!["1"; 16].join(",")
     )
 }
+
+/// A free port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
+pub struct GatewayProcess {
+    child: Child,
+    pub rest: SocketAddr,
+    pub grpc: SocketAddr,
+    dir: std::path::PathBuf,
+}
+
+impl GatewayProcess {
+    /// `config` is the configuration without its `[listen]` table, which is added with free ports.
+    pub fn start(config: &str) -> GatewayProcess {
+        let rest: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let dir = std::env::temp_dir().join(format!("oipgate-gw-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("gateway.toml");
+        std::fs::write(
+            &path,
+            format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\n{config}"),
+        )
+        .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
+            .arg("serve")
+            .arg("--config")
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("oipgate starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
+        // The line comes before pingora binds: wait until both ports accept.
+        for addr in [rest, grpc] {
+            let ready = (0..100).any(|_| {
+                std::net::TcpStream::connect(addr).is_ok() || {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    false
+                }
+            });
+            assert!(ready, "gateway did not open {addr}");
+        }
+        GatewayProcess { child, rest, grpc, dir }
+    }
+
+    pub fn rest_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.rest)
+    }
+
+    pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<Channel> {
+        GrpcInferenceServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("gRPC connects")
+            .max_decoding_message_size(usize::MAX)
+            .max_encoding_message_size(usize::MAX)
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,435 @@
+//! `oipgate serve` as a user runs it, in front of `oipgate model-server` processes: every endpoint on both front
+//! doors, the four protocol paths compared with calling the backend directly, and the failure cases.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{GatewayProcess, ModelServerProcess, add_sub_json, free_port, get, http_client, post, send};
+use oipgate::codec::decthings;
+use oipgate::codec::rest::{self};
+use oipgate::proto::model_infer_request::InferInputTensor;
+use oipgate::proto::{ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, ServerReadyRequest};
+use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
+use serde_json::json;
+use tonic::Code;
+
+struct Setup {
+    rest_backend: ModelServerProcess,
+    grpc_backend: ModelServerProcess,
+    gateway: GatewayProcess,
+}
+
+fn setup(extra: &str) -> Setup {
+    let rest_backend = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let grpc_backend = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let config = format!(
+        r#"
+        [limits]
+        max_request_bytes = 1048576
+        {extra}
+        [[backends]]
+        name = "fleet-a"
+        protocol = "rest"
+        endpoints = ["{}"]
+        binary_data = true
+        [[backends]]
+        name = "fleet-b"
+        protocol = "grpc"
+        endpoints = ["{}"]
+        [[backends]]
+        name = "down"
+        protocol = "rest"
+        endpoints = ["127.0.0.1:{}"]
+        [[models]]
+        name = "add_sub"
+        versions = [ {{ version = "1", backend = "fleet-a" }}, {{ version = "2", backend = "fleet-b" }} ]
+        default_version = "1"
+        [[models]]
+        name = "classifier"
+        versions = [ {{ version = "3", backend = "fleet-b", upstream_name = "add_sub", upstream_version = "1" }},
+                     {{ version = "4", backend = "fleet-a", upstream_name = "add_sub", upstream_version = "1" }} ]
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "rest", backend = "fleet-a", upstream_version = "1" }},
+                     {{ version = "1", backend = "fleet-a" }},
+                     {{ version = "grpc", backend = "fleet-b", upstream_version = "1" }} ]
+        default_version = "1"
+        [[models]]
+        name = "gone"
+        versions = [ {{ version = "1", backend = "down" }} ]
+        "#,
+        rest_backend.rest.unwrap(),
+        grpc_backend.grpc.unwrap(),
+        free_port()
+    );
+    let gateway = GatewayProcess::start(&config);
+    Setup {
+        rest_backend,
+        grpc_backend,
+        gateway,
+    }
+}
+
+/// The answer with the request-specific parts taken out, for comparing paths.
+fn outputs(body: &[u8]) -> serde_json::Value {
+    let value: serde_json::Value = serde_json::from_slice(body).unwrap();
+    value["outputs"].clone()
+}
+
+#[tokio::test]
+async fn rest_endpoints_and_errors() {
+    let setup = setup("");
+    let gateway = &setup.gateway;
+    assert_eq!(
+        get(&gateway.rest_url("/v2/health/live")).await.json(),
+        json!({"live": true})
+    );
+    let ready = get(&gateway.rest_url("/v2/health/ready")).await;
+    assert_eq!(
+        (ready.status, ready.json()),
+        (503, json!({"ready": false})),
+        "model 'gone' has no live backend"
+    );
+    let metadata = get(&gateway.rest_url("/v2")).await.json();
+    assert_eq!(metadata["name"], "oipgate");
+    assert_eq!(metadata["extensions"], json!(["binary_tensor_data"]));
+    let model = get(&gateway.rest_url("/v2/models/classifier/versions/3")).await.json();
+    assert_eq!(
+        (model["name"].clone(), model["versions"].clone()),
+        (json!("classifier"), json!(["3", "4"]))
+    );
+    let model_ready = get(&gateway.rest_url("/v2/models/add_sub/versions/2/ready")).await;
+    assert_eq!(
+        (model_ready.status, model_ready.json()),
+        (200, json!({"name": "add_sub", "ready": true}))
+    );
+    for (path, status) in [
+        ("/v2/models/nope", 404),
+        ("/v2/models/add_sub/versions/9", 404),
+        ("/v2/nowhere", 404),
+        ("/v2/repository/index", 404),
+    ] {
+        let method = if path.contains("repository") { "POST" } else { "GET" };
+        let answer = send(&http_client(false), method, &gateway.rest_url(path), &[], Bytes::new()).await;
+        assert_eq!(answer.status, status, "{path}");
+        assert!(answer.json()["error"].is_string(), "{path}");
+    }
+    let wrong = get(&gateway.rest_url("/v2/models/add_sub/infer")).await;
+    assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
+    let malformed = post(
+        &gateway.rest_url("/v2/models/add_sub/versions/2/infer"),
+        "{\"inputs\": [",
+    )
+    .await;
+    assert_eq!(malformed.status, 400);
+    assert!(malformed.json()["error"].as_str().unwrap().contains("invalid JSON"));
+    let down = post(&gateway.rest_url("/v2/models/gone/infer"), add_sub_json("INT32")).await;
+    assert_eq!(down.status, 502, "{:?}", down.body);
+    assert!(down.json()["error"].is_string());
+}
+
+#[tokio::test]
+async fn every_rest_path_equals_the_direct_answer() {
+    let setup = setup("");
+    let direct = post(
+        &setup.rest_backend.rest_url("/v2/models/add_sub/versions/1/infer"),
+        add_sub_json("INT32"),
+    )
+    .await;
+    assert_eq!(direct.status, 200);
+    for (path, version, name) in [
+        ("/v2/models/add_sub/infer", "1", "add_sub"),
+        ("/v2/models/add_sub/versions/1/infer", "1", "add_sub"),
+        ("/v2/models/classifier/versions/3/infer", "3", "classifier"),
+        ("/v2/models/classifier/versions/4/infer", "4", "classifier"),
+    ] {
+        let answer = post(&setup.gateway.rest_url(path), add_sub_json("INT32")).await;
+        assert_eq!(answer.status, 200, "{path}: {:?}", answer.body);
+        let body = answer.json();
+        assert_eq!(
+            (
+                body["model_name"].clone(),
+                body["model_version"].clone(),
+                body["id"].clone()
+            ),
+            (json!(name), json!(version), json!("r1")),
+            "{path}"
+        );
+        assert_eq!(outputs(&answer.body), outputs(&direct.body), "{path}");
+        assert!(answer.header("x-request-id").is_some_and(|id| !id.is_empty()));
+    }
+    let v2 = post(
+        &setup.gateway.rest_url("/v2/models/add_sub/versions/2/infer"),
+        add_sub_json("INT32"),
+    )
+    .await
+    .json();
+    assert_eq!(v2["outputs"][0], outputs(&direct.body)[0]);
+    let mine = send(
+        &http_client(false),
+        "POST",
+        &setup.gateway.rest_url("/v2/models/add_sub/infer"),
+        &[("x-request-id", "abc-1".into())],
+        add_sub_json("INT32"),
+    )
+    .await;
+    assert_eq!(mine.header("x-request-id"), Some("abc-1"));
+}
+
+#[tokio::test]
+async fn binary_extension_and_every_datatype_on_both_rest_paths() {
+    let setup = setup("");
+    let mut inputs = Vec::new();
+    for (i, datatype) in DataType::ALL.into_iter().enumerate() {
+        let tensor = match datatype.element_size() {
+            Some(size) => Tensor::new(
+                format!("t{i}"),
+                datatype,
+                vec![2],
+                Bytes::from(vec![u8::from(datatype != DataType::Bool); 2 * size]),
+            )
+            .unwrap(),
+            None => Tensor::from_bytes_elements(format!("t{i}"), vec![2], [&b"\xff\xfe"[..], b"ok"]).unwrap(),
+        };
+        inputs.push(tensor);
+    }
+    let mut request = InferRequest {
+        inputs: inputs.clone(),
+        ..InferRequest::default()
+    };
+    request
+        .parameters
+        .insert("binary_data_output".into(), ParamValue::Bool(true));
+    let body = rest::encode_request(&request, true).unwrap();
+    let headers = [(
+        "inference-header-content-length",
+        body.header_length.unwrap().to_string(),
+    )];
+    for version in ["1", "grpc", "rest"] {
+        let url = setup
+            .gateway
+            .rest_url(&format!("/v2/models/identity/versions/{version}/infer"));
+        let answer = send(&http_client(false), "POST", &url, &headers, body.to_bytes()).await;
+        assert_eq!(answer.status, 200, "{version}: {:?}", answer.body);
+        let length = answer
+            .header("inference-header-content-length")
+            .map(|l| l.parse().unwrap());
+        let response = rest::decode_response(answer.body, length).unwrap();
+        assert_eq!(response.outputs, inputs, "identity via {version}");
+        assert_eq!(response.model_version.as_deref(), Some(version));
+    }
+}
+
+#[tokio::test]
+async fn grpc_paths_equal_the_direct_answer() {
+    let setup = setup("");
+    let int32s = |values: Vec<i32>| -> Bytes {
+        values
+            .into_iter()
+            .flat_map(i32::to_le_bytes)
+            .collect::<Vec<u8>>()
+            .into()
+    };
+    let request = |model: &str, version: &str| ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        id: "g".into(),
+        inputs: ["INPUT0", "INPUT1"]
+            .map(|n| InferInputTensor {
+                name: n.into(),
+                datatype: "INT32".into(),
+                shape: vec![1, 16],
+                ..Default::default()
+            })
+            .to_vec(),
+        raw_input_contents: vec![int32s((0..16).collect()), int32s(vec![7; 16])],
+        ..Default::default()
+    };
+    let mut direct_client = setup.grpc_backend.grpc_client().await;
+    let direct = direct_client
+        .model_infer(request("add_sub", "1"))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut client = setup.gateway.grpc_client().await;
+    for (model, version, public) in [
+        ("add_sub", "2", "2"),
+        ("add_sub", "1", "1"),
+        ("add_sub", "", "1"),
+        ("classifier", "3", "3"),
+        ("classifier", "4", "4"),
+    ] {
+        let response = client.model_infer(request(model, version)).await.unwrap().into_inner();
+        assert_eq!(
+            (
+                response.model_name.as_str(),
+                response.model_version.as_str(),
+                response.id.as_str()
+            ),
+            (model, public, "g")
+        );
+        assert_eq!(
+            response.raw_output_contents[..2],
+            direct.raw_output_contents[..2],
+            "{model} {version}"
+        );
+    }
+    assert!(
+        !client
+            .server_ready(ServerReadyRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    assert!(
+        client
+            .model_ready(ModelReadyRequest {
+                name: "add_sub".into(),
+                version: "1".into()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    let metadata = client
+        .model_metadata(ModelMetadataRequest {
+            name: "classifier".into(),
+            version: "4".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(metadata.name, "classifier");
+    let down = client.model_infer(request("gone", "")).await.unwrap_err();
+    assert_eq!(down.code(), Code::Unavailable);
+    let unknown = client.model_infer(request("nope", "")).await.unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound);
+}
+
+#[tokio::test]
+async fn decthings_bodies_in_and_out() {
+    let setup = setup("");
+    let inputs = vec![
+        Tensor::new(
+            "INPUT0",
+            DataType::Int32,
+            vec![1, 16],
+            (0..16i32).flat_map(i32::to_le_bytes).collect::<Vec<u8>>().into(),
+        )
+        .unwrap(),
+        Tensor::new(
+            "INPUT1",
+            DataType::Int32,
+            vec![1, 16],
+            [2i32; 16]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        )
+        .unwrap(),
+    ];
+    let body = decthings::encode_entries(&inputs).unwrap();
+    let content_type = ("content-type", "application/x-decthings-tensors".to_owned());
+    let json_answer = send(
+        &http_client(false),
+        "POST",
+        &setup.gateway.rest_url("/v2/models/add_sub/infer"),
+        &[content_type.clone()],
+        body.clone(),
+    )
+    .await;
+    assert_eq!(json_answer.status, 200, "{:?}", json_answer.body);
+    assert_eq!(json_answer.json()["outputs"][0]["data"][0], 2);
+    let headers = [content_type, ("accept", "application/x-decthings-tensors".to_owned())];
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &setup.gateway.rest_url("/v2/models/add_sub/versions/2/infer"),
+        &headers,
+        body,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("content-type"), Some("application/x-decthings-tensors"));
+    assert_eq!(
+        (answer.header("model-name"), answer.header("model-version")),
+        (Some("add_sub"), Some("2"))
+    );
+    let outputs = decthings::decode_entries(&answer.body).unwrap();
+    assert_eq!(
+        outputs.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+        ["OUTPUT0", "OUTPUT1", "VERSION"]
+    );
+    let bad = send(
+        &http_client(false),
+        "POST",
+        &setup.gateway.rest_url("/v2/models/add_sub/infer"),
+        &[("content-type", "application/x-decthings-tensors".into())],
+        Bytes::from_static(b"\x05ab"),
+    )
+    .await;
+    assert_eq!(bad.status, 400);
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit_are_refused_on_every_path() {
+    let setup = setup("");
+    let big = vec![b' '; 2 << 20];
+    for path in [
+        "/v2/models/add_sub/versions/1/infer",
+        "/v2/models/add_sub/versions/2/infer",
+    ] {
+        let answer = post(&setup.gateway.rest_url(path), big.clone()).await;
+        assert_eq!(answer.status, 413, "{path}");
+        assert!(answer.json()["error"].as_str().unwrap().contains("limit"));
+    }
+}
+
+#[tokio::test]
+async fn startup_problems_are_clear() {
+    let dir = std::env::temp_dir().join(format!("oipgate-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[models]]\nname = \"m\"\nversions = [ { version = \"1\", backend = \"x\" } ]\n",
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .args(["serve", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("models[0].versions[0].backend: no backend named \"x\""));
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let good = dir.join("busy.toml");
+    std::fs::write(
+        &good,
+        format!(
+            "[listen]\nrest = \"{}\"\ngrpc = \"127.0.0.1:{}\"\n[[backends]]\nname = \"b\"\nprotocol = \"rest\"\nendpoints = [\"127.0.0.1:1\"]\n[[models]]\nname = \"m\"\nversions = [ {{ version = \"1\", backend = \"b\" }} ]\n",
+            busy.local_addr().unwrap(),
+            free_port()
+        ),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .args(["serve", "--config"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cannot listen for REST"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
