@@ -339,7 +339,7 @@ async fn decthings_bodies_in_and_out() {
         &http_client(false),
         "POST",
         &setup.gateway.rest_url("/v2/models/add_sub/infer"),
-        &[content_type.clone()],
+        std::slice::from_ref(&content_type),
         body.clone(),
     )
     .await;
