@@ -27,8 +27,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Shows one inference request in every wire form oipgate speaks, converted and checked end to end.
-    Demo,
+    /// Runs the gateway in front of two built-in model servers (one REST, one gRPC) and prints examples to try.
+    Demo {
+        /// The gateway's REST address.
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        rest: SocketAddr,
+        /// The gateway's gRPC address.
+        #[arg(long, default_value = "127.0.0.1:8001")]
+        grpc: SocketAddr,
+    },
     /// Serves the built-in models over REST and gRPC (a real Open Inference Protocol backend).
     ModelServer {
         /// REST address (HTTP/1.1 and h2c); port 0 picks a free port.
@@ -73,7 +80,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Demo => oipgate::demo::run(&mut std::io::stdout()),
+        Command::Demo { rest, grpc } => {
+            oipgate::demo::run(oipgate::demo::DemoOptions { rest, grpc }).map_err(Into::into)
+        }
         Command::Convert {
             from,
             to,

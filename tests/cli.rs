@@ -20,15 +20,68 @@ fn oipgate(args: &[&str], stdin: &[u8]) -> (bool, Vec<u8>, String) {
     )
 }
 
+/// `oipgate demo` started as a user starts it, and every curl line it prints run as printed.
 #[test]
-fn demo_converts_every_form_back() {
-    let (ok, stdout, stderr) = oipgate(&["demo"], b"");
-    let stdout = String::from_utf8(stdout).unwrap();
-    assert!(ok, "{stderr}");
-    for form in ["Json", "Binary", "Protobuf"] {
-        assert!(stdout.contains(&format!("{form}: ")), "{stdout}");
+fn demo_runs_and_its_printed_curl_examples_work() {
+    use std::io::BufRead;
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (rest, grpc) = (format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .args(["demo", "--rest", &rest, "--grpc", &grpc])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut curls = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if line.starts_with("Python") {
+            break;
+        }
+        if let Some(command) = line.trim().strip_prefix("curl ") {
+            curls.push(format!("curl --max-time 10 {command}"));
+        }
     }
-    assert!(!stdout.contains("NO"), "{stdout}");
+    assert!(curls.len() >= 4, "the demo prints curl examples: {curls:?}");
+    let up = (0..100).any(|_| {
+        std::net::TcpStream::connect(&rest).is_ok() || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            false
+        }
+    });
+    assert!(up, "the demo gateway did not open {rest}");
+    let mut answers = Vec::new();
+    for command in &curls {
+        let output = Command::new("sh").arg("-c").arg(command).output().expect("sh runs");
+        assert!(
+            output.status.success(),
+            "{command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        answers.push(String::from_utf8(output.stdout).unwrap());
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        answers[0].contains(r#""model_version":"1""#) && answers[0].contains(r#""data":[1,2,3,4"#),
+        "{}",
+        answers[0]
+    );
+    assert!(
+        answers[1].contains(r#""model_version":"2""#) && answers[1].contains(r#""name":"VERSION""#),
+        "{}",
+        answers[1]
+    );
+    assert!(answers[2].contains(r#"["olleh","yawetag"]"#), "{}", answers[2]);
+    assert!(answers.iter().any(|a| a.contains(r#""versions":["1","2"]"#)));
+    assert!(answers.iter().any(|a| a == r#"{"ready":true}"#), "{answers:?}");
 }
 
 #[test]
