@@ -391,6 +391,30 @@ async fn bodies_over_the_limit_are_refused_on_every_path() {
 }
 
 #[tokio::test]
+async fn grpc_messages_over_the_limit_are_resource_exhausted() {
+    let setup = setup("");
+    let mut client = setup.gateway.grpc_client().await;
+    let request = ModelInferRequest {
+        model_name: "identity".into(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "UINT8".into(),
+            shape: vec![2 << 20],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![Bytes::from(vec![0u8; 2 << 20])],
+        ..Default::default()
+    };
+    let status = client.model_infer(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("limit of 1048576 bytes"),
+        "{}",
+        status.message()
+    );
+}
+
+#[tokio::test]
 async fn startup_problems_are_clear() {
     let dir = std::env::temp_dir().join(format!("oipgate-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -270,9 +270,9 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        if request.uri().path() == MODEL_INFER_PATH {
+        let limit = self.max_message_bytes;
+        let answer: Self::Future = if request.uri().path() == MODEL_INFER_PATH {
             let raw = self.raw.clone();
-            let limit = self.max_message_bytes;
             Box::pin(async move {
                 let mut grpc =
                     tonic::server::Grpc::new(RawCodec).apply_max_message_size_config(Some(limit), Some(usize::MAX));
@@ -280,8 +280,56 @@ where
             })
         } else {
             self.typed.call(request)
+        };
+        Box::pin(async move {
+            let mut response = answer.await?;
+            size_limit_is_resource_exhausted(&mut response, limit);
+            Ok(response)
+        })
+    }
+}
+
+/// tonic refuses an oversized message from its length prefix, before reading it, but says OUT_OF_RANGE; the
+/// protocol's table (and the REST door's 413) says RESOURCE_EXHAUSTED. The status may come in the headers
+/// (trailers-only) or in the trailers.
+fn size_limit_is_resource_exhausted(response: &mut http::Response<tonic::body::Body>, limit: usize) {
+    let rewritten = rewrite_size_status(response.headers_mut(), limit);
+    if rewritten && response.extensions().get::<Status>().is_some() {
+        // tonic keeps the status here too, and writes it from here on the wire.
+        response
+            .extensions_mut()
+            .insert(Status::resource_exhausted(size_message(limit)));
+    }
+    let body = std::mem::replace(response.body_mut(), tonic::body::Body::empty());
+    let body = http_body_util::BodyExt::map_frame(body, move |frame| match frame.into_trailers() {
+        Ok(mut trailers) => {
+            let _ = rewrite_size_status(&mut trailers, limit);
+            http_body::Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
+    });
+    *response.body_mut() = tonic::body::Body::new(body);
+}
+
+fn size_message(limit: usize) -> String {
+    format!("request message is larger than the limit of {limit} bytes")
+}
+
+/// Rewrites the status in `headers`; true when it did.
+fn rewrite_size_status(headers: &mut http::HeaderMap, limit: usize) -> bool {
+    let out_of_range = headers.get("grpc-status").is_some_and(|s| s == "11");
+    let is_size_limit = headers
+        .get("grpc-message")
+        .and_then(|m| m.to_str().ok())
+        // grpc-message is percent-encoded on the wire.
+        .is_some_and(|m| m.replace("%20", " ").contains("decoded message length too large"));
+    if out_of_range && is_size_limit {
+        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+        if let Ok(value) = http::HeaderValue::from_str(&size_message(limit)) {
+            headers.insert("grpc-message", value);
         }
     }
+    out_of_range && is_size_limit
 }
 
 /// Serves the gRPC front door on `listener` until `shutdown` resolves.
