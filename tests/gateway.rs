@@ -311,6 +311,55 @@ async fn grpc_paths_equal_the_direct_answer() {
 }
 
 #[tokio::test]
+async fn every_datatype_through_the_grpc_door_on_both_paths() {
+    use oipgate::codec::protobuf;
+    let setup = setup("");
+    let mut inputs = Vec::new();
+    for (i, datatype) in DataType::ALL.into_iter().enumerate() {
+        let tensor = match datatype.element_size() {
+            Some(size) => {
+                let data: Vec<u8> = (0..3 * size)
+                    .map(|b| {
+                        if datatype == DataType::Bool {
+                            u8::from(b % 2 == 0)
+                        } else {
+                            b.to_le_bytes()[0] ^ 0x5a
+                        }
+                    })
+                    .collect();
+                Tensor::new(format!("t{i}"), datatype, vec![3], Bytes::from(data)).unwrap()
+            }
+            None => Tensor::from_bytes_elements(format!("t{i}"), vec![2], [&b"\x00\xff"[..], b"text"]).unwrap(),
+        };
+        inputs.push(tensor);
+    }
+    let mut client = setup.gateway.grpc_client().await;
+    for version in ["1", "grpc"] {
+        let request = InferRequest {
+            model_name: "identity".into(),
+            model_version: Some(version.into()),
+            inputs: inputs.clone(),
+            ..InferRequest::default()
+        };
+        let response = client
+            .model_infer(protobuf::request_to_proto(request))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            response.raw_output_contents.len(),
+            inputs.len(),
+            "raw contents for every output ({version})"
+        );
+        let response = protobuf::response_from_proto(response).unwrap();
+        assert_eq!(
+            response.outputs, inputs,
+            "identity through the gRPC door, version {version}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn decthings_bodies_in_and_out() {
     let setup = setup("");
     let inputs = vec![
