@@ -6,7 +6,6 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{CONTENT_TYPE, TE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request};
-use http_body_util::{BodyExt, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -33,15 +32,12 @@ pub struct GrpcUpstream {
 
 impl GrpcUpstream {
     pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> GrpcUpstream {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .http2_initial_stream_window_size(STREAM_WINDOW)
             .http2_initial_connection_window_size(CONNECTION_WINDOW)
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
+            .build(super::connector(connect_timeout));
         GrpcUpstream {
             client,
             authority: endpoint.to_string(),
@@ -63,21 +59,12 @@ impl GrpcUpstream {
         deadline: Option<Duration>,
         metadata: &HeaderMap,
     ) -> Result<Bytes> {
-        let call = self.call(method, message, deadline, metadata);
-        match deadline {
-            None => call.await,
-            Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Timeout,
-                    Origin::Upstream,
-                    format!(
-                        "backend {} did not answer within {} ms",
-                        self.authority,
-                        limit.as_millis()
-                    ),
-                ))
-            }),
-        }
+        super::within(
+            deadline,
+            &self.authority,
+            self.call(method, message, deadline, metadata),
+        )
+        .await
     }
 
     async fn call(
@@ -147,19 +134,14 @@ impl GrpcUpstream {
         if let Some(error) = status_error(response.headers()) {
             return Err(error);
         }
-        let limit = self.max_response_bytes.saturating_add(FRAME_HEADER);
-        let collected = Limited::new(response.into_body(), limit).collect().await.map_err(|e| {
-            let message = if e.is::<http_body_util::LengthLimitError>() {
-                format!(
-                    "backend {} answered more than the limit of {} bytes",
-                    self.authority, self.max_response_bytes
-                )
-            } else {
-                format!("backend {} broke off its answer: {e}", self.authority)
-            };
-            Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
-        })?;
-        let trailers = collected.trailers().cloned().unwrap_or_default();
+        let (body, trailers) = super::read_answer(
+            response.into_body(),
+            self.max_response_bytes,
+            FRAME_HEADER,
+            &self.authority,
+        )
+        .await?;
+        let trailers = trailers.unwrap_or_default();
         if let Some(error) = status_error(&trailers) {
             return Err(error);
         }
@@ -170,7 +152,7 @@ impl GrpcUpstream {
                 format!("backend {} ended its answer without a grpc-status", self.authority),
             ));
         }
-        single_message(collected.to_bytes()).map_err(|e| e.into_upstream_protocol_error())
+        single_message(body).map_err(|e| e.into_upstream_protocol_error())
     }
 }
 

@@ -7,7 +7,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
-use http_body_util::{BodyExt, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -64,12 +63,9 @@ pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
 
 impl RestUpstream {
     pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> RestUpstream {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
+            .build(super::connector(connect_timeout));
         RestUpstream {
             client,
             authority: endpoint.to_string(),
@@ -90,21 +86,7 @@ impl RestUpstream {
         body: Vec<Bytes>,
         deadline: Option<Duration>,
     ) -> Result<RestAnswer> {
-        let call = self.exchange(method, path, headers, body);
-        match deadline {
-            None => call.await,
-            Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Timeout,
-                    Origin::Upstream,
-                    format!(
-                        "backend {} did not answer within {} ms",
-                        self.authority,
-                        limit.as_millis()
-                    ),
-                ))
-            }),
-        }
+        super::within(deadline, &self.authority, self.exchange(method, path, headers, body)).await
     }
 
     async fn exchange(&self, method: Method, path: &str, headers: &HeaderMap, body: Vec<Bytes>) -> Result<RestAnswer> {
@@ -130,25 +112,8 @@ impl RestUpstream {
         })?;
         let status = response.status();
         let headers = response.headers().clone();
-        let body = Limited::new(response.into_body(), self.max_response_bytes)
-            .collect()
-            .await
-            .map_err(|e| {
-                let message = if e.is::<http_body_util::LengthLimitError>() {
-                    format!(
-                        "backend {} answered more than the limit of {} bytes",
-                        self.authority, self.max_response_bytes
-                    )
-                } else {
-                    format!("backend {} broke off its answer: {e}", self.authority)
-                };
-                Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
-            })?;
-        Ok(RestAnswer {
-            status,
-            headers,
-            body: body.to_bytes(),
-        })
+        let (body, _) = super::read_answer(response.into_body(), self.max_response_bytes, 0, &self.authority).await?;
+        Ok(RestAnswer { status, headers, body })
     }
 
     /// The backend's error, when the answer is not a success.
