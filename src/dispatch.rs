@@ -42,6 +42,8 @@ pub struct Passthrough {
     pub path: String,
     /// Bound on the backend's answer.
     pub timeout: Duration,
+    /// The public model name and version to put back into the answer, when the backend's differ.
+    pub rename: Option<(String, String)>,
 }
 
 /// What one request carries besides its payload.
@@ -163,8 +165,8 @@ impl Dispatcher {
         Ok(matches!(self.backend(route)?.replicas, Replicas::Grpc { .. }))
     }
 
-    /// Where a REST client's inference can be proxied as it is: a REST backend that uses the public names (no alias
-    /// to rename in the answer) and understands the body (binary-extension bodies only to backends that speak it).
+    /// Where a REST client's inference can be proxied as it is: a REST backend that understands the body
+    /// (binary-extension bodies only to backends that speak it). Aliased names are renamed on the way back.
     pub fn rest_passthrough(
         &self,
         model: &str,
@@ -176,17 +178,16 @@ impl Dispatcher {
         let Replicas::Rest { endpoints, binary_data } = &backend.replicas else {
             return Ok(None);
         };
-        if route.upstream_name != route.model
-            || route.upstream_version != route.version
-            || (binary_body && !binary_data)
-        {
+        if binary_body && !binary_data {
             return Ok(None);
         }
+        let aliased = route.upstream_name != route.model || route.upstream_version != route.version;
         let endpoint = &endpoints[backend.pick(endpoints)];
         Ok(Some(Passthrough {
             authority: endpoint.authority().to_owned(),
             path: crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer"),
             timeout: self.request_timeout,
+            rename: aliased.then(|| (route.model.clone(), route.version.clone())),
         }))
     }
 

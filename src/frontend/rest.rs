@@ -42,6 +42,56 @@ pub struct RestContext {
     passthrough: Option<Passthrough>,
     request_id: Option<HeaderValue>,
     received: u64,
+    rename: Option<Rename>,
+}
+
+/// An aliased answer on its way through: its JSON header is held back until complete, then renamed.
+#[derive(Debug)]
+struct Rename {
+    name: String,
+    version: String,
+    /// The backend's JSON header length; `None` for a JSON-only answer of unknown length.
+    header_length: Option<usize>,
+    /// The length announced downstream.
+    renamed_length: Option<usize>,
+    held: BytesMut,
+    done: bool,
+}
+
+impl Rename {
+    /// Takes a body chunk; gives what can go downstream now.
+    fn take(&mut self, chunk: Option<Bytes>, end_of_stream: bool) -> std::result::Result<Option<Bytes>, Error> {
+        if self.done {
+            return Ok(chunk);
+        }
+        if let Some(chunk) = chunk {
+            self.held.extend_from_slice(&chunk);
+        }
+        let complete = match self.header_length {
+            Some(length) => self.held.len() >= length,
+            None => end_of_stream,
+        };
+        if !complete {
+            if end_of_stream {
+                return Err(Error::new(
+                    ErrorKind::BadGateway,
+                    Origin::Upstream,
+                    "backend's answer ended inside its JSON header",
+                ));
+            }
+            return Ok(None);
+        }
+        let length = self.header_length.unwrap_or(self.held.len());
+        let target = self
+            .renamed_length
+            .unwrap_or_else(|| rest::rename::renamed_length(length, &self.name, &self.version));
+        let held = self.held.split().freeze();
+        let mut out = rest::rename::rename_header(&held[..length], &self.name, &self.version, target)
+            .map_err(Error::into_upstream_protocol_error)?;
+        out.extend_from_slice(&held[length..]);
+        self.done = true;
+        Ok(Some(Bytes::from(out)))
+    }
 }
 
 impl RestFrontDoor {
@@ -433,6 +483,71 @@ impl ProxyHttp for RestFrontDoor {
             ));
         }
         Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        response: &mut ResponseHeader,
+        context: &mut RestContext,
+    ) -> pingora::Result<()> {
+        let Some((name, version)) = context.passthrough.as_ref().and_then(|p| p.rename.clone()) else {
+            return Ok(());
+        };
+        // Only successful, uncompressed answers carry names to restore.
+        if response.status != StatusCode::OK || response.headers.contains_key(http::header::CONTENT_ENCODING) {
+            return Ok(());
+        }
+        let number = |name: &str| {
+            response
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        };
+        let content_length = number(http::header::CONTENT_LENGTH.as_str());
+        let header_length = number(INFERENCE_HEADER_CONTENT_LENGTH).or(content_length);
+        let renamed_length = header_length.map(|length| rest::rename::renamed_length(length, &name, &version));
+        match (header_length, renamed_length) {
+            (Some(old), Some(new)) => {
+                if response.headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+                    response.insert_header(INFERENCE_HEADER_CONTENT_LENGTH, new)?;
+                }
+                if let Some(total) = content_length {
+                    response.insert_header(http::header::CONTENT_LENGTH, total - old + new)?;
+                }
+            }
+            _ => {
+                response.remove_header(&http::header::CONTENT_LENGTH);
+            }
+        }
+        context.rename = Some(Rename {
+            name,
+            version,
+            header_length,
+            renamed_length,
+            held: BytesMut::new(),
+            done: false,
+        });
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        context: &mut RestContext,
+    ) -> pingora::Result<Option<Duration>> {
+        if let Some(rename) = &mut context.rename {
+            *body = rename.take(body.take(), end_of_stream).map_err(|e| {
+                pingora::Error::explain(
+                    ErrorType::HTTPStatus(502),
+                    format!("cannot restore the public model name: {e}"),
+                )
+            })?;
+        }
+        Ok(None)
     }
 
     async fn response_filter(

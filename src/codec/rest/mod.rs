@@ -7,6 +7,7 @@ pub mod number;
 pub mod parallel;
 pub mod params;
 pub mod reader;
+pub mod rename;
 pub mod request;
 pub mod response;
 pub mod tensor_doc;
