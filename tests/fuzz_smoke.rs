@@ -59,6 +59,11 @@ proptest! {
     fn protobuf_request_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::protobuf_request(&data); }
 
     #[test]
+    fn rename_mutated(data in mutated(&[r#"{"model_name":"up","model_version":"1","id":"x","outputs":[{"name":"o","data":[1,"a\"b"]}]}"#, r#"{"outputs":[],"model_name":""}"#])) {
+        fuzzing::rename(&data);
+    }
+
+    #[test]
     fn splice_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::splice(&data); }
 
     #[test]

@@ -110,3 +110,22 @@ pub fn splice(data: &[u8]) {
     again.model_name = "renamed".into();
     assert_eq!(again, original, "renaming changed more than the names");
 }
+
+/// Renaming a backend's JSON header on the passthrough path: never panics, always fills exactly the announced
+/// length, and what it accepts stays valid JSON with the new names.
+pub fn rename(data: &[u8]) {
+    use super::rest::rename::{rename_header, renamed_length};
+    let length = renamed_length(data.len(), "public", "7");
+    if let Ok(renamed) = rename_header(data, "public", "7", length) {
+        assert_eq!(
+            renamed.len(),
+            length,
+            "the renamed header does not fill the announced length"
+        );
+        if serde_json::from_slice::<serde_json::Value>(data).is_ok() {
+            let value: serde_json::Value = serde_json::from_slice(&renamed).expect("renamed JSON stays JSON");
+            assert_eq!(value["model_name"], "public");
+            assert_eq!(value["model_version"], "7");
+        }
+    }
+}
