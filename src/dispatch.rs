@@ -138,10 +138,6 @@ impl Dispatcher {
         })
     }
 
-    pub fn routes(&self) -> &RouteTable {
-        &self.routes
-    }
-
     pub fn server_metadata(&self) -> &ServerMetadata {
         &self.metadata
     }
@@ -156,13 +152,6 @@ impl Dispatcher {
         self.backends
             .get(route.backend)
             .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend)))
-    }
-
-    /// Whether the backend serving `model` (at `version`, or its default) speaks gRPC: then a gRPC client's request
-    /// can pass through as bytes.
-    pub fn is_grpc(&self, model: &str, version: Option<&str>) -> Result<bool> {
-        let route = self.routes.resolve(model, version)?;
-        Ok(matches!(self.backend(route)?.replicas, Replicas::Grpc { .. }))
     }
 
     /// Where a REST client's inference can be proxied as it is: a REST backend that understands the body

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{ModelServerProcess, add_sub_json, get, http_client, post, send};
-use oipgate::codec::rest::{self, BinaryOutputs};
+use oipgate::codec::rest;
 use oipgate::protocol::{DataType, InferRequest, ParamValue, RequestedOutput, Tensor};
 use serde_json::json;
 
@@ -433,7 +433,6 @@ async fn in_process_start_and_shutdown() {
     let server = oipgate::modelserver::start(config).await.unwrap();
     let url = format!("http://{}/v2/health/live", server.rest_addr.unwrap());
     assert_eq!(get(&url).await.status, 200);
-    let _ = BinaryOutputs::default();
     server.shutdown().await;
     let refused = http_client(false).get(url.parse().unwrap()).await;
     assert!(refused.is_err(), "still serving after shutdown");

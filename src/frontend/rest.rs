@@ -85,6 +85,8 @@ impl Rename {
         let target = self
             .renamed_length
             .unwrap_or_else(|| rest::rename::renamed_length(length, &self.name, &self.version));
+        // The JSON header is joined from the chunks it arrived in; so is whatever followed it in its last chunk
+        // (one read's worth at most). Every later chunk, tensor bytes included, passes through uncopied.
         let held = self.held.split().freeze();
         let mut out = rest::rename::rename_header(&held[..length], &self.name, &self.version, target)
             .map_err(Error::into_upstream_protocol_error)?;

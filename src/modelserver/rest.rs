@@ -11,7 +11,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 
 use super::ModelServerState;
-pub use crate::body::ChunksBody;
+use crate::body::ChunksBody;
 use crate::codec::rest::{self, EncodedBody, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::paths::{Route, route};
