@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::dispatch::Dispatcher;
 use crate::error::{Error, Result};
 use crate::frontend::{grpc, rest::RestFrontDoor};
+use crate::metrics::{self, Metrics};
 
 /// Seconds in-flight requests get to finish after SIGTERM.
 const DRAIN_SECONDS: u64 = 10;
@@ -43,6 +44,29 @@ impl BackgroundService for GrpcFrontDoor {
     }
 }
 
+/// The metrics listener as one of pingora's background services.
+struct MetricsListener {
+    address: SocketAddr,
+    metrics: Arc<Metrics>,
+}
+
+#[async_trait]
+impl BackgroundService for MetricsListener {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let listener = match tokio::net::TcpListener::bind(self.address).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                eprintln!("oipgate: cannot listen for metrics on {}: {error}", self.address);
+                std::process::exit(1);
+            }
+        };
+        let stop = async move {
+            let _ = shutdown.changed().await;
+        };
+        metrics::serve(listener, self.metrics.clone(), stop).await;
+    }
+}
+
 /// Fails early, with the address named, when a front door's port is taken.
 fn check_free(address: SocketAddr, what: &str) -> Result<()> {
     std::net::TcpListener::bind(address)
@@ -54,7 +78,11 @@ fn check_free(address: SocketAddr, what: &str) -> Result<()> {
 pub fn serve(config: Config, name: &str) -> Result<()> {
     check_free(config.listen.rest, "REST")?;
     check_free(config.listen.grpc, "gRPC")?;
-    let dispatcher = Arc::new(Dispatcher::new(&config, name)?);
+    if let Some(address) = config.listen.metrics {
+        check_free(address, "metrics")?;
+    }
+    let metrics = Metrics::new()?;
+    let dispatcher = Arc::new(Dispatcher::with_metrics(&config, name, metrics.clone())?);
     let max_request_bytes = config.limits.max_request_bytes;
 
     let conf = ServerConf {
@@ -85,8 +113,15 @@ pub fn serve(config: Config, name: &str) -> Result<()> {
             max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
         },
     ));
+    if let Some(address) = config.listen.metrics {
+        server.add_service(background_service("metrics", MetricsListener { address, metrics }));
+    }
+    let metrics_address = config
+        .listen
+        .metrics
+        .map_or_else(|| "off".to_owned(), |address| address.to_string());
     println!(
-        "oipgate serving: rest={} grpc={} ({})",
+        "oipgate serving: rest={} grpc={} metrics={metrics_address} ({})",
         config.listen.rest,
         config.listen.grpc,
         config.summary()

@@ -15,6 +15,7 @@ pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
 pub struct DemoOptions {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
+    pub metrics: SocketAddr,
 }
 
 /// Starts the model servers and the gateway; returns when the gateway is stopped (Ctrl-C or SIGTERM).
@@ -52,6 +53,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
         raw::parse(DEMO_CONFIG, &config::environment_overrides()).map_err(|p| Error::internal(p.to_string()))?;
     raw.listen.rest = Some(options.rest.to_string());
     raw.listen.grpc = Some(options.grpc.to_string());
+    raw.listen.metrics = Some(options.metrics.to_string());
     for backend in &mut raw.backends {
         let address = if backend.protocol == "grpc" {
             grpc_backend_addr
@@ -75,13 +77,14 @@ pub fn run(options: DemoOptions) -> Result<()> {
 pub fn examples(options: DemoOptions, rest_backend: SocketAddr, grpc_backend: SocketAddr) -> String {
     let rest = options.rest;
     let grpc = options.grpc;
+    let metrics = options.metrics;
     let data = (0..16).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let ones = vec!["1"; 16].join(",");
     let body = format!(
         r#"{{"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1,16],"data":[{data}]}},{{"name":"INPUT1","datatype":"INT32","shape":[1,16],"data":[{ones}]}}]}}"#
     );
     format!(
-        r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}
+        r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}, metrics at http://{metrics}/metrics
   backends: built-in model servers, REST at {rest_backend} (add_sub v1, identity v1, simple_string v1)
             and gRPC at {grpc_backend} (add_sub v2, identity v2, simple_string v2); Ctrl-C stops everything.
 
@@ -91,6 +94,7 @@ REST (version 1 is proxied to the REST backend as it is; version 2 is translated
   curl -s http://{rest}/v2/models/simple_string/versions/2/infer -d '{{"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[2],"data":["hello","gateway"]}}]}}'
   curl -s http://{rest}/v2/models/add_sub
   curl -s http://{rest}/v2/health/ready
+  curl -s http://{metrics}/metrics
 
 Python (pip install "tritonclient[http,grpc]" numpy):
 python3 - <<'EOF'

@@ -2,8 +2,8 @@
 //! backend, sent over the backend's own protocol (translated when the client spoke the other one), and answered with
 //! the public names restored.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -14,13 +14,14 @@ use crate::codec::rest::{self, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::metrics::{self, BackendMetrics, Metrics, RouteMetrics};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
     ModelReadyResponse,
 };
 use crate::protocol::{InferRequest, InferResponse, ModelMetadata, ParamValue, ServerMetadata};
 use crate::routing::{RouteTable, VersionRoute};
-use crate::upstream::{GrpcUpstream, RestUpstream};
+use crate::upstream::{GrpcUpstream, Replied, RestUpstream};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";
@@ -34,7 +35,7 @@ const READY_CACHE: Duration = Duration::from_secs(1);
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
 /// A REST request proxied to a backend unchanged but for its path.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Passthrough {
     /// `host:port` of the chosen replica.
     pub authority: String,
@@ -44,6 +45,8 @@ pub struct Passthrough {
     pub timeout: Duration,
     /// The public model name and version to put back into the answer, when the backend's differ.
     pub rename: Option<(String, String)>,
+    /// The backend's metric handles, for the proxied call's in-flight count and latency.
+    pub backend_metrics: BackendMetrics,
 }
 
 /// What one request carries besides its payload.
@@ -51,7 +54,8 @@ pub struct Passthrough {
 pub struct CallContext {
     /// The client's deadline, if it set one; the configured request timeout bounds it.
     pub deadline: Option<Duration>,
-    /// Headers (or gRPC metadata) to pass on to the backend, such as `x-request-id` and `traceparent`.
+    /// The end-to-end headers (or gRPC metadata) to pass on to the backend: `x-request-id`, `traceparent`,
+    /// `authorization` and whatever else the client sent that is not about one hop (see [`crate::headers`]).
     pub forward: HeaderMap,
 }
 
@@ -72,6 +76,7 @@ struct BackendClients {
     name: String,
     replicas: Replicas,
     next: AtomicUsize,
+    metrics: BackendMetrics,
 }
 
 impl BackendClients {
@@ -89,13 +94,22 @@ pub struct Dispatcher {
     request_timeout: Duration,
     metadata: ServerMetadata,
     ready_cache: Mutex<Option<(Instant, bool)>>,
+    metrics: Arc<Metrics>,
+    /// Metric handles by route id.
+    route_metrics: Vec<Arc<RouteMetrics>>,
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
 pub const EXTENSIONS: [&str; 1] = ["binary_tensor_data"];
 
 impl Dispatcher {
+    /// A dispatcher with metrics of its own.
     pub fn new(config: &Config, name: &str) -> Result<Dispatcher> {
+        Dispatcher::with_metrics(config, name, Metrics::new()?)
+    }
+
+    /// A dispatcher counting into `metrics`, which outlive it (a reloaded configuration keeps the same registry).
+    pub fn with_metrics(config: &Config, name: &str, metrics: Arc<Metrics>) -> Result<Dispatcher> {
         let max_response = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
         let backends = config
             .backends
@@ -122,11 +136,25 @@ impl Dispatcher {
                     name: backend.name.clone(),
                     replicas,
                     next: AtomicUsize::new(0),
+                    metrics: metrics.backend(&backend.name),
                 }
+            })
+            .collect::<Vec<_>>();
+        let routes = RouteTable::new(config)?;
+        let route_metrics = routes
+            .routes()
+            .iter()
+            .map(|route| {
+                let backend = backends
+                    .get(route.backend)
+                    .map_or(metrics::NO_BACKEND, |b| b.name.as_str());
+                metrics.route(&route.model, &route.version, backend)
             })
             .collect();
         Ok(Dispatcher {
-            routes: RouteTable::new(config)?,
+            routes,
+            route_metrics,
+            metrics,
             backends,
             request_timeout: config.limits.request_timeout,
             metadata: ServerMetadata {
@@ -136,6 +164,21 @@ impl Dispatcher {
             },
             ready_cache: Mutex::new(None),
         })
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The request counters of the route `model` and `version` resolve to; the fixed `_unknown` ones when they
+    /// resolve to none, so a client cannot create series.
+    pub fn route_metrics(&self, model: &str, version: Option<&str>) -> Arc<RouteMetrics> {
+        self.routes
+            .resolve(model, version)
+            .ok()
+            .and_then(|route| self.route_metrics.get(route.id))
+            .cloned()
+            .unwrap_or_else(|| self.metrics.unknown_route())
     }
 
     pub fn server_metadata(&self) -> &ServerMetadata {
@@ -177,24 +220,26 @@ impl Dispatcher {
             path: crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer"),
             timeout: self.request_timeout,
             rename: aliased.then(|| (route.model.clone(), route.version.clone())),
+            backend_metrics: backend.metrics.clone(),
         }))
     }
 
     /// Runs an inference given as a decoded request, over whichever protocol the backend speaks, and answers with
-    /// the public model name and version.
+    /// the public model name and version, and with the backend's end-to-end headers.
     pub async fn infer(
         &self,
         model: &str,
         version: Option<&str>,
         mut request: InferRequest,
         context: &CallContext,
-    ) -> Result<InferResponse> {
+    ) -> Result<Replied<InferResponse>> {
         let route = self.routes.resolve(model, version)?;
         let backend = self.backend(route)?;
         let deadline = Some(self.deadline(context));
         request.model_name = route.upstream_name.clone();
         request.model_version = Some(route.upstream_version.clone()).filter(|v| !v.is_empty());
-        let mut response = match &backend.replicas {
+        let _call = backend.metrics.call();
+        let mut replied = match &backend.replicas {
             Replicas::Rest { endpoints, binary_data } => {
                 let endpoint = &endpoints[backend.pick(endpoints)];
                 if *binary_data {
@@ -220,18 +265,21 @@ impl Dispatcher {
                 let answer = endpoint
                     .unary(MODEL_INFER, message.chunks, deadline, &context.forward)
                     .await?;
-                let decoded = ModelInferResponse::decode(answer).map_err(|e| bad_answer(&backend.name, e))?;
-                protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?
+                let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
+                Replied {
+                    value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
+                    headers: answer.headers,
+                }
             }
         };
-        response.model_name = route.model.clone();
-        response.model_version = Some(route.version.clone());
-        Ok(response)
+        replied.value.model_name = route.model.clone();
+        replied.value.model_version = Some(route.version.clone());
+        Ok(replied)
     }
 
     /// The gRPC front door's inference: an encoded `ModelInferRequest` in, an encoded `ModelInferResponse` out.
     /// To a gRPC backend it passes through as bytes with only the names spliced; to a REST backend it is translated.
-    pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<Vec<Bytes>> {
+    pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<Replied<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
         let route = self.routes.resolve(fields.name, Some(fields.version))?.clone();
         let backend = self.backend(&route)?;
@@ -239,17 +287,25 @@ impl Dispatcher {
             Replicas::Grpc { endpoints } => {
                 let endpoint = &endpoints[backend.pick(endpoints)];
                 let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
+                let _call = backend.metrics.call();
                 let answer = endpoint
                     .unary(MODEL_INFER, renamed, Some(self.deadline(context)), &context.forward)
                     .await?;
-                splice::rename(&answer, &route.model, &route.version).map_err(Error::into_upstream_protocol_error)
+                Ok(Replied {
+                    value: splice::rename(&answer.value, &route.model, &route.version)
+                        .map_err(Error::into_upstream_protocol_error)?,
+                    headers: answer.headers,
+                })
             }
             Replicas::Rest { .. } => {
                 let decoded = ModelInferRequest::decode(message)
                     .map_err(|e| Error::invalid(format!("invalid ModelInferRequest: {e}")))?;
                 let request = protobuf::request_from_proto(decoded)?;
-                let response = self.infer(&route.model, Some(&route.version), request, context).await?;
-                Ok(protobuf::encode_response(response).chunks)
+                let replied = self.infer(&route.model, Some(&route.version), request, context).await?;
+                Ok(Replied {
+                    value: protobuf::encode_response(replied.value).chunks,
+                    headers: replied.headers,
+                })
             }
         }
     }
@@ -260,6 +316,7 @@ impl Dispatcher {
         let backend = self.backend(route)?;
         let deadline = Some(self.request_timeout);
         let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
+        let _call = backend.metrics.call();
         let mut metadata = match &backend.replicas {
             Replicas::Rest { endpoints, .. } => {
                 endpoints[backend.pick(endpoints)]
@@ -279,7 +336,7 @@ impl Dispatcher {
                         &HeaderMap::new(),
                     )
                     .await?;
-                let decoded = ModelMetadataResponse::decode(answer).map_err(|e| bad_answer(&backend.name, e))?;
+                let decoded = ModelMetadataResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
                 protobuf::model_metadata_from_proto(decoded)
             }
         };
@@ -297,6 +354,7 @@ impl Dispatcher {
     async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
         let backend = self.backend(route)?;
         let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
+        let _call = backend.metrics.call();
         match &backend.replicas {
             Replicas::Rest { endpoints, .. } => Ok(endpoints[backend.pick(endpoints)]
                 .model_ready(&route.upstream_name, upstream_version, Some(deadline))
@@ -315,7 +373,7 @@ impl Dispatcher {
                         &HeaderMap::new(),
                     )
                     .await?;
-                Ok(ModelReadyResponse::decode(answer)
+                Ok(ModelReadyResponse::decode(answer.value)
                     .map_err(|e| bad_answer(&backend.name, e))?
                     .ready)
             }

@@ -42,7 +42,7 @@ pub enum ErrorKind {
 }
 
 /// The status nginx and others use for "client closed request"; no standard status exists.
-const CLIENT_CLOSED_REQUEST: u16 = 499;
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// The HTTP status and gRPC code of this class. Exhaustive with no wildcard: a new class cannot forget a face.

@@ -9,6 +9,8 @@ pub mod demo;
 pub mod dispatch;
 pub mod error;
 pub mod frontend;
+pub mod headers;
+pub mod metrics;
 pub mod modelserver;
 pub mod protocol;
 pub mod routing;

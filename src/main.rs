@@ -35,6 +35,9 @@ enum Command {
         /// The gateway's gRPC address.
         #[arg(long, default_value = "127.0.0.1:8001")]
         grpc: SocketAddr,
+        /// The gateway's Prometheus metrics address (`GET /metrics`).
+        #[arg(long, default_value = "127.0.0.1:8002")]
+        metrics: SocketAddr,
     },
     /// Serves the built-in models over REST and gRPC (a real Open Inference Protocol backend).
     ModelServer {
@@ -80,8 +83,8 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Demo { rest, grpc } => {
-            oipgate::demo::run(oipgate::demo::DemoOptions { rest, grpc }).map_err(Into::into)
+        Command::Demo { rest, grpc, metrics } => {
+            oipgate::demo::run(oipgate::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
         }
         Command::Convert {
             from,

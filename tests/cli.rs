@@ -31,9 +31,13 @@ fn demo_runs_and_its_printed_curl_examples_work() {
             .unwrap()
             .port()
     };
-    let (rest, grpc) = (format!("127.0.0.1:{}", port()), format!("127.0.0.1:{}", port()));
+    let (rest, grpc, metrics) = (
+        format!("127.0.0.1:{}", port()),
+        format!("127.0.0.1:{}", port()),
+        format!("127.0.0.1:{}", port()),
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args(["demo", "--rest", &rest, "--grpc", &grpc])
+        .args(["demo", "--rest", &rest, "--grpc", &grpc, "--metrics", &metrics])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -82,6 +86,14 @@ fn demo_runs_and_its_printed_curl_examples_work() {
     assert!(answers[2].contains(r#"["olleh","yawetag"]"#), "{}", answers[2]);
     assert!(answers.iter().any(|a| a.contains(r#""versions":["1","2"]"#)));
     assert!(answers.iter().any(|a| a == r#"{"ready":true}"#), "{answers:?}");
+    let exposition = answers.last().unwrap();
+    for version in ["1", "2"] {
+        let line = format!(
+            r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",protocol="rest",version="{version}"}} 1"#,
+            if version == "1" { "rest-backend" } else { "grpc-backend" }
+        );
+        assert!(exposition.contains(&line), "{line} missing from\n{exposition}");
+    }
 }
 
 #[test]

@@ -125,12 +125,14 @@ async fn versions_on_different_protocols_give_the_same_answer() {
         .dispatcher
         .infer("add_sub", None, add_sub(), &context)
         .await
-        .unwrap();
+        .unwrap()
+        .value;
     let v2 = fleet
         .dispatcher
         .infer("add_sub", Some("2"), add_sub(), &context)
         .await
-        .unwrap();
+        .unwrap()
+        .value;
     assert_eq!(
         (v1.model_name.as_str(), v1.model_version.as_deref()),
         ("add_sub", Some("1"))
@@ -152,7 +154,8 @@ async fn aliases_are_renamed_both_ways() {
             .dispatcher
             .infer("classifier", Some(version), add_sub(), &CallContext::default())
             .await
-            .unwrap();
+            .unwrap()
+            .value;
         assert_eq!(
             (response.model_name.as_str(), response.model_version.as_deref()),
             ("classifier", Some(version))
@@ -196,7 +199,8 @@ async fn every_datatype_through_every_backend_kind() {
             .dispatcher
             .infer("identity", Some(version), request.clone(), &CallContext::default())
             .await
-            .unwrap();
+            .unwrap()
+            .value;
         assert_eq!(response.outputs, inputs, "through the {version} backend");
     }
 }
@@ -220,7 +224,7 @@ async fn grpc_front_door_passes_through_or_translates() {
             .await
             .unwrap();
         let response =
-            protobuf::response_from_proto(ModelInferResponse::decode(&chunks.concat()[..]).unwrap()).unwrap();
+            protobuf::response_from_proto(ModelInferResponse::decode(&chunks.value.concat()[..]).unwrap()).unwrap();
         assert_eq!(
             (response.model_name.as_str(), response.model_version.as_deref()),
             (model, Some(public_version))

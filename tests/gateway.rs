@@ -57,6 +57,11 @@ fn setup(extra: &str) -> Setup {
                      {{ version = "grpc", backend = "fleet-b", upstream_version = "1" }} ]
         default_version = "1"
         [[models]]
+        name = "slow"
+        versions = [ {{ version = "rest", backend = "fleet-a", upstream_version = "1" }},
+                     {{ version = "grpc", backend = "fleet-b", upstream_version = "1" }} ]
+        default_version = "rest"
+        [[models]]
         name = "gone"
         versions = [ {{ version = "1", backend = "down" }} ]
         "#,
@@ -128,6 +133,23 @@ async fn rest_endpoints_and_errors() {
     let down = post(&gateway.rest_url("/v2/models/gone/infer"), add_sub_json("INT32")).await;
     assert_eq!(down.status, 502, "{:?}", down.body);
     assert!(down.json()["error"].is_string());
+
+    // Names a client makes up are counted under fixed labels, never as new series.
+    let made_up = post(
+        &gateway.rest_url("/v2/models/made-up-name/infer"),
+        add_sub_json("INT32"),
+    )
+    .await;
+    assert_eq!(made_up.status, 404);
+    let metrics = gateway.metrics().await;
+    assert!(!metrics.contains("made-up-name"), "{metrics}");
+    for series in [
+        r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",protocol="rest",version="_unknown"} 1"#,
+        r#"oipgate_requests_total{backend="down",code="502",model="gone",protocol="rest",version="1"} 1"#,
+        r#"oipgate_requests_total{backend="fleet-b",code="400",model="add_sub",protocol="rest",version="2"} 1"#,
+    ] {
+        assert!(metrics.contains(series), "{series} missing from\n{metrics}");
+    }
 }
 
 #[tokio::test]
@@ -512,4 +534,195 @@ async fn startup_problems_are_clear() {
     );
     assert!(started.elapsed() < Duration::from_secs(10));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Names listed in the backend's `x-echo-received` answer header (metadata).
+fn received(value: Option<&str>) -> Vec<String> {
+    value
+        .unwrap_or_else(|| panic!("the backend did not list what it received"))
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
+    let setup = setup("");
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let sent = [
+        ("x-request-id", "rid-7".to_owned()),
+        ("x-echo-tenant", "blue".to_owned()),
+        ("authorization", "Bearer abc".to_owned()),
+        ("traceparent", traceparent.to_owned()),
+        ("tracestate", "vendor=1".to_owned()),
+        ("connection", "keep-alive, x-private".to_owned()),
+        ("x-private", "secret".to_owned()),
+        ("keep-alive", "timeout=5".to_owned()),
+        ("proxy-authorization", "Basic eA==".to_owned()),
+    ];
+    // add_sub 1: REST passthrough; identity rest: passthrough with a rename; add_sub 2 and classifier 3: REST to gRPC.
+    for path in [
+        "/v2/models/add_sub/versions/1/infer",
+        "/v2/models/identity/versions/rest/infer",
+        "/v2/models/add_sub/versions/2/infer",
+        "/v2/models/classifier/versions/3/infer",
+    ] {
+        let answer = send(
+            &http_client(false),
+            "POST",
+            &setup.gateway.rest_url(path),
+            &sent,
+            add_sub_json("INT32"),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{path}: {:?}", answer.body);
+        assert_eq!(answer.header("x-request-id"), Some("rid-7"), "{path}");
+        assert_eq!(answer.header("x-echo-tenant"), Some("blue"), "{path}");
+        let names = received(answer.header("x-echo-received"));
+        for name in [
+            "authorization",
+            "traceparent",
+            "tracestate",
+            "x-echo-tenant",
+            "x-request-id",
+        ] {
+            assert!(
+                names.iter().any(|n| n == name),
+                "{path}: {name} did not reach the backend: {names:?}"
+            );
+        }
+        for name in ["x-private", "keep-alive", "proxy-authorization"] {
+            assert!(
+                !names.iter().any(|n| n == name),
+                "{path}: {name} reached the backend: {names:?}"
+            );
+        }
+    }
+
+    // gRPC metadata: to the REST backend (translated) and the gRPC backend (passed through).
+    let mut client = setup.gateway.grpc_client().await;
+    for version in ["1", "2"] {
+        let mut request = tonic::Request::new(ModelInferRequest {
+            model_name: "identity".into(),
+            model_version: if version == "1" { "rest".into() } else { "grpc".into() },
+            inputs: vec![InferInputTensor {
+                name: "x".into(),
+                datatype: "INT32".into(),
+                shape: vec![1],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
+            ..Default::default()
+        });
+        let metadata = request.metadata_mut();
+        metadata.insert("x-echo-tenant", "green".parse().unwrap());
+        metadata.insert("authorization", "Bearer xyz".parse().unwrap());
+        metadata.insert("traceparent", traceparent.parse().unwrap());
+        let answer = client.model_infer(request).await.unwrap();
+        let metadata = answer.metadata();
+        assert_eq!(metadata.get("x-echo-tenant").unwrap(), "green", "{version}");
+        assert!(
+            metadata.get("x-request-id").is_some(),
+            "a request id is made and echoed"
+        );
+        let names = received(metadata.get("x-echo-received").and_then(|v| v.to_str().ok()));
+        for name in ["authorization", "traceparent", "x-echo-tenant", "x-request-id"] {
+            assert!(
+                names.iter().any(|n| n == name),
+                "{version}: {name} did not reach the backend: {names:?}"
+            );
+        }
+        if version == "1" {
+            // gRPC's own headers stay on the gRPC hop.
+            for name in ["te", "grpc-timeout", "grpc-accept-encoding"] {
+                assert!(
+                    !names.iter().any(|n| n == name),
+                    "{name} reached the REST backend: {names:?}"
+                );
+            }
+        }
+    }
+}
+
+const SLOW_MS: u64 = 4000;
+
+/// Waits until `series` reads `value`, for at most `limit`; gives how long it took.
+async fn until_metric(gateway: &GatewayProcess, series: &str, value: f64, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let current = gateway.metric(series).await;
+        if (current - value).abs() < f64::EPSILON {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < limit, "{series} stayed at {current}, not {value}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_cancels_the_backend_call() {
+    use std::io::Write;
+    let setup = setup("");
+    let gateway = &setup.gateway;
+    let body = format!(
+        r#"{{"parameters":{{"delay_ms":{SLOW_MS}}},"inputs":[{{"name":"x","datatype":"INT32","shape":[1],"data":[1]}}]}}"#
+    );
+    let wait = Duration::from_millis(SLOW_MS / 2);
+
+    // REST clients: translated to the gRPC backend, and proxied to the REST backend as they are.
+    for (version, backend) in [("grpc", "fleet-b"), ("rest", "fleet-a")] {
+        let in_flight = format!(r#"oipgate_in_flight{{backend="{backend}"}}"#);
+        let mut stream = std::net::TcpStream::connect(gateway.rest).unwrap();
+        write!(
+            stream,
+            "POST /v2/models/slow/versions/{version}/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        until_metric(gateway, &in_flight, 1.0, wait).await;
+        drop(stream);
+        let took = until_metric(gateway, &in_flight, 0.0, wait).await;
+        assert!(
+            took < wait,
+            "{version}: the backend call outlived its client by {took:?}"
+        );
+    }
+    let closed = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",protocol="rest",version="grpc"}"#;
+    until_metric(gateway, closed, 1.0, wait).await;
+
+    // gRPC clients: passed through to the gRPC backend, and translated to the REST backend.
+    for (version, backend) in [("grpc", "fleet-b"), ("rest", "fleet-a")] {
+        let in_flight = format!(r#"oipgate_in_flight{{backend="{backend}"}}"#);
+        let mut client = gateway.grpc_client().await;
+        let mut parameters = std::collections::HashMap::new();
+        parameters.insert(
+            "delay_ms".to_owned(),
+            oipgate::proto::InferParameter {
+                parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
+                    i64::try_from(SLOW_MS).unwrap(),
+                )),
+            },
+        );
+        let request = ModelInferRequest {
+            model_name: "slow".into(),
+            model_version: version.into(),
+            parameters: parameters.into_iter().collect(),
+            inputs: vec![InferInputTensor {
+                name: "x".into(),
+                datatype: "INT32".into(),
+                shape: vec![1],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
+            ..Default::default()
+        };
+        let call = tokio::spawn(async move { client.model_infer(request).await });
+        until_metric(gateway, &in_flight, 1.0, wait).await;
+        call.abort();
+        let took = until_metric(gateway, &in_flight, 0.0, wait).await;
+        assert!(
+            took < wait,
+            "{version}: the backend call outlived its client by {took:?}"
+        );
+    }
 }

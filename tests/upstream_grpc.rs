@@ -65,7 +65,7 @@ async fn infer_with_chunks_and_large_tensors() {
         )
         .await
         .unwrap();
-    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer).unwrap()).unwrap();
+    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap();
     assert_eq!(response.id.as_deref(), Some("u1"));
     assert_eq!(response.outputs[0].data, int32s(2..18));
 
@@ -83,7 +83,7 @@ async fn infer_with_chunks_and_large_tensors() {
         )
         .await
         .unwrap();
-    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer).unwrap()).unwrap();
+    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap();
     assert_eq!(response.outputs[0].data, big);
 }
 

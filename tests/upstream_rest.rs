@@ -58,7 +58,8 @@ async fn inference_as_json_and_as_binary() {
             None,
         )
         .await
-        .unwrap();
+        .unwrap()
+        .value;
     assert_eq!(json.model_version.as_deref(), Some("1"));
     assert_eq!(json.id.as_deref(), Some("q"));
     assert_eq!(json.outputs[0].data, int32s(3..19));
@@ -72,7 +73,8 @@ async fn inference_as_json_and_as_binary() {
     let answer = client
         .infer("add_sub", None, binary, &HeaderMap::new(), None)
         .await
-        .unwrap();
+        .unwrap()
+        .value;
     assert_eq!(answer.model_version.as_deref(), Some("2"));
     assert_eq!(answer.outputs[1].data, int32s(-3..13));
     assert!(

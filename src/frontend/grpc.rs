@@ -14,10 +14,11 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
-use super::forwarded_headers;
-use crate::codec::protobuf;
+use crate::codec::{protobuf, splice};
 use crate::dispatch::{CallContext, Dispatcher};
 use crate::error::Result;
+use crate::headers;
+use crate::metrics::{ClientProtocol, RequestTimer};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
@@ -104,7 +105,7 @@ fn context<T>(request: &Request<T>) -> CallContext {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout),
-        forward: forwarded_headers(&headers),
+        forward: headers::for_backend(&headers),
     }
 }
 
@@ -123,17 +124,42 @@ impl UnaryService<Bytes> for InferRaw {
         Box::pin(async move {
             let context = context(&request);
             let request_id = context.forward.get(super::REQUEST_ID).cloned();
-            let chunks = dispatcher
-                .infer_grpc(request.into_inner(), &context)
-                .await
-                .map_err(|e| e.to_grpc_status())?;
-            let mut response = Response::new(chunks);
-            if let Some(id) = request_id.and_then(|v| v.to_str().ok().and_then(|v| v.parse().ok())) {
-                response.metadata_mut().insert(super::REQUEST_ID, id);
+            let message = request.into_inner();
+            let route = match splice::model_fields(&message) {
+                Ok(fields) => dispatcher.route_metrics(fields.name, Some(fields.version)),
+                Err(_) => dispatcher.metrics().unknown_route(),
+            };
+            let timer = RequestTimer::start(
+                dispatcher.metrics().clone(),
+                route,
+                ClientProtocol::Grpc,
+                message.len() as u64,
+            );
+            match dispatcher.infer_grpc(message, &context).await {
+                Ok(replied) => {
+                    let length: usize = replied.value.iter().map(Bytes::len).sum();
+                    timer.finish(200, length as u64);
+                    Ok(with_metadata(replied.value, replied.headers, request_id))
+                }
+                Err(error) => {
+                    timer.finish(error.http_status().as_u16(), 0);
+                    Err(error.to_grpc_status())
+                }
             }
-            Ok(response)
         })
     }
+}
+
+/// A response carrying the backend's end-to-end metadata and the request id.
+fn with_metadata<T>(message: T, mut metadata: http::HeaderMap, request_id: Option<http::HeaderValue>) -> Response<T> {
+    if let Some(id) = request_id {
+        metadata.insert(super::REQUEST_ID, id);
+    }
+    Response::from_parts(
+        tonic::metadata::MetadataMap::from_headers(metadata),
+        message,
+        tonic::Extensions::default(),
+    )
 }
 
 /// The typed RPCs.
@@ -191,14 +217,19 @@ impl GrpcInferenceService for Typed {
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         // Not reached: the router sends ModelInfer to the raw path. Kept correct all the same.
         let context = context(&request);
+        let request_id = context.forward.get(super::REQUEST_ID).cloned();
         let message = request.into_inner();
         let (model, model_version) = (message.model_name.clone(), message.model_version.clone());
         let decoded = protobuf::request_from_proto(message)?;
-        let response = self
+        let replied = self
             .dispatcher
             .infer(&model, version(&model_version), decoded, &context)
             .await?;
-        Ok(Response::new(protobuf::response_to_proto(response)))
+        Ok(with_metadata(
+            protobuf::response_to_proto(replied.value),
+            replied.headers,
+            request_id,
+        ))
     }
 
     async fn repository_index(

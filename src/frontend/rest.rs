@@ -3,7 +3,7 @@
 //! everything else (gRPC backends, aliased names, Decthings bodies).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -13,12 +13,14 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{ErrorType, OkOrErr, OrErr};
 
+use super::REQUEST_ID;
 use super::paths::{Route, route};
-use super::{REQUEST_ID, forwarded_headers};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, EncodedBody, RestRequest};
 use crate::dispatch::{CallContext, Dispatcher, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::headers;
+use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
 use crate::protocol::{InferRequest, ModelReady, ServerLive, ServerReady};
 use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
@@ -37,12 +39,19 @@ pub struct RestFrontDoor {
 }
 
 /// Per-request state.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RestContext {
+    started: Instant,
+    /// The request counters of the model and version an inference named.
+    route_metrics: Option<Arc<RouteMetrics>>,
+    /// A proxied call to a backend, counted in flight until the request ends.
+    in_flight: Option<InFlight>,
     passthrough: Option<Passthrough>,
     request_id: Option<HeaderValue>,
     received: u64,
     rename: Option<Rename>,
+    /// The backend's end-to-end headers, added to a translated answer.
+    reply_headers: http::HeaderMap,
 }
 
 /// An aliased answer on its way through: its JSON header is held back until complete, then renamed.
@@ -230,8 +239,9 @@ impl RestFrontDoor {
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(super::grpc::parse_grpc_timeout);
-        let forward = forwarded_headers(&header.headers);
+        let forward = headers::for_backend(&header.headers);
         context.request_id = forward.get(REQUEST_ID).cloned();
+        context.route_metrics = Some(self.dispatcher.route_metrics(&model, version.as_deref()));
 
         if !decthings_in
             && !decthings_out
@@ -239,6 +249,7 @@ impl RestFrontDoor {
                 self.dispatcher
                     .rest_passthrough(&model, version.as_deref(), header_length.is_some())?
         {
+            context.in_flight = Some(target.backend_metrics.call());
             context.passthrough = Some(target);
             return Ok(false);
         }
@@ -273,10 +284,20 @@ impl RestFrontDoor {
                 }
             }
         };
-        let response = self
-            .dispatcher
-            .infer(&model, version.as_deref(), request, &call)
-            .await?;
+        // A client that goes away cancels the backend call: dropping it resets the backend's stream or connection.
+        let call = self.dispatcher.infer(&model, version.as_deref(), request, &call);
+        let replied = tokio::select! {
+            replied = call => replied?,
+            () = client_gone(session) => {
+                return Err(Error::new(
+                    ErrorKind::Cancelled,
+                    Origin::Client,
+                    "the client closed the connection before the answer",
+                ));
+            }
+        };
+        context.reply_headers = replied.headers;
+        let response = replied.value;
         if decthings_out {
             let mut answer = ResponseHeader::build(StatusCode::OK, Some(6)).map_err(pingora_failure)?;
             answer
@@ -330,6 +351,16 @@ impl RestFrontDoor {
     }
 }
 
+/// Resolves when the client has closed its connection (HTTP/1.1) or stream (HTTP/2); the request body must have
+/// been read.
+async fn client_gone(session: &mut Session) {
+    if session.read_body_or_idle(true).await.is_err() {
+        return;
+    }
+    // Only an error ends the wait; anything else means the client is still there.
+    std::future::pending::<()>().await;
+}
+
 /// Reads and drops what is left of a refused body, for a bounded time, so a client still sending it gets to read the
 /// answer instead of a reset connection (nginx's lingering close). Nothing is kept.
 async fn discard_body(session: &mut Session) {
@@ -356,6 +387,9 @@ async fn write(
     chunks: Vec<Bytes>,
 ) -> Result<()> {
     let length: usize = chunks.iter().map(Bytes::len).sum();
+    for (name, value) in &context.reply_headers {
+        header.append_header(name, value).map_err(pingora_failure)?;
+    }
     header
         .insert_header(http::header::CONTENT_LENGTH, length)
         .map_err(pingora_failure)?;
@@ -426,7 +460,16 @@ impl ProxyHttp for RestFrontDoor {
     type CTX = RestContext;
 
     fn new_ctx(&self) -> RestContext {
-        RestContext::default()
+        RestContext {
+            started: Instant::now(),
+            route_metrics: None,
+            in_flight: None,
+            passthrough: None,
+            request_id: None,
+            received: 0,
+            rename: None,
+            reply_headers: http::HeaderMap::new(),
+        }
     }
 
     async fn request_filter(&self, session: &mut Session, context: &mut RestContext) -> pingora::Result<bool> {
@@ -451,6 +494,9 @@ impl ProxyHttp for RestFrontDoor {
         peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
         peer.options.read_timeout = Some(target.timeout);
         peer.options.write_timeout = Some(target.timeout);
+        // Hop-by-hop headers, those `Connection` names, and upgrade handshakes stay on the client's hop.
+        peer.options.http_upstream_request_policy =
+            pingora::upstreams::peer::HttpUpstreamRequestPolicy::deny_upgrades();
         Ok(Box::new(peer))
     }
 
@@ -562,6 +608,28 @@ impl ProxyHttp for RestFrontDoor {
             response.insert_header(REQUEST_ID, id.clone())?;
         }
         Ok(())
+    }
+
+    async fn logging(&self, session: &mut Session, _error: Option<&pingora::Error>, context: &mut RestContext) {
+        context.in_flight = None;
+        // Only inferences are counted; health probes and metadata reads would drown them.
+        if context.route_metrics.is_none() {
+            return;
+        }
+        // No answer written means the client left first.
+        let status = session
+            .response_written()
+            .map_or(crate::error::CLIENT_CLOSED_REQUEST, |answer| answer.status.as_u16());
+        self.dispatcher.metrics().finished(
+            context.route_metrics.as_deref(),
+            Finished {
+                protocol: ClientProtocol::Rest,
+                status,
+                duration: context.started.elapsed(),
+                request_bytes: session.body_bytes_read() as u64,
+                response_bytes: session.body_bytes_sent() as u64,
+            },
+        );
     }
 
     async fn fail_to_proxy(

@@ -67,7 +67,7 @@ impl GrpcInferenceService for GrpcModelServer {
     }
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
-        let message = request.into_inner();
+        let (metadata, _, message) = request.into_parts();
         let model = message.model_name.clone();
         let model_version = message.model_version.clone();
         let request = protobuf::request_from_proto(message)?;
@@ -76,7 +76,12 @@ impl GrpcInferenceService for GrpcModelServer {
             .repository
             .infer(&model, version(&model_version), request)
             .await?;
-        Ok(Response::new(protobuf::response_to_proto(response)))
+        let echoed = super::echoed_headers(&metadata.into_headers());
+        Ok(Response::from_parts(
+            tonic::metadata::MetadataMap::from_headers(echoed),
+            protobuf::response_to_proto(response),
+            tonic::Extensions::default(),
+        ))
     }
 
     async fn repository_index(

@@ -29,6 +29,31 @@ pub const EXTENSIONS: [&str; 2] = ["binary_tensor_data", "model_repository"];
 /// How long in-flight requests get to finish after shutdown is asked for.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Request headers (gRPC metadata) starting with this are sent back in the answer, so a caller can see what reached
+/// the backend through a proxy.
+pub const ECHO_PREFIX: &str = "x-echo-";
+/// Answer header listing the names of every header the request arrived with, when it carried an `x-echo-*` one.
+pub const RECEIVED_HEADERS: &str = "x-echo-received";
+
+/// The headers an answer echoes: `x-request-id`, every `x-echo-*`, and when there was one of those, the names of
+/// all headers received in `x-echo-received`.
+pub fn echoed_headers(request: &http::HeaderMap) -> http::HeaderMap {
+    let mut echoed = http::HeaderMap::new();
+    for (name, value) in request {
+        if name.as_str().starts_with(ECHO_PREFIX) || name == crate::headers::REQUEST_ID {
+            echoed.append(name, value.clone());
+        }
+    }
+    if echoed.keys().any(|name| name.as_str().starts_with(ECHO_PREFIX)) {
+        let mut names: Vec<&str> = request.keys().map(http::HeaderName::as_str).collect();
+        names.sort_unstable();
+        if let Ok(value) = http::HeaderValue::from_str(&names.join(",")) {
+            echoed.insert(RECEIVED_HEADERS, value);
+        }
+    }
+    echoed
+}
+
 /// What to serve and where.
 #[derive(Debug, Clone)]
 pub struct ModelServerConfig {

@@ -51,10 +51,13 @@ where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    Ok(match answer(&state, request).await {
+    let echoed = super::echoed_headers(request.headers());
+    let mut response = match answer(&state, request).await {
         Ok(response) => response,
         Err(error) => error_response(&error),
-    })
+    };
+    response.headers_mut().extend(echoed);
+    Ok(response)
 }
 
 async fn answer<B>(state: &ModelServerState, request: Request<B>) -> Result<Response<ChunksBody>>

@@ -10,6 +10,8 @@ use crate::error::{Error, Result};
 /// Where one public model version goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VersionRoute {
+    /// Position in [`RouteTable::routes`], for state kept per route (metric handles).
+    pub id: usize,
     pub model: String,
     pub version: String,
     /// Index into the configuration's backends.
@@ -30,17 +32,20 @@ struct ModelRoutes {
 #[derive(Debug, Default)]
 pub struct RouteTable {
     models: HashMap<String, ModelRoutes>,
+    /// Every route, by id.
+    routes: Vec<Arc<VersionRoute>>,
 }
 
 impl RouteTable {
     /// Builds the table; fails only on a configuration that did not come from [`crate::config::validate`].
     pub fn new(config: &Config) -> Result<RouteTable> {
+        let mut all = Vec::new();
         let models = config
             .models
             .iter()
-            .map(|model| Ok((model.name.clone(), routes(model)?)))
+            .map(|model| Ok((model.name.clone(), routes(model, &mut all)?)))
             .collect::<Result<_>>()?;
-        Ok(RouteTable { models })
+        Ok(RouteTable { models, routes: all })
     }
 
     /// The route for `model` at `version`, or its default version when the request names none.
@@ -65,25 +70,32 @@ impl RouteTable {
         self.models.get(model).map(|routes| routes.names.as_slice())
     }
 
+    /// Every route, in configuration order; a route's `id` is its position.
+    pub fn routes(&self) -> &[Arc<VersionRoute>] {
+        &self.routes
+    }
+
     /// Public model names.
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.models.keys().map(String::as_str)
     }
 }
 
-fn routes(model: &ModelConfig) -> Result<ModelRoutes> {
+fn routes(model: &ModelConfig, all: &mut Vec<Arc<VersionRoute>>) -> Result<ModelRoutes> {
     let versions: HashMap<String, Arc<VersionRoute>> = model
         .versions
         .iter()
         .map(|v| {
-            let route = VersionRoute {
+            let route = Arc::new(VersionRoute {
+                id: all.len(),
                 model: model.name.clone(),
                 version: v.version.clone(),
                 backend: v.backend,
                 upstream_name: v.upstream_name.clone(),
                 upstream_version: v.upstream_version.clone(),
-            };
-            (v.version.clone(), Arc::new(route))
+            });
+            all.push(route.clone());
+            (v.version.clone(), route)
         })
         .collect();
     let default_version = versions.get(&model.default_version).cloned().ok_or_else(|| {

@@ -11,9 +11,11 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tonic::Code;
 
+use super::Replied;
 use crate::body::ChunksBody;
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::headers;
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
 const FRAME_HEADER: usize = 5;
@@ -51,14 +53,15 @@ impl GrpcUpstream {
 
     /// Calls `method` (a full path such as `/inference.GRPCInferenceService/ModelInfer`) with one request message
     /// given as chunks, and gives the response message. `deadline` bounds the whole call and is passed on as
-    /// `grpc-timeout`; `metadata` is added to the request headers.
+    /// `grpc-timeout`; `metadata` is added to the request headers. The answer comes with the backend's end-to-end
+    /// metadata, from its headers and trailers.
     pub async fn unary(
         &self,
         method: &str,
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
-    ) -> Result<Bytes> {
+    ) -> Result<Replied<Bytes>> {
         super::within(
             deadline,
             &self.authority,
@@ -73,7 +76,7 @@ impl GrpcUpstream {
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
-    ) -> Result<Bytes> {
+    ) -> Result<Replied<Bytes>> {
         let length: usize = message.iter().map(Bytes::len).sum();
         let length = u32::try_from(length).map_err(|_| {
             Error::invalid(format!(
@@ -134,13 +137,9 @@ impl GrpcUpstream {
         if let Some(error) = status_error(response.headers()) {
             return Err(error);
         }
-        let (body, trailers) = super::read_answer(
-            response.into_body(),
-            self.max_response_bytes,
-            FRAME_HEADER,
-            &self.authority,
-        )
-        .await?;
+        let (parts, body) = response.into_parts();
+        let mut answer_metadata = headers::end_to_end(&parts.headers);
+        let (body, trailers) = super::read_answer(body, self.max_response_bytes, FRAME_HEADER, &self.authority).await?;
         let trailers = trailers.unwrap_or_default();
         if let Some(error) = status_error(&trailers) {
             return Err(error);
@@ -152,7 +151,13 @@ impl GrpcUpstream {
                 format!("backend {} ended its answer without a grpc-status", self.authority),
             ));
         }
-        single_message(body).map_err(|e| e.into_upstream_protocol_error())
+        for (name, value) in &headers::end_to_end(&trailers) {
+            answer_metadata.append(name, value.clone());
+        }
+        Ok(Replied {
+            value: single_message(body).map_err(|e| e.into_upstream_protocol_error())?,
+            headers: answer_metadata,
+        })
     }
 }
 

@@ -16,6 +16,13 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 pub use grpc::GrpcUpstream;
 pub use rest::RestUpstream;
 
+/// A backend's answer with the end-to-end headers (and, from gRPC, trailers) that came with it.
+#[derive(Debug, Clone)]
+pub struct Replied<T> {
+    pub value: T,
+    pub headers: http::HeaderMap,
+}
+
 /// A TCP connector for backends: no Nagle delay, bounded connect time.
 fn connector(connect_timeout: Duration) -> HttpConnector {
     let mut connector = HttpConnector::new();

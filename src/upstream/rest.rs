@@ -11,10 +11,12 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use super::Replied;
 use crate::body::ChunksBody;
 use crate::codec::rest::{self, EncodedBody};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::headers;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
 
 /// The binary extension's header giving the JSON part's length.
@@ -130,7 +132,8 @@ impl RestUpstream {
         Err(Error::from_upstream_http(answer.status.as_u16(), message))
     }
 
-    /// Runs an inference: `body` is an encoded request (JSON, or binary-extension when the backend speaks it).
+    /// Runs an inference: `body` is an encoded request (JSON, or binary-extension when the backend speaks it). The
+    /// answer comes with the backend's end-to-end headers.
     pub async fn infer(
         &self,
         model: &str,
@@ -138,7 +141,7 @@ impl RestUpstream {
         body: EncodedBody,
         headers: &HeaderMap,
         deadline: Option<Duration>,
-    ) -> Result<InferResponse> {
+    ) -> Result<Replied<InferResponse>> {
         let mut headers = headers.clone();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static(body.content_type()));
         if let Some(length) = body.header_length {
@@ -160,7 +163,11 @@ impl RestUpstream {
                     })?,
             ),
         };
-        rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)
+        let response = rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)?;
+        Ok(Replied {
+            value: response,
+            headers: headers::end_to_end(&answer.headers),
+        })
     }
 
     pub async fn model_metadata(

@@ -144,6 +144,7 @@ pub struct GatewayProcess {
     child: Child,
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
+    pub metrics: SocketAddr,
     dir: std::path::PathBuf,
 }
 
@@ -152,12 +153,13 @@ impl GatewayProcess {
     pub fn start(config: &str) -> GatewayProcess {
         let rest: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let dir = std::env::temp_dir().join(format!("oipgate-gw-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("gateway.toml");
         std::fs::write(
             &path,
-            format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\n{config}"),
+            format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\nmetrics = \"{metrics}\"\n{config}"),
         )
         .unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
@@ -174,7 +176,7 @@ impl GatewayProcess {
             .unwrap();
         assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
         // The line comes before pingora binds: wait until both ports accept.
-        for addr in [rest, grpc] {
+        for addr in [rest, grpc, metrics] {
             let ready = (0..100).any(|_| {
                 std::net::TcpStream::connect(addr).is_ok() || {
                     std::thread::sleep(std::time::Duration::from_millis(50));
@@ -183,11 +185,32 @@ impl GatewayProcess {
             });
             assert!(ready, "gateway did not open {addr}");
         }
-        GatewayProcess { child, rest, grpc, dir }
+        GatewayProcess {
+            child,
+            rest,
+            grpc,
+            metrics,
+            dir,
+        }
     }
 
     pub fn rest_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.rest)
+    }
+
+    /// The Prometheus exposition from the metrics listener.
+    pub async fn metrics(&self) -> String {
+        let answer = get(&format!("http://{}/metrics", self.metrics)).await;
+        assert_eq!(answer.status, 200);
+        String::from_utf8(answer.body.to_vec()).unwrap()
+    }
+
+    /// The value of one series, given as its name and labels exactly as exposed; 0 when absent.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text = self.metrics().await;
+        text.lines()
+            .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
+            .unwrap_or(0.0)
     }
 
     pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<Channel> {

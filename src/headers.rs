@@ -1,0 +1,136 @@
+//! Which HTTP headers and gRPC metadata cross the gateway, in both directions and across protocols: everything
+//! end to end passes, nothing that belongs to one connection or to one protocol's framing does.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::header;
+use http::{HeaderMap, HeaderValue};
+
+/// The header that identifies a request end to end.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// Headers that describe one connection or one message's framing, never passed on (RFC 9110 §7.6.1 and the
+/// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed.
+const NOT_PASSED_ON: [&str; 21] = [
+    // Hop by hop.
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "http2-settings",
+    // Framing and content negotiation of the message as this hop encodes it.
+    "host",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "accept",
+    "accept-encoding",
+    "expect",
+    "inference-header-content-length",
+    // Each hop names itself.
+    "user-agent",
+    "server",
+    "date",
+];
+
+/// Whether a header named `name` (lower case, as `http` keeps names) may be passed on to the next hop.
+pub fn is_end_to_end(name: &str) -> bool {
+    // gRPC reserves `grpc-*` (timeout, encodings, status): the gateway speaks those itself on each hop.
+    !NOT_PASSED_ON.contains(&name) && !name.starts_with("grpc-") && !name.starts_with(':')
+}
+
+/// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
+pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
+    let nominated: Vec<String> = incoming
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|token| token.trim().to_ascii_lowercase())
+        .filter(|token| !token.is_empty())
+        .collect();
+    let mut passed = HeaderMap::with_capacity(incoming.len());
+    for (name, value) in incoming {
+        let text = name.as_str();
+        if is_end_to_end(text) && !nominated.iter().any(|n| n == text) {
+            passed.append(name.clone(), value.clone());
+        }
+    }
+    passed
+}
+
+/// What a request carries to its backend: its end-to-end headers, with a request id generated when it has none.
+pub fn for_backend(incoming: &HeaderMap) -> HeaderMap {
+    let mut passed = end_to_end(incoming);
+    if !passed.contains_key(REQUEST_ID) {
+        passed.insert(REQUEST_ID, new_request_id());
+    }
+    passed
+}
+
+/// A request id unique within this process and unlikely to repeat across processes: start time and a counter.
+pub fn new_request_id() -> HeaderValue {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static START: OnceLock<u64> = OnceLock::new();
+    let start = *START.get_or_init(|| {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos() & u128::from(u64::MAX)).unwrap_or(0))
+    });
+    let id = format!("{start:016x}-{:08x}", NEXT.fetch_add(1, Ordering::Relaxed));
+    HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("oipgate"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, value) in pairs {
+            headers.append(*name, HeaderValue::from_static(value));
+        }
+        headers
+    }
+
+    #[test]
+    fn only_end_to_end_headers_pass() {
+        let incoming = map(&[
+            ("connection", "keep-alive, X-Private"),
+            ("x-private", "secret"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("proxy-authorization", "Basic eA=="),
+            ("content-type", "application/grpc"),
+            ("grpc-timeout", "5S"),
+            ("grpc-accept-encoding", "gzip"),
+            ("user-agent", "grpc-python"),
+            ("authorization", "Bearer t"),
+            ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            ("x-tenant", "a"),
+            ("x-tenant", "b"),
+            ("x-payload-bin", "AAEC"),
+        ]);
+        let passed = end_to_end(&incoming);
+        let mut names: Vec<&str> = passed.keys().map(http::HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["authorization", "traceparent", "x-payload-bin", "x-tenant"]);
+        assert_eq!(passed.get_all("x-tenant").iter().count(), 2);
+    }
+
+    #[test]
+    fn a_request_id_is_kept_or_made() {
+        let kept = for_backend(&map(&[(REQUEST_ID, "abc")]));
+        assert_eq!(kept[REQUEST_ID], "abc");
+        let made = for_backend(&HeaderMap::new());
+        let other = for_backend(&HeaderMap::new());
+        assert_ne!(made[REQUEST_ID], other[REQUEST_ID]);
+    }
+}

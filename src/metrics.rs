@@ -1,0 +1,437 @@
+//! The gateway's Prometheus metrics: one registry for the process, handles resolved when the routes are built (a
+//! request increments counters it already holds, no label formatting per request), and the `/metrics` listener.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use tokio::net::TcpListener;
+
+use crate::error::{Error, Result};
+
+/// Label value for a model, version or backend a request named that the configuration does not have.
+pub const UNKNOWN: &str = "_unknown";
+/// Label value for the backend of a request that reached none.
+pub const NO_BACKEND: &str = "_none";
+
+/// HTTP statuses counted under their own `code` label; any other is counted as `other`.
+const CODES: [u16; 16] = [
+    200, 400, 401, 403, 404, 405, 408, 409, 413, 429, 499, 500, 501, 502, 503, 504,
+];
+const OTHER_CODE: &str = "other";
+
+/// Seconds, from a tenth of a millisecond (the gateway's own overhead) to a minute (a slow model).
+const DURATION_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
+
+/// The protocol a client spoke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientProtocol {
+    Rest,
+    Grpc,
+}
+
+impl ClientProtocol {
+    const ALL: [ClientProtocol; 2] = [ClientProtocol::Rest, ClientProtocol::Grpc];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ClientProtocol::Rest => "rest",
+            ClientProtocol::Grpc => "grpc",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            ClientProtocol::Rest => 0,
+            ClientProtocol::Grpc => 1,
+        }
+    }
+}
+
+/// Every metric family of the gateway, registered in one registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    upstream_duration: HistogramVec,
+    in_flight: IntGaugeVec,
+    protocols: [ProtocolMetrics; 2],
+    unknown_route: Arc<RouteMetrics>,
+}
+
+/// Per client protocol: whole-request duration and bytes.
+#[derive(Debug, Clone)]
+struct ProtocolMetrics {
+    duration: Histogram,
+    request_bytes: IntCounter,
+    response_bytes: IntCounter,
+}
+
+/// `oipgate_requests_total` for one public model version and its backend, one counter per protocol and code.
+#[derive(Debug)]
+pub struct RouteMetrics {
+    requests: [Vec<IntCounter>; 2],
+}
+
+impl RouteMetrics {
+    fn counter(&self, protocol: ClientProtocol, status: u16) -> &IntCounter {
+        let counters = &self.requests[protocol.index()];
+        let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
+        &counters[index]
+    }
+}
+
+/// A backend's in-flight gauge and upstream latency.
+#[derive(Debug, Clone)]
+pub struct BackendMetrics {
+    in_flight: IntGauge,
+    upstream_duration: Histogram,
+}
+
+impl BackendMetrics {
+    /// Counts a call as in flight until the returned guard is dropped (answered, failed or cancelled).
+    pub fn call(&self) -> InFlight {
+        self.in_flight.inc();
+        InFlight {
+            metrics: self.clone(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// One backend call in flight; its end is recorded when dropped.
+#[derive(Debug)]
+pub struct InFlight {
+    metrics: BackendMetrics,
+    started: Instant,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.metrics.in_flight.dec();
+        self.metrics
+            .upstream_duration
+            .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// One request being counted: recorded when finished, or as 499 (client closed) when dropped unfinished, which is
+/// what happens to a gRPC call whose client cancels it.
+#[derive(Debug)]
+pub struct RequestTimer {
+    metrics: Arc<Metrics>,
+    route: Arc<RouteMetrics>,
+    protocol: ClientProtocol,
+    started: Instant,
+    request_bytes: u64,
+    outcome: Option<(u16, u64)>,
+}
+
+impl RequestTimer {
+    pub fn start(
+        metrics: Arc<Metrics>,
+        route: Arc<RouteMetrics>,
+        protocol: ClientProtocol,
+        request_bytes: u64,
+    ) -> Self {
+        RequestTimer {
+            metrics,
+            route,
+            protocol,
+            started: Instant::now(),
+            request_bytes,
+            outcome: None,
+        }
+    }
+
+    /// The request was answered with `status` and `response_bytes` of body.
+    pub fn finish(mut self, status: u16, response_bytes: u64) {
+        self.outcome = Some((status, response_bytes));
+    }
+}
+
+impl Drop for RequestTimer {
+    fn drop(&mut self) {
+        let (status, response_bytes) = self.outcome.unwrap_or((crate::error::CLIENT_CLOSED_REQUEST, 0));
+        self.metrics.finished(
+            Some(&self.route),
+            Finished {
+                protocol: self.protocol,
+                status,
+                duration: self.started.elapsed(),
+                request_bytes: self.request_bytes,
+                response_bytes,
+            },
+        );
+    }
+}
+
+/// What one finished request reports.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    pub protocol: ClientProtocol,
+    pub status: u16,
+    pub duration: Duration,
+    pub request_bytes: u64,
+    pub response_bytes: u64,
+}
+
+fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
+    registry
+        .register(Box::new(metric.clone()))
+        .map_err(|e| Error::internal(format!("cannot register a metric: {e}")))?;
+    Ok(metric)
+}
+
+fn metric_error(error: prometheus::Error) -> Error {
+    Error::internal(format!("cannot create a metric: {error}"))
+}
+
+impl Metrics {
+    pub fn new() -> Result<Arc<Metrics>> {
+        let registry = Registry::new();
+        let build_info = registered(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new("oipgate_build_info", "The running oipgate's version; always 1."),
+                &["version"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let requests = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_requests_total",
+                    "Inference requests by public model and version, client protocol, backend and HTTP status.",
+                ),
+                &["model", "version", "protocol", "backend", "code"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let request_duration = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "oipgate_request_duration_seconds",
+                    "Whole requests, from the first byte read to the last written, by client protocol.",
+                )
+                .buckets(DURATION_BUCKETS.to_vec()),
+                &["protocol"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let upstream_duration = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "oipgate_upstream_duration_seconds",
+                    "Backend calls, from sending to the whole answer, by backend.",
+                )
+                .buckets(DURATION_BUCKETS.to_vec()),
+                &["backend"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let in_flight = registered(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new("oipgate_in_flight", "Backend calls under way, by backend."),
+                &["backend"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let request_bytes = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_request_bytes_total",
+                    "Request body bytes received, by client protocol.",
+                ),
+                &["protocol"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let response_bytes = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_response_bytes_total",
+                    "Response body bytes sent, by client protocol.",
+                ),
+                &["protocol"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
+            duration: request_duration.with_label_values(&[protocol.label()]),
+            request_bytes: request_bytes.with_label_values(&[protocol.label()]),
+            response_bytes: response_bytes.with_label_values(&[protocol.label()]),
+        });
+        let mut metrics = Metrics {
+            registry,
+            requests,
+            upstream_duration,
+            in_flight,
+            protocols,
+            unknown_route: Arc::new(RouteMetrics {
+                requests: [Vec::new(), Vec::new()],
+            }),
+        };
+        metrics.unknown_route = metrics.route(UNKNOWN, UNKNOWN, NO_BACKEND);
+        Ok(Arc::new(metrics))
+    }
+
+    /// The handles for one public model version served by `backend`.
+    pub fn route(&self, model: &str, version: &str, backend: &str) -> Arc<RouteMetrics> {
+        let counters = |protocol: ClientProtocol| {
+            CODES
+                .iter()
+                .map(|code| code.to_string())
+                .chain([OTHER_CODE.to_owned()])
+                .map(|code| {
+                    self.requests
+                        .with_label_values(&[model, version, protocol.label(), backend, &code])
+                })
+                .collect()
+        };
+        Arc::new(RouteMetrics {
+            requests: ClientProtocol::ALL.map(counters),
+        })
+    }
+
+    /// The handles for requests that named no configured model or version.
+    pub fn unknown_route(&self) -> Arc<RouteMetrics> {
+        self.unknown_route.clone()
+    }
+
+    /// The handles for one backend.
+    pub fn backend(&self, name: &str) -> BackendMetrics {
+        BackendMetrics {
+            in_flight: self.in_flight.with_label_values(&[name]),
+            upstream_duration: self.upstream_duration.with_label_values(&[name]),
+        }
+    }
+
+    /// Records a finished request; `route` is `None` for requests that were not inferences.
+    pub fn finished(&self, route: Option<&RouteMetrics>, request: Finished) {
+        let protocol = &self.protocols[request.protocol.index()];
+        protocol.duration.observe(request.duration.as_secs_f64());
+        protocol.request_bytes.inc_by(request.request_bytes);
+        protocol.response_bytes.inc_by(request.response_bytes);
+        if let Some(route) = route {
+            route.counter(request.protocol, request.status).inc();
+        }
+    }
+
+    /// The registry in Prometheus' text exposition format.
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# metrics could not be encoded: {e}\n"))
+    }
+}
+
+/// Serves `GET /metrics` (and `/`) on `listener` until `shutdown` resolves.
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, shutdown: impl Future<Output = ()>) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => return,
+        };
+        let Ok((stream, _)) = accepted else { continue };
+        let _ = stream.set_nodelay(true);
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                let metrics = metrics.clone();
+                async move { Ok::<_, Infallible>(answer(&metrics, &request)) }
+            });
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn answer<B>(metrics: &Metrics, request: &Request<B>) -> Response<Full<Bytes>> {
+    let (status, content_type, body) = match (request.method(), request.uri().path()) {
+        (&Method::GET, "/metrics" | "/") => (
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            metrics.render(),
+        ),
+        (_, "/metrics" | "/") => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            "application/json",
+            "{\"error\":\"the metrics endpoint answers GET only\"}".to_owned(),
+        ),
+        (_, path) => (
+            StatusCode::NOT_FOUND,
+            "application/json",
+            format!(
+                "{{\"error\":\"no endpoint at {}; metrics are at /metrics\"}}",
+                path.escape_default()
+            ),
+        ),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    if let Ok(value) = http::HeaderValue::from_str(content_type) {
+        response.headers_mut().insert(http::header::CONTENT_TYPE, value);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_count_under_configured_labels_only() {
+        let metrics = Metrics::new().unwrap();
+        let route = metrics.route("add_sub", "1", "fleet-a");
+        let finished = |status| Finished {
+            protocol: ClientProtocol::Grpc,
+            status,
+            duration: Duration::from_millis(3),
+            request_bytes: 10,
+            response_bytes: 20,
+        };
+        metrics.finished(Some(&route), finished(200));
+        metrics.finished(Some(&route), finished(200));
+        metrics.finished(Some(&route), finished(418));
+        metrics.finished(Some(&metrics.unknown_route()), finished(404));
+        let text = metrics.render();
+        for line in [
+            r#"oipgate_requests_total{backend="fleet-a",code="200",model="add_sub",protocol="grpc",version="1"} 2"#,
+            r#"oipgate_requests_total{backend="fleet-a",code="other",model="add_sub",protocol="grpc",version="1"} 1"#,
+            r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",protocol="grpc",version="_unknown"} 1"#,
+            r#"oipgate_request_bytes_total{protocol="grpc"} 40"#,
+            r#"oipgate_request_duration_seconds_count{protocol="grpc"} 4"#,
+            r#"oipgate_build_info{version=""#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        let backend = metrics.backend("fleet-a");
+        let call = backend.call();
+        assert!(metrics.render().contains(r#"oipgate_in_flight{backend="fleet-a"} 1"#));
+        drop(call);
+        assert!(metrics.render().contains(r#"oipgate_in_flight{backend="fleet-a"} 0"#));
+    }
+}
