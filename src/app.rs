@@ -38,9 +38,7 @@ impl BackgroundService for GrpcFrontDoor {
         let stop = async move {
             let _ = shutdown.changed().await;
         };
-        if let Err(error) = grpc::serve(listener, self.dispatcher.clone(), self.max_message_bytes, stop).await {
-            eprintln!("oipgate: gRPC front door stopped: {error}");
-        }
+        grpc::serve(listener, self.dispatcher.clone(), self.max_message_bytes, stop).await;
     }
 }
 

@@ -726,3 +726,74 @@ async fn a_client_that_goes_away_cancels_the_backend_call() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_client_deadline_bounds_the_backend_call_on_every_path() {
+    let setup = setup("");
+    let gateway = &setup.gateway;
+    let deadline = Duration::from_millis(300);
+    // tonic's client enforces its own deadline too, so the call is made by hand to see what the gateway answers.
+    let client = http_client(true);
+    for version in ["grpc", "rest"] {
+        let mut parameters = std::collections::HashMap::new();
+        parameters.insert(
+            "delay_ms".to_owned(),
+            oipgate::proto::InferParameter {
+                parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
+                    i64::try_from(SLOW_MS).unwrap(),
+                )),
+            },
+        );
+        let message = prost::Message::encode_to_vec(&ModelInferRequest {
+            model_name: "slow".into(),
+            model_version: version.into(),
+            parameters: parameters.into_iter().collect(),
+            inputs: vec![InferInputTensor {
+                name: "x".into(),
+                datatype: "INT32".into(),
+                shape: vec![1],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
+            ..Default::default()
+        });
+        let mut framed = vec![0];
+        framed.extend(u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend(message);
+        let request = http::Request::post(format!(
+            "http://{}/inference.GRPCInferenceService/ModelInfer",
+            gateway.grpc
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", format!("{}m", deadline.as_millis()))
+        .body(http_body_util::Full::new(Bytes::from(framed)))
+        .unwrap();
+        let start = Instant::now();
+        let response = client.request(request).await.unwrap();
+        let headers = response.headers().clone();
+        let collected = http_body_util::BodyExt::collect(response.into_body()).await.unwrap();
+        let trailers = collected.trailers().cloned().unwrap_or(headers);
+        assert_eq!(
+            trailers.get("grpc-status").map(|v| v.to_str().unwrap().to_owned()),
+            Some((Code::DeadlineExceeded as i32).to_string()),
+            "{version}: {trailers:?}"
+        );
+        assert!(start.elapsed() < Duration::from_millis(SLOW_MS / 2), "{version}");
+    }
+    // A REST client may give the same deadline in a grpc-timeout header.
+    let body = format!(
+        r#"{{"parameters":{{"delay_ms":{SLOW_MS}}},"inputs":[{{"name":"x","datatype":"INT32","shape":[1],"data":[1]}}]}}"#
+    );
+    let start = Instant::now();
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &gateway.rest_url("/v2/models/slow/versions/grpc/infer"),
+        &[("grpc-timeout", "300m".to_owned())],
+        body,
+    )
+    .await;
+    assert_eq!(answer.status, 504, "{:?}", answer.body);
+    assert!(start.elapsed() < Duration::from_millis(SLOW_MS / 2));
+}

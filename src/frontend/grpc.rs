@@ -9,6 +9,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::server::{NamedService, UnaryService};
@@ -363,13 +366,23 @@ fn rewrite_size_status(headers: &mut http::HeaderMap, limit: usize) -> bool {
     out_of_range && is_size_limit
 }
 
-/// Serves the gRPC front door on `listener` until `shutdown` resolves.
+/// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
+const STREAM_WINDOW: u32 = 8 << 20;
+const CONNECTION_WINDOW: u32 = 32 << 20;
+/// How long open calls get to finish once shutdown is asked for.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the gRPC front door on `listener` until `shutdown` resolves, then lets open calls finish.
+///
+/// Connections are served by hyper directly rather than by tonic's server, whose deadline layer answers an expired
+/// `grpc-timeout` with CANCELLED; the gateway enforces the deadline itself and answers DEADLINE_EXCEEDED, as the
+/// gRPC specification says.
 pub async fn serve(
     listener: TcpListener,
     dispatcher: Arc<Dispatcher>,
     max_message_bytes: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::result::Result<(), tonic::transport::Error> {
+) {
     let (reporter, health) = tonic_health::server::health_reporter();
     let watched = dispatcher.clone();
     let health_task = tokio::spawn(async move {
@@ -384,32 +397,51 @@ pub async fn serve(
             tokio::time::sleep(HEALTH_REFRESH).await;
         }
     });
-    let reflection = tonic_reflection::server::Builder::configure()
+    let mut routes =
+        tonic::service::Routes::new(InferenceService::new(dispatcher, max_message_bytes)).add_service(health);
+    match tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1();
-    let result = match reflection {
-        Ok(reflection) => {
-            tonic::transport::Server::builder()
-                .tcp_nodelay(true)
-                .add_service(InferenceService::new(dispatcher, max_message_bytes))
-                .add_service(health)
-                .add_service(reflection)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-                .await
-        }
-        Err(error) => {
-            eprintln!("gRPC reflection is unavailable: {error}");
-            tonic::transport::Server::builder()
-                .tcp_nodelay(true)
-                .add_service(InferenceService::new(dispatcher, max_message_bytes))
-                .add_service(health)
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown)
-                .await
-        }
-    };
+        .build_v1()
+    {
+        Ok(reflection) => routes = routes.add_service(reflection),
+        Err(error) => eprintln!("gRPC reflection is unavailable: {error}"),
+    }
+    let routes = routes.prepare();
+
+    let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
+    builder
+        .http2()
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    // Out of descriptors and the like: pause rather than spin.
+                    eprintln!("oipgate: gRPC accept failed: {error}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let routes = routes.clone();
+        let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+            let mut routes = routes.clone();
+            tower_service::Service::call(&mut routes, request)
+        });
+        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+    }
     health_task.abort();
-    result
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;
 }
 
 #[cfg(test)]

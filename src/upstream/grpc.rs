@@ -20,6 +20,9 @@ use crate::headers;
 /// The gRPC message-frame header: a compression flag and a big-endian length.
 const FRAME_HEADER: usize = 5;
 
+/// How close to its deadline a call must be for a CANCELLED answer to be taken as the deadline expiring.
+const DEADLINE_SLACK: Duration = Duration::from_millis(20);
+
 /// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
@@ -62,12 +65,31 @@ impl GrpcUpstream {
         deadline: Option<Duration>,
         metadata: &HeaderMap,
     ) -> Result<Replied<Bytes>> {
-        super::within(
+        let started = std::time::Instant::now();
+        let answer = super::within(
             deadline,
             &self.authority,
             self.call(method, message, deadline, metadata),
         )
-        .await
+        .await;
+        match (answer, deadline) {
+            // Some servers (tonic's among them) answer CANCELLED when the deadline passed on to them expires, and
+            // theirs can fire before ours: what the client is owed is DEADLINE_EXCEEDED.
+            (Err(error), Some(deadline))
+                if error.grpc_code() == Code::Cancelled && started.elapsed() + DEADLINE_SLACK >= deadline =>
+            {
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    Origin::Upstream,
+                    format!(
+                        "backend {} did not answer within {} ms",
+                        self.authority,
+                        deadline.as_millis()
+                    ),
+                ))
+            }
+            (answer, _) => answer,
+        }
     }
 
     async fn call(
