@@ -11,6 +11,9 @@ use http::{HeaderMap, HeaderValue};
 /// The header that identifies a request end to end.
 pub const REQUEST_ID: &str = "x-request-id";
 
+/// Response header (gRPC metadata) naming the public version that served an inference.
+pub const OIP_MODEL_VERSION: &str = "oip-model-version";
+
 /// Headers that describe one connection or one message's framing, never passed on (RFC 9110 §7.6.1 and the
 /// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed.
 const NOT_PASSED_ON: [&str; 21] = [

@@ -66,6 +66,7 @@ impl ClientProtocol {
 pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
+    mirrors: IntCounterVec,
     upstream_duration: HistogramVec,
     in_flight: IntGaugeVec,
     protocols: [ProtocolMetrics; 2],
@@ -84,9 +85,40 @@ struct ProtocolMetrics {
 #[derive(Debug)]
 pub struct RouteMetrics {
     requests: [Vec<IntCounter>; 2],
+    /// `oipgate_mirror_requests_total` for copies sent to this version, by [`MirrorResult`].
+    mirrors: Vec<IntCounter>,
+}
+
+/// What became of a mirrored copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MirrorResult {
+    Ok,
+    Error,
+    /// Not sent: too many mirrored calls were under way.
+    Shed,
+}
+
+impl MirrorResult {
+    const ALL: [MirrorResult; 3] = [MirrorResult::Ok, MirrorResult::Error, MirrorResult::Shed];
+
+    fn label(self) -> &'static str {
+        match self {
+            MirrorResult::Ok => "ok",
+            MirrorResult::Error => "error",
+            MirrorResult::Shed => "shed",
+        }
+    }
 }
 
 impl RouteMetrics {
+    /// Counts a copy mirrored to this version.
+    pub fn mirrored(&self, result: MirrorResult) {
+        let index = MirrorResult::ALL.iter().position(|&r| r == result).unwrap_or(0);
+        if let Some(counter) = self.mirrors.get(index) {
+            counter.inc();
+        }
+    }
+
     fn counter(&self, protocol: ClientProtocol, status: u16) -> &IntCounter {
         let counters = &self.requests[protocol.index()];
         let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
@@ -223,6 +255,17 @@ impl Metrics {
             )
             .map_err(metric_error)?,
         )?;
+        let mirrors = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_mirror_requests_total",
+                    "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
+                ),
+                &["model", "version", "result"],
+            )
+            .map_err(metric_error)?,
+        )?;
         let request_duration = registered(
             &registry,
             HistogramVec::new(
@@ -285,11 +328,13 @@ impl Metrics {
         let mut metrics = Metrics {
             registry,
             requests,
+            mirrors,
             upstream_duration,
             in_flight,
             protocols,
             unknown_route: Arc::new(RouteMetrics {
                 requests: [Vec::new(), Vec::new()],
+                mirrors: Vec::new(),
             }),
         };
         metrics.unknown_route = metrics.route(UNKNOWN, UNKNOWN, NO_BACKEND);
@@ -309,8 +354,17 @@ impl Metrics {
                 })
                 .collect()
         };
+        let mirrors = if model == UNKNOWN {
+            Vec::new()
+        } else {
+            MirrorResult::ALL
+                .iter()
+                .map(|result| self.mirrors.with_label_values(&[model, version, result.label()]))
+                .collect()
+        };
         Arc::new(RouteMetrics {
             requests: ClientProtocol::ALL.map(counters),
+            mirrors,
         })
     }
 

@@ -114,8 +114,21 @@ pub struct ModelConfig {
     /// Public name.
     pub name: String,
     pub versions: Vec<VersionConfig>,
-    /// The version a request that names none gets.
+    /// The version with the largest weight (the first of equals): what model metadata and readiness report when a
+    /// request names no version.
     pub default_version: String,
+    /// Header (lower case) whose value keeps a client on one version.
+    pub sticky_header: Option<http::HeaderName>,
+    pub mirror: Option<MirrorConfig>,
+}
+
+/// Mirroring of a model's requests to one of its versions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MirrorConfig {
+    /// Index into [`ModelConfig::versions`].
+    pub version: usize,
+    /// Share of requests mirrored, in millionths (1 to 1,000,000).
+    pub per_million: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +139,8 @@ pub struct VersionConfig {
     pub backend: usize,
     pub upstream_name: String,
     pub upstream_version: String,
+    /// Share of unversioned requests, relative to the model's other versions; 0 for none.
+    pub weight: u32,
 }
 
 impl Config {
@@ -327,25 +342,83 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 backend,
                 upstream_name,
                 upstream_version,
+                weight: version.weight.unwrap_or(0),
             });
         }
-        let default_version = match &model.default_version {
-            Some(default) => {
-                if !versions.iter().any(|v| &v.version == default) {
-                    let known: Vec<&str> = versions.iter().map(|v| v.version.as_str()).collect();
+        let weighted = model.versions.iter().any(|v| v.weight.is_some());
+        let known: Vec<String> = versions.iter().map(|v| v.version.clone()).collect();
+        match (&model.default_version, weighted) {
+            (Some(_), true) => problems.add(
+                format!("{path}.default_version"),
+                "give either default_version or weights on the versions, not both",
+            ),
+            (Some(default), false) => match versions.iter_mut().find(|v| &v.version == default) {
+                Some(version) => version.weight = 100,
+                None => problems.add(
+                    format!("{path}.default_version"),
+                    format!("\"{default}\" is not one of the model's versions {known:?}"),
+                ),
+            },
+            (None, false) => {
+                let latest = latest(&versions);
+                if let Some(version) = versions.iter_mut().find(|v| Some(&v.version) == latest.as_ref()) {
+                    version.weight = 100;
+                }
+            }
+            (None, true) => {
+                let total: u64 = versions.iter().map(|v| u64::from(v.weight)).sum();
+                if total == 0 && !versions.is_empty() {
                     problems.add(
-                        format!("{path}.default_version"),
-                        format!("\"{default}\" is not one of the model's versions {known:?}"),
+                        format!("{path}.versions"),
+                        "every weight is 0: requests that name no version would have nowhere to go",
                     );
                 }
-                default.clone()
             }
-            None => latest(&versions).unwrap_or_default(),
-        };
+        }
+        let default_version = versions
+            .iter()
+            .fold(None::<&VersionConfig>, |best, v| match best {
+                Some(b) if b.weight >= v.weight => Some(b),
+                _ => Some(v),
+            })
+            .map(|v| v.version.clone())
+            .unwrap_or_default();
+        let sticky_header = model.sticky_header.as_ref().and_then(|name| {
+            match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
+                Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
+                _ => {
+                    problems.add(
+                        format!("{path}.sticky_header"),
+                        format!("\"{name}\" is not a header name a client can send end to end"),
+                    );
+                    None
+                }
+            }
+        });
+        let mirror = model.mirror.as_ref().and_then(|mirror| {
+            let index = versions.iter().position(|v| v.version == mirror.version);
+            if index.is_none() {
+                problems.add(
+                    format!("{path}.mirror.version"),
+                    format!("\"{}\" is not one of the model's versions {known:?}", mirror.version),
+                );
+            }
+            if !(mirror.percent > 0.0 && mirror.percent <= 100.0) {
+                problems.add(
+                    format!("{path}.mirror.percent"),
+                    format!("{} is not above 0 and at most 100", mirror.percent),
+                );
+                return None;
+            }
+            let per_million = per_million(mirror.percent);
+            index.map(|version| MirrorConfig { version, per_million })
+        });
         models.push(ModelConfig {
             name: model.name.clone(),
             versions,
             default_version,
+            sticky_header,
+            mirror,
         });
     }
 
@@ -367,6 +440,13 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         backends,
         models,
     })
+}
+
+/// A percentage in (0, 100] as millionths.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn per_million(percent: f64) -> u32 {
+    // Clamped into 1..=1,000,000 first, so the cast neither truncates nor loses a sign.
+    (percent * 10_000.0).round().clamp(1.0, 1_000_000.0) as u32
 }
 
 /// With no `default_version`: the highest numeric version, as model servers choose; the last listed when versions are

@@ -57,8 +57,20 @@ pub struct RawModel {
     /// The public name clients use.
     pub name: String,
     pub versions: Vec<RawVersion>,
-    /// The version a request that names none gets.
+    /// The version a request that names none gets (the same as weight 100 on it and 0 on the others).
     pub default_version: Option<String>,
+    /// Requests carrying the same value of this header (gRPC metadata) get the same version while weights hold.
+    pub sticky_header: Option<String>,
+    /// A share of the model's requests also sent, fire and forget, to another version.
+    pub mirror: Option<RawMirror>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMirror {
+    pub version: String,
+    /// Share of requests mirrored, 0 to 100.
+    pub percent: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -70,6 +82,8 @@ pub struct RawVersion {
     pub upstream_name: Option<String>,
     /// The backend's version, when it differs from the public one.
     pub upstream_version: Option<String>,
+    /// Share of the requests that name no version (relative to the other versions' weights).
+    pub weight: Option<u32>,
 }
 
 /// A problem found while loading or validating, with the key it concerns.

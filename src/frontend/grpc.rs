@@ -128,9 +128,9 @@ impl UnaryService<Bytes> for InferRaw {
             let context = context(&request);
             let request_id = context.forward.get(super::REQUEST_ID).cloned();
             let message = request.into_inner();
-            let route = match splice::model_fields(&message) {
-                Ok(fields) => dispatcher.route_metrics(fields.name, Some(fields.version)),
-                Err(_) => dispatcher.metrics().unknown_route(),
+            let (routed, route) = match splice::model_fields(&message) {
+                Ok(fields) => dispatcher.route(fields.name, Some(fields.version), &context.forward),
+                Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
             };
             let timer = RequestTimer::start(
                 dispatcher.metrics().clone(),
@@ -138,7 +138,11 @@ impl UnaryService<Bytes> for InferRaw {
                 ClientProtocol::Grpc,
                 message.len() as u64,
             );
-            match dispatcher.infer_grpc(message, &context).await {
+            let answer = match routed {
+                Ok(routed) => dispatcher.infer_grpc_routed(&routed, message, &context).await,
+                Err(error) => Err(error),
+            };
+            match answer {
                 Ok(replied) => {
                     let length: usize = replied.value.iter().map(Bytes::len).sum();
                     timer.finish(200, length as u64);

@@ -17,7 +17,7 @@ use super::REQUEST_ID;
 use super::paths::{Route, route};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, EncodedBody, RestRequest};
-use crate::dispatch::{CallContext, Dispatcher, Passthrough};
+use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
 use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
@@ -52,6 +52,17 @@ pub struct RestContext {
     rename: Option<Rename>,
     /// The backend's end-to-end headers, added to a translated answer.
     reply_headers: http::HeaderMap,
+    /// A proxied request's body, gathered (as shared chunks, not copied) for its mirror.
+    mirror: Option<MirrorCopy>,
+}
+
+#[derive(Debug)]
+struct MirrorCopy {
+    route: Arc<crate::routing::VersionRoute>,
+    body: Vec<Bytes>,
+    header_length: Option<u64>,
+    content_type: Option<HeaderValue>,
+    forward: http::HeaderMap,
 }
 
 /// An aliased answer on its way through: its JSON header is held back until complete, then renamed.
@@ -241,16 +252,25 @@ impl RestFrontDoor {
             .and_then(super::grpc::parse_grpc_timeout);
         let forward = headers::for_backend(&header.headers);
         context.request_id = forward.get(REQUEST_ID).cloned();
-        context.route_metrics = Some(self.dispatcher.route_metrics(&model, version.as_deref()));
+        let (routed, route_metrics) = self.dispatcher.route(&model, version.as_deref(), &forward);
+        context.route_metrics = Some(route_metrics);
+        let routed = routed?;
 
         if !decthings_in
             && !decthings_out
-            && let Some(target) =
-                self.dispatcher
-                    .rest_passthrough(&model, version.as_deref(), header_length.is_some())?
+            && let Some(target) = self.dispatcher.rest_passthrough(&routed, header_length.is_some())?
         {
             context.in_flight = Some(target.backend_metrics.call());
             context.passthrough = Some(target);
+            if let Some(route) = routed.mirror {
+                context.mirror = Some(MirrorCopy {
+                    route,
+                    body: Vec::new(),
+                    header_length,
+                    content_type: header.headers.get(http::header::CONTENT_TYPE).cloned(),
+                    forward,
+                });
+            }
             return Ok(false);
         }
 
@@ -285,7 +305,7 @@ impl RestFrontDoor {
             }
         };
         // A client that goes away cancels the backend call: dropping it resets the backend's stream or connection.
-        let call = self.dispatcher.infer(&model, version.as_deref(), request, &call);
+        let call = self.dispatcher.infer_routed(&routed, request, &call);
         let replied = tokio::select! {
             replied = call => replied?,
             () = client_gone(session) => {
@@ -469,6 +489,7 @@ impl ProxyHttp for RestFrontDoor {
             received: 0,
             rename: None,
             reply_headers: http::HeaderMap::new(),
+            mirror: None,
         }
     }
 
@@ -520,7 +541,7 @@ impl ProxyHttp for RestFrontDoor {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         context: &mut RestContext,
     ) -> pingora::Result<()> {
         context.received += body.as_ref().map_or(0, |b| b.len() as u64);
@@ -529,6 +550,20 @@ impl ProxyHttp for RestFrontDoor {
                 ErrorType::HTTPStatus(413),
                 "request body is larger than the limit",
             ));
+        }
+        if let Some(copy) = &mut context.mirror {
+            copy.body.extend(body.iter().cloned());
+        }
+        if end_of_stream && let Some(copy) = context.mirror.take() {
+            self.dispatcher.mirror(
+                &copy.route,
+                MirrorPayload::Rest {
+                    body: copy.body,
+                    header_length: copy.header_length,
+                    content_type: copy.content_type,
+                },
+                &copy.forward,
+            );
         }
         Ok(())
     }
@@ -606,6 +641,9 @@ impl ProxyHttp for RestFrontDoor {
     ) -> pingora::Result<()> {
         if let Some(id) = &context.request_id {
             response.insert_header(REQUEST_ID, id.clone())?;
+        }
+        if let Some(target) = &context.passthrough {
+            response.insert_header(headers::OIP_MODEL_VERSION, target.version.as_str())?;
         }
         Ok(())
     }

@@ -26,6 +26,18 @@ struct ModelRoutes {
     default_version: Arc<VersionRoute>,
     /// Public versions in configured order, for messages and metadata.
     names: Vec<String>,
+    /// Versions with weight > 0, each with the end of its range in `[0, total)`, in configured order.
+    split: Vec<(u64, Arc<VersionRoute>)>,
+    total_weight: u64,
+    sticky_header: Option<http::HeaderName>,
+    mirror: Option<(Arc<VersionRoute>, u32)>,
+}
+
+/// Where one request goes: the version that serves it, and the version it is mirrored to, if any.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub route: Arc<VersionRoute>,
+    pub mirror: Option<Arc<VersionRoute>>,
 }
 
 /// Every model's routes.
@@ -50,19 +62,41 @@ impl RouteTable {
 
     /// The route for `model` at `version`, or its default version when the request names none.
     pub fn resolve(&self, model: &str, version: Option<&str>) -> Result<&Arc<VersionRoute>> {
-        let routes = self
-            .models
-            .get(model)
-            .ok_or_else(|| Error::not_found(format!("unknown model '{model}'")))?;
+        let routes = self.model(model)?;
         match version.filter(|v| !v.is_empty()) {
             None => Ok(&routes.default_version),
-            Some(version) => routes.versions.get(version).ok_or_else(|| {
-                Error::not_found(format!(
-                    "unknown version '{version}' of model '{model}' (it has {})",
-                    routes.names.join(", ")
-                ))
-            }),
+            Some(version) => routes.named(model, version),
         }
+    }
+
+    fn model(&self, model: &str) -> Result<&ModelRoutes> {
+        self.models
+            .get(model)
+            .ok_or_else(|| Error::not_found(format!("unknown model '{model}'")))
+    }
+
+    /// Routes one request: a named version is that version; otherwise the weights split requests, by the
+    /// sticky header's value when the model has one and the request carries it, at random otherwise. The mirror is
+    /// chosen at random with the model's mirror share.
+    pub fn route(&self, model: &str, version: Option<&str>, headers: &http::HeaderMap) -> Result<Routed> {
+        let routes = self.model(model)?;
+        let route = match version.filter(|v| !v.is_empty()) {
+            Some(version) => routes.named(model, version)?.clone(),
+            None => {
+                let sticky = routes
+                    .sticky_header
+                    .as_ref()
+                    .and_then(|name| headers.get(name))
+                    .map(|value| xxhash_rust::xxh3::xxh3_64(value.as_bytes()));
+                routes.split_point(sticky.unwrap_or_else(|| fastrand::u64(..)))
+            }
+        };
+        let mirror = routes
+            .mirror
+            .as_ref()
+            .filter(|(_, per_million)| fastrand::u32(..1_000_000) < *per_million)
+            .map(|(mirror, _)| mirror.clone());
+        Ok(Routed { route, mirror })
     }
 
     /// The public versions of `model`, in configured order.
@@ -78,6 +112,28 @@ impl RouteTable {
     /// Public model names.
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.models.keys().map(String::as_str)
+    }
+}
+
+impl ModelRoutes {
+    fn named(&self, model: &str, version: &str) -> Result<&Arc<VersionRoute>> {
+        self.versions.get(version).ok_or_else(|| {
+            Error::not_found(format!(
+                "unknown version '{version}' of model '{model}' (it has {})",
+                self.names.join(", ")
+            ))
+        })
+    }
+
+    /// The version whose weight range holds `point`, a uniformly spread 64-bit number scaled into `[0, total)`: a
+    /// change of weights moves only the points between the old and the new range ends.
+    fn split_point(&self, point: u64) -> Arc<VersionRoute> {
+        let scaled = u64::try_from((u128::from(point) * u128::from(self.total_weight)) >> 64).unwrap_or(0);
+        self.split
+            .iter()
+            .find(|(end, _)| scaled < *end)
+            .or(self.split.last())
+            .map_or_else(|| self.default_version.clone(), |(_, route)| route.clone())
     }
 }
 
@@ -104,9 +160,27 @@ fn routes(model: &ModelConfig, all: &mut Vec<Arc<VersionRoute>>) -> Result<Model
             model.name, model.default_version
         ))
     })?;
+    let mut total_weight = 0;
+    let mut split = Vec::new();
+    for version in &model.versions {
+        if version.weight > 0
+            && let Some(route) = versions.get(&version.version)
+        {
+            total_weight += u64::from(version.weight);
+            split.push((total_weight, route.clone()));
+        }
+    }
+    let mirror = model.mirror.as_ref().and_then(|mirror| {
+        let route = versions.get(&model.versions.get(mirror.version)?.version)?;
+        Some((route.clone(), mirror.per_million))
+    });
     Ok(ModelRoutes {
         versions,
         default_version,
         names: model.versions.iter().map(|v| v.version.clone()).collect(),
+        split,
+        total_weight,
+        sticky_header: model.sticky_header.clone(),
+        mirror,
     })
 }
