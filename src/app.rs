@@ -65,6 +65,21 @@ impl BackgroundService for MetricsListener {
     }
 }
 
+/// Active health checks of the backends, as one of pingora's background services.
+struct HealthChecks {
+    dispatcher: Arc<Dispatcher>,
+}
+
+#[async_trait]
+impl BackgroundService for HealthChecks {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        tokio::select! {
+            () = self.dispatcher.clone().run_health_checks() => {}
+            _ = shutdown.changed() => {}
+        }
+    }
+}
+
 /// Fails early, with the address named, when a front door's port is taken.
 fn check_free(address: SocketAddr, what: &str) -> Result<()> {
     std::net::TcpListener::bind(address)
@@ -103,6 +118,12 @@ pub fn serve(config: Config, name: &str) -> Result<()> {
     }
     rest.add_tcp(&config.listen.rest.to_string());
     server.add_service(rest);
+    server.add_service(background_service(
+        "health checks",
+        HealthChecks {
+            dispatcher: dispatcher.clone(),
+        },
+    ));
     server.add_service(background_service(
         "grpc front door",
         GrpcFrontDoor {

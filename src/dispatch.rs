@@ -2,7 +2,7 @@
 //! backend, sent over the backend's own protocol (translated when the client spoke the other one), and answered with
 //! the public names restored.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,12 +12,13 @@ use prost::Message;
 
 use crate::codec::rest::{self, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
-use crate::config::{BackendProtocol, Config};
+use crate::config::{BackendProtocol, Config, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::fleet::{Endpoints, Lease};
 use crate::metrics::{self, BackendMetrics, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse,
+    ModelReadyResponse, ServerReadyRequest, ServerReadyResponse,
 };
 use crate::protocol::{InferRequest, InferResponse, ModelMetadata, ParamValue, ServerMetadata};
 use crate::routing::{RouteTable, Routed, VersionRoute};
@@ -26,21 +27,27 @@ use crate::upstream::{GrpcUpstream, Replied, RestUpstream};
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";
 const MODEL_READY: &str = "/inference.GRPCInferenceService/ModelReady";
+const SERVER_READY: &str = "/inference.GRPCInferenceService/ServerReady";
 
 /// Mirrored calls allowed under way at once; beyond it, copies are not sent.
 const MAX_MIRRORS_IN_FLIGHT: usize = 256;
 /// How long a connection attempt to a backend may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long model metadata is reused.
+const METADATA_CACHE: Duration = Duration::from_secs(5);
 /// How long a server-ready answer is reused.
 const READY_CACHE: Duration = Duration::from_secs(1);
 /// Bound on each readiness probe of a backend.
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
-/// A REST request proxied to a backend unchanged but for its path.
+/// A REST request proxied to a backend unchanged but for its path; its endpoint is leased when pingora connects.
 #[derive(Debug, Clone)]
 pub struct Passthrough {
-    /// `host:port` of the chosen replica.
-    pub authority: String,
+    /// Index of the backend.
+    backend: usize,
+    /// The backend's model name and version, for choosing an endpoint that serves them.
+    upstream: (String, String),
+    sticky: Option<u64>,
     /// The backend's path for the model and version.
     pub path: String,
     /// Bound on the backend's answer.
@@ -79,14 +86,57 @@ enum Replicas {
 struct BackendClients {
     name: String,
     replicas: Replicas,
-    next: AtomicUsize,
+    /// The replicas' state and the choice among them; index `i` is replica `i` of `replicas`.
+    fleet: Endpoints,
     metrics: BackendMetrics,
 }
 
 impl BackendClients {
-    /// The next replica, round robin.
-    fn pick<T>(&self, endpoints: &[T]) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % endpoints.len().max(1)
+    /// Runs `call` on a chosen endpoint (its index and the time left), and on further endpoints while the call
+    /// failed before reaching one, within the backend's retries and retry budget and the deadline. Each outcome feeds
+    /// the endpoint's outlier detection.
+    async fn attempt<T, F, Fut>(
+        &self,
+        upstream: (&str, &str),
+        sticky: Option<u64>,
+        deadline: Duration,
+        mut call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(usize, Duration) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let until = Instant::now() + deadline;
+        let mut tried = Vec::new();
+        let mut unreached: Option<Error> = None;
+        loop {
+            let lease = match self
+                .fleet
+                .lease(&self.name, upstream.0, upstream.1, sticky, &tried)
+                .await
+            {
+                Ok(lease) => lease,
+                // No other endpoint to try: the endpoint that could not be reached is the answer.
+                Err(error) => return Err(unreached.unwrap_or(error)),
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            let _call = self.metrics.call();
+            let outcome = call(lease.index, left).await;
+            let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
+            lease.state.observed(failed, &self.fleet.policy);
+            match outcome {
+                Err(error)
+                    if error.is_unsent()
+                        && tried.len() < self.fleet.policy.retries as usize
+                        && !until.saturating_duration_since(Instant::now()).is_zero()
+                        && self.fleet.take_retry() =>
+                {
+                    tried.push(lease.index);
+                    unreached = Some(error);
+                }
+                outcome => return outcome,
+            }
+        }
     }
 }
 
@@ -100,6 +150,8 @@ pub struct Dispatcher {
     request_timeout: Duration,
     metadata: ServerMetadata,
     ready_cache: Mutex<Option<(Instant, bool)>>,
+    metadata_cache: Mutex<std::collections::HashMap<usize, (Instant, ModelMetadata)>>,
+    ready_policy: ReadyPolicy,
     metrics: Arc<Metrics>,
     /// Metric handles by route id.
     route_metrics: Vec<Arc<RouteMetrics>>,
@@ -141,7 +193,10 @@ impl Dispatcher {
                 Arc::new(BackendClients {
                     name: backend.name.clone(),
                     replicas,
-                    next: AtomicUsize::new(0),
+                    fleet: Endpoints::new(
+                        backend.endpoints.iter().map(ToString::to_string).collect(),
+                        backend.policy.clone(),
+                    ),
                     metrics: metrics.backend(&backend.name),
                 })
             })
@@ -170,6 +225,8 @@ impl Dispatcher {
                 extensions: EXTENSIONS.iter().map(|e| (*e).to_owned()).collect(),
             },
             ready_cache: Mutex::new(None),
+            metadata_cache: Mutex::new(std::collections::HashMap::new()),
+            ready_policy: config.ready_policy,
         })
     }
 
@@ -218,22 +275,57 @@ impl Dispatcher {
     pub fn rest_passthrough(&self, routed: &Routed, binary_body: bool) -> Result<Option<Passthrough>> {
         let route = &routed.route;
         let backend = self.backend(route)?;
-        let Replicas::Rest { endpoints, binary_data } = &backend.replicas else {
+        let Replicas::Rest { binary_data, .. } = &backend.replicas else {
             return Ok(None);
         };
         if binary_body && !binary_data {
             return Ok(None);
         }
         let aliased = route.upstream_name != route.model || route.upstream_version != route.version;
-        let endpoint = &endpoints[backend.pick(endpoints)];
         Ok(Some(Passthrough {
-            authority: endpoint.authority().to_owned(),
+            backend: route.backend,
+            upstream: (route.upstream_name.clone(), route.upstream_version.clone()),
+            sticky: routed.sticky,
             path: crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer"),
             timeout: self.request_timeout,
             rename: aliased.then(|| (route.model.clone(), route.version.clone())),
             version: route.version.clone(),
             backend_metrics: backend.metrics.clone(),
         }))
+    }
+
+    /// Chooses (and holds a place at) an endpoint for a proxied request, skipping endpoints already `tried`.
+    pub async fn lease_passthrough(&self, target: &Passthrough, tried: &[usize]) -> Result<Lease> {
+        let backend = self
+            .backends
+            .get(target.backend)
+            .ok_or_else(|| Error::internal("no backend for a proxied request"))?;
+        backend
+            .fleet
+            .lease(
+                &backend.name,
+                &target.upstream.0,
+                &target.upstream.1,
+                target.sticky,
+                tried,
+            )
+            .await
+    }
+
+    /// Records how a proxied call went at its endpoint, for outlier detection.
+    pub fn passthrough_observed(&self, target: &Passthrough, lease: &Lease, failed: bool) {
+        if let Some(backend) = self.backends.get(target.backend) {
+            lease.state.observed(failed, &backend.fleet.policy);
+        }
+    }
+
+    /// Whether a proxied request that could not connect to the `tried` endpoints may try another one.
+    pub fn may_retry_passthrough(&self, target: &Passthrough, tried: &[usize]) -> bool {
+        self.backends.get(target.backend).is_some_and(|backend| {
+            tried.len() <= backend.fleet.policy.retries as usize
+                && backend.fleet.has_untried(&target.upstream.0, &target.upstream.1, tried)
+                && backend.fleet.take_retry()
+        })
     }
 
     /// Runs an inference for `model` at `version` (routed here): the convenience form of [`Self::infer_routed`].
@@ -262,7 +354,15 @@ impl Dispatcher {
         }
         let route = &routed.route;
         let backend = self.backend(route)?;
-        let mut replied = call_infer(backend, route, request, &context.forward, self.deadline(context)).await?;
+        let mut replied = call_infer(
+            backend,
+            route,
+            request,
+            &context.forward,
+            self.deadline(context),
+            routed.sticky,
+        )
+        .await?;
         replied.value.model_name = route.model.clone();
         replied.value.model_version = Some(route.version.clone());
         served_version(&mut replied.headers, route);
@@ -291,11 +391,16 @@ impl Dispatcher {
         let backend = self.backend(route)?;
         let mut replied = match &backend.replicas {
             Replicas::Grpc { endpoints } => {
-                let endpoint = &endpoints[backend.pick(endpoints)];
                 let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
-                let _call = backend.metrics.call();
-                let answer = endpoint
-                    .unary(MODEL_INFER, renamed, Some(self.deadline(context)), &context.forward)
+                let answer = backend
+                    .attempt(
+                        (&route.upstream_name, &route.upstream_version),
+                        routed.sticky,
+                        self.deadline(context),
+                        |index, left| {
+                            endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward)
+                        },
+                    )
                     .await?;
                 Replied {
                     value: splice::rename(&answer.value, &route.model, &route.version)
@@ -305,7 +410,15 @@ impl Dispatcher {
             }
             Replicas::Rest { .. } => {
                 let request = decode_grpc_request(message)?;
-                let mut replied = call_infer(backend, route, request, &context.forward, self.deadline(context)).await?;
+                let mut replied = call_infer(
+                    backend,
+                    route,
+                    request,
+                    &context.forward,
+                    self.deadline(context),
+                    routed.sticky,
+                )
+                .await?;
                 replied.value.model_name = route.model.clone();
                 replied.value.model_version = Some(route.version.clone());
                 Replied {
@@ -345,42 +458,35 @@ impl Dispatcher {
         });
     }
 
-    /// Model metadata from the backend serving the resolved version, with the public name and versions.
+    /// Model metadata from a healthy endpoint of the resolved version, with the public name and the versions the
+    /// gateway routes for the model; reused for a few seconds.
     pub async fn model_metadata(&self, model: &str, version: Option<&str>) -> Result<ModelMetadata> {
         let route = self.routes.resolve(model, version)?;
+        if let Ok(cache) = self.metadata_cache.lock()
+            && let Some((at, metadata)) = cache.get(&route.id)
+            && at.elapsed() < METADATA_CACHE
+        {
+            return Ok(metadata.clone());
+        }
         let backend = self.backend(route)?;
-        let deadline = Some(self.request_timeout);
-        let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
-        let _call = backend.metrics.call();
-        let mut metadata = match &backend.replicas {
-            Replicas::Rest { endpoints, .. } => {
-                endpoints[backend.pick(endpoints)]
-                    .model_metadata(&route.upstream_name, upstream_version, deadline)
-                    .await?
-            }
-            Replicas::Grpc { endpoints } => {
-                let request = ModelMetadataRequest {
-                    name: route.upstream_name.clone(),
-                    version: route.upstream_version.clone(),
-                };
-                let answer = endpoints[backend.pick(endpoints)]
-                    .unary(
-                        MODEL_METADATA,
-                        vec![Bytes::from(request.encode_to_vec())],
-                        deadline,
-                        &HeaderMap::new(),
-                    )
-                    .await?;
-                let decoded = ModelMetadataResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
-                protobuf::model_metadata_from_proto(decoded)
-            }
-        };
+        let mut metadata = backend
+            .attempt(
+                (&route.upstream_name, &route.upstream_version),
+                None,
+                self.request_timeout,
+                |index, left| endpoint_model_metadata(backend, index, route, left),
+            )
+            .await?;
         metadata.name = route.model.clone();
         metadata.versions = self.routes.versions(model).map(<[String]>::to_vec).unwrap_or_default();
+        if let Ok(mut cache) = self.metadata_cache.lock() {
+            cache.insert(route.id, (Instant::now(), metadata.clone()));
+        }
         Ok(metadata)
     }
 
-    /// Whether the backend serving the resolved version says the model is ready.
+    /// Whether some endpoint serving the resolved version has the model ready: from the health checks' last probes
+    /// when the backend is checked, otherwise by asking its endpoints until one says ready.
     pub async fn model_ready(&self, model: &str, version: Option<&str>) -> Result<bool> {
         self.route_ready(self.routes.resolve(model, version)?, self.request_timeout)
             .await
@@ -388,35 +494,53 @@ impl Dispatcher {
 
     async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
         let backend = self.backend(route)?;
-        let upstream_version = Some(route.upstream_version.as_str()).filter(|v| !v.is_empty());
-        let _call = backend.metrics.call();
-        match &backend.replicas {
-            Replicas::Rest { endpoints, .. } => Ok(endpoints[backend.pick(endpoints)]
-                .model_ready(&route.upstream_name, upstream_version, Some(deadline))
-                .await?
-                .ready),
-            Replicas::Grpc { endpoints } => {
-                let request = ModelReadyRequest {
-                    name: route.upstream_name.clone(),
-                    version: route.upstream_version.clone(),
-                };
-                let answer = endpoints[backend.pick(endpoints)]
-                    .unary(
-                        MODEL_READY,
-                        vec![Bytes::from(request.encode_to_vec())],
-                        Some(deadline),
-                        &HeaderMap::new(),
-                    )
-                    .await?;
-                Ok(ModelReadyResponse::decode(answer.value)
-                    .map_err(|e| bad_answer(&backend.name, e))?
-                    .ready)
+        if backend.fleet.health_checked() {
+            return Ok(backend.fleet.can_serve(&route.upstream_name, &route.upstream_version));
+        }
+        let mut last_error = None;
+        for index in 0..backend.fleet.states.len() {
+            match endpoint_model_ready(backend, index, route, deadline).await {
+                Ok(true) => return Ok(true),
+                Ok(false) => last_error = None,
+                Err(error) => last_error = Some(error),
             }
         }
+        last_error.map_or(Ok(false), Err)
     }
 
-    /// The gateway is ready when every configured model's default version is ready at its backend. Answers are
-    /// reused for up to a second so probes cannot flood the backends.
+    /// Probes every endpoint of every health-checked backend at its interval, for as long as the dispatcher lives:
+    /// server ready, then the ready check of each model version routed to the backend.
+    pub async fn run_health_checks(self: Arc<Self>) {
+        let mut checks = Vec::new();
+        for (index, backend) in self.backends.iter().enumerate() {
+            let Some(health) = backend.fleet.policy.health else {
+                continue;
+            };
+            let routes: Vec<Arc<VersionRoute>> = self
+                .routes
+                .routes()
+                .iter()
+                .filter(|r| r.backend == index)
+                .cloned()
+                .collect();
+            let backend = backend.clone();
+            checks.push(async move {
+                let mut ticker = tokio::time::interval(health.interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticker.tick().await;
+                    let probes = (0..backend.fleet.states.len())
+                        .map(|endpoint| probe(&backend, endpoint, &routes, health.timeout));
+                    futures_util::future::join_all(probes).await;
+                }
+            });
+        }
+        futures_util::future::join_all(checks).await;
+    }
+
+    /// The gateway is ready when every configured model (or, by `ready_policy`, any) has a version that some
+    /// endpoint can serve: from probe state for health-checked backends, otherwise by asking, with answers reused
+    /// for up to a second so readiness probes cannot flood the backends.
     pub async fn server_ready(&self) -> bool {
         if let Ok(cache) = self.ready_cache.lock()
             && let Some((at, ready)) = *cache
@@ -424,15 +548,23 @@ impl Dispatcher {
         {
             return ready;
         }
-        let checks = self
-            .routes
-            .models()
-            .filter_map(|model| self.routes.resolve(model, None).ok())
-            .map(|route| async move { self.route_ready(route, READY_PROBE_TIMEOUT).await.unwrap_or(false) });
-        let ready = futures_util::future::join_all(checks)
-            .await
-            .into_iter()
-            .all(|ready| ready);
+        let models: Vec<&str> = self.routes.models().collect();
+        let checks = models.iter().map(|model| async move {
+            let versions = self.routes.versions(model).unwrap_or_default();
+            let checks = versions
+                .iter()
+                .filter_map(|version| self.routes.resolve(model, Some(version)).ok())
+                .map(|route| async move { self.route_ready(route, READY_PROBE_TIMEOUT).await.unwrap_or(false) });
+            futures_util::future::join_all(checks)
+                .await
+                .into_iter()
+                .any(|ready| ready)
+        });
+        let servable = futures_util::future::join_all(checks).await;
+        let ready = match self.ready_policy {
+            ReadyPolicy::AllModels => servable.iter().all(|&ready| ready),
+            ReadyPolicy::AnyModel => servable.iter().any(|&ready| ready),
+        };
         if let Ok(mut cache) = self.ready_cache.lock() {
             *cache = Some((Instant::now(), ready));
         }
@@ -467,21 +599,21 @@ fn decode_grpc_request(message: Bytes) -> Result<InferRequest> {
     protobuf::request_from_proto(decoded)
 }
 
-/// Runs a decoded inference on `route`'s backend, over its protocol, with the backend's own names.
+/// Runs a decoded inference on `route`'s backend, over its protocol, with the backend's own names; encoded once,
+/// sent again (the same buffers) only to another endpoint when the first could not be reached.
 async fn call_infer(
     backend: &BackendClients,
     route: &VersionRoute,
     mut request: InferRequest,
     forward: &HeaderMap,
     deadline: Duration,
+    sticky: Option<u64>,
 ) -> Result<Replied<InferResponse>> {
     request.model_name = route.upstream_name.clone();
     request.model_version = Some(route.upstream_version.clone()).filter(|v| !v.is_empty());
-    let deadline = Some(deadline);
-    let _call = backend.metrics.call();
+    let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
     match &backend.replicas {
         Replicas::Rest { endpoints, binary_data } => {
-            let endpoint = &endpoints[backend.pick(endpoints)];
             if *binary_data {
                 // The backend answers in binary: no floats printed and parsed on the way back.
                 request
@@ -489,20 +621,20 @@ async fn call_infer(
                     .insert(BINARY_DATA_OUTPUT.to_owned(), ParamValue::Bool(true));
             }
             let body = rest::encode_request(&request, *binary_data)?;
-            endpoint
-                .infer(
-                    &route.upstream_name,
-                    request.model_version.as_deref(),
-                    body,
-                    forward,
-                    deadline,
-                )
+            let version = request.model_version.as_deref();
+            backend
+                .attempt(upstream, sticky, deadline, |index, left| {
+                    endpoints[index].infer(&route.upstream_name, version, body.clone(), forward, Some(left))
+                })
                 .await
         }
         Replicas::Grpc { endpoints } => {
-            let endpoint = &endpoints[backend.pick(endpoints)];
             let message = protobuf::encode_request(request);
-            let answer = endpoint.unary(MODEL_INFER, message.chunks, deadline, forward).await?;
+            let answer = backend
+                .attempt(upstream, sticky, deadline, |index, left| {
+                    endpoints[index].unary(MODEL_INFER, message.chunks.clone(), Some(left), forward)
+                })
+                .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
             Ok(Replied {
                 value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
@@ -520,12 +652,14 @@ async fn mirror_call(
     forward: &HeaderMap,
     timeout: Duration,
 ) -> Result<()> {
+    let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
     let request = match (payload, &backend.replicas) {
         (MirrorPayload::Grpc(message), Replicas::Grpc { endpoints }) => {
             let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
-            let _call = backend.metrics.call();
-            endpoints[backend.pick(endpoints)]
-                .unary(MODEL_INFER, renamed, Some(timeout), forward)
+            backend
+                .attempt(upstream, None, timeout, |index, left| {
+                    endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward)
+                })
                 .await?;
             return Ok(());
         }
@@ -545,9 +679,10 @@ async fn mirror_call(
                 headers.insert(crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
             }
             let path = crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer");
-            let _call = backend.metrics.call();
-            let answer = endpoints[backend.pick(endpoints)]
-                .send(http::Method::POST, &path, &headers, body, Some(timeout))
+            let answer = backend
+                .attempt(upstream, None, timeout, |index, left| {
+                    endpoints[index].send(http::Method::POST, &path, &headers, body.clone(), Some(left))
+                })
                 .await?;
             return if answer.status.is_success() {
                 Ok(())
@@ -572,7 +707,113 @@ async fn mirror_call(
             }
         }
     };
-    call_infer(backend, route, request, forward, timeout).await.map(drop)
+    call_infer(backend, route, request, forward, timeout, None)
+        .await
+        .map(drop)
+}
+
+/// One probe of one endpoint: server ready, then each routed model's ready; the outcome goes to its state.
+async fn probe(backend: &BackendClients, endpoint: usize, routes: &[Arc<VersionRoute>], timeout: Duration) {
+    let healthy = endpoint_server_ready(backend, endpoint, timeout).await.unwrap_or(false);
+    let mut not_ready = std::collections::HashSet::new();
+    if healthy {
+        for route in routes {
+            if !endpoint_model_ready(backend, endpoint, route, timeout)
+                .await
+                .unwrap_or(false)
+            {
+                not_ready.insert((route.upstream_name.clone(), route.upstream_version.clone()));
+            }
+        }
+    }
+    if let Some(state) = backend.fleet.states.get(endpoint) {
+        state.probed(healthy, not_ready, &backend.fleet.policy);
+    }
+}
+
+fn upstream_version(route: &VersionRoute) -> Option<&str> {
+    Some(route.upstream_version.as_str()).filter(|v| !v.is_empty())
+}
+
+async fn endpoint_server_ready(backend: &BackendClients, endpoint: usize, deadline: Duration) -> Result<bool> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint].server_ready(Some(deadline)).await?.ready),
+        Replicas::Grpc { endpoints } => {
+            let answer = endpoints[endpoint]
+                .unary(
+                    SERVER_READY,
+                    vec![Bytes::from(ServerReadyRequest {}.encode_to_vec())],
+                    Some(deadline),
+                    &HeaderMap::new(),
+                )
+                .await?;
+            Ok(ServerReadyResponse::decode(answer.value)
+                .map_err(|e| bad_answer(&backend.name, e))?
+                .ready)
+        }
+    }
+}
+
+async fn endpoint_model_ready(
+    backend: &BackendClients,
+    endpoint: usize,
+    route: &VersionRoute,
+    deadline: Duration,
+) -> Result<bool> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint]
+            .model_ready(&route.upstream_name, upstream_version(route), Some(deadline))
+            .await?
+            .ready),
+        Replicas::Grpc { endpoints } => {
+            let request = ModelReadyRequest {
+                name: route.upstream_name.clone(),
+                version: route.upstream_version.clone(),
+            };
+            let answer = endpoints[endpoint]
+                .unary(
+                    MODEL_READY,
+                    vec![Bytes::from(request.encode_to_vec())],
+                    Some(deadline),
+                    &HeaderMap::new(),
+                )
+                .await?;
+            Ok(ModelReadyResponse::decode(answer.value)
+                .map_err(|e| bad_answer(&backend.name, e))?
+                .ready)
+        }
+    }
+}
+
+async fn endpoint_model_metadata(
+    backend: &BackendClients,
+    endpoint: usize,
+    route: &VersionRoute,
+    deadline: Duration,
+) -> Result<ModelMetadata> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => {
+            endpoints[endpoint]
+                .model_metadata(&route.upstream_name, upstream_version(route), Some(deadline))
+                .await
+        }
+        Replicas::Grpc { endpoints } => {
+            let request = ModelMetadataRequest {
+                name: route.upstream_name.clone(),
+                version: route.upstream_version.clone(),
+            };
+            let answer = endpoints[endpoint]
+                .unary(
+                    MODEL_METADATA,
+                    vec![Bytes::from(request.encode_to_vec())],
+                    Some(deadline),
+                    &HeaderMap::new(),
+                )
+                .await?;
+            let decoded = ModelMetadataResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
+            Ok(protobuf::model_metadata_from_proto(decoded))
+        }
+    }
 }
 
 fn bad_answer(backend: &str, error: prost::DecodeError) -> Error {

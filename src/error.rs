@@ -141,6 +141,8 @@ pub struct Error {
     kind: ErrorKind,
     origin: Origin,
     retryable: bool,
+    /// The request never reached the backend (refused or failed connection), so sending it elsewhere is safe.
+    unsent: bool,
     message: String,
     upstream_http_status: Option<u16>,
     upstream_grpc_code: Option<Code>,
@@ -154,6 +156,7 @@ impl Error {
             kind,
             origin,
             retryable: kind.retryable_by_default(),
+            unsent: false,
             message: message.into(),
             upstream_http_status: None,
             upstream_grpc_code: None,
@@ -195,6 +198,27 @@ impl Error {
             format!("backend sent an invalid response: {}", self.message),
         )
         .with_retryable(false)
+    }
+
+    /// Marks a failure that happened before any byte of the request reached the backend.
+    pub fn unsent(mut self) -> Error {
+        self.unsent = true;
+        self
+    }
+
+    pub fn is_unsent(&self) -> bool {
+        self.unsent
+    }
+
+    /// Whether the failure counts against the endpoint's health: it could not be reached, failed itself (5xx), or
+    /// said it is unavailable. A request's own faults (4xx) do not, nor do timeouts, which a client's short deadline
+    /// or a slow model cause as often as a sick endpoint.
+    pub fn is_endpoint_failure(&self) -> bool {
+        self.origin == Origin::Upstream
+            && matches!(
+                self.kind,
+                ErrorKind::BadGateway | ErrorKind::Unavailable | ErrorKind::Internal
+            )
     }
 
     pub fn with_retryable(mut self, retryable: bool) -> Error {

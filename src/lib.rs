@@ -8,6 +8,7 @@ pub mod convert;
 pub mod demo;
 pub mod dispatch;
 pub mod error;
+pub mod fleet;
 pub mod frontend;
 pub mod headers;
 pub mod metrics;

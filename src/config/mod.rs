@@ -23,6 +23,7 @@ pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    pub ready_policy: ReadyPolicy,
     pub listen: Listen,
     pub limits: Limits,
     pub backends: Vec<Backend>,
@@ -107,7 +108,87 @@ pub struct Backend {
     pub endpoints: Vec<Endpoint>,
     /// REST backends only: it speaks the binary tensor data extension.
     pub binary_data: bool,
+    pub policy: BackendPolicy,
 }
+
+/// What the gateway's readiness requires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadyPolicy {
+    /// Every configured model can be served.
+    #[default]
+    AllModels,
+    /// At least one configured model can be served.
+    AnyModel,
+}
+
+/// How a backend's endpoints share its calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadBalancing {
+    #[default]
+    RoundRobin,
+    /// Power of two choices on calls under way.
+    LeastRequest,
+    /// By the model's sticky key; round robin for calls without one.
+    ConsistentHash,
+}
+
+/// How the gateway spreads, limits, checks and retries a backend's calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendPolicy {
+    pub lb: LoadBalancing,
+    pub max_in_flight: Option<u32>,
+    pub queue_timeout: Duration,
+    pub retries: u32,
+    pub health: Option<HealthCheck>,
+    pub outlier: Outlier,
+}
+
+impl Default for BackendPolicy {
+    fn default() -> Self {
+        BackendPolicy {
+            lb: LoadBalancing::RoundRobin,
+            max_in_flight: None,
+            queue_timeout: Duration::from_millis(DEFAULT_QUEUE_TIMEOUT_MS),
+            retries: DEFAULT_RETRIES,
+            health: None,
+            outlier: Outlier::default(),
+        }
+    }
+}
+
+/// Active health checking of each endpoint: server ready, and each routed model's ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive failed probes after which an endpoint gets no traffic.
+    pub unhealthy_after: u32,
+    /// Consecutive good probes after which it gets traffic again.
+    pub healthy_after: u32,
+}
+
+/// Passive outlier detection: consecutive failed calls eject an endpoint for a cool-down that doubles each time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outlier {
+    pub consecutive_failures: u32,
+    pub base_ejection: Duration,
+    pub max_ejection: Duration,
+}
+
+impl Default for Outlier {
+    fn default() -> Self {
+        Outlier {
+            consecutive_failures: 5,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Default wait for a full endpoint.
+pub const DEFAULT_QUEUE_TIMEOUT_MS: u64 = 100;
+/// Default further endpoints tried for a call that never reached one.
+pub const DEFAULT_RETRIES: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelConfig {
@@ -275,11 +356,13 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
             }
         }
+        let policy = backend_policy(&mut problems, &path, backend);
         backends.push(Backend {
             name: backend.name.clone(),
             protocol,
             endpoints,
             binary_data: backend.binary_data,
+            policy,
         });
     }
 
@@ -422,6 +505,17 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         });
     }
 
+    let ready_policy = match raw.ready_policy.as_deref() {
+        None | Some("all_models") => ReadyPolicy::AllModels,
+        Some("any_model") => ReadyPolicy::AnyModel,
+        Some(other) => {
+            problems.add(
+                "ready_policy",
+                format!("\"{other}\" is not \"all_models\" or \"any_model\""),
+            );
+            ReadyPolicy::AllModels
+        }
+    };
     if !problems.0.is_empty() {
         return Err(problems.0);
     }
@@ -432,6 +526,7 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         }]);
     };
     Ok(Config {
+        ready_policy,
         listen: Listen { rest, grpc, metrics },
         limits: Limits {
             max_request_bytes,
@@ -440,6 +535,66 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         backends,
         models,
     })
+}
+
+fn backend_policy(problems: &mut Problems, path: &str, backend: &raw::RawBackend) -> BackendPolicy {
+    let defaults = BackendPolicy::default();
+    let lb = match backend.lb.as_deref() {
+        None | Some("round_robin") => LoadBalancing::RoundRobin,
+        Some("least_request") => LoadBalancing::LeastRequest,
+        Some("consistent_hash") => LoadBalancing::ConsistentHash,
+        Some(other) => {
+            problems.add(
+                format!("{path}.lb"),
+                format!("\"{other}\" is not \"round_robin\", \"least_request\" or \"consistent_hash\""),
+            );
+            LoadBalancing::RoundRobin
+        }
+    };
+    if backend.max_in_flight == Some(0) {
+        problems.add(format!("{path}.max_in_flight"), "must be at least 1");
+    }
+    let mut positive = |key: &str, value: Option<u64>, default: u64| -> u64 {
+        match value {
+            Some(0) => {
+                problems.add(format!("{path}.{key}"), "must be at least 1");
+                default
+            }
+            Some(value) => value,
+            None => default,
+        }
+    };
+    let queue_timeout = positive("queue_timeout_ms", backend.queue_timeout_ms, DEFAULT_QUEUE_TIMEOUT_MS);
+    let health = backend.health.as_ref().map(|health| HealthCheck {
+        interval: Duration::from_millis(positive("health.interval_ms", health.interval_ms, 1000)),
+        timeout: Duration::from_millis(positive("health.timeout_ms", health.timeout_ms, 500)),
+        unhealthy_after: u32::try_from(positive(
+            "health.unhealthy_after",
+            health.unhealthy_after.map(u64::from),
+            2,
+        ))
+        .unwrap_or(2),
+        healthy_after: u32::try_from(positive("health.healthy_after", health.healthy_after.map(u64::from), 1))
+            .unwrap_or(1),
+    });
+    let outlier = backend.outlier.as_ref().map_or(defaults.outlier, |outlier| Outlier {
+        consecutive_failures: u32::try_from(positive(
+            "outlier.consecutive_failures",
+            outlier.consecutive_failures.map(u64::from),
+            5,
+        ))
+        .unwrap_or(5),
+        base_ejection: Duration::from_millis(positive("outlier.base_ejection_ms", outlier.base_ejection_ms, 1000)),
+        max_ejection: Duration::from_millis(positive("outlier.max_ejection_ms", outlier.max_ejection_ms, 60_000)),
+    });
+    BackendPolicy {
+        lb,
+        max_in_flight: backend.max_in_flight.filter(|&n| n > 0),
+        queue_timeout: Duration::from_millis(queue_timeout),
+        retries: backend.retries.unwrap_or(DEFAULT_RETRIES),
+        health,
+        outlier,
+    }
 }
 
 /// A percentage in (0, 100] as millionths.

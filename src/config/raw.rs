@@ -8,6 +8,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
+    /// "all_models" (default) or "any_model": what the gateway's readiness requires.
+    pub ready_policy: Option<String>,
     #[serde(default)]
     pub listen: RawListen,
     #[serde(default)]
@@ -49,6 +51,35 @@ pub struct RawBackend {
     /// A REST backend that speaks the binary tensor data extension.
     #[serde(default)]
     pub binary_data: bool,
+    /// "round_robin" (default), "least_request" or "consistent_hash".
+    pub lb: Option<String>,
+    /// Calls one endpoint may have under way; more wait briefly, then are refused.
+    pub max_in_flight: Option<u32>,
+    /// How long a call waits for a full endpoint, in milliseconds.
+    pub queue_timeout_ms: Option<u64>,
+    /// Further endpoints tried for a call that never reached its first one.
+    pub retries: Option<u32>,
+    /// Active health checks.
+    pub health: Option<RawHealth>,
+    /// Passive outlier detection.
+    pub outlier: Option<RawOutlier>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealth {
+    pub interval_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    pub unhealthy_after: Option<u32>,
+    pub healthy_after: Option<u32>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOutlier {
+    pub consecutive_failures: Option<u32>,
+    pub base_ejection_ms: Option<u64>,
+    pub max_ejection_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

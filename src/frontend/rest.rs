@@ -19,6 +19,7 @@ use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, EncodedBody, RestRequest};
 use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::fleet::Lease;
 use crate::headers;
 use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
 use crate::protocol::{InferRequest, ModelReady, ServerLive, ServerReady};
@@ -46,6 +47,9 @@ pub struct RestContext {
     route_metrics: Option<Arc<RouteMetrics>>,
     /// A proxied call to a backend, counted in flight until the request ends.
     in_flight: Option<InFlight>,
+    /// The endpoint a proxied request holds a place at, and the endpoints it could not connect to.
+    lease: Option<Lease>,
+    tried: Vec<usize>,
     passthrough: Option<Passthrough>,
     request_id: Option<HeaderValue>,
     received: u64,
@@ -484,6 +488,8 @@ impl ProxyHttp for RestFrontDoor {
             started: Instant::now(),
             route_metrics: None,
             in_flight: None,
+            lease: None,
+            tried: Vec::new(),
             passthrough: None,
             request_id: None,
             received: 0,
@@ -511,7 +517,17 @@ impl ProxyHttp for RestFrontDoor {
             .passthrough
             .as_ref()
             .or_err(ErrorType::InternalError, "no backend chosen")?;
-        let mut peer = HttpPeer::new(target.authority.as_str(), false, String::new());
+        let lease = match self.dispatcher.lease_passthrough(target, &context.tried).await {
+            Ok(lease) => lease,
+            Err(error) => {
+                return Err(pingora::Error::explain(
+                    ErrorType::HTTPStatus(error.http_status().as_u16()),
+                    error.message().to_owned(),
+                ));
+            }
+        };
+        let mut peer = HttpPeer::new(lease.state.authority.as_str(), false, String::new());
+        context.lease = Some(lease);
         peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
         peer.options.read_timeout = Some(target.timeout);
         peer.options.write_timeout = Some(target.timeout);
@@ -574,6 +590,10 @@ impl ProxyHttp for RestFrontDoor {
         response: &mut ResponseHeader,
         context: &mut RestContext,
     ) -> pingora::Result<()> {
+        if let (Some(lease), Some(target)) = (&context.lease, &context.passthrough) {
+            self.dispatcher
+                .passthrough_observed(target, lease, response.status.is_server_error());
+        }
         let Some((name, version)) = context.passthrough.as_ref().and_then(|p| p.rename.clone()) else {
             return Ok(());
         };
@@ -650,6 +670,7 @@ impl ProxyHttp for RestFrontDoor {
 
     async fn logging(&self, session: &mut Session, _error: Option<&pingora::Error>, context: &mut RestContext) {
         context.in_flight = None;
+        context.lease = None;
         // Only inferences are counted; health probes and metadata reads would drown them.
         if context.route_metrics.is_none() {
             return;
@@ -670,6 +691,24 @@ impl ProxyHttp for RestFrontDoor {
         );
     }
 
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        context: &mut RestContext,
+        mut error: Box<pingora::Error>,
+    ) -> Box<pingora::Error> {
+        // Nothing reached this endpoint: count it against the endpoint and, within the budget, try another.
+        if let (Some(lease), Some(target)) = (context.lease.take(), &context.passthrough) {
+            self.dispatcher.passthrough_observed(target, &lease, true);
+            context.tried.push(lease.index);
+            if self.dispatcher.may_retry_passthrough(target, &context.tried) {
+                error.set_retry(true);
+            }
+        }
+        error
+    }
+
     async fn fail_to_proxy(
         &self,
         session: &mut Session,
@@ -687,7 +726,13 @@ impl ProxyHttp for RestFrontDoor {
             ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout => {
                 (ErrorKind::Timeout, format!("backend did not answer in time: {error}"))
             }
-            ErrorType::HTTPStatus(status) => (ErrorKind::from_http_status(*status), error.to_string()),
+            ErrorType::HTTPStatus(status) => (
+                ErrorKind::from_http_status(*status),
+                error
+                    .context
+                    .as_ref()
+                    .map_or_else(|| error.to_string(), |context| context.as_str().to_owned()),
+            ),
             _ => match error.esource() {
                 pingora::ErrorSource::Downstream => (
                     ErrorKind::InvalidArgument,

@@ -38,6 +38,8 @@ struct ModelRoutes {
 pub struct Routed {
     pub route: Arc<VersionRoute>,
     pub mirror: Option<Arc<VersionRoute>>,
+    /// The hash of the model's sticky header, when the request carries it: also the consistent-hash key.
+    pub sticky: Option<u64>,
 }
 
 /// Every model's routes.
@@ -80,23 +82,21 @@ impl RouteTable {
     /// chosen at random with the model's mirror share.
     pub fn route(&self, model: &str, version: Option<&str>, headers: &http::HeaderMap) -> Result<Routed> {
         let routes = self.model(model)?;
+        let sticky = routes
+            .sticky_header
+            .as_ref()
+            .and_then(|name| headers.get(name))
+            .map(|value| xxhash_rust::xxh3::xxh3_64(value.as_bytes()));
         let route = match version.filter(|v| !v.is_empty()) {
             Some(version) => routes.named(model, version)?.clone(),
-            None => {
-                let sticky = routes
-                    .sticky_header
-                    .as_ref()
-                    .and_then(|name| headers.get(name))
-                    .map(|value| xxhash_rust::xxh3::xxh3_64(value.as_bytes()));
-                routes.split_point(sticky.unwrap_or_else(|| fastrand::u64(..)))
-            }
+            None => routes.split_point(sticky.unwrap_or_else(|| fastrand::u64(..))),
         };
         let mirror = routes
             .mirror
             .as_ref()
             .filter(|(_, per_million)| fastrand::u32(..1_000_000) < *per_million)
             .map(|(mirror, _)| mirror.clone());
-        Ok(Routed { route, mirror })
+        Ok(Routed { route, mirror, sticky })
     }
 
     /// The public versions of `model`, in configured order.

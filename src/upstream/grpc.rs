@@ -138,11 +138,17 @@ impl GrpcUpstream {
         }
 
         let response = self.client.request(request).await.map_err(|e| {
-            Error::new(
+            let error = Error::new(
                 ErrorKind::BadGateway,
                 Origin::Upstream,
                 format!("backend {} unreachable: {e}", self.authority),
-            )
+            );
+            // Only a failed connection is known not to have delivered any of the request.
+            if e.is_connect() {
+                error.unsent()
+            } else {
+                error.with_retryable(false)
+            }
         })?;
         if response.status() != http::StatusCode::OK {
             return Err(Error::new(

@@ -106,11 +106,17 @@ impl RestUpstream {
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
         let response = self.client.request(request).await.map_err(|e| {
-            Error::new(
+            let error = Error::new(
                 ErrorKind::BadGateway,
                 Origin::Upstream,
                 format!("backend {} unreachable: {e}", self.authority),
-            )
+            );
+            // Only a failed connection is known not to have delivered any of the request.
+            if e.is_connect() {
+                error.unsent()
+            } else {
+                error.with_retryable(false)
+            }
         })?;
         let status = response.status();
         let headers = response.headers().clone();

@@ -1,0 +1,322 @@
+//! The replicas of each backend as the gateway sees them: their health (probed and observed), their load, and the
+//! choice of one for each call, with admission (bounded wait, then refusal) and the retry budget.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::{BackendPolicy, LoadBalancing};
+use crate::error::{Error, ErrorKind, Origin, Result};
+
+/// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
+/// still retry).
+const RETRY_BUDGET_SHARE: f64 = 0.2;
+const RETRY_BUDGET_FLOOR: u64 = 10;
+
+/// One replica's observed state.
+#[derive(Debug)]
+pub struct EndpointState {
+    pub authority: String,
+    in_flight: AtomicUsize,
+    /// Set by active health checks; true when none are configured.
+    probe_healthy: AtomicBool,
+    good_probes: AtomicU32,
+    bad_probes: AtomicU32,
+    /// Models (upstream name and version) whose ready check failed at this endpoint.
+    not_ready: RwLock<HashSet<(String, String)>>,
+    consecutive_failures: AtomicU32,
+    ejections: AtomicU32,
+    /// While set, the endpoint gets no calls: until the instant passes and, with health checks, a probe succeeds.
+    ejected_until: Mutex<Option<Instant>>,
+    /// Calls allowed under way, when limited, and calls waiting for one.
+    slots: Option<Arc<Semaphore>>,
+    waiting: AtomicUsize,
+    max_in_flight: usize,
+}
+
+impl EndpointState {
+    pub fn new(authority: String, policy: &BackendPolicy) -> EndpointState {
+        let max_in_flight = policy.max_in_flight.map_or(usize::MAX, |n| n as usize);
+        EndpointState {
+            authority,
+            in_flight: AtomicUsize::new(0),
+            probe_healthy: AtomicBool::new(true),
+            good_probes: AtomicU32::new(0),
+            bad_probes: AtomicU32::new(0),
+            not_ready: RwLock::new(HashSet::new()),
+            consecutive_failures: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
+            ejected_until: Mutex::new(None),
+            slots: policy.max_in_flight.map(|n| Arc::new(Semaphore::new(n as usize))),
+            waiting: AtomicUsize::new(0),
+            max_in_flight,
+        }
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Healthy by its probes and not ejected (a passed cool-down counts as returned when nothing probes it).
+    pub fn is_available(&self, health_checked: bool) -> bool {
+        if !self.probe_healthy.load(Ordering::Relaxed) {
+            return false;
+        }
+        match *self
+            .ejected_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            None => true,
+            Some(until) => !health_checked && Instant::now() >= until,
+        }
+    }
+
+    /// Whether the endpoint's last probe found `model` at `version` ready (true until a probe says otherwise).
+    pub fn serves(&self, model: &str, version: &str) -> bool {
+        let not_ready = self.not_ready.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        not_ready.is_empty() || !not_ready.contains(&(model.to_owned(), version.to_owned()))
+    }
+
+    /// Records one active probe: the server-ready answer and which models were not ready.
+    pub fn probed(&self, healthy: bool, not_ready: HashSet<(String, String)>, policy: &BackendPolicy) {
+        let Some(health) = policy.health else { return };
+        *self
+            .not_ready
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = not_ready;
+        if healthy {
+            self.bad_probes.store(0, Ordering::Relaxed);
+            let good = self.good_probes.fetch_add(1, Ordering::Relaxed) + 1;
+            if good >= health.healthy_after {
+                self.probe_healthy.store(true, Ordering::Relaxed);
+            }
+            // An ejected endpoint returns after its cool-down and a good probe.
+            let mut ejected = self
+                .ejected_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if ejected.is_some_and(|until| Instant::now() >= until) {
+                *ejected = None;
+                self.consecutive_failures.store(0, Ordering::Relaxed);
+            }
+        } else {
+            self.good_probes.store(0, Ordering::Relaxed);
+            let bad = self.bad_probes.fetch_add(1, Ordering::Relaxed) + 1;
+            if bad >= health.unhealthy_after {
+                self.probe_healthy.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Records a call's outcome for outlier detection; `failed` is a connection failure, 5xx or UNAVAILABLE.
+    pub fn observed(&self, failed: bool, policy: &BackendPolicy) {
+        if !failed {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+            // A success after the cool-down ends an ejection (calls reach it when nothing probes it).
+            let mut ejected = self
+                .ejected_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if ejected.is_some_and(|until| Instant::now() >= until) {
+                *ejected = None;
+            }
+            return;
+        }
+        let failures = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if failures >= policy.outlier.consecutive_failures {
+            let mut ejected = self
+                .ejected_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if ejected.is_none_or(|until| Instant::now() >= until) {
+                let times = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
+                let cool_down = policy
+                    .outlier
+                    .base_ejection
+                    .saturating_mul(1 << times)
+                    .min(policy.outlier.max_ejection);
+                *ejected = Some(Instant::now() + cool_down);
+                self.consecutive_failures.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether the endpoint is ejected now.
+    pub fn is_ejected(&self) -> bool {
+        self.ejected_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+    }
+}
+
+/// A call holding its place at an endpoint: counted in flight (and holding a slot when limited) until dropped.
+#[derive(Debug)]
+pub struct Lease {
+    pub index: usize,
+    pub state: Arc<EndpointState>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A backend's endpoints and how calls are spread over them.
+#[derive(Debug)]
+pub struct Endpoints {
+    pub states: Vec<Arc<EndpointState>>,
+    pub policy: BackendPolicy,
+    next: AtomicUsize,
+    calls: AtomicU64,
+    retries: AtomicU64,
+}
+
+impl Endpoints {
+    pub fn new(authorities: Vec<String>, policy: BackendPolicy) -> Endpoints {
+        Endpoints {
+            states: authorities
+                .into_iter()
+                .map(|authority| Arc::new(EndpointState::new(authority, &policy)))
+                .collect(),
+            policy,
+            next: AtomicUsize::new(0),
+            calls: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+        }
+    }
+
+    pub fn health_checked(&self) -> bool {
+        self.policy.health.is_some()
+    }
+
+    /// Endpoints that may take a call for `model` at `version` now.
+    fn eligible(&self, model: &str, version: &str, tried: &[usize]) -> Vec<usize> {
+        let checked = self.health_checked();
+        (0..self.states.len())
+            .filter(|i| !tried.contains(i))
+            .filter(|&i| self.states[i].is_available(checked) && self.states[i].serves(model, version))
+            .collect()
+    }
+
+    /// Whether an endpoint other than those `tried` could take a call for `model` at `version`.
+    pub fn has_untried(&self, model: &str, version: &str, tried: &[usize]) -> bool {
+        !self.eligible(model, version, tried).is_empty()
+    }
+
+    /// Whether some endpoint could take a call for `model` at `version`.
+    pub fn can_serve(&self, model: &str, version: &str) -> bool {
+        !self.eligible(model, version, &[]).is_empty()
+    }
+
+    /// Chooses an endpoint for a call to `model` at `version` (the backend's names), skipping `tried`, and takes
+    /// its place there: waits up to the queue timeout for a full endpoint, then refuses with 429 /
+    /// RESOURCE_EXHAUSTED. With no eligible endpoint it fails at once with 503 / UNAVAILABLE.
+    pub async fn lease(
+        &self,
+        backend: &str,
+        model: &str,
+        version: &str,
+        sticky: Option<u64>,
+        tried: &[usize],
+    ) -> Result<Lease> {
+        let eligible = self.eligible(model, version, tried);
+        if eligible.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                Origin::Gateway,
+                format!("backend {backend} has no healthy endpoint serving model '{model}' version '{version}'"),
+            ));
+        }
+        let index = self.choose(&eligible, sticky);
+        let state = self.states[index].clone();
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let permit = match &state.slots {
+            None => None,
+            Some(slots) => Some(match slots.clone().try_acquire_owned() {
+                Ok(permit) => permit,
+                Err(_) => {
+                    // The wait is bounded in time and in waiters: at most as many as the endpoint's limit.
+                    if state.waiting.fetch_add(1, Ordering::Relaxed) >= state.max_in_flight {
+                        state.waiting.fetch_sub(1, Ordering::Relaxed);
+                        return Err(overloaded(backend, &state.authority));
+                    }
+                    let waited = tokio::time::timeout(self.policy.queue_timeout, slots.clone().acquire_owned()).await;
+                    state.waiting.fetch_sub(1, Ordering::Relaxed);
+                    match waited {
+                        Ok(Ok(permit)) => permit,
+                        _ => return Err(overloaded(backend, &state.authority)),
+                    }
+                }
+            }),
+        };
+        state.in_flight.fetch_add(1, Ordering::Relaxed);
+        Ok(Lease {
+            index,
+            state,
+            _permit: permit,
+        })
+    }
+
+    fn choose(&self, eligible: &[usize], sticky: Option<u64>) -> usize {
+        match (self.policy.lb, sticky) {
+            (LoadBalancing::ConsistentHash, Some(key)) => {
+                // Rendezvous hashing: each key goes to the eligible endpoint scoring highest for it, so losing an
+                // endpoint moves only its own keys.
+                *eligible
+                    .iter()
+                    .max_by_key(|&&i| xxhash_rust::xxh3::xxh3_64_with_seed(self.states[i].authority.as_bytes(), key))
+                    .unwrap_or(&eligible[0])
+            }
+            (LoadBalancing::LeastRequest, _) if eligible.len() > 1 => {
+                let a = eligible[fastrand::usize(..eligible.len())];
+                let mut b = eligible[fastrand::usize(..eligible.len() - 1)];
+                if b == a {
+                    b = eligible[eligible.len() - 1];
+                }
+                if self.states[b].in_flight() < self.states[a].in_flight() {
+                    b
+                } else {
+                    a
+                }
+            }
+            _ => eligible[self.next.fetch_add(1, Ordering::Relaxed) % eligible.len()],
+        }
+    }
+
+    /// Whether one more retry fits the budget; takes it when it does.
+    pub fn take_retry(&self) -> bool {
+        let calls = self.calls.load(Ordering::Relaxed);
+        let retries = self.retries.load(Ordering::Relaxed);
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss
+        )]
+        let allowed = (calls as f64 * RETRY_BUDGET_SHARE) as u64 + RETRY_BUDGET_FLOOR;
+        if retries >= allowed {
+            return false;
+        }
+        self.retries.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+}
+
+fn overloaded(backend: &str, authority: &str) -> Error {
+    Error::new(
+        ErrorKind::Overloaded,
+        Origin::Gateway,
+        format!("backend {backend} endpoint {authority} has too many calls under way"),
+    )
+}
+
+/// How long to wait before probing again.
+pub fn probe_interval(policy: &BackendPolicy) -> Option<Duration> {
+    policy.health.map(|health| health.interval)
+}
