@@ -76,7 +76,7 @@ impl GrpcInferenceService for GrpcModelServer {
             .repository
             .infer(&model, version(&model_version), request)
             .await?;
-        let echoed = super::echoed_headers(&metadata.into_headers());
+        let echoed = super::echoed_headers(&metadata.into_headers(), &self.state.metadata.name);
         Ok(Response::from_parts(
             tonic::metadata::MetadataMap::from_headers(echoed),
             protobuf::response_to_proto(response),

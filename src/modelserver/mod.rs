@@ -35,9 +35,12 @@ pub const ECHO_PREFIX: &str = "x-echo-";
 /// Answer header listing the names of every header the request arrived with, when it carried an `x-echo-*` one.
 pub const RECEIVED_HEADERS: &str = "x-echo-received";
 
+/// Answer header naming the server that answered, when the request carried an `x-echo-*` header.
+pub const ANSWERED_BY: &str = "x-echo-server";
+
 /// The headers an answer echoes: `x-request-id`, every `x-echo-*`, and when there was one of those, the names of
-/// all headers received in `x-echo-received`.
-pub fn echoed_headers(request: &http::HeaderMap) -> http::HeaderMap {
+/// all headers received in `x-echo-received` and the server's name in `x-echo-server`.
+pub fn echoed_headers(request: &http::HeaderMap, server: &str) -> http::HeaderMap {
     let mut echoed = http::HeaderMap::new();
     for (name, value) in request {
         if name.as_str().starts_with(ECHO_PREFIX) || name == crate::headers::REQUEST_ID {
@@ -49,6 +52,9 @@ pub fn echoed_headers(request: &http::HeaderMap) -> http::HeaderMap {
         names.sort_unstable();
         if let Ok(value) = http::HeaderValue::from_str(&names.join(",")) {
             echoed.insert(RECEIVED_HEADERS, value);
+        }
+        if let Ok(value) = http::HeaderValue::from_str(server) {
+            echoed.insert(ANSWERED_BY, value);
         }
     }
     echoed

@@ -51,7 +51,7 @@ where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    let echoed = super::echoed_headers(request.headers());
+    let echoed = super::echoed_headers(request.headers(), &state.metadata.name);
     let mut response = match answer(&state, request).await {
         Ok(response) => response,
         Err(error) => error_response(&error),
