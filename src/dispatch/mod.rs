@@ -16,13 +16,17 @@ use crate::config::{BackendProtocol, Config, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::fleet::{Endpoints, Lease};
 use crate::metrics::{self, BackendMetrics, Metrics, MirrorResult, RouteMetrics};
-use crate::proto::{
-    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse, ServerReadyRequest, ServerReadyResponse,
-};
+use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{InferRequest, InferResponse, ModelMetadata, ParamValue, ServerMetadata};
 use crate::routing::{RouteTable, Routed, VersionRoute};
 use crate::upstream::{GrpcUpstream, Replied, RestUpstream};
+
+mod mirror;
+mod probe;
+
+pub use mirror::MirrorPayload;
+use mirror::mirror_call;
+use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";
@@ -572,20 +576,6 @@ impl Dispatcher {
     }
 }
 
-/// A request copied for the mirror, in the form the client sent it.
-#[derive(Debug)]
-pub enum MirrorPayload {
-    Decoded(InferRequest),
-    /// An encoded `ModelInferRequest`.
-    Grpc(Bytes),
-    /// A REST body (JSON, or binary extension when `header_length` is set) as it arrived, in chunks.
-    Rest {
-        body: Vec<Bytes>,
-        header_length: Option<u64>,
-        content_type: Option<http::HeaderValue>,
-    },
-}
-
 /// Marks which public version served an answer.
 fn served_version(headers: &mut HeaderMap, route: &VersionRoute) {
     if let Ok(value) = http::HeaderValue::from_str(&route.version) {
@@ -640,178 +630,6 @@ async fn call_infer(
                 value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
                 headers: answer.headers,
             })
-        }
-    }
-}
-
-/// One mirrored call: the copy converted to what the mirror's backend speaks, its answer dropped.
-async fn mirror_call(
-    backend: &BackendClients,
-    route: &VersionRoute,
-    payload: MirrorPayload,
-    forward: &HeaderMap,
-    timeout: Duration,
-) -> Result<()> {
-    let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
-    let request = match (payload, &backend.replicas) {
-        (MirrorPayload::Grpc(message), Replicas::Grpc { endpoints }) => {
-            let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
-            backend
-                .attempt(upstream, None, timeout, |index, left| {
-                    endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward)
-                })
-                .await?;
-            return Ok(());
-        }
-        (
-            MirrorPayload::Rest {
-                body,
-                header_length,
-                content_type,
-            },
-            Replicas::Rest { endpoints, binary_data },
-        ) if header_length.is_none() || *binary_data => {
-            let mut headers = forward.clone();
-            if let Some(content_type) = content_type {
-                headers.insert(http::header::CONTENT_TYPE, content_type);
-            }
-            if let Some(length) = header_length {
-                headers.insert(crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
-            }
-            let path = crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer");
-            let answer = backend
-                .attempt(upstream, None, timeout, |index, left| {
-                    endpoints[index].send(http::Method::POST, &path, &headers, body.clone(), Some(left))
-                })
-                .await?;
-            return if answer.status.is_success() {
-                Ok(())
-            } else {
-                Err(Error::from_upstream_http(answer.status.as_u16(), "mirror failed"))
-            };
-        }
-        (MirrorPayload::Decoded(request), _) => request,
-        (MirrorPayload::Grpc(message), _) => decode_grpc_request(message)?,
-        (
-            MirrorPayload::Rest {
-                body, header_length, ..
-            },
-            _,
-        ) => {
-            let joined = Bytes::from(body.concat());
-            match rest::decode_request(joined, header_length)? {
-                rest::RestRequest::Request { request, .. } => request,
-                rest::RestRequest::RawBinary(_) => {
-                    return Err(Error::invalid("a raw binary request is not mirrored across protocols"));
-                }
-            }
-        }
-    };
-    call_infer(backend, route, request, forward, timeout, None)
-        .await
-        .map(drop)
-}
-
-/// One probe of one endpoint: server ready, then each routed model's ready; the outcome goes to its state.
-async fn probe(backend: &BackendClients, endpoint: usize, routes: &[Arc<VersionRoute>], timeout: Duration) {
-    let healthy = endpoint_server_ready(backend, endpoint, timeout).await.unwrap_or(false);
-    let mut not_ready = std::collections::HashSet::new();
-    if healthy {
-        for route in routes {
-            if !endpoint_model_ready(backend, endpoint, route, timeout)
-                .await
-                .unwrap_or(false)
-            {
-                not_ready.insert((route.upstream_name.clone(), route.upstream_version.clone()));
-            }
-        }
-    }
-    if let Some(state) = backend.fleet.states.get(endpoint) {
-        state.probed(healthy, not_ready, &backend.fleet.policy);
-    }
-}
-
-fn upstream_version(route: &VersionRoute) -> Option<&str> {
-    Some(route.upstream_version.as_str()).filter(|v| !v.is_empty())
-}
-
-async fn endpoint_server_ready(backend: &BackendClients, endpoint: usize, deadline: Duration) -> Result<bool> {
-    match &backend.replicas {
-        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint].server_ready(Some(deadline)).await?.ready),
-        Replicas::Grpc { endpoints } => {
-            let answer = endpoints[endpoint]
-                .unary(
-                    SERVER_READY,
-                    vec![Bytes::from(ServerReadyRequest {}.encode_to_vec())],
-                    Some(deadline),
-                    &HeaderMap::new(),
-                )
-                .await?;
-            Ok(ServerReadyResponse::decode(answer.value)
-                .map_err(|e| bad_answer(&backend.name, e))?
-                .ready)
-        }
-    }
-}
-
-async fn endpoint_model_ready(
-    backend: &BackendClients,
-    endpoint: usize,
-    route: &VersionRoute,
-    deadline: Duration,
-) -> Result<bool> {
-    match &backend.replicas {
-        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint]
-            .model_ready(&route.upstream_name, upstream_version(route), Some(deadline))
-            .await?
-            .ready),
-        Replicas::Grpc { endpoints } => {
-            let request = ModelReadyRequest {
-                name: route.upstream_name.clone(),
-                version: route.upstream_version.clone(),
-            };
-            let answer = endpoints[endpoint]
-                .unary(
-                    MODEL_READY,
-                    vec![Bytes::from(request.encode_to_vec())],
-                    Some(deadline),
-                    &HeaderMap::new(),
-                )
-                .await?;
-            Ok(ModelReadyResponse::decode(answer.value)
-                .map_err(|e| bad_answer(&backend.name, e))?
-                .ready)
-        }
-    }
-}
-
-async fn endpoint_model_metadata(
-    backend: &BackendClients,
-    endpoint: usize,
-    route: &VersionRoute,
-    deadline: Duration,
-) -> Result<ModelMetadata> {
-    match &backend.replicas {
-        Replicas::Rest { endpoints, .. } => {
-            endpoints[endpoint]
-                .model_metadata(&route.upstream_name, upstream_version(route), Some(deadline))
-                .await
-        }
-        Replicas::Grpc { endpoints } => {
-            let request = ModelMetadataRequest {
-                name: route.upstream_name.clone(),
-                version: route.upstream_version.clone(),
-            };
-            let answer = endpoints[endpoint]
-                .unary(
-                    MODEL_METADATA,
-                    vec![Bytes::from(request.encode_to_vec())],
-                    Some(deadline),
-                    &HeaderMap::new(),
-                )
-                .await?;
-            let decoded = ModelMetadataResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
-            Ok(protobuf::model_metadata_from_proto(decoded))
         }
     }
 }

@@ -1,0 +1,129 @@
+//! Readiness and metadata asked of one endpoint, over its backend's protocol, and the health probe built on them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use prost::Message;
+
+use super::{BackendClients, MODEL_METADATA, MODEL_READY, Replicas, SERVER_READY, bad_answer};
+use crate::codec::protobuf;
+use crate::error::Result;
+use crate::proto::{
+    ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ServerReadyRequest,
+    ServerReadyResponse,
+};
+use crate::protocol::ModelMetadata;
+use crate::routing::VersionRoute;
+use crate::upstream::GrpcUpstream;
+
+/// One typed unary call to a gRPC endpoint.
+async fn grpc_call<Answer: Message + Default>(
+    backend: &BackendClients,
+    endpoint: &GrpcUpstream,
+    method: &str,
+    request: &impl Message,
+    deadline: Duration,
+) -> Result<Answer> {
+    let answer = endpoint
+        .unary(
+            method,
+            vec![Bytes::from(request.encode_to_vec())],
+            Some(deadline),
+            &HeaderMap::new(),
+        )
+        .await?;
+    Answer::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))
+}
+
+/// One probe of one endpoint: server ready, then each routed model's ready; the outcome goes to its state.
+pub(super) async fn probe(backend: &BackendClients, endpoint: usize, routes: &[Arc<VersionRoute>], timeout: Duration) {
+    let healthy = endpoint_server_ready(backend, endpoint, timeout).await.unwrap_or(false);
+    let mut not_ready = std::collections::HashSet::new();
+    if healthy {
+        for route in routes {
+            if !endpoint_model_ready(backend, endpoint, route, timeout)
+                .await
+                .unwrap_or(false)
+            {
+                not_ready.insert((route.upstream_name.clone(), route.upstream_version.clone()));
+            }
+        }
+    }
+    if let Some(state) = backend.fleet.states.get(endpoint) {
+        state.probed(healthy, not_ready, &backend.fleet.policy);
+    }
+}
+
+fn upstream_version(route: &VersionRoute) -> Option<&str> {
+    Some(route.upstream_version.as_str()).filter(|v| !v.is_empty())
+}
+
+pub(super) async fn endpoint_server_ready(
+    backend: &BackendClients,
+    endpoint: usize,
+    deadline: Duration,
+) -> Result<bool> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint].server_ready(Some(deadline)).await?.ready),
+        Replicas::Grpc { endpoints } => {
+            let answer: ServerReadyResponse = grpc_call(
+                backend,
+                &endpoints[endpoint],
+                SERVER_READY,
+                &ServerReadyRequest {},
+                deadline,
+            )
+            .await?;
+            Ok(answer.ready)
+        }
+    }
+}
+
+pub(super) async fn endpoint_model_ready(
+    backend: &BackendClients,
+    endpoint: usize,
+    route: &VersionRoute,
+    deadline: Duration,
+) -> Result<bool> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint]
+            .model_ready(&route.upstream_name, upstream_version(route), Some(deadline))
+            .await?
+            .ready),
+        Replicas::Grpc { endpoints } => {
+            let request = ModelReadyRequest {
+                name: route.upstream_name.clone(),
+                version: route.upstream_version.clone(),
+            };
+            let answer: ModelReadyResponse =
+                grpc_call(backend, &endpoints[endpoint], MODEL_READY, &request, deadline).await?;
+            Ok(answer.ready)
+        }
+    }
+}
+
+pub(super) async fn endpoint_model_metadata(
+    backend: &BackendClients,
+    endpoint: usize,
+    route: &VersionRoute,
+    deadline: Duration,
+) -> Result<ModelMetadata> {
+    match &backend.replicas {
+        Replicas::Rest { endpoints, .. } => {
+            endpoints[endpoint]
+                .model_metadata(&route.upstream_name, upstream_version(route), Some(deadline))
+                .await
+        }
+        Replicas::Grpc { endpoints } => {
+            let request = ModelMetadataRequest {
+                name: route.upstream_name.clone(),
+                version: route.upstream_version.clone(),
+            };
+            let answer: ModelMetadataResponse =
+                grpc_call(backend, &endpoints[endpoint], MODEL_METADATA, &request, deadline).await?;
+            Ok(protobuf::model_metadata_from_proto(answer))
+        }
+    }
+}
