@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -143,14 +143,6 @@ impl EndpointState {
                 self.consecutive_failures.store(0, Ordering::Relaxed);
             }
         }
-    }
-
-    /// Whether the endpoint is ejected now.
-    pub fn is_ejected(&self) -> bool {
-        self.ejected_until
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some()
     }
 }
 
@@ -314,9 +306,4 @@ fn overloaded(backend: &str, authority: &str) -> Error {
         Origin::Gateway,
         format!("backend {backend} endpoint {authority} has too many calls under way"),
     )
-}
-
-/// How long to wait before probing again.
-pub fn probe_interval(policy: &BackendPolicy) -> Option<Duration> {
-    policy.health.map(|health| health.interval)
 }

@@ -646,6 +646,32 @@ async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
 
 const SLOW_MS: u64 = 4000;
 
+/// A gRPC request for the `slow` model at `version`, asking it to take `SLOW_MS`.
+fn slow_grpc_request(version: &str) -> ModelInferRequest {
+    let mut parameters = std::collections::HashMap::new();
+    parameters.insert(
+        "delay_ms".to_owned(),
+        oipgate::proto::InferParameter {
+            parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
+                i64::try_from(SLOW_MS).unwrap(),
+            )),
+        },
+    );
+    ModelInferRequest {
+        model_name: "slow".into(),
+        model_version: version.into(),
+        parameters: parameters.into_iter().collect(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
+        ..Default::default()
+    }
+}
+
 /// Waits until `series` reads `value`, for at most `limit`; gives how long it took.
 async fn until_metric(gateway: &GatewayProcess, series: &str, value: f64, limit: Duration) -> Duration {
     let start = Instant::now();
@@ -694,28 +720,7 @@ async fn a_client_that_goes_away_cancels_the_backend_call() {
     for (version, backend) in [("grpc", "fleet-b"), ("rest", "fleet-a")] {
         let in_flight = format!(r#"oipgate_in_flight{{backend="{backend}"}}"#);
         let mut client = gateway.grpc_client().await;
-        let mut parameters = std::collections::HashMap::new();
-        parameters.insert(
-            "delay_ms".to_owned(),
-            oipgate::proto::InferParameter {
-                parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
-                    i64::try_from(SLOW_MS).unwrap(),
-                )),
-            },
-        );
-        let request = ModelInferRequest {
-            model_name: "slow".into(),
-            model_version: version.into(),
-            parameters: parameters.into_iter().collect(),
-            inputs: vec![InferInputTensor {
-                name: "x".into(),
-                datatype: "INT32".into(),
-                shape: vec![1],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
-            ..Default::default()
-        };
+        let request = slow_grpc_request(version);
         let call = tokio::spawn(async move { client.model_infer(request).await });
         until_metric(gateway, &in_flight, 1.0, wait).await;
         call.abort();
@@ -735,28 +740,7 @@ async fn a_client_deadline_bounds_the_backend_call_on_every_path() {
     // tonic's client enforces its own deadline too, so the call is made by hand to see what the gateway answers.
     let client = http_client(true);
     for version in ["grpc", "rest"] {
-        let mut parameters = std::collections::HashMap::new();
-        parameters.insert(
-            "delay_ms".to_owned(),
-            oipgate::proto::InferParameter {
-                parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
-                    i64::try_from(SLOW_MS).unwrap(),
-                )),
-            },
-        );
-        let message = prost::Message::encode_to_vec(&ModelInferRequest {
-            model_name: "slow".into(),
-            model_version: version.into(),
-            parameters: parameters.into_iter().collect(),
-            inputs: vec![InferInputTensor {
-                name: "x".into(),
-                datatype: "INT32".into(),
-                shape: vec![1],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
-            ..Default::default()
-        });
+        let message = prost::Message::encode_to_vec(&slow_grpc_request(version));
         let mut framed = vec![0];
         framed.extend(u32::try_from(message.len()).unwrap().to_be_bytes());
         framed.extend(message);

@@ -137,19 +137,11 @@ impl GrpcUpstream {
             );
         }
 
-        let response = self.client.request(request).await.map_err(|e| {
-            let error = Error::new(
-                ErrorKind::BadGateway,
-                Origin::Upstream,
-                format!("backend {} unreachable: {e}", self.authority),
-            );
-            // Only a failed connection is known not to have delivered any of the request.
-            if e.is_connect() {
-                error.unsent()
-            } else {
-                error.with_retryable(false)
-            }
-        })?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| super::unreachable(&self.authority, &e))?;
         if response.status() != http::StatusCode::OK {
             return Err(Error::new(
                 ErrorKind::BadGateway,

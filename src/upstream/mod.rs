@@ -31,6 +31,21 @@ fn connector(connect_timeout: Duration) -> HttpConnector {
     connector
 }
 
+/// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of
+/// it, so only that may be sent to another endpoint.
+fn unreachable(authority: &str, error: &hyper_util::client::legacy::Error) -> Error {
+    let failure = Error::new(
+        ErrorKind::BadGateway,
+        Origin::Upstream,
+        format!("backend {authority} unreachable: {error}"),
+    );
+    if error.is_connect() {
+        failure.unsent()
+    } else {
+        failure.with_retryable(false)
+    }
+}
+
 /// Runs `call` within `deadline`, failing with a timeout that names the backend.
 async fn within<T>(deadline: Option<Duration>, authority: &str, call: impl Future<Output = Result<T>>) -> Result<T> {
     match deadline {

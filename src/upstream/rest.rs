@@ -15,7 +15,7 @@ use super::Replied;
 use crate::body::ChunksBody;
 use crate::codec::rest::{self, EncodedBody};
 use crate::config::Endpoint;
-use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::error::{Error, Result};
 use crate::headers;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
 
@@ -105,19 +105,11 @@ impl RestUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
-        let response = self.client.request(request).await.map_err(|e| {
-            let error = Error::new(
-                ErrorKind::BadGateway,
-                Origin::Upstream,
-                format!("backend {} unreachable: {e}", self.authority),
-            );
-            // Only a failed connection is known not to have delivered any of the request.
-            if e.is_connect() {
-                error.unsent()
-            } else {
-                error.with_retryable(false)
-            }
-        })?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| super::unreachable(&self.authority, &e))?;
         let status = response.status();
         let headers = response.headers().clone();
         let (body, _) = super::read_answer(response.into_body(), self.max_response_bytes, 0, &self.authority).await?;
