@@ -10,6 +10,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::metrics::Metrics;
+use prometheus::IntGauge;
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
 /// still retry).
@@ -35,10 +37,13 @@ pub struct EndpointState {
     slots: Option<Arc<Semaphore>>,
     waiting: AtomicUsize,
     max_in_flight: usize,
+    health_checked: bool,
+    /// `oipgate_endpoint_healthy` for this endpoint.
+    healthy_gauge: IntGauge,
 }
 
 impl EndpointState {
-    pub fn new(authority: String, policy: &BackendPolicy) -> EndpointState {
+    pub fn new(authority: String, policy: &BackendPolicy, healthy_gauge: IntGauge) -> EndpointState {
         let max_in_flight = policy.max_in_flight.map_or(usize::MAX, |n| n as usize);
         EndpointState {
             authority,
@@ -53,6 +58,8 @@ impl EndpointState {
             slots: policy.max_in_flight.map(|n| Arc::new(Semaphore::new(n as usize))),
             waiting: AtomicUsize::new(0),
             max_in_flight,
+            health_checked: policy.health.is_some(),
+            healthy_gauge,
         }
     }
 
@@ -60,19 +67,20 @@ impl EndpointState {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Healthy by its probes and not ejected (a passed cool-down counts as returned when nothing probes it).
-    pub fn is_available(&self, health_checked: bool) -> bool {
-        if !self.probe_healthy.load(Ordering::Relaxed) {
-            return false;
-        }
-        match *self
-            .ejected_until
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-        {
-            None => true,
-            Some(until) => !health_checked && Instant::now() >= until,
-        }
+    /// Healthy by its probes and not ejected (a passed cool-down counts as returned when nothing probes it). Also
+    /// refreshes the endpoint's health gauge, so the gauge follows every probe and every choice of endpoint.
+    pub fn is_available(&self) -> bool {
+        let available = self.probe_healthy.load(Ordering::Relaxed)
+            && match *self
+                .ejected_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+            {
+                None => true,
+                Some(until) => !self.health_checked && Instant::now() >= until,
+            };
+        self.healthy_gauge.set(i64::from(available));
+        available
     }
 
     /// Whether the endpoint's last probe found `model` at `version` ready (true until a probe says otherwise).
@@ -110,6 +118,7 @@ impl EndpointState {
                 self.probe_healthy.store(false, Ordering::Relaxed);
             }
         }
+        self.is_available();
     }
 
     /// Records a call's outcome for outlier detection; `failed` is a connection failure, 5xx or UNAVAILABLE.
@@ -123,6 +132,8 @@ impl EndpointState {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             if ejected.is_some_and(|until| Instant::now() >= until) {
                 *ejected = None;
+                drop(ejected);
+                self.is_available();
             }
             return;
         }
@@ -141,6 +152,7 @@ impl EndpointState {
                     .min(policy.outlier.max_ejection);
                 *ejected = Some(Instant::now() + cool_down);
                 self.consecutive_failures.store(0, Ordering::Relaxed);
+                self.healthy_gauge.set(0);
             }
         }
     }
@@ -171,11 +183,15 @@ pub struct Endpoints {
 }
 
 impl Endpoints {
-    pub fn new(authorities: Vec<String>, policy: BackendPolicy) -> Endpoints {
+    /// The endpoints of backend `backend`, each with its health gauge in `metrics`.
+    pub fn new(backend: &str, authorities: Vec<String>, policy: BackendPolicy, metrics: &Metrics) -> Endpoints {
         Endpoints {
             states: authorities
                 .into_iter()
-                .map(|authority| Arc::new(EndpointState::new(authority, &policy)))
+                .map(|authority| {
+                    let gauge = metrics.endpoint_healthy(backend, &authority);
+                    Arc::new(EndpointState::new(authority, &policy, gauge))
+                })
                 .collect(),
             policy,
             next: AtomicUsize::new(0),
@@ -190,10 +206,9 @@ impl Endpoints {
 
     /// Endpoints that may take a call for `model` at `version` now.
     fn eligible(&self, model: &str, version: &str, tried: &[usize]) -> Vec<usize> {
-        let checked = self.health_checked();
         (0..self.states.len())
             .filter(|i| !tried.contains(i))
-            .filter(|&i| self.states[i].is_available(checked) && self.states[i].serves(model, version))
+            .filter(|&i| self.states[i].is_available() && self.states[i].serves(model, version))
             .collect()
     }
 
@@ -205,6 +220,37 @@ impl Endpoints {
     /// Whether some endpoint could take a call for `model` at `version`.
     pub fn can_serve(&self, model: &str, version: &str) -> bool {
         !self.eligible(model, version, &[]).is_empty()
+    }
+
+    /// Why no endpoint can serve `model` at `version` now: how many endpoints fail their health checks, are
+    /// ejected after failed calls, or do not have the model ready.
+    pub fn why_unavailable(&self, model: &str, version: &str) -> String {
+        let (mut failing, mut ejected, mut not_ready) = (0, 0, 0);
+        for state in &self.states {
+            // An endpoint that answers its probes but has the model unloaded says so first: it is the likelier cause
+            // (and is what makes a strict-readiness server report itself not ready).
+            if !state.serves(model, version) {
+                not_ready += 1;
+            } else if !state.probe_healthy.load(Ordering::Relaxed) {
+                failing += 1;
+            } else if !state.is_available() {
+                ejected += 1;
+            }
+        }
+        let mut parts = Vec::new();
+        if failing > 0 {
+            parts.push(format!("{failing} failing health checks"));
+        }
+        if ejected > 0 {
+            parts.push(format!("{ejected} ejected after failed calls"));
+        }
+        if not_ready > 0 {
+            parts.push(format!("{not_ready} without the model ready"));
+        }
+        if parts.is_empty() {
+            return "every endpoint is available".to_owned();
+        }
+        format!("of {} endpoints, {}", self.states.len(), parts.join(", "))
     }
 
     /// Chooses an endpoint for a call to `model` at `version` (the backend's names), skipping `tried`, and takes
@@ -220,10 +266,15 @@ impl Endpoints {
     ) -> Result<Lease> {
         let eligible = self.eligible(model, version, tried);
         if eligible.is_empty() {
+            let why = if tried.is_empty() {
+                self.why_unavailable(model, version)
+            } else {
+                format!("the {} tried could not be reached", tried.len())
+            };
             return Err(Error::new(
                 ErrorKind::Unavailable,
                 Origin::Gateway,
-                format!("backend {backend} has no healthy endpoint serving model '{model}' version '{version}'"),
+                format!("backend {backend} has no endpoint that can serve model '{model}' version '{version}': {why}"),
             ));
         }
         let index = self.choose(&eligible, sticky);

@@ -56,6 +56,10 @@ enum Command {
         /// Largest REST body or gRPC message accepted, in bytes.
         #[arg(long, default_value_t = 1 << 30)]
         max_request_bytes: usize,
+        /// How long the `slow` model sleeps when a request sets no `delay_ms` parameter (a deliberately slow
+        /// replica, for trying out load balancing).
+        #[arg(long, default_value_t = 0)]
+        slow_delay_ms: u64,
     },
     /// Runs the gateway: REST (HTTP/1.1 and h2c) and gRPC front doors in front of the configured backends.
     Serve {
@@ -99,12 +103,14 @@ fn main() -> ExitCode {
             models,
             name,
             max_request_bytes,
+            slow_delay_ms,
         } => run_model_server(ModelServerConfig {
             rest,
             grpc,
             models,
             name,
             max_request_bytes,
+            slow_delay: std::time::Duration::from_millis(slow_delay_ms),
         }),
     };
     match result {

@@ -69,6 +69,8 @@ pub struct Metrics {
     mirrors: IntCounterVec,
     upstream_duration: HistogramVec,
     in_flight: IntGaugeVec,
+    retries: IntCounterVec,
+    endpoint_healthy: IntGaugeVec,
     protocols: [ProtocolMetrics; 2],
     unknown_route: Arc<RouteMetrics>,
 }
@@ -126,14 +128,20 @@ impl RouteMetrics {
     }
 }
 
-/// A backend's in-flight gauge and upstream latency.
+/// A backend's in-flight gauge, upstream latency and retries.
 #[derive(Debug, Clone)]
 pub struct BackendMetrics {
     in_flight: IntGauge,
     upstream_duration: Histogram,
+    retries: IntCounter,
 }
 
 impl BackendMetrics {
+    /// Counts a call sent again to another endpoint after the first could not be reached.
+    pub fn retried(&self) {
+        self.retries.inc();
+    }
+
     /// Counts a call as in flight until the returned guard is dropped (answered, failed or cancelled).
     pub fn call(&self) -> InFlight {
         self.in_flight.inc();
@@ -298,6 +306,28 @@ impl Metrics {
             )
             .map_err(metric_error)?,
         )?;
+        let retries = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_retries_total",
+                    "Calls sent again to another endpoint of a backend because the first could not be reached.",
+                ),
+                &["backend"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let endpoint_healthy = registered(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "oipgate_endpoint_healthy",
+                    "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
+                ),
+                &["backend", "endpoint"],
+            )
+            .map_err(metric_error)?,
+        )?;
         let request_bytes = registered(
             &registry,
             IntCounterVec::new(
@@ -331,6 +361,8 @@ impl Metrics {
             mirrors,
             upstream_duration,
             in_flight,
+            retries,
+            endpoint_healthy,
             protocols,
             unknown_route: Arc::new(RouteMetrics {
                 requests: [Vec::new(), Vec::new()],
@@ -378,7 +410,15 @@ impl Metrics {
         BackendMetrics {
             in_flight: self.in_flight.with_label_values(&[name]),
             upstream_duration: self.upstream_duration.with_label_values(&[name]),
+            retries: self.retries.with_label_values(&[name]),
         }
+    }
+
+    /// The health gauge of one endpoint of `backend`, set to 1 (an endpoint starts healthy).
+    pub fn endpoint_healthy(&self, backend: &str, endpoint: &str) -> IntGauge {
+        let gauge = self.endpoint_healthy.with_label_values(&[backend, endpoint]);
+        gauge.set(1);
+        gauge
     }
 
     /// Records a finished request; `route` is `None` for requests that were not inferences.

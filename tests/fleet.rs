@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::{GatewayProcess, ModelServerProcess, free_port, http_client, send};
 use futures_util::StreamExt;
+use oipgate::proto::model_infer_request::InferInputTensor;
+use oipgate::proto::{InferTensorContents, ModelInferRequest, RepositoryIndexRequest};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
@@ -71,6 +73,9 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
         versions = [ {{ version = "1", backend = "rest-fleet" }},
                      {{ version = "2", backend = "grpc-fleet", upstream_version = "1" }} ]
         default_version = "1"
+        [[models]]
+        name = "flaky"
+        versions = [ {{ version = "1", backend = "rest-fleet" }} ]
         "#,
         ports[0], ports[2], ports[1], ports[3]
     ));
@@ -125,9 +130,18 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
         );
     }
 
+    let healthy = |backend: &str, port: u16| {
+        format!("oipgate_endpoint_healthy{{backend=\"{backend}\",endpoint=\"127.0.0.1:{port}\"}}")
+    };
+    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[2])).await, 0.0);
+    assert_eq!(gateway.metric(&healthy("grpc-fleet", ports[3])).await, 0.0);
+    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[0])).await, 1.0);
+
     // Restarted on the same ports, it is probed healthy and gets traffic again.
     let _b = replica("b", ports[2], ports[3]);
     tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[2])).await, 1.0);
+    assert_eq!(gateway.metric(&healthy("grpc-fleet", ports[3])).await, 1.0);
     for path in paths {
         let counts = spread(&gateway, path, 40).await;
         assert!(counts.get("b").is_some_and(|&n| n >= 10), "{path}: {counts:?}");
@@ -147,6 +161,216 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let counts = spread(&gateway, paths[0], 30).await;
     assert_eq!(counts.get("b"), Some(&30), "{counts:?}");
+    // Its other models keep both replicas, though a strict-readiness server reports itself not ready.
+    let others = spread(&gateway, "/v2/models/flaky/infer", 30).await;
+    assert_eq!((others.get("a"), others.get("b")), (Some(&15), Some(&15)), "{others:?}");
+    assert_eq!(index(&gateway).await[0], entry("identity", "1", "READY", ""));
+
+    // Unloaded on both replicas, the repository index says so, with the reason, on both front doors.
+    let unload = send(
+        &http_client(false),
+        "POST",
+        &format!("http://127.0.0.1:{}/v2/repository/models/identity/unload", ports[2]),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(unload.status, 200);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let rest_index = index(&gateway).await;
+    assert_eq!(
+        rest_index,
+        [
+            entry(
+                "identity",
+                "1",
+                "UNAVAILABLE",
+                "backend rest-fleet: of 2 endpoints, 2 without the model ready"
+            ),
+            entry(
+                "identity",
+                "2",
+                "UNAVAILABLE",
+                "backend grpc-fleet: of 2 endpoints, 2 without the model ready"
+            ),
+            entry("flaky", "1", "READY", ""),
+        ]
+    );
+    let grpc_index = gateway
+        .grpc_client()
+        .await
+        .repository_index(RepositoryIndexRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let grpc_listed: Vec<_> = grpc_index
+        .models
+        .iter()
+        .map(|m| entry(&m.name, &m.version, &m.state, &m.reason))
+        .collect();
+    assert_eq!(grpc_listed, rest_index);
+    let ready_only = gateway
+        .grpc_client()
+        .await
+        .repository_index(RepositoryIndexRequest {
+            ready: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ready_only.models.len(), 1, "{ready_only:?}");
+    assert_eq!(ready_only.models[0].name, "flaky");
+    let ready = send(
+        &http_client(false),
+        "GET",
+        &gateway.rest_url("/v2/health/ready"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(ready.status, 503);
+}
+
+type IndexEntry = (String, String, String, String);
+
+fn entry(name: &str, version: &str, state: &str, reason: &str) -> IndexEntry {
+    (name.to_owned(), version.to_owned(), state.to_owned(), reason.to_owned())
+}
+
+/// The gateway's repository index as (name, version, state, reason).
+async fn index(gateway: &GatewayProcess) -> Vec<IndexEntry> {
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &gateway.rest_url("/v2/repository/index"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let text = |value: &serde_json::Value| value.as_str().unwrap().to_owned();
+    answer
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                text(&e["name"]),
+                text(&e["version"]),
+                text(&e["state"]),
+                text(&e["reason"]),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted() {
+    let live = ModelServerProcess::both();
+    let (dead_rest, dead_grpc) = (free_port(), free_port());
+    // No health checks: only the calls themselves find the dead endpoints.
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "rest-pair"
+        protocol = "rest"
+        endpoints = ["127.0.0.1:{dead_rest}", "{}"]
+        [[backends]]
+        name = "grpc-pair"
+        protocol = "grpc"
+        endpoints = ["127.0.0.1:{dead_grpc}", "{}"]
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "rest-pair" }},
+                     {{ version = "2", backend = "grpc-pair", upstream_version = "1" }} ]
+        default_version = "1"
+        "#,
+        live.rest.unwrap(),
+        live.grpc.unwrap()
+    ));
+    let retries = |backend: &str| format!("oipgate_retries_total{{backend=\"{backend}\"}}");
+    assert_eq!(gateway.metric(&retries("rest-pair")).await, 0.0);
+    // REST passthrough, REST translated to gRPC, and gRPC passthrough: round robin sends the first or second call of
+    // each to the dead endpoint, which refuses the connection before anything is sent, so it is retried.
+    for version in ["1", "2"] {
+        for _ in 0..4 {
+            let answer = send(
+                &http_client(false),
+                "POST",
+                &gateway.rest_url(&format!("/v2/models/identity/versions/{version}/infer")),
+                &[],
+                BODY,
+            )
+            .await;
+            assert_eq!(answer.status, 200, "{:?}", answer.body);
+        }
+    }
+    let mut client = gateway.grpc_client().await;
+    for _ in 0..4 {
+        client
+            .model_infer(ModelInferRequest {
+                model_name: "identity".into(),
+                model_version: "2".into(),
+                inputs: vec![InferInputTensor {
+                    name: "x".into(),
+                    datatype: "INT32".into(),
+                    shape: vec![1],
+                    contents: Some(InferTensorContents {
+                        int_contents: vec![1],
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let rest_retries = gateway.metric(&retries("rest-pair")).await;
+    let grpc_retries = gateway.metric(&retries("grpc-pair")).await;
+    assert!((1.0..=4.0).contains(&rest_retries), "{rest_retries}");
+    assert!((2.0..=8.0).contains(&grpc_retries), "{grpc_retries}");
+}
+
+#[tokio::test]
+async fn least_request_sends_less_to_a_slow_replica_than_round_robin() {
+    let fast = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "fast"]);
+    let slow = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "slow", "--slow-delay-ms", "40"]);
+    let endpoints = format!(r#"["{}", "{}"]"#, fast.grpc.unwrap(), slow.grpc.unwrap());
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "least"
+        protocol = "grpc"
+        endpoints = {endpoints}
+        lb = "least_request"
+        [[backends]]
+        name = "rotating"
+        protocol = "grpc"
+        endpoints = {endpoints}
+        lb = "round_robin"
+        [[models]]
+        name = "slow"
+        versions = [ {{ version = "least", backend = "least", upstream_version = "1" }},
+                     {{ version = "rotating", backend = "rotating", upstream_version = "1" }} ]
+        default_version = "least"
+        "#
+    ));
+    let share_of_slow = |counts: &HashMap<String, usize>| {
+        let total: usize = counts.values().sum();
+        assert_eq!(total, 400, "{counts:?}");
+        #[allow(clippy::cast_precision_loss)]
+        let share = *counts.get("slow").unwrap_or(&0) as f64 / total as f64;
+        share
+    };
+    let rotating = share_of_slow(&spread(&gateway, "/v2/models/slow/versions/rotating/infer", 400).await);
+    assert!((0.45..=0.55).contains(&rotating), "round robin: {rotating}");
+    // Eight calls at a time: the slow replica holds its calls 40 ms, so it nearly always has more under way than the
+    // fast one, and power of two choices picks the fast one.
+    let least = share_of_slow(&spread(&gateway, "/v2/models/slow/versions/least/infer", 400).await);
+    assert!(least < 0.25, "least request: {least}");
 }
 
 #[tokio::test]

@@ -13,8 +13,8 @@ use oipgate::modelserver::{self, ModelServerConfig, RunningModelServer};
 use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use oipgate::proto::model_infer_request::InferInputTensor;
 use oipgate::proto::{
-    ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, RepositoryIndexRequest, ServerLiveRequest,
-    ServerMetadataRequest, ServerReadyRequest,
+    ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, RepositoryIndexRequest, RepositoryModelLoadRequest,
+    ServerLiveRequest, ServerMetadataRequest, ServerReadyRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -210,11 +210,33 @@ async fn typed_rpcs_and_errors() {
     let mut bad = add_sub("add_sub", "1");
     bad.inputs[1].shape = vec![16];
     assert_eq!(client.model_infer(bad).await.unwrap_err().code(), Code::InvalidArgument);
-    let repository = client
+    let index = client
         .repository_index(RepositoryIndexRequest::default())
         .await
+        .unwrap()
+        .into_inner();
+    let listed: Vec<(&str, &str, &str, &str)> = index
+        .models
+        .iter()
+        .map(|m| (m.name.as_str(), m.version.as_str(), m.state.as_str(), m.reason.as_str()))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("add_sub", "1", "READY", ""),
+            ("add_sub", "2", "READY", ""),
+            ("classifier", "3", "READY", ""),
+            ("identity", "1", "READY", ""),
+        ]
+    );
+    let load = client
+        .repository_model_load(RepositoryModelLoadRequest {
+            model_name: "add_sub".into(),
+            ..Default::default()
+        })
+        .await
         .unwrap_err();
-    assert_eq!(repository.code(), Code::Unimplemented);
+    assert_eq!(load.code(), Code::Unimplemented);
 }
 
 #[tokio::test]

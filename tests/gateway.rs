@@ -99,7 +99,10 @@ async fn rest_endpoints_and_errors() {
     );
     let metadata = get(&gateway.rest_url("/v2")).await.json();
     assert_eq!(metadata["name"], "oipgate");
-    assert_eq!(metadata["extensions"], json!(["binary_tensor_data"]));
+    assert_eq!(
+        metadata["extensions"],
+        json!(["binary_tensor_data", "model_repository"])
+    );
     let model = get(&gateway.rest_url("/v2/models/classifier/versions/3")).await.json();
     assert_eq!(
         (model["name"].clone(), model["versions"].clone()),
@@ -114,13 +117,59 @@ async fn rest_endpoints_and_errors() {
         ("/v2/models/nope", 404),
         ("/v2/models/add_sub/versions/9", 404),
         ("/v2/nowhere", 404),
-        ("/v2/repository/index", 404),
+        ("/v2/repository/models/add_sub/load", 501),
     ] {
         let method = if path.contains("repository") { "POST" } else { "GET" };
         let answer = send(&http_client(false), method, &gateway.rest_url(path), &[], Bytes::new()).await;
         assert_eq!(answer.status, status, "{path}");
         assert!(answer.json()["error"].is_string(), "{path}");
     }
+    // The repository index over the fleet: every public model version, in configuration order, with the reason
+    // for each one that cannot be served.
+    let index = post(&gateway.rest_url("/v2/repository/index"), "").await;
+    assert_eq!(index.status, 200);
+    let entries = index.json();
+    let listed: Vec<(&str, &str, &str)> = entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap(),
+                e["version"].as_str().unwrap(),
+                e["state"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("add_sub", "1", "READY"),
+            ("add_sub", "2", "READY"),
+            ("classifier", "3", "READY"),
+            ("classifier", "4", "READY"),
+            ("identity", "rest", "READY"),
+            ("identity", "1", "READY"),
+            ("identity", "grpc", "READY"),
+            ("slow", "rest", "READY"),
+            ("slow", "grpc", "READY"),
+            ("gone", "1", "UNAVAILABLE"),
+        ]
+    );
+    assert_eq!(entries[0]["reason"], "");
+    let reason = entries[9]["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("backend down: ") && reason.contains("unreachable"),
+        "{reason}"
+    );
+    let ready_only = post(&gateway.rest_url("/v2/repository/index"), r#"{"ready": true}"#)
+        .await
+        .json();
+    assert_eq!(ready_only.as_array().unwrap().len(), 9);
+    let bad_index = post(&gateway.rest_url("/v2/repository/index"), r#"{"ready": 3}"#).await;
+    assert_eq!(bad_index.status, 400);
+    assert!(bad_index.json()["error"].as_str().unwrap().contains("repository index"));
+
     let wrong = get(&gateway.rest_url("/v2/models/add_sub/infer")).await;
     assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
     let malformed = post(

@@ -15,12 +15,12 @@ use crate::proto::model_infer_response::InferOutputTensor;
 use crate::proto::model_metadata_response::TensorMetadata as ProtoTensorMetadata;
 use crate::proto::{
     InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse, ModelMetadataResponse,
-    ServerMetadataResponse,
+    RepositoryIndexResponse, ServerMetadataResponse,
 };
 use crate::protocol::tensor::{check_data, put_bytes_element};
 use crate::protocol::{
-    DataType, InferRequest, InferResponse, ModelMetadata, ParamValue, Parameters, RequestedOutput, ServerMetadata,
-    Tensor, TensorMetadata, element_count,
+    DataType, InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ParamValue, Parameters, RequestedOutput,
+    ServerMetadata, Tensor, TensorMetadata, element_count,
 };
 
 type ProtoParameters = BTreeMap<String, InferParameter>;
@@ -503,6 +503,20 @@ pub fn model_metadata_from_proto(message: ModelMetadataResponse) -> ModelMetadat
         platform: message.platform,
         inputs: tensors(message.inputs),
         outputs: tensors(message.outputs),
+    }
+}
+
+pub fn repository_index_to_proto(entries: Vec<ModelIndexEntry>) -> RepositoryIndexResponse {
+    RepositoryIndexResponse {
+        models: entries
+            .into_iter()
+            .map(|e| crate::proto::repository_index_response::ModelIndex {
+                name: e.name,
+                version: e.version,
+                state: e.state.as_str().to_owned(),
+                reason: e.reason,
+            })
+            .collect(),
     }
 }
 

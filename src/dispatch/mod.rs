@@ -17,7 +17,9 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::fleet::{Endpoints, Lease};
 use crate::metrics::{self, BackendMetrics, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
-use crate::protocol::{InferRequest, InferResponse, ModelMetadata, ParamValue, ServerMetadata};
+use crate::protocol::{
+    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
+};
 use crate::routing::{RouteTable, Routed, VersionRoute};
 use crate::upstream::{GrpcUpstream, Replied, RestUpstream};
 
@@ -135,6 +137,7 @@ impl BackendClients {
                         && !until.saturating_duration_since(Instant::now()).is_zero()
                         && self.fleet.take_retry() =>
                 {
+                    self.metrics.retried();
                     tried.push(lease.index);
                     unreached = Some(error);
                 }
@@ -162,7 +165,7 @@ pub struct Dispatcher {
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
-pub const EXTENSIONS: [&str; 1] = ["binary_tensor_data"];
+pub const EXTENSIONS: [&str; 2] = ["binary_tensor_data", "model_repository"];
 
 impl Dispatcher {
     /// A dispatcher with metrics of its own.
@@ -198,8 +201,10 @@ impl Dispatcher {
                     name: backend.name.clone(),
                     replicas,
                     fleet: Endpoints::new(
+                        &backend.name,
                         backend.endpoints.iter().map(ToString::to_string).collect(),
                         backend.policy.clone(),
+                        &metrics,
                     ),
                     metrics: metrics.backend(&backend.name),
                 })
@@ -326,9 +331,13 @@ impl Dispatcher {
     /// Whether a proxied request that could not connect to the `tried` endpoints may try another one.
     pub fn may_retry_passthrough(&self, target: &Passthrough, tried: &[usize]) -> bool {
         self.backends.get(target.backend).is_some_and(|backend| {
-            tried.len() <= backend.fleet.policy.retries as usize
+            let retry = tried.len() <= backend.fleet.policy.retries as usize
                 && backend.fleet.has_untried(&target.upstream.0, &target.upstream.1, tried)
-                && backend.fleet.take_retry()
+                && backend.fleet.take_retry();
+            if retry {
+                backend.metrics.retried();
+            }
+            retry
         })
     }
 
@@ -496,6 +505,63 @@ impl Dispatcher {
             .await
     }
 
+    /// The model-repository index over the fleet: every public model version, READY when some endpoint serving it
+    /// has it ready (probe state, or asking the endpoints of unchecked backends), else UNAVAILABLE with the reason.
+    /// Only ready ones when `ready_only`.
+    pub async fn repository_index(&self, ready_only: bool) -> Vec<ModelIndexEntry> {
+        let states = self.routes.routes().iter().map(|route| async move {
+            let unavailable = self.route_unavailable(route, READY_PROBE_TIMEOUT).await;
+            ModelIndexEntry {
+                name: route.model.clone(),
+                version: route.version.clone(),
+                state: if unavailable.is_none() {
+                    ModelState::Ready
+                } else {
+                    ModelState::Unavailable
+                },
+                reason: unavailable.unwrap_or_default(),
+            }
+        });
+        let mut entries = futures_util::future::join_all(states).await;
+        if ready_only {
+            entries.retain(|entry| entry.state == ModelState::Ready);
+        }
+        entries
+    }
+
+    /// Why no endpoint can serve `route` (`None` when one can), asking every endpoint at once when the backend is
+    /// not health-checked.
+    async fn route_unavailable(&self, route: &VersionRoute, deadline: Duration) -> Option<String> {
+        let backend = match self.backend(route) {
+            Ok(backend) => backend,
+            Err(error) => return Some(error.message().to_owned()),
+        };
+        let (name, version) = (&route.upstream_name, &route.upstream_version);
+        if backend.fleet.health_checked() {
+            return (!backend.fleet.can_serve(name, version)).then(|| {
+                format!(
+                    "backend {}: {}",
+                    backend.name,
+                    backend.fleet.why_unavailable(name, version)
+                )
+            });
+        }
+        let answers = futures_util::future::join_all(
+            (0..backend.fleet.states.len()).map(|index| endpoint_model_ready(backend, index, route, deadline)),
+        )
+        .await;
+        if answers.iter().any(|answer| matches!(answer, Ok(true))) {
+            return None;
+        }
+        Some(match answers.into_iter().find_map(Result::err) {
+            Some(error) => format!("backend {}: {}", backend.name, error.message()),
+            None => format!(
+                "backend {}: no endpoint has model '{name}' version '{version}' ready",
+                backend.name
+            ),
+        })
+    }
+
     async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
         let backend = self.backend(route)?;
         if backend.fleet.health_checked() {
@@ -544,9 +610,12 @@ impl Dispatcher {
 
     /// The gateway is ready when every configured model (or, by `ready_policy`, any) has a version that some
     /// endpoint can serve: from probe state for health-checked backends, otherwise by asking, with answers reused
-    /// for up to a second so readiness probes cannot flood the backends.
+    /// for up to a second (when any backend must be asked) so readiness probes cannot flood the backends.
     pub async fn server_ready(&self) -> bool {
-        if let Ok(cache) = self.ready_cache.lock()
+        // Probe state is read as it is; only answers that take asking backends are reused.
+        let asks = self.backends.iter().any(|backend| !backend.fleet.health_checked());
+        if asks
+            && let Ok(cache) = self.ready_cache.lock()
             && let Some((at, ready)) = *cache
             && at.elapsed() < READY_CACHE
         {
@@ -569,7 +638,7 @@ impl Dispatcher {
             ReadyPolicy::AllModels => servable.iter().all(|&ready| ready),
             ReadyPolicy::AnyModel => servable.iter().any(|&ready| ready),
         };
-        if let Ok(mut cache) = self.ready_cache.lock() {
+        if asks && let Ok(mut cache) = self.ready_cache.lock() {
             *cache = Some((Instant::now(), ready));
         }
         ready

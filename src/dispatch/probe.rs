@@ -37,20 +37,30 @@ async fn grpc_call<Answer: Message + Default>(
     Answer::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))
 }
 
-/// One probe of one endpoint: server ready, then each routed model's ready; the outcome goes to its state.
+/// One probe of one endpoint: server ready, then each routed model's ready; the outcome goes to its state. An
+/// endpoint is healthy when it answers and is ready or has one of its routed models ready: Triton's strict readiness
+/// (and the built-in model server) report the server not ready while any model is unloaded, which must take that
+/// model's traffic away from the endpoint, not every model's.
 pub(super) async fn probe(backend: &BackendClients, endpoint: usize, routes: &[Arc<VersionRoute>], timeout: Duration) {
-    let healthy = endpoint_server_ready(backend, endpoint, timeout).await.unwrap_or(false);
+    let server = endpoint_server_ready(backend, endpoint, timeout).await;
     let mut not_ready = std::collections::HashSet::new();
-    if healthy {
+    let mut any_model_ready = false;
+    if server.is_ok() {
         for route in routes {
-            if !endpoint_model_ready(backend, endpoint, route, timeout)
+            if endpoint_model_ready(backend, endpoint, route, timeout)
                 .await
                 .unwrap_or(false)
             {
+                any_model_ready = true;
+            } else {
                 not_ready.insert((route.upstream_name.clone(), route.upstream_version.clone()));
             }
         }
     }
+    let healthy = match server {
+        Ok(ready) => ready || any_model_ready || routes.is_empty(),
+        Err(_) => false,
+    };
     if let Some(state) = backend.fleet.states.get(endpoint) {
         state.probed(healthy, not_ready, &backend.fleet.policy);
     }

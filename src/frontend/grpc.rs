@@ -241,11 +241,10 @@ impl GrpcInferenceService for Typed {
 
     async fn repository_index(
         &self,
-        _: Request<RepositoryIndexRequest>,
+        request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        Err(Status::unimplemented(
-            "the gateway has no model repository; ask the backends",
-        ))
+        let entries = self.dispatcher.repository_index(request.into_inner().ready).await;
+        Ok(Response::new(protobuf::repository_index_to_proto(entries)))
     }
 
     async fn repository_model_load(

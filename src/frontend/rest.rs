@@ -194,9 +194,23 @@ impl RestFrontDoor {
                 });
                 respond_json(session, context, health_status(ready), body).await?
             }
-            Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
-                return Err(Error::not_found(
-                    "the gateway has no model repository; ask the backends",
+            Route::RepositoryIndex => {
+                let body = self.read_body(session).await?;
+                let ready_only = rest::decode_repository_index_request(&body)?;
+                let entries = dispatcher.repository_index(ready_only).await;
+                respond_json(
+                    session,
+                    context,
+                    StatusCode::OK,
+                    rest::encode_repository_index(&entries),
+                )
+                .await?
+            }
+            Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
+                return Err(Error::new(
+                    ErrorKind::Unimplemented,
+                    Origin::Gateway,
+                    "the gateway does not load or unload models; ask the backends' own repository endpoints",
                 ));
             }
             Route::Infer(model, version) => {

@@ -7,7 +7,6 @@ use tonic::{Request, Response, Status};
 use super::ModelServerState;
 use crate::codec::protobuf;
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
-use crate::proto::repository_index_response::ModelIndex;
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
     ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
@@ -88,19 +87,8 @@ impl GrpcInferenceService for GrpcModelServer {
         &self,
         request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        let models = self
-            .state
-            .repository
-            .index(request.into_inner().ready)
-            .into_iter()
-            .map(|e| ModelIndex {
-                name: e.name,
-                version: e.version,
-                state: e.state.to_owned(),
-                reason: e.reason,
-            })
-            .collect();
-        Ok(Response::new(RepositoryIndexResponse { models }))
+        let entries = self.state.repository.index(request.into_inner().ready);
+        Ok(Response::new(protobuf::repository_index_to_proto(entries)))
     }
 
     async fn repository_model_load(

@@ -73,6 +73,8 @@ pub struct ModelServerConfig {
     pub name: String,
     /// Largest REST body or gRPC message accepted, in bytes.
     pub max_request_bytes: usize,
+    /// The `slow` model's delay when a request sets no `delay_ms` parameter.
+    pub slow_delay: Duration,
 }
 
 impl Default for ModelServerConfig {
@@ -83,6 +85,7 @@ impl Default for ModelServerConfig {
             models: None,
             name: "oipgate-model-server".to_owned(),
             max_request_bytes: 1 << 30,
+            slow_delay: Duration::ZERO,
         }
     }
 }
@@ -135,7 +138,7 @@ pub async fn start(config: ModelServerConfig) -> Result<RunningModelServer> {
         ));
     }
     let state = Arc::new(ModelServerState {
-        repository: Repository::new(config.models.as_deref())?,
+        repository: Repository::new(config.models.as_deref())?.with_slow_delay(config.slow_delay),
         metadata: ServerMetadata {
             name: config.name.clone(),
             version: env!("CARGO_PKG_VERSION").to_owned(),

@@ -22,7 +22,7 @@ pub enum Model {
     Identity,
     /// Reverses each UTF-8 element of BYTES `INPUT0` into `OUTPUT0`.
     SimpleString,
-    /// Identity after sleeping `delay_ms` (request parameter).
+    /// Identity after sleeping `delay_ms` (request parameter; the server's `--slow-delay-ms` when absent).
     Slow,
     /// Identity, but fails with INTERNAL when request parameter `fail` is true.
     Flaky,
@@ -88,15 +88,16 @@ impl Model {
         }
     }
 
-    /// Runs the model on a request whose inputs have been checked by [`Model::check_inputs`].
-    pub async fn run(self, request: &InferRequest) -> Result<Vec<Tensor>> {
+    /// Runs the model on a request whose inputs have been checked by [`Model::check_inputs`]; `slow_delay` is the
+    /// `slow` model's delay when the request sets none.
+    pub async fn run(self, request: &InferRequest, slow_delay: Duration) -> Result<Vec<Tensor>> {
         match self {
             Model::AddSub { version } => add_sub(request, version),
             Model::Identity => Ok(request.inputs.clone()),
             Model::SimpleString => simple_string(request),
             Model::Slow => {
                 let delay = match request.parameters.get("delay_ms") {
-                    None => 0,
+                    None => i64::try_from(slow_delay.as_millis()).unwrap_or(MAX_DELAY_MS),
                     Some(value) => value
                         .as_i64()
                         .filter(|ms| (0..=MAX_DELAY_MS).contains(ms))

@@ -2,10 +2,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use super::models::Model;
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::protocol::{InferRequest, InferResponse, ModelMetadata};
+use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState};
 
 /// One served model: its versions and whether it is loaded (ready).
 #[derive(Debug)]
@@ -16,20 +17,12 @@ struct Served {
     ready: AtomicBool,
 }
 
-/// An entry of the repository index.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IndexEntry {
-    pub name: String,
-    pub version: String,
-    /// "READY" or "UNAVAILABLE", as Triton says.
-    pub state: &'static str,
-    pub reason: String,
-}
-
 /// What a model server serves. Readiness flips through load/unload; everything else is fixed at start.
 #[derive(Debug)]
 pub struct Repository {
     models: BTreeMap<String, Served>,
+    /// The `slow` model's delay when a request sets none.
+    slow_delay: Duration,
 }
 
 impl Repository {
@@ -85,7 +78,17 @@ impl Repository {
         if models.is_empty() {
             return Err(Error::invalid("the model selection is empty"));
         }
-        Ok(Repository { models })
+        Ok(Repository {
+            models,
+            slow_delay: Duration::ZERO,
+        })
+    }
+
+    /// Makes the `slow` model sleep `delay` when a request sets no `delay_ms`: a replica made slow on purpose.
+    #[must_use]
+    pub fn with_slow_delay(mut self, delay: Duration) -> Repository {
+        self.slow_delay = delay;
+        self
     }
 
     fn served(&self, name: &str) -> Result<&Served> {
@@ -135,7 +138,7 @@ impl Repository {
     }
 
     /// One entry per model version; only ready ones when `ready_only`.
-    pub fn index(&self, ready_only: bool) -> Vec<IndexEntry> {
+    pub fn index(&self, ready_only: bool) -> Vec<ModelIndexEntry> {
         let mut entries = Vec::new();
         for (name, served) in &self.models {
             let ready = served.ready.load(Ordering::Acquire);
@@ -143,10 +146,14 @@ impl Repository {
                 continue;
             }
             for version in &served.version_names {
-                entries.push(IndexEntry {
+                entries.push(ModelIndexEntry {
                     name: name.clone(),
                     version: version.clone(),
-                    state: if ready { "READY" } else { "UNAVAILABLE" },
+                    state: if ready {
+                        ModelState::Ready
+                    } else {
+                        ModelState::Unavailable
+                    },
                     reason: if ready { String::new() } else { "unloaded".to_owned() },
                 });
             }
@@ -165,7 +172,7 @@ impl Repository {
             ));
         }
         model.check_inputs(name, &request)?;
-        let mut outputs = model.run(&request).await?;
+        let mut outputs = model.run(&request, self.slow_delay).await?;
         if !request.outputs.is_empty() {
             for wanted in &request.outputs {
                 if !outputs.iter().any(|o| o.name == wanted.name) {

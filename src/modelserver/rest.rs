@@ -102,26 +102,11 @@ where
         Route::Infer(model, version) => infer(state, model, version, request).await?,
         Route::RepositoryIndex => {
             let body = read_body(request, state.max_request_bytes).await?;
-            let ready_only = if body.iter().all(u8::is_ascii_whitespace) {
-                false
-            } else {
-                #[derive(serde::Deserialize)]
-                struct IndexRequest {
-                    #[serde(default)]
-                    ready: bool,
-                }
-                serde_json::from_slice::<IndexRequest>(&body)
-                    .map_err(|e| Error::invalid(format!("invalid repository index request: {e}")))?
-                    .ready
-            };
-            let entries: Vec<serde_json::Value> = repository
-                .index(ready_only)
-                .into_iter()
-                .map(
-                    |e| serde_json::json!({"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}),
-                )
-                .collect();
-            json_response(StatusCode::OK, serde_json::to_vec(&entries).unwrap_or_default())
+            let ready_only = rest::decode_repository_index_request(&body)?;
+            json_response(
+                StatusCode::OK,
+                rest::encode_repository_index(&repository.index(ready_only)),
+            )
         }
         Route::RepositoryLoad(model) | Route::RepositoryUnload(model) => {
             let load = matches!(route, Route::RepositoryLoad(_));

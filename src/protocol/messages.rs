@@ -86,3 +86,29 @@ pub struct ModelReady {
     pub name: String,
     pub ready: bool,
 }
+
+/// A model version's state in a repository index: Triton's `READY` and `UNAVAILABLE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelState {
+    Ready,
+    Unavailable,
+}
+
+impl ModelState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModelState::Ready => "READY",
+            ModelState::Unavailable => "UNAVAILABLE",
+        }
+    }
+}
+
+/// One entry of the model-repository extension's index (`POST /v2/repository/index`, `RepositoryIndex`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelIndexEntry {
+    pub name: String,
+    pub version: String,
+    pub state: ModelState,
+    /// Why the model is not ready; empty when it is.
+    pub reason: String,
+}

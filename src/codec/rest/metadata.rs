@@ -3,8 +3,11 @@
 use serde::{Deserialize, Serialize};
 
 use super::json_error;
+use crate::error::Error;
 use crate::error::Result;
-use crate::protocol::{ModelMetadata, ModelReady, ServerLive, ServerMetadata, ServerReady, TensorMetadata};
+use crate::protocol::{
+    ModelIndexEntry, ModelMetadata, ModelReady, ServerLive, ServerMetadata, ServerReady, TensorMetadata,
+};
 
 #[derive(Serialize, Deserialize)]
 struct TensorMetadataDoc {
@@ -176,6 +179,46 @@ pub fn decode_model_ready(status_ok: bool, body: &[u8], model: &str) -> Result<M
         name: doc.name.unwrap_or_else(|| model.to_owned()),
         ready: status_ok && doc.ready.unwrap_or(status_ok),
     })
+}
+
+/// The body of a repository index answer: a JSON array of `{name, version, state, reason}`, as Triton answers.
+pub fn encode_repository_index(entries: &[ModelIndexEntry]) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Doc<'a> {
+        name: &'a str,
+        version: &'a str,
+        state: &'a str,
+        reason: &'a str,
+    }
+    let docs: Vec<Doc<'_>> = entries
+        .iter()
+        .map(|e| Doc {
+            name: &e.name,
+            version: &e.version,
+            state: e.state.as_str(),
+            reason: &e.reason,
+        })
+        .collect();
+    to_vec(&docs)
+}
+
+/// Reads a repository index request body: empty, or `{"ready": bool}` (with Triton's optional
+/// `repository_name`, which names no repository the gateway could pick). Gives whether only ready models are wanted.
+pub fn decode_repository_index_request(body: &[u8]) -> Result<bool> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Doc {
+        #[serde(default)]
+        ready: bool,
+        #[serde(default, rename = "repository_name")]
+        _repository_name: Option<String>,
+    }
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(false);
+    }
+    let doc: Doc =
+        serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid repository index request: {e}")))?;
+    Ok(doc.ready)
 }
 
 /// `{"error": "<message>"}`, the body of every REST error.
