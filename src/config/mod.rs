@@ -414,12 +414,15 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
                 "upstream name",
                 &upstream_name,
             );
-            check_name(
-                &mut problems,
-                &format!("{vpath}.upstream_version"),
-                "upstream version",
-                &upstream_version,
-            );
+            // An empty upstream version calls the backend's model without one: its default version.
+            if !upstream_version.is_empty() {
+                check_name(
+                    &mut problems,
+                    &format!("{vpath}.upstream_version"),
+                    "upstream version",
+                    &upstream_version,
+                );
+            }
             versions.push(VersionConfig {
                 version: version.version.clone(),
                 backend,

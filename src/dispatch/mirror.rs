@@ -58,7 +58,7 @@ pub(super) async fn mirror_call(
             if let Some(length) = header_length {
                 headers.insert(crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
             }
-            let path = crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer");
+            let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
             let answer = backend
                 .attempt(upstream, None, timeout, |index, left| {
                     endpoints[index].send(http::Method::POST, &path, &headers, body.clone(), Some(left))

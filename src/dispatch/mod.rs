@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use prost::Message;
 
-use crate::codec::rest::{self, BINARY_DATA_OUTPUT};
+use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -295,7 +295,7 @@ impl Dispatcher {
             backend: route.backend,
             upstream: (route.upstream_name.clone(), route.upstream_version.clone()),
             sticky: routed.sticky,
-            path: crate::upstream::rest::model_path(&route.upstream_name, Some(&route.upstream_version), "/infer"),
+            path: crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer"),
             timeout: self.request_timeout,
             rename: aliased.then(|| (route.model.clone(), route.version.clone())),
             version: route.version.clone(),
@@ -669,15 +669,20 @@ async fn call_infer(
     sticky: Option<u64>,
 ) -> Result<Replied<InferResponse>> {
     request.model_name = route.upstream_name.clone();
-    request.model_version = Some(route.upstream_version.clone()).filter(|v| !v.is_empty());
+    request.model_version = route.backend_version().map(str::to_owned);
     let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
     match &backend.replicas {
         Replicas::Rest { endpoints, binary_data } => {
             if *binary_data {
                 // The backend answers in binary: no floats printed and parsed on the way back.
+                // Triton and KServe apply the request-level flag only to outputs the request does not list; each
+                // listed one is asked for by its own `binary_data`.
                 request
                     .parameters
                     .insert(BINARY_DATA_OUTPUT.to_owned(), ParamValue::Bool(true));
+                for output in &mut request.outputs {
+                    output.parameters.insert(BINARY_DATA.to_owned(), ParamValue::Bool(true));
+                }
             }
             let body = rest::encode_request(&request, *binary_data)?;
             let version = request.model_version.as_deref();

@@ -66,10 +66,6 @@ pub(super) async fn probe(backend: &BackendClients, endpoint: usize, routes: &[A
     }
 }
 
-fn upstream_version(route: &VersionRoute) -> Option<&str> {
-    Some(route.upstream_version.as_str()).filter(|v| !v.is_empty())
-}
-
 pub(super) async fn endpoint_server_ready(
     backend: &BackendClients,
     endpoint: usize,
@@ -99,7 +95,7 @@ pub(super) async fn endpoint_model_ready(
 ) -> Result<bool> {
     match &backend.replicas {
         Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint]
-            .model_ready(&route.upstream_name, upstream_version(route), Some(deadline))
+            .model_ready(&route.upstream_name, route.backend_version(), Some(deadline))
             .await?
             .ready),
         Replicas::Grpc { endpoints } => {
@@ -123,7 +119,7 @@ pub(super) async fn endpoint_model_metadata(
     match &backend.replicas {
         Replicas::Rest { endpoints, .. } => {
             endpoints[endpoint]
-                .model_metadata(&route.upstream_name, upstream_version(route), Some(deadline))
+                .model_metadata(&route.upstream_name, route.backend_version(), Some(deadline))
                 .await
         }
         Replicas::Grpc { endpoints } => {

@@ -17,7 +17,15 @@ pub struct VersionRoute {
     /// Index into the configuration's backends.
     pub backend: usize,
     pub upstream_name: String,
+    /// Empty when the backend's model is called without a version (the backend's default).
     pub upstream_version: String,
+}
+
+impl VersionRoute {
+    /// The version to name to the backend, if any.
+    pub fn backend_version(&self) -> Option<&str> {
+        Some(self.upstream_version.as_str()).filter(|v| !v.is_empty())
+    }
 }
 
 #[derive(Debug)]

@@ -37,7 +37,10 @@ pub fn rename_header(header: &[u8], name: &str, version: &str, length: usize) ->
                 name_span = Some((start, reader.pos));
             }
             "model_version" => {
-                reader.string()?;
+                // KServe answers `"model_version": null` for a model without versions.
+                if !reader.null() {
+                    reader.string()?;
+                }
                 version_span = Some((start, reader.pos));
             }
             _ => reader.skip_value()?,
@@ -87,6 +90,18 @@ pub fn rename_header(header: &[u8], name: &str, version: &str, length: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_null_version_is_replaced() {
+        let header = br#"{"model_name":"echo","model_version":null,"id":"r1","outputs":[]}"#;
+        let length = renamed_length(header.len(), "public", "1");
+        let renamed = rename_header(header, "public", "1", length).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&renamed).unwrap();
+        assert_eq!(
+            value,
+            serde_json::json!({"model_name":"public","model_version":"1","id":"r1","outputs":[]})
+        );
+    }
 
     #[test]
     fn renames_in_place_and_pads() {

@@ -215,7 +215,15 @@ pub fn write_tensor(out: &mut Vec<u8>, tensor: &Tensor, form: DataForm, sections
     write_shape(out, &tensor.shape);
     match form {
         DataForm::Json => {
-            write_parameters_field(out, &tensor.parameters);
+            if tensor.parameters.contains_key(BINARY_DATA_SIZE) {
+                // A size carried over from a binary or gRPC answer (KServe sets one on raw outputs) would announce
+                // binary data that is not there.
+                let mut parameters = tensor.parameters.clone();
+                parameters.shift_remove(BINARY_DATA_SIZE);
+                write_parameters_field(out, &parameters);
+            } else {
+                write_parameters_field(out, &tensor.parameters);
+            }
             out.extend_from_slice(b",\"data\":");
             write_data(out, tensor.datatype, &tensor.data)
                 .map_err(|e| e.context(format_args!("tensor '{}'", tensor.name)))?;
