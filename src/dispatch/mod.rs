@@ -562,20 +562,9 @@ impl Dispatcher {
         })
     }
 
+    /// Whether some endpoint can serve `route`; an endpoint that cannot be asked counts as not ready.
     async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
-        let backend = self.backend(route)?;
-        if backend.fleet.health_checked() {
-            return Ok(backend.fleet.can_serve(&route.upstream_name, &route.upstream_version));
-        }
-        let mut last_error = None;
-        for index in 0..backend.fleet.states.len() {
-            match endpoint_model_ready(backend, index, route, deadline).await {
-                Ok(true) => return Ok(true),
-                Ok(false) => last_error = None,
-                Err(error) => last_error = Some(error),
-            }
-        }
-        last_error.map_or(Ok(false), Err)
+        Ok(self.route_unavailable(route, deadline).await.is_none())
     }
 
     /// Probes every endpoint of every health-checked backend at its interval, for as long as the dispatcher lives:

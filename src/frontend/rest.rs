@@ -560,6 +560,19 @@ impl ProxyHttp for RestFrontDoor {
         if let Some(target) = &context.passthrough {
             let uri: http::Uri = target.path.parse().or_err(ErrorType::InternalError, "backend path")?;
             upstream_request.set_uri(uri);
+            // tritonclient sends no Content-Type; KServe's server reads a body without one as binary and refuses
+            // it. The body's form is known from the binary extension's header, so the type is said for it.
+            if !upstream_request.headers.contains_key(http::header::CONTENT_TYPE) {
+                let binary = upstream_request.headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH);
+                upstream_request.insert_header(
+                    http::header::CONTENT_TYPE,
+                    if binary {
+                        "application/octet-stream"
+                    } else {
+                        "application/json"
+                    },
+                )?;
+            }
         }
         if let Some(id) = &context.request_id {
             upstream_request.insert_header(REQUEST_ID, id.clone())?;

@@ -64,11 +64,16 @@ def client_supports(client: str, datatype: str, shape: tuple) -> bool:
     return not (client == "kserve-rest" and datatype == "FP16" and int(np.prod(shape)) > 0)
 
 
-def backend_cannot(kind: str, protocol: str, client: str, datatype: str) -> str | None:
+def backend_cannot(kind: str, protocol: str, client: str, datatype: str, shape: tuple) -> str | None:
     """Requests the backend cannot take in any form the gateway could send, with the reason: these must fail
     through the gateway too, with the backend's error or the gateway's naming the problem."""
     if kind == "mlserver" and datatype == "BF16":
         return "MLServer has no BF16 datatype"
+    empty = int(np.prod(shape)) == 0
+    if kind == "kserve" and protocol == "rest" and client == "triton-http-json" and empty:
+        return "KServe's REST server cannot write an empty tensor as JSON (its answer fails its own validation)"
+    if empty:
+        return None
     json_only = kind == "mlserver" and protocol == "rest"
     carries_specials = client not in ("triton-http-json", "kserve-rest")
     if json_only and carries_specials and datatype in ("FP16", "FP32", "FP64"):
@@ -110,8 +115,8 @@ def test_echo_through_the_gateway_equals_direct(fleet, kind, protocol, client, d
     direct = infer(client, direct_address, upstream, tensors, request_id)
     through = infer(client, gateway_address, public_name(kind, protocol, "echo"), tensors, request_id)
 
-    impossible = backend_cannot(kind, protocol, client, datatype)
-    if impossible and (int(np.prod(shape)) > 0 or datatype == "BF16"):
+    impossible = backend_cannot(kind, protocol, client, datatype, shape)
+    if impossible:
         assert isinstance(through, Failure), f"{impossible}, yet it was answered: {through}"
         assert through.status not in ("None", "502", "UNAVAILABLE"), f"{impossible}: {through}"
         return

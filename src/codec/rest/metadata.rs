@@ -16,25 +16,34 @@ struct TensorMetadataDoc {
     shape: Vec<i64>,
 }
 
+/// KServe answers `null` for members it has no value for (`"versions": null`, `"inputs": null`); read as empty.
+fn null_as_default<'de, D, T>(deserializer: D) -> std::result::Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
 #[derive(Serialize, Deserialize)]
 struct ModelMetadataDoc {
     name: String,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     versions: Vec<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     platform: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     inputs: Vec<TensorMetadataDoc>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     outputs: Vec<TensorMetadataDoc>,
 }
 
 #[derive(Serialize, Deserialize)]
 struct ServerMetadataDoc {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     version: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     extensions: Vec<String>,
 }
 
@@ -249,6 +258,14 @@ pub fn decode_error(body: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn null_members_read_as_empty() {
+        let metadata =
+            decode_model_metadata(br#"{"name":"m","versions":null,"platform":null,"inputs":null,"outputs":null}"#)
+                .unwrap();
+        assert_eq!((metadata.versions.len(), metadata.inputs.len()), (0, 0));
+    }
 
     #[test]
     fn metadata_round_trips() {

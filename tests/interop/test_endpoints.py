@@ -1,0 +1,71 @@
+"""Health, server and model metadata, model readiness and the repository index through oipgate, as the clients'
+own calls see them, compared with the servers answering directly."""
+
+import pytest
+
+from conftest import KINDS, PROTOCOLS, UPSTREAM, public_name
+
+
+def triton(protocol: str, address: str):
+    import tritonclient.grpc as triton_grpc
+    import tritonclient.http as triton_http
+
+    return (triton_grpc if protocol == "grpc" else triton_http).InferenceServerClient(address)
+
+
+def address(server, protocol: str) -> str:
+    return server.grpc if protocol == "grpc" else server.rest
+
+
+def metadata_dict(protocol: str, client, model: str, version: str = "") -> dict:
+    if protocol == "grpc":
+        return client.get_model_metadata(model, version, as_json=True)
+    return client.get_model_metadata(model, version)
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+def test_server_health_and_metadata(fleet, client_protocol):
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    metadata = (
+        client.get_server_metadata(as_json=True) if client_protocol == "grpc" else client.get_server_metadata()
+    )
+    assert metadata["name"] == "oipgate"
+    assert set(metadata["extensions"]) >= {"binary_tensor_data", "model_repository"}
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_ready_and_metadata_match_the_server(fleet, kind, protocol, client_protocol):
+    gateway = triton(client_protocol, address(fleet.gateway, client_protocol))
+    direct = triton(client_protocol, address(fleet.backends[kind], client_protocol))
+    for role, (upstream, version) in UPSTREAM[kind].items():
+        public = public_name(kind, protocol, role)
+        assert gateway.is_model_ready(public) == direct.is_model_ready(upstream, version) is True
+        assert gateway.is_model_ready(public, "1")
+        through = metadata_dict(client_protocol, gateway, public)
+        straight = metadata_dict(client_protocol, direct, upstream, version)
+        # One coherent model: the public name and the versions the gateway routes; the rest as the server says.
+        assert through["name"] == public
+        assert through["versions"] == ["1"]
+        for key in ("platform", "inputs", "outputs"):
+            assert through.get(key) == straight.get(key), key
+    assert not gateway.is_model_ready("down")
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+def test_repository_index_lists_the_fleet(fleet, client_protocol):
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    index = client.get_model_repository_index(as_json=True) if client_protocol == "grpc" else (
+        client.get_model_repository_index()
+    )
+    entries = index["models"] if client_protocol == "grpc" else index
+    states = {e["name"]: e.get("state", "") for e in entries}
+    expected = {public_name(k, p, r) for k in KINDS for p in PROTOCOLS for r in UPSTREAM[k]}
+    assert set(states) == expected | {"down"}
+    assert all(states[name] == "READY" for name in expected), states
+    assert states["down"] == "UNAVAILABLE"
+    reason = next(e.get("reason", "") for e in entries if e["name"] == "down")
+    assert reason.startswith("backend down:"), reason
