@@ -376,8 +376,6 @@ impl Dispatcher {
             routed.sticky,
         )
         .await?;
-        replied.value.model_name = route.model.clone();
-        replied.value.model_version = Some(route.version.clone());
         served_version(&mut replied.headers, route);
         Ok(replied)
     }
@@ -423,7 +421,7 @@ impl Dispatcher {
             }
             Replicas::Rest { .. } => {
                 let request = decode_grpc_request(message)?;
-                let mut replied = call_infer(
+                let replied = call_infer(
                     backend,
                     route,
                     request,
@@ -432,8 +430,6 @@ impl Dispatcher {
                     routed.sticky,
                 )
                 .await?;
-                replied.value.model_name = route.model.clone();
-                replied.value.model_version = Some(route.version.clone());
                 Replied {
                     value: protobuf::encode_response(replied.value).chunks,
                     headers: replied.headers,
@@ -647,8 +643,9 @@ fn decode_grpc_request(message: Bytes) -> Result<InferRequest> {
     protobuf::request_from_proto(decoded)
 }
 
-/// Runs a decoded inference on `route`'s backend, over its protocol, with the backend's own names; encoded once,
-/// sent again (the same buffers) only to another endpoint when the first could not be reached.
+/// Runs a decoded inference on `route`'s backend, over its protocol, with the backend's own names, and answers with
+/// the public ones; encoded once, sent again (the same buffers) only to another endpoint when the first could not be
+/// reached.
 async fn call_infer(
     backend: &BackendClients,
     route: &VersionRoute,
@@ -660,7 +657,7 @@ async fn call_infer(
     request.model_name = route.upstream_name.clone();
     request.model_version = route.backend_version().map(str::to_owned);
     let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
-    match &backend.replicas {
+    let mut replied = match &backend.replicas {
         Replicas::Rest { endpoints, binary_data } => {
             if *binary_data {
                 // The backend answers in binary: no floats printed and parsed on the way back.
@@ -679,7 +676,7 @@ async fn call_infer(
                 .attempt(upstream, sticky, deadline, |index, left| {
                     endpoints[index].infer(&route.upstream_name, version, body.clone(), forward, Some(left))
                 })
-                .await
+                .await?
         }
         Replicas::Grpc { endpoints } => {
             let message = protobuf::encode_request(request);
@@ -689,12 +686,15 @@ async fn call_infer(
                 })
                 .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
-            Ok(Replied {
+            Replied {
                 value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
                 headers: answer.headers,
-            })
+            }
         }
-    }
+    };
+    replied.value.model_name = route.model.clone();
+    replied.value.model_version = Some(route.version.clone());
+    Ok(replied)
 }
 
 fn bad_answer(backend: &str, error: prost::DecodeError) -> Error {
