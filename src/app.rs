@@ -1,28 +1,30 @@
-//! Wiring: the gateway's two front doors over one dispatcher, run by pingora's server until a signal stops them.
+//! Wiring: the gateway's two front doors (plain or TLS) over its live state, run by pingora's server until a signal
+//! drains and stops them.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::apps::HttpServerOptions;
+use pingora::listeners::tls::TlsSettings;
 use pingora::server::configuration::ServerConf;
-use pingora::server::{RunArgs, Server, ShutdownWatch};
+use pingora::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
 use pingora::services::background::{BackgroundService, background_service};
 
-use crate::config::Config;
-use crate::dispatch::Dispatcher;
+use crate::config::{Config, Shutdown};
 use crate::error::{Error, Result};
 use crate::frontend::{grpc, rest::RestFrontDoor};
+use crate::live::Gateway;
 use crate::metrics::{self, Metrics};
-
-/// Seconds in-flight requests get to finish after SIGTERM.
-const DRAIN_SECONDS: u64 = 10;
 
 /// The gRPC front door as one of pingora's background services.
 struct GrpcFrontDoor {
     address: SocketAddr,
-    dispatcher: Arc<Dispatcher>,
+    gateway: Arc<Gateway>,
     max_message_bytes: usize,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 #[async_trait]
@@ -31,14 +33,21 @@ impl BackgroundService for GrpcFrontDoor {
         let listener = match tokio::net::TcpListener::bind(self.address).await {
             Ok(listener) => listener,
             Err(error) => {
-                eprintln!("oipgate: cannot listen for gRPC on {}: {error}", self.address);
+                tracing::error!(address = %self.address, %error, "cannot listen for gRPC");
                 std::process::exit(1);
             }
         };
         let stop = async move {
             let _ = shutdown.changed().await;
         };
-        grpc::serve(listener, self.dispatcher.clone(), self.max_message_bytes, stop).await;
+        grpc::serve(
+            listener,
+            self.gateway.clone(),
+            self.max_message_bytes,
+            self.tls.clone(),
+            stop,
+        )
+        .await;
     }
 }
 
@@ -54,7 +63,7 @@ impl BackgroundService for MetricsListener {
         let listener = match tokio::net::TcpListener::bind(self.address).await {
             Ok(listener) => listener,
             Err(error) => {
-                eprintln!("oipgate: cannot listen for metrics on {}: {error}", self.address);
+                tracing::error!(address = %self.address, %error, "cannot listen for metrics");
                 std::process::exit(1);
             }
         };
@@ -65,19 +74,108 @@ impl BackgroundService for MetricsListener {
     }
 }
 
-/// Active health checks of the backends, as one of pingora's background services.
-struct HealthChecks {
-    dispatcher: Arc<Dispatcher>,
+/// Health checks, DNS discovery, the configuration watch and SIGHUP, as one of pingora's background services.
+struct Control {
+    gateway: Arc<Gateway>,
 }
 
 #[async_trait]
-impl BackgroundService for HealthChecks {
+impl BackgroundService for Control {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         tokio::select! {
-            () = self.dispatcher.clone().run_health_checks() => {}
+            () = self.gateway.clone().run() => {}
             _ = shutdown.changed() => {}
         }
     }
+}
+
+/// SIGTERM and SIGINT start a graceful shutdown: readiness says no at once; after the drain delay the listeners
+/// close; requests under way get the grace period; the process exits as soon as none is left.
+struct Signals {
+    gateway: Arc<Gateway>,
+    shutdown: Shutdown,
+    /// Tells when pingora has closed the listeners.
+    phases: std::sync::Mutex<Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>>,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for Signals {
+    async fn recv(&self) -> ShutdownSignal {
+        let signal = termination().await;
+        self.gateway.start_draining();
+        tracing::info!(
+            signal,
+            drain_delay_ms = self.shutdown.drain_delay.as_millis(),
+            grace_period_ms = self.shutdown.grace_period.as_millis(),
+            in_flight = self.gateway.active(),
+            "shutting down: readiness is now false"
+        );
+        tokio::time::sleep(self.shutdown.drain_delay).await;
+        let phases = self.phases.lock().ok().and_then(|mut p| p.take());
+        let gateway = self.gateway.clone();
+        let grace = self.shutdown.grace_period;
+        // pingora waits out its whole grace period; this ends the process as soon as nothing is under way.
+        std::thread::spawn(move || exit_when_drained(&gateway, phases, grace));
+        ShutdownSignal::GracefulTerminate
+    }
+}
+
+/// Waits for SIGTERM or SIGINT; gives its name.
+async fn termination() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(mut terminate), Ok(mut interrupt)) => tokio::select! {
+                _ = terminate.recv() => "SIGTERM",
+                _ = interrupt.recv() => "SIGINT",
+            },
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+                "SIGINT"
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
+}
+
+fn exit_when_drained(
+    gateway: &Gateway,
+    phases: Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>,
+    grace: Duration,
+) {
+    let started = Instant::now();
+    if let Some(mut phases) = phases {
+        // Once pingora has told the listeners to close, no new request can start.
+        while let Ok(phase) = phases.blocking_recv() {
+            if matches!(
+                phase,
+                ExecutionPhase::GracefulTerminate | ExecutionPhase::ShutdownGracePeriod
+            ) {
+                break;
+            }
+        }
+    }
+    // The listeners stop accepting on their next turn of the loop; a moment lets them.
+    std::thread::sleep(Duration::from_millis(50));
+    while gateway.active() > 0 && started.elapsed() < grace {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let left = gateway.active();
+    if left > 0 {
+        tracing::warn!(
+            in_flight = left,
+            "grace period over; exiting with requests still under way"
+        );
+    } else {
+        tracing::info!("drained; exiting");
+    }
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    std::process::exit(0);
 }
 
 /// Fails early, with the address named, when a front door's port is taken.
@@ -87,21 +185,30 @@ fn check_free(address: SocketAddr, what: &str) -> Result<()> {
         .map_err(|e| Error::internal(format!("cannot listen for {what} on {address}: {e}")))
 }
 
-/// Runs the gateway until SIGTERM (graceful) or SIGINT.
-pub fn serve(config: Config, name: &str) -> Result<()> {
+/// Runs the gateway until SIGTERM or SIGINT (both graceful). `path` is the configuration file reloads read.
+pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     check_free(config.listen.rest, "REST")?;
     check_free(config.listen.grpc, "gRPC")?;
     if let Some(address) = config.listen.metrics {
         check_free(address, "metrics")?;
     }
     let metrics = Metrics::new()?;
-    let dispatcher = Arc::new(Dispatcher::with_metrics(&config, name, metrics.clone())?);
+    let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
+        .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
     let max_request_bytes = config.limits.max_request_bytes;
+    let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
+        config
+            .tls
+            .as_ref()
+            .filter(|tls| door(tls))
+            .and_then(|_| gateway.identity().cloned())
+    };
 
     let conf = ServerConf {
         threads: std::thread::available_parallelism().map_or(2, usize::from),
-        grace_period_seconds: Some(0),
-        graceful_shutdown_timeout_seconds: Some(DRAIN_SECONDS),
+        // The exit comes earlier when nothing is left under way (see `Signals`).
+        grace_period_seconds: Some(config.shutdown.grace_period.as_millis().div_ceil(1000).try_into().unwrap_or(u64::MAX)),
+        graceful_shutdown_timeout_seconds: Some(1),
         ..Default::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
@@ -109,27 +216,39 @@ pub fn serve(config: Config, name: &str) -> Result<()> {
 
     let mut rest = pingora::proxy::http_proxy_service(
         &server.configuration,
-        RestFrontDoor::new(dispatcher.clone(), max_request_bytes),
+        RestFrontDoor::new(gateway.clone(), max_request_bytes),
     );
     if let Some(logic) = rest.app_logic_mut() {
         let mut options = HttpServerOptions::default();
         options.h2c = true;
         logic.server_options = Some(options);
     }
-    rest.add_tcp(&config.listen.rest.to_string());
+    match tls_on(|tls| tls.rest) {
+        None => rest.add_tcp(&config.listen.rest.to_string()),
+        Some(identity) => {
+            let mut settings = TlsSettings::with_callbacks(Box::new(NoCallbacks))
+                .map_err(|e| Error::internal(format!("REST TLS: {e}")))?;
+            settings.set_cert_resolver(identity.resolver());
+            settings.set_client_cert_verifier(identity.verifier());
+            settings.enable_h2();
+            rest.add_tls_with_settings(&config.listen.rest.to_string(), None, settings);
+        }
+    }
     server.add_service(rest);
     server.add_service(background_service(
-        "health checks",
-        HealthChecks {
-            dispatcher: dispatcher.clone(),
+        "control",
+        Control {
+            gateway: gateway.clone(),
         },
     ));
     server.add_service(background_service(
         "grpc front door",
         GrpcFrontDoor {
             address: config.listen.grpc,
-            dispatcher,
+            gateway: gateway.clone(),
             max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
+            tls: tls_on(|tls| tls.grpc)
+                .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
         },
     ));
     if let Some(address) = config.listen.metrics {
@@ -139,12 +258,27 @@ pub fn serve(config: Config, name: &str) -> Result<()> {
         .listen
         .metrics
         .map_or_else(|| "off".to_owned(), |address| address.to_string());
+    tracing::info!(summary = %config.summary(), "configuration loaded");
     println!(
         "oipgate serving: rest={} grpc={} metrics={metrics_address} ({})",
         config.listen.rest,
         config.listen.grpc,
         config.summary()
     );
-    server.run(RunArgs::default());
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    let signals = Signals {
+        gateway,
+        shutdown: config.shutdown,
+        phases: std::sync::Mutex::new(Some(server.watch_execution_phase())),
+    };
+    server.run(RunArgs {
+        shutdown_signal: Box::new(signals),
+    });
     Ok(())
 }
+
+/// pingora's TLS settings need callbacks or certificate files; the certificate comes from the resolver instead.
+struct NoCallbacks;
+
+#[async_trait]
+impl pingora::listeners::TlsAccept for NoCallbacks {}

@@ -200,6 +200,17 @@ impl Endpoints {
         }
     }
 
+    /// Endpoints with the given states (some carried over from a previous configuration).
+    pub fn from_states(states: Vec<Arc<EndpointState>>, policy: BackendPolicy) -> Endpoints {
+        Endpoints {
+            states,
+            policy,
+            next: AtomicUsize::new(0),
+            calls: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+        }
+    }
+
     pub fn health_checked(&self) -> bool {
         self.policy.health.is_some()
     }

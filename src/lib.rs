@@ -11,10 +11,13 @@ pub mod error;
 pub mod fleet;
 pub mod frontend;
 pub mod headers;
+pub mod live;
+pub mod logging;
 pub mod metrics;
 pub mod modelserver;
 pub mod protocol;
 pub mod routing;
+pub mod tls;
 pub mod upstream;
 
 pub mod proto {

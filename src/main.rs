@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use oipgate::convert::{Form, convert};
+use oipgate::logging::LogFormat;
 use oipgate::modelserver::{self, ModelServerConfig};
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
@@ -38,6 +39,9 @@ enum Command {
         /// The gateway's Prometheus metrics address (`GET /metrics`).
         #[arg(long, default_value = "127.0.0.1:8002")]
         metrics: SocketAddr,
+        /// Log lines (stderr) as text or JSON; `RUST_LOG` filters them (default `info`).
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Serves the built-in models over REST and gRPC (a real Open Inference Protocol backend).
     ModelServer {
@@ -63,9 +67,14 @@ enum Command {
     },
     /// Runs the gateway: REST (HTTP/1.1 and h2c) and gRPC front doors in front of the configured backends.
     Serve {
-        /// The TOML configuration file; OIPGATE__SECTION__KEY environment variables override its values.
+        /// The TOML configuration file; OIPGATE__SECTION__KEY environment variables override its values. It is
+        /// watched, and re-read on SIGHUP.
         #[arg(long)]
         config: std::path::PathBuf,
+        /// Log lines (stderr) as text or JSON; `RUST_LOG` filters them (default `info`). One access-log line per
+        /// request, target `oipgate::access`.
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
     CheckConfig {
@@ -87,7 +96,13 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Demo { rest, grpc, metrics } => {
+        Command::Demo {
+            rest,
+            grpc,
+            metrics,
+            log_format,
+        } => {
+            oipgate::logging::init(log_format);
             oipgate::demo::run(oipgate::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
         }
         Command::Convert {
@@ -95,7 +110,10 @@ fn main() -> ExitCode {
             to,
             header_length,
         } => run_convert(from, to, header_length),
-        Command::Serve { config } => run_serve(&config),
+        Command::Serve { config, log_format } => {
+            oipgate::logging::init(log_format);
+            run_serve(&config)
+        }
         Command::CheckConfig { file } => return check_config(&file),
         Command::ModelServer {
             rest,
@@ -168,7 +186,10 @@ async fn shutdown_signal() {
 }
 
 fn check_config(file: &std::path::Path) -> ExitCode {
-    match oipgate::config::Config::load(file, &oipgate::config::environment_overrides()) {
+    // The same checks as a reload: the file, then every certificate and key it names.
+    let loaded = oipgate::config::Config::load(file, &oipgate::config::environment_overrides())
+        .and_then(|config| oipgate::tls::Prepared::load(&config).map(|_| config));
+    match loaded {
         Ok(config) => {
             println!("{}: valid: {}", file.display(), config.summary());
             ExitCode::SUCCESS
@@ -189,6 +210,6 @@ fn run_serve(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
             let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
             lines.join("\n")
         })?;
-    oipgate::app::serve(config, "oipgate")?;
+    oipgate::app::serve(config, "oipgate", Some(path.to_path_buf()))?;
     Ok(())
 }

@@ -73,6 +73,37 @@ pub struct Metrics {
     endpoint_healthy: IntGaugeVec,
     protocols: [ProtocolMetrics; 2],
     unknown_route: Arc<RouteMetrics>,
+    /// `oipgate_translation_duration_seconds` by [`Direction`].
+    translation: [Histogram; 2],
+    /// `oipgate_config_reloads_total` for `ok` and `error`.
+    reloads: [IntCounter; 2],
+}
+
+/// Which way a message was translated between the protocols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// From a REST body (JSON or binary extension) to a gRPC message.
+    RestToGrpc,
+    /// From a gRPC message to a REST body.
+    GrpcToRest,
+}
+
+impl Direction {
+    const ALL: [Direction; 2] = [Direction::RestToGrpc, Direction::GrpcToRest];
+
+    fn label(self) -> &'static str {
+        match self {
+            Direction::RestToGrpc => "rest_to_grpc",
+            Direction::GrpcToRest => "grpc_to_rest",
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Direction::RestToGrpc => 0,
+            Direction::GrpcToRest => 1,
+        }
+    }
 }
 
 /// Per client protocol: whole-request duration and bytes.
@@ -86,6 +117,10 @@ struct ProtocolMetrics {
 /// `oipgate_requests_total` for one public model version and its backend, one counter per protocol and code.
 #[derive(Debug)]
 pub struct RouteMetrics {
+    /// The public model, version and backend, for access logs.
+    pub model: String,
+    pub version: String,
+    pub backend: String,
     requests: [Vec<IntCounter>; 2],
     /// `oipgate_mirror_requests_total` for copies sent to this version, by [`MirrorResult`].
     mirrors: Vec<IntCounter>,
@@ -178,6 +213,10 @@ pub struct RequestTimer {
     started: Instant,
     request_bytes: u64,
     outcome: Option<(u16, u64)>,
+    /// Access-log fields known only as the request goes.
+    pub request_id: Option<String>,
+    pub endpoint: Option<Arc<str>>,
+    pub translated: bool,
 }
 
 impl RequestTimer {
@@ -194,6 +233,9 @@ impl RequestTimer {
             started: Instant::now(),
             request_bytes,
             outcome: None,
+            request_id: None,
+            endpoint: None,
+            translated: false,
         }
     }
 
@@ -208,25 +250,37 @@ impl Drop for RequestTimer {
         let (status, response_bytes) = self.outcome.unwrap_or((crate::error::CLIENT_CLOSED_REQUEST, 0));
         self.metrics.finished(
             Some(&self.route),
-            Finished {
+            &Finished {
                 protocol: self.protocol,
                 status,
                 duration: self.started.elapsed(),
                 request_bytes: self.request_bytes,
                 response_bytes,
+                target: "ModelInfer",
+                request_id: self.request_id.as_deref(),
+                endpoint: self.endpoint.as_deref(),
+                translated: self.translated,
             },
         );
     }
 }
 
-/// What one finished request reports.
+/// What one finished request reports, to the metrics and the access log.
 #[derive(Debug, Clone, Copy)]
-pub struct Finished {
+pub struct Finished<'a> {
     pub protocol: ClientProtocol,
+    /// HTTP status (a gRPC answer's status is its code's HTTP equivalent).
     pub status: u16,
     pub duration: Duration,
     pub request_bytes: u64,
     pub response_bytes: u64,
+    /// The REST path or gRPC method.
+    pub target: &'a str,
+    pub request_id: Option<&'a str>,
+    /// The backend endpoint that answered.
+    pub endpoint: Option<&'a str>,
+    /// Whether the request crossed between REST and gRPC (or was re-encoded) on its way.
+    pub translated: bool,
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
@@ -350,6 +404,29 @@ impl Metrics {
             )
             .map_err(metric_error)?,
         )?;
+        let translation = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "oipgate_translation_duration_seconds",
+                    "Time spent translating one message between REST (JSON or binary extension) and gRPC, by direction.",
+                )
+                .buckets(DURATION_BUCKETS.to_vec()),
+                &["direction"],
+            )
+            .map_err(metric_error)?,
+        )?;
+        let reloads = registered(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "oipgate_config_reloads_total",
+                    "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
+                ),
+                &["result"],
+            )
+            .map_err(metric_error)?,
+        )?;
         let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
             duration: request_duration.with_label_values(&[protocol.label()]),
             request_bytes: request_bytes.with_label_values(&[protocol.label()]),
@@ -365,9 +442,14 @@ impl Metrics {
             endpoint_healthy,
             protocols,
             unknown_route: Arc::new(RouteMetrics {
+                model: String::new(),
+                version: String::new(),
+                backend: String::new(),
                 requests: [Vec::new(), Vec::new()],
                 mirrors: Vec::new(),
             }),
+            translation: Direction::ALL.map(|direction| translation.with_label_values(&[direction.label()])),
+            reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
         };
         metrics.unknown_route = metrics.route(UNKNOWN, UNKNOWN, NO_BACKEND);
         Ok(Arc::new(metrics))
@@ -395,6 +477,9 @@ impl Metrics {
                 .collect()
         };
         Arc::new(RouteMetrics {
+            model: model.to_owned(),
+            version: version.to_owned(),
+            backend: backend.to_owned(),
             requests: ClientProtocol::ALL.map(counters),
             mirrors,
         })
@@ -421,8 +506,9 @@ impl Metrics {
         gauge
     }
 
-    /// Records a finished request; `route` is `None` for requests that were not inferences.
-    pub fn finished(&self, route: Option<&RouteMetrics>, request: Finished) {
+    /// Records a finished request and writes its access-log line; `route` is `None` for requests that were not
+    /// inferences.
+    pub fn finished(&self, route: Option<&RouteMetrics>, request: &Finished<'_>) {
         let protocol = &self.protocols[request.protocol.index()];
         protocol.duration.observe(request.duration.as_secs_f64());
         protocol.request_bytes.inc_by(request.request_bytes);
@@ -430,6 +516,22 @@ impl Metrics {
         if let Some(route) = route {
             route.counter(request.protocol, request.status).inc();
         }
+        crate::logging::access(route, request);
+    }
+
+    /// Records one message translated between the protocols.
+    pub fn translated(&self, direction: Direction, took: Duration) {
+        self.translation[direction.index()].observe(took.as_secs_f64());
+    }
+
+    /// Counts a configuration reload, applied or refused.
+    pub fn reloaded(&self, ok: bool) {
+        self.reloads[usize::from(!ok)].inc();
+    }
+
+    /// Drops the health series of an endpoint no longer configured or discovered.
+    pub fn forget_endpoint(&self, backend: &str, endpoint: &str) {
+        let _ = self.endpoint_healthy.remove_label_values(&[backend, endpoint]);
     }
 
     /// The registry in Prometheus' text exposition format.
@@ -506,11 +608,15 @@ mod tests {
             duration: Duration::from_millis(3),
             request_bytes: 10,
             response_bytes: 20,
+            target: "ModelInfer",
+            request_id: None,
+            endpoint: None,
+            translated: false,
         };
-        metrics.finished(Some(&route), finished(200));
-        metrics.finished(Some(&route), finished(200));
-        metrics.finished(Some(&route), finished(418));
-        metrics.finished(Some(&metrics.unknown_route()), finished(404));
+        metrics.finished(Some(&route), &finished(200));
+        metrics.finished(Some(&route), &finished(200));
+        metrics.finished(Some(&route), &finished(418));
+        metrics.finished(Some(&metrics.unknown_route()), &finished(404));
         let text = metrics.render();
         for line in [
             r#"oipgate_requests_total{backend="fleet-a",code="200",model="add_sub",protocol="grpc",version="1"} 2"#,

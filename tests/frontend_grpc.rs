@@ -3,11 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use oipgate::config::{raw, validate};
-use oipgate::dispatch::Dispatcher;
 use oipgate::frontend::grpc;
 use oipgate::modelserver::{self, ModelServerConfig, RunningModelServer};
 use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
@@ -67,11 +65,12 @@ async fn gateway() -> Gateway {
         grpc_backend.grpc_addr.unwrap()
     );
     let config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
-    let dispatcher = Arc::new(Dispatcher::new(&config, "oipgate-test").unwrap());
+    let live =
+        oipgate::live::Gateway::new(config, "oipgate-test", None, oipgate::metrics::Metrics::new().unwrap()).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(grpc::serve(listener, dispatcher, 64 << 20, async move {
+    tokio::spawn(grpc::serve(listener, live, 64 << 20, None, async move {
         let _ = stopped.await;
     }));
     Gateway {

@@ -25,7 +25,7 @@ fn upstream(server: &ModelServerProcess, max_response_bytes: usize) -> GrpcUpstr
         host: addr.ip().to_string(),
         port: addr.port(),
     };
-    GrpcUpstream::new(&endpoint, Duration::from_secs(2), max_response_bytes)
+    GrpcUpstream::new(&endpoint, Duration::from_secs(2), max_response_bytes, None)
 }
 
 fn request(model: &str, inputs: Vec<Tensor>) -> InferRequest {
@@ -165,6 +165,7 @@ async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
         },
         Duration::from_secs(1),
         1024,
+        None,
     );
     let started = Instant::now();
     let error = client

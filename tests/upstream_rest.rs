@@ -23,6 +23,7 @@ fn upstream(server: &ModelServerProcess) -> RestUpstream {
         },
         Duration::from_secs(2),
         1 << 30,
+        None,
     )
 }
 
@@ -181,6 +182,7 @@ async fn deadline_and_a_backend_that_is_down() {
         },
         Duration::from_secs(1),
         1024,
+        None,
     );
     let error = down.server_ready(Some(Duration::from_secs(5))).await.unwrap_err();
     assert_eq!(

@@ -6,7 +6,7 @@ pub mod raw;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use raw::{Problem, RawConfig};
@@ -19,6 +19,12 @@ pub const DEFAULT_GRPC: &str = "127.0.0.1:8001";
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 /// Default whole-request deadline.
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// Default time in-flight requests get after SIGTERM.
+pub const DEFAULT_GRACE_PERIOD_MS: u64 = 30_000;
+/// Default interval of DNS re-resolution.
+pub const DEFAULT_DNS_INTERVAL_MS: u64 = 5_000;
+/// Default interval at which the configuration file is looked at.
+pub const DEFAULT_WATCH_INTERVAL_MS: u64 = 1_000;
 
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,8 +32,64 @@ pub struct Config {
     pub ready_policy: ReadyPolicy,
     pub listen: Listen,
     pub limits: Limits,
+    /// TLS on the front doors.
+    pub tls: Option<ServerTls>,
+    pub shutdown: Shutdown,
+    pub reload: Reload,
     pub backends: Vec<Backend>,
     pub models: Vec<ModelConfig>,
+}
+
+/// Certificate and key of the front doors, and the CA callers' certificates must chain to when mTLS is on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+    pub rest: bool,
+    pub grpc: bool,
+}
+
+/// What SIGTERM / SIGINT do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shutdown {
+    /// Bound on the wait for in-flight requests.
+    pub grace_period: Duration,
+    /// Connections are still accepted this long after the signal, while readiness already says no.
+    pub drain_delay: Duration,
+}
+
+/// Whether and how often the configuration file is watched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reload {
+    pub watch: bool,
+    pub interval: Duration,
+}
+
+/// TLS to a backend's endpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BackendTls {
+    /// CA bundle; the system's roots when absent.
+    pub ca: Option<PathBuf>,
+    /// Client certificate chain and key, for mTLS.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// SNI and the name verified, when not the endpoint's host.
+    pub server_name: Option<String>,
+}
+
+/// Where a backend's endpoints come from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Discovery {
+    /// The listed endpoints.
+    Static,
+    /// Every address `host` resolves to, at `port`, re-resolved every `interval`.
+    Dns {
+        host: String,
+        port: u16,
+        interval: Duration,
+        /// The DNS server asked, instead of the system's configuration.
+        server: Option<SocketAddr>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,10 +167,13 @@ impl Endpoint {
 pub struct Backend {
     pub name: String,
     pub protocol: BackendProtocol,
+    /// The configured endpoints; empty for a backend discovered through DNS.
     pub endpoints: Vec<Endpoint>,
+    pub discovery: Discovery,
     /// REST backends only: it speaks the binary tensor data extension.
     pub binary_data: bool,
     pub policy: BackendPolicy,
+    pub tls: Option<BackendTls>,
 }
 
 /// What the gateway's readiness requires.
@@ -226,20 +291,53 @@ pub struct VersionConfig {
 
 impl Config {
     /// Loads, layers environment overrides and validates; every problem is returned.
+    /// Relative file paths in it (certificates, keys) are taken from the file's directory.
     pub fn load(path: &Path, environment: &[(String, String)]) -> Result<Config, Vec<Problem>> {
-        validate(raw::load(path, environment).map_err(|p| vec![p])?)
+        let base = path.parent().unwrap_or_else(|| Path::new("."));
+        validate_in(raw::load(path, environment).map_err(|p| vec![p])?, base)
+    }
+
+    /// Every file the configuration names (certificates, keys, CA bundles), for watching.
+    pub fn files(&self) -> Vec<PathBuf> {
+        let mut files = Vec::new();
+        if let Some(tls) = &self.tls {
+            files.extend([tls.cert.clone(), tls.key.clone()]);
+            files.extend(tls.client_ca.clone());
+        }
+        for backend in &self.backends {
+            if let Some(tls) = &backend.tls {
+                files.extend(tls.ca.clone());
+                if let Some((cert, key)) = &tls.client_cert {
+                    files.extend([cert.clone(), key.clone()]);
+                }
+            }
+        }
+        files
     }
 
     /// One line for logs and `check-config`.
     pub fn summary(&self) -> String {
         let endpoints: usize = self.backends.iter().map(|b| b.endpoints.len()).sum();
+        let discovered = self
+            .backends
+            .iter()
+            .filter(|b| matches!(b.discovery, Discovery::Dns { .. }))
+            .count();
+        let discovered = if discovered > 0 {
+            format!(" + {discovered} through DNS")
+        } else {
+            String::new()
+        };
         let versions: usize = self.models.iter().map(|m| m.versions.len()).sum();
+        let tls = |on: bool| if self.tls.is_some() && on { " (TLS)" } else { "" };
         format!(
-            "{} backends ({endpoints} endpoints), {} models ({versions} versions); REST {}, gRPC {}",
+            "{} backends ({endpoints} endpoints{discovered}), {} models ({versions} versions); REST {}{}, gRPC {}{}",
             self.backends.len(),
             self.models.len(),
             self.listen.rest,
-            self.listen.grpc
+            tls(self.tls.as_ref().is_some_and(|t| t.rest)),
+            self.listen.grpc,
+            tls(self.tls.as_ref().is_some_and(|t| t.grpc)),
         )
     }
 }
@@ -287,8 +385,21 @@ fn check_name(problems: &mut Problems, path: &str, what: &str, name: &str) {
     }
 }
 
-/// Turns a raw configuration into a valid one, or every problem with it.
+/// Turns a raw configuration into a valid one, or every problem with it; relative paths stay as written.
 pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
+    validate_in(raw, Path::new(""))
+}
+
+/// A file path from the configuration, relative ones taken from `base`.
+fn file(problems: &mut Problems, path: &str, value: &str, base: &Path) -> PathBuf {
+    if value.trim().is_empty() {
+        problems.add(path, "must name a file");
+    }
+    base.join(value)
+}
+
+/// Turns a raw configuration into a valid one, or every problem with it; relative paths are taken from `base`.
+pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> {
     let mut problems = Problems::default();
     let rest = address(
         &mut problems,
@@ -343,9 +454,85 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         if backend.binary_data && protocol == BackendProtocol::Grpc {
             problems.add(format!("{path}.binary_data"), "applies to REST backends only");
         }
-        if backend.endpoints.is_empty() {
-            problems.add(format!("{path}.endpoints"), "a backend needs at least one endpoint");
+        let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
+            (None, true) => {
+                problems.add(
+                    format!("{path}.endpoints"),
+                    "a backend needs at least one endpoint, or `dns`",
+                );
+                Discovery::Static
+            }
+            (None, false) => Discovery::Static,
+            (Some(_), false) => {
+                problems.add(format!("{path}.dns"), "give either endpoints or dns, not both");
+                Discovery::Static
+            }
+            (Some(name), true) => match Endpoint::parse(name) {
+                Ok(Endpoint { host, port }) => Discovery::Dns {
+                    host,
+                    port,
+                    interval: Duration::from_millis(match backend.dns_interval_ms {
+                        Some(0) => {
+                            problems.add(format!("{path}.dns_interval_ms"), "must be at least 1");
+                            DEFAULT_DNS_INTERVAL_MS
+                        }
+                        value => value.unwrap_or(DEFAULT_DNS_INTERVAL_MS),
+                    }),
+                    server: backend
+                        .dns_server
+                        .as_deref()
+                        .and_then(|server| address(&mut problems, &format!("{path}.dns_server"), Some(server), None)),
+                },
+                Err(message) => {
+                    problems.add(format!("{path}.dns"), message);
+                    Discovery::Static
+                }
+            },
+        };
+        if backend.dns.is_none() {
+            for key in [
+                ("dns_interval_ms", backend.dns_interval_ms.is_some()),
+                ("dns_server", backend.dns_server.is_some()),
+            ]
+            .iter()
+            .filter(|(_, set)| *set)
+            {
+                problems.add(format!("{path}.{}", key.0), "applies only with `dns`");
+            }
         }
+        let tls = backend.tls.as_ref().map(|tls| {
+            let client_cert = match (&tls.cert, &tls.key) {
+                (Some(cert), Some(key)) => Some((
+                    file(&mut problems, &format!("{path}.tls.cert"), cert, base),
+                    file(&mut problems, &format!("{path}.tls.key"), key, base),
+                )),
+                (None, None) => None,
+                (Some(_), None) => {
+                    problems.add(format!("{path}.tls.key"), "a client certificate needs its key");
+                    None
+                }
+                (None, Some(_)) => {
+                    problems.add(format!("{path}.tls.cert"), "a client key needs its certificate");
+                    None
+                }
+            };
+            if let Some(name) = &tls.server_name
+                && rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
+            {
+                problems.add(
+                    format!("{path}.tls.server_name"),
+                    format!("\"{name}\" is not a DNS name or IP address"),
+                );
+            }
+            BackendTls {
+                ca: tls
+                    .ca
+                    .as_ref()
+                    .map(|ca| file(&mut problems, &format!("{path}.tls.ca"), ca, base)),
+                client_cert,
+                server_name: tls.server_name.clone(),
+            }
+        });
         let mut endpoints = Vec::with_capacity(backend.endpoints.len());
         for (j, text) in backend.endpoints.iter().enumerate() {
             match Endpoint::parse(text) {
@@ -361,8 +548,10 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             name: backend.name.clone(),
             protocol,
             endpoints,
+            discovery,
             binary_data: backend.binary_data,
             policy,
+            tls,
         });
     }
 
@@ -508,6 +697,26 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         });
     }
 
+    let tls = raw.tls.as_ref().map(|tls| ServerTls {
+        cert: file(&mut problems, "tls.cert", &tls.cert, base),
+        key: file(&mut problems, "tls.key", &tls.key, base),
+        client_ca: tls
+            .client_ca
+            .as_ref()
+            .map(|ca| file(&mut problems, "tls.client_ca", ca, base)),
+        rest: tls.rest.unwrap_or(true),
+        grpc: tls.grpc.unwrap_or(true),
+    });
+    let grace_period = Duration::from_millis(raw.shutdown.grace_period_ms.unwrap_or(DEFAULT_GRACE_PERIOD_MS));
+    let drain_delay = Duration::from_millis(raw.shutdown.drain_delay_ms.unwrap_or(0));
+    let watch_interval = match raw.reload.watch_interval_ms {
+        Some(0) => {
+            problems.add("reload.watch_interval_ms", "must be at least 1");
+            DEFAULT_WATCH_INTERVAL_MS
+        }
+        value => value.unwrap_or(DEFAULT_WATCH_INTERVAL_MS),
+    };
+
     let ready_policy = match raw.ready_policy.as_deref() {
         None | Some("all_models") => ReadyPolicy::AllModels,
         Some("any_model") => ReadyPolicy::AnyModel,
@@ -534,6 +743,15 @@ pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         limits: Limits {
             max_request_bytes,
             request_timeout: Duration::from_millis(timeout_ms),
+        },
+        tls,
+        shutdown: Shutdown {
+            grace_period,
+            drain_delay,
+        },
+        reload: Reload {
+            watch: raw.reload.watch.unwrap_or(true),
+            interval: Duration::from_millis(watch_interval),
         },
         backends,
         models,

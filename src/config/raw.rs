@@ -14,6 +14,12 @@ pub struct RawConfig {
     pub listen: RawListen,
     #[serde(default)]
     pub limits: RawLimits,
+    /// TLS on the front doors.
+    pub tls: Option<RawServerTls>,
+    #[serde(default)]
+    pub shutdown: RawShutdown,
+    #[serde(default)]
+    pub reload: RawReload,
     #[serde(default)]
     pub backends: Vec<RawBackend>,
     #[serde(default)]
@@ -40,6 +46,52 @@ pub struct RawLimits {
     pub request_timeout_ms: Option<u64>,
 }
 
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServerTls {
+    /// PEM certificate chain, leaf first.
+    pub cert: String,
+    /// PEM private key.
+    pub key: String,
+    /// PEM CA bundle: when set, callers must present a certificate it signed (mTLS).
+    pub client_ca: Option<String>,
+    /// Whether the REST door speaks TLS (default true).
+    pub rest: Option<bool>,
+    /// Whether the gRPC door speaks TLS (default true).
+    pub grpc: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShutdown {
+    /// How long in-flight requests get to finish after SIGTERM / SIGINT, in milliseconds.
+    pub grace_period_ms: Option<u64>,
+    /// How long, after the signal, connections are still accepted while readiness already answers 503.
+    pub drain_delay_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReload {
+    /// Whether the configuration file (and the TLS files it names) are watched for changes.
+    pub watch: Option<bool>,
+    /// How often they are looked at, in milliseconds.
+    pub watch_interval_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBackendTls {
+    /// PEM CA bundle the backend's certificate must chain to (default: the system's roots).
+    pub ca: Option<String>,
+    /// PEM client certificate chain, for backends that require mTLS.
+    pub cert: Option<String>,
+    /// PEM private key of the client certificate.
+    pub key: Option<String>,
+    /// The name sent as SNI and verified in the backend's certificate (default: the endpoint's or DNS host).
+    pub server_name: Option<String>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawBackend {
@@ -47,7 +99,16 @@ pub struct RawBackend {
     /// "rest" or "grpc".
     pub protocol: String,
     /// Replicas, as `host:port`.
+    #[serde(default)]
     pub endpoints: Vec<String>,
+    /// Instead of endpoints: `host:port` whose every A/AAAA record is a replica, re-resolved at an interval.
+    pub dns: Option<String>,
+    /// How often `dns` is re-resolved, in milliseconds.
+    pub dns_interval_ms: Option<u64>,
+    /// The DNS server (`ip:port`) asked for `dns`, instead of the system's resolver configuration.
+    pub dns_server: Option<String>,
+    /// TLS to the backend.
+    pub tls: Option<RawBackendTls>,
     /// A REST backend that speaks the binary tensor data extension.
     #[serde(default)]
     pub binary_data: bool,

@@ -2,6 +2,7 @@
 //! backend, sent over the backend's own protocol (translated when the client spoke the other one), and answered with
 //! the public names restored.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -12,16 +13,17 @@ use prost::Message;
 
 use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
-use crate::config::{BackendProtocol, Config, ReadyPolicy};
+use crate::config::{Backend, BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::fleet::{Endpoints, Lease};
-use crate::metrics::{self, BackendMetrics, Metrics, MirrorResult, RouteMetrics};
+use crate::fleet::{EndpointState, Endpoints, Lease};
+use crate::metrics::{self, BackendMetrics, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
     InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
 };
 use crate::routing::{RouteTable, Routed, VersionRoute};
-use crate::upstream::{GrpcUpstream, Replied, RestUpstream};
+use crate::tls::{BackendMaterial, Prepared};
+use crate::upstream::{EndpointTls, GrpcUpstream, Replied, RestUpstream};
 
 mod mirror;
 mod probe;
@@ -64,6 +66,47 @@ pub struct Passthrough {
     pub version: String,
     /// The backend's metric handles, for the proxied call's in-flight count and latency.
     pub backend_metrics: BackendMetrics,
+    /// TLS to the backend, when it speaks it.
+    pub tls: Option<Arc<PeerTls>>,
+}
+
+/// TLS for a backend's calls proxied by pingora: the CA to verify against, the client certificate, the SNI.
+pub struct PeerTls {
+    pub ca: Option<Arc<[pingora::utils::tls::WrappedX509]>>,
+    pub client_cert: Option<Arc<pingora::utils::tls::CertKey>>,
+    /// The configured or DNS name; `None` for the endpoint's own host.
+    pub server_name: Option<String>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTls")
+            .field("ca", &self.ca.as_ref().map(|ca| ca.len()))
+            .field("client_cert", &self.client_cert.is_some())
+            .field("server_name", &self.server_name)
+            .finish()
+    }
+}
+
+impl PeerTls {
+    fn new(material: &BackendMaterial, server_name: Option<String>) -> PeerTls {
+        use pingora::utils::tls::{CertKey, WrappedX509, parse_x509};
+        PeerTls {
+            ca: material.ca.as_ref().map(|ca| {
+                ca.iter()
+                    .map(|c| WrappedX509::new(c.as_ref().to_vec(), parse_x509))
+                    .collect::<Vec<_>>()
+                    .into()
+            }),
+            client_cert: material.client_cert.as_ref().map(|(chain, key)| {
+                Arc::new(CertKey::new(
+                    chain.iter().map(|c| c.as_ref().to_vec()).collect(),
+                    key.clone(),
+                ))
+            }),
+            server_name,
+        }
+    }
 }
 
 /// What one request carries besides its payload.
@@ -91,6 +134,14 @@ enum Replicas {
 #[derive(Debug)]
 struct BackendClients {
     name: String,
+    /// The configuration it was built from (its endpoints aside) and its TLS material, to tell on reload whether
+    /// its connections can be kept.
+    config: Backend,
+    tls: Option<BackendMaterial>,
+    /// The endpoints, in the order of `replicas` and `fleet.states`.
+    endpoints: Vec<Endpoint>,
+    /// TLS for calls proxied by pingora.
+    peer_tls: Option<Arc<PeerTls>>,
     replicas: Replicas,
     /// The replicas' state and the choice among them; index `i` is replica `i` of `replicas`.
     fleet: Endpoints,
@@ -98,6 +149,87 @@ struct BackendClients {
 }
 
 impl BackendClients {
+    /// The clients of `backend` at `endpoints`; an endpoint `reuse` has is taken over with its connections and state.
+    fn new(
+        backend: &Backend,
+        endpoints: &[Endpoint],
+        tls: Option<BackendMaterial>,
+        max_response: usize,
+        reuse: Option<&BackendClients>,
+        metrics: &Metrics,
+    ) -> BackendClients {
+        let server_name = tls.as_ref().and_then(|material| {
+            material.server_name.clone().or_else(|| match &backend.discovery {
+                Discovery::Dns { host, .. } => Some(host.clone()),
+                Discovery::Static => None,
+            })
+        });
+        let endpoint_tls = tls.as_ref().map(|material| EndpointTls {
+            material: material.clone(),
+            server_name: server_name.clone(),
+        });
+        let previous = |endpoint: &Endpoint| {
+            reuse.and_then(|old| old.endpoints.iter().position(|e| e == endpoint).map(|i| (old, i)))
+        };
+        let replicas = match backend.protocol {
+            BackendProtocol::Rest => Replicas::Rest {
+                endpoints: endpoints
+                    .iter()
+                    .map(|e| match previous(e) {
+                        Some((old, i)) if let Replicas::Rest { endpoints: clients, .. } = &old.replicas => {
+                            clients[i].clone()
+                        }
+                        _ => RestUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
+                    })
+                    .collect(),
+                binary_data: backend.binary_data,
+            },
+            BackendProtocol::Grpc => Replicas::Grpc {
+                endpoints: endpoints
+                    .iter()
+                    .map(|e| match previous(e) {
+                        Some((old, i)) if let Replicas::Grpc { endpoints: clients } = &old.replicas => {
+                            clients[i].clone()
+                        }
+                        _ => GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
+                    })
+                    .collect(),
+            },
+        };
+        let states = endpoints
+            .iter()
+            .map(|e| match previous(e) {
+                Some((old, i)) => old.fleet.states[i].clone(),
+                None => {
+                    let authority = e.to_string();
+                    let gauge = metrics.endpoint_healthy(&backend.name, &authority);
+                    Arc::new(EndpointState::new(authority, &backend.policy, gauge))
+                }
+            })
+            .collect();
+        BackendClients {
+            name: backend.name.clone(),
+            config: backend.clone(),
+            peer_tls: tls
+                .as_ref()
+                .map(|material| Arc::new(PeerTls::new(material, server_name))),
+            tls,
+            endpoints: endpoints.to_vec(),
+            replicas,
+            fleet: Endpoints::from_states(states, backend.policy.clone()),
+            metrics: metrics.backend(&backend.name),
+        }
+    }
+
+    /// Whether clients built for `backend` with `tls` would connect the same way as these.
+    fn same_connections(&self, backend: &Backend, tls: Option<&BackendMaterial>) -> bool {
+        let mut a = self.config.clone();
+        let mut b = backend.clone();
+        a.endpoints.clear();
+        b.endpoints.clear();
+        a == b && self.tls.as_ref() == tls
+    }
+
     /// Runs `call` on a chosen endpoint (its index and the time left), and on further endpoints while the call
     /// failed before reaching one, within the backend's retries and retry budget and the deadline. Each outcome feeds
     /// the endpoint's outlier detection.
@@ -157,7 +289,7 @@ pub struct Dispatcher {
     request_timeout: Duration,
     metadata: ServerMetadata,
     ready_cache: Mutex<Option<(Instant, bool)>>,
-    metadata_cache: Mutex<std::collections::HashMap<usize, (Instant, ModelMetadata)>>,
+    metadata_cache: Mutex<HashMap<usize, (Instant, ModelMetadata)>>,
     ready_policy: ReadyPolicy,
     metrics: Arc<Metrics>,
     /// Metric handles by route id.
@@ -168,48 +300,74 @@ pub struct Dispatcher {
 pub const EXTENSIONS: [&str; 2] = ["binary_tensor_data", "model_repository"];
 
 impl Dispatcher {
-    /// A dispatcher with metrics of its own.
+    /// A dispatcher with metrics of its own (TLS files read now; backends found through DNS start with none).
     pub fn new(config: &Config, name: &str) -> Result<Dispatcher> {
         Dispatcher::with_metrics(config, name, Metrics::new()?)
     }
 
     /// A dispatcher counting into `metrics`, which outlive it (a reloaded configuration keeps the same registry).
     pub fn with_metrics(config: &Config, name: &str, metrics: Arc<Metrics>) -> Result<Dispatcher> {
+        let prepared = Prepared::load(config).map_err(|problems| {
+            Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))
+        })?;
+        Dispatcher::build(config, name, metrics, &prepared, &HashMap::new(), None)
+    }
+
+    /// Builds the dispatcher for `config` with its TLS material `prepared` and the endpoints `discovered` through
+    /// DNS (by backend name). Endpoints of `previous` that the new configuration keeps as they were (same backend,
+    /// protocol, policy and TLS, same address) are carried over with their connections and health state.
+    pub fn build(
+        config: &Config,
+        name: &str,
+        metrics: Arc<Metrics>,
+        prepared: &Prepared,
+        discovered: &HashMap<String, Vec<Endpoint>>,
+        previous: Option<&Dispatcher>,
+    ) -> Result<Dispatcher> {
         let max_response = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
         let backends = config
             .backends
             .iter()
-            .map(|backend| {
-                let replicas = match backend.protocol {
-                    BackendProtocol::Rest => Replicas::Rest {
-                        endpoints: backend
-                            .endpoints
-                            .iter()
-                            .map(|e| RestUpstream::new(e, CONNECT_TIMEOUT, max_response))
-                            .collect(),
-                        binary_data: backend.binary_data,
-                    },
-                    BackendProtocol::Grpc => Replicas::Grpc {
-                        endpoints: backend
-                            .endpoints
-                            .iter()
-                            .map(|e| GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response))
-                            .collect(),
-                    },
+            .enumerate()
+            .map(|(index, backend)| {
+                let endpoints: &[Endpoint] = match &backend.discovery {
+                    Discovery::Static => &backend.endpoints,
+                    Discovery::Dns { .. } => discovered.get(&backend.name).map_or(&[], Vec::as_slice),
                 };
-                Arc::new(BackendClients {
-                    name: backend.name.clone(),
-                    replicas,
-                    fleet: Endpoints::new(
-                        &backend.name,
-                        backend.endpoints.iter().map(ToString::to_string).collect(),
-                        backend.policy.clone(),
-                        &metrics,
-                    ),
-                    metrics: metrics.backend(&backend.name),
-                })
+                let tls = prepared.backend_tls.get(index).cloned().flatten();
+                let old = previous
+                    .and_then(|p| p.backends.iter().find(|b| b.name == backend.name))
+                    .filter(|old| old.same_connections(backend, tls.as_ref()));
+                if let Some(old) = old
+                    && old.endpoints == endpoints
+                {
+                    return old.clone();
+                }
+                Arc::new(BackendClients::new(
+                    backend,
+                    endpoints,
+                    tls,
+                    max_response,
+                    old.map(|b| &**b),
+                    &metrics,
+                ))
             })
             .collect::<Vec<_>>();
+        if let Some(previous) = previous {
+            for old in &previous.backends {
+                for state in &old.fleet.states {
+                    let kept = backends
+                        .iter()
+                        .any(|b| b.name == old.name && b.fleet.states.iter().any(|s| Arc::ptr_eq(s, state)));
+                    let same_series = backends
+                        .iter()
+                        .any(|b| b.name == old.name && b.endpoints.iter().any(|e| e.to_string() == state.authority));
+                    if !kept && !same_series {
+                        metrics.forget_endpoint(&old.name, &state.authority);
+                    }
+                }
+            }
+        }
         let routes = RouteTable::new(config)?;
         let route_metrics = routes
             .routes()
@@ -223,7 +381,10 @@ impl Dispatcher {
             .collect();
         Ok(Dispatcher {
             routes,
-            mirror_slots: Arc::new(tokio::sync::Semaphore::new(MAX_MIRRORS_IN_FLIGHT)),
+            mirror_slots: previous.map_or_else(
+                || Arc::new(tokio::sync::Semaphore::new(MAX_MIRRORS_IN_FLIGHT)),
+                |p| p.mirror_slots.clone(),
+            ),
             route_metrics,
             metrics,
             backends,
@@ -234,8 +395,24 @@ impl Dispatcher {
                 extensions: EXTENSIONS.iter().map(|e| (*e).to_owned()).collect(),
             },
             ready_cache: Mutex::new(None),
-            metadata_cache: Mutex::new(std::collections::HashMap::new()),
+            metadata_cache: Mutex::new(HashMap::new()),
             ready_policy: config.ready_policy,
+        })
+    }
+
+    /// Every backend endpoint, as `(backend, endpoint)`.
+    pub fn endpoints(&self) -> Vec<(String, String)> {
+        self.backends
+            .iter()
+            .flat_map(|b| b.fleet.states.iter().map(|s| (b.name.clone(), s.authority.clone())))
+            .collect()
+    }
+
+    /// The protocol of the backend serving `route`.
+    pub fn backend_protocol(&self, route: &VersionRoute) -> Option<BackendProtocol> {
+        self.backends.get(route.backend).map(|b| match b.replicas {
+            Replicas::Rest { .. } => BackendProtocol::Rest,
+            Replicas::Grpc { .. } => BackendProtocol::Grpc,
         })
     }
 
@@ -300,6 +477,7 @@ impl Dispatcher {
             rename: aliased.then(|| (route.model.clone(), route.version.clone())),
             version: route.version.clone(),
             backend_metrics: backend.metrics.clone(),
+            tls: backend.peer_tls.clone(),
         }))
     }
 
@@ -417,10 +595,13 @@ impl Dispatcher {
                     value: splice::rename(&answer.value, &route.model, &route.version)
                         .map_err(Error::into_upstream_protocol_error)?,
                     headers: answer.headers,
+                    endpoint: answer.endpoint,
                 }
             }
             Replicas::Rest { .. } => {
+                let started = Instant::now();
                 let request = decode_grpc_request(message)?;
+                self.metrics.translated(Direction::GrpcToRest, started.elapsed());
                 let replied = call_infer(
                     backend,
                     route,
@@ -430,9 +611,13 @@ impl Dispatcher {
                     routed.sticky,
                 )
                 .await?;
+                let started = Instant::now();
+                let value = protobuf::encode_response(replied.value).chunks;
+                self.metrics.translated(Direction::RestToGrpc, started.elapsed());
                 Replied {
-                    value: protobuf::encode_response(replied.value).chunks,
+                    value,
                     headers: replied.headers,
+                    endpoint: replied.endpoint,
                 }
             }
         };
@@ -689,6 +874,7 @@ async fn call_infer(
             Replied {
                 value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
                 headers: answer.headers,
+                endpoint: answer.endpoint,
             }
         }
     };

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, BufMut, Bytes};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -18,10 +18,11 @@ use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
 use crate::codec::{protobuf, splice};
-use crate::dispatch::{CallContext, Dispatcher};
-use crate::error::Result;
+use crate::dispatch::CallContext;
+use crate::error::{Error, Result};
 use crate::headers;
-use crate::metrics::{ClientProtocol, RequestTimer};
+use crate::live::Gateway;
+use crate::metrics::{ClientProtocol, Finished, RequestTimer};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
@@ -115,7 +116,7 @@ fn context<T>(request: &Request<T>) -> CallContext {
 /// `ModelInfer` on raw bytes.
 #[derive(Debug, Clone)]
 struct InferRaw {
-    dispatcher: Arc<Dispatcher>,
+    gateway: Arc<Gateway>,
 }
 
 impl UnaryService<Bytes> for InferRaw {
@@ -123,7 +124,7 @@ impl UnaryService<Bytes> for InferRaw {
     type Future = Pin<Box<dyn Future<Output = Result<Response<Vec<Bytes>>, Status>> + Send>>;
 
     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
-        let dispatcher = self.dispatcher.clone();
+        let dispatcher = self.gateway.dispatcher();
         Box::pin(async move {
             let context = context(&request);
             let request_id = context.forward.get(super::REQUEST_ID).cloned();
@@ -132,19 +133,25 @@ impl UnaryService<Bytes> for InferRaw {
                 Ok(fields) => dispatcher.route(fields.name, Some(fields.version), &context.forward),
                 Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
             };
-            let timer = RequestTimer::start(
+            let mut timer = RequestTimer::start(
                 dispatcher.metrics().clone(),
                 route,
                 ClientProtocol::Grpc,
                 message.len() as u64,
             );
+            timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
             let answer = match routed {
-                Ok(routed) => dispatcher.infer_grpc_routed(&routed, message, &context).await,
+                Ok(routed) => {
+                    timer.translated =
+                        dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
+                    dispatcher.infer_grpc_routed(&routed, message, &context).await
+                }
                 Err(error) => Err(error),
             };
             match answer {
                 Ok(replied) => {
                     let length: usize = replied.value.iter().map(Bytes::len).sum();
+                    timer.endpoint = replied.endpoint.clone();
                     timer.finish(200, length as u64);
                     Ok(with_metadata(replied.value, replied.headers, request_id))
                 }
@@ -172,7 +179,7 @@ fn with_metadata<T>(message: T, mut metadata: http::HeaderMap, request_id: Optio
 /// The typed RPCs.
 #[derive(Debug, Clone)]
 struct Typed {
-    dispatcher: Arc<Dispatcher>,
+    gateway: Arc<Gateway>,
 }
 
 fn version(text: &str) -> Option<&str> {
@@ -187,14 +194,15 @@ impl GrpcInferenceService for Typed {
 
     async fn server_ready(&self, _: Request<ServerReadyRequest>) -> Result<Response<ServerReadyResponse>, Status> {
         Ok(Response::new(ServerReadyResponse {
-            ready: self.dispatcher.server_ready().await,
+            ready: self.gateway.server_ready().await,
         }))
     }
 
     async fn model_ready(&self, request: Request<ModelReadyRequest>) -> Result<Response<ModelReadyResponse>, Status> {
         let request = request.into_inner();
         let ready = self
-            .dispatcher
+            .gateway
+            .dispatcher()
             .model_ready(&request.name, version(&request.version))
             .await?;
         Ok(Response::new(ModelReadyResponse { ready }))
@@ -205,7 +213,7 @@ impl GrpcInferenceService for Typed {
         _: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
         Ok(Response::new(protobuf::server_metadata_to_proto(
-            self.dispatcher.server_metadata().clone(),
+            self.gateway.dispatcher().server_metadata().clone(),
         )))
     }
 
@@ -215,7 +223,8 @@ impl GrpcInferenceService for Typed {
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let request = request.into_inner();
         let metadata = self
-            .dispatcher
+            .gateway
+            .dispatcher()
             .model_metadata(&request.name, version(&request.version))
             .await?;
         Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
@@ -229,7 +238,8 @@ impl GrpcInferenceService for Typed {
         let (model, model_version) = (message.model_name.clone(), message.model_version.clone());
         let decoded = protobuf::request_from_proto(message)?;
         let replied = self
-            .dispatcher
+            .gateway
+            .dispatcher()
             .infer(&model, version(&model_version), decoded, &context)
             .await?;
         Ok(with_metadata(
@@ -243,7 +253,11 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        let entries = self.dispatcher.repository_index(request.into_inner().ready).await;
+        let entries = self
+            .gateway
+            .dispatcher()
+            .repository_index(request.into_inner().ready)
+            .await;
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
     }
 
@@ -272,19 +286,23 @@ pub struct InferenceService {
     raw: InferRaw,
     typed: GrpcInferenceServiceServer<Typed>,
     max_message_bytes: usize,
+    gateway: Arc<Gateway>,
 }
 
 impl InferenceService {
-    pub fn new(dispatcher: Arc<Dispatcher>, max_message_bytes: usize) -> Self {
+    pub fn new(gateway: Arc<Gateway>, max_message_bytes: usize) -> Self {
         let typed = GrpcInferenceServiceServer::new(Typed {
-            dispatcher: dispatcher.clone(),
+            gateway: gateway.clone(),
         })
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(usize::MAX);
         InferenceService {
-            raw: InferRaw { dispatcher },
+            raw: InferRaw {
+                gateway: gateway.clone(),
+            },
             typed,
             max_message_bytes,
+            gateway,
         }
     }
 }
@@ -308,7 +326,18 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let limit = self.max_message_bytes;
-        let answer: Self::Future = if request.uri().path() == MODEL_INFER_PATH {
+        let active = self.gateway.begin();
+        let started = Instant::now();
+        let path = request.uri().path().to_owned();
+        // Inferences are logged with their model and backend by the raw path; every other call is logged here.
+        let log_here = path != MODEL_INFER_PATH;
+        let request_id = request
+            .headers()
+            .get(super::REQUEST_ID)
+            .and_then(|id| id.to_str().ok())
+            .map(str::to_owned);
+        let metrics = self.gateway.metrics().clone();
+        let answer: Self::Future = if !log_here {
             let raw = self.raw.clone();
             Box::pin(async move {
                 let mut grpc =
@@ -321,6 +350,40 @@ where
         Box::pin(async move {
             let mut response = answer.await?;
             size_limit_is_resource_exhausted(&mut response, limit);
+            drop(active);
+            if log_here {
+                let code = response
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|c| c.to_str().ok())
+                    .and_then(|c| c.parse::<i32>().ok())
+                    .map_or(tonic::Code::Ok, tonic::Code::from_i32);
+                let status = if code == tonic::Code::Ok {
+                    200
+                } else {
+                    Error::new(
+                        crate::error::ErrorKind::from_grpc_code(code),
+                        crate::error::Origin::Gateway,
+                        "",
+                    )
+                    .http_status()
+                    .as_u16()
+                };
+                metrics.finished(
+                    None,
+                    &Finished {
+                        protocol: ClientProtocol::Grpc,
+                        status,
+                        duration: started.elapsed(),
+                        request_bytes: 0,
+                        response_bytes: 0,
+                        target: &path,
+                        request_id: request_id.as_deref(),
+                        endpoint: None,
+                        translated: false,
+                    },
+                );
+            }
             Ok(response)
         })
     }
@@ -372,8 +435,10 @@ fn rewrite_size_status(headers: &mut http::HeaderMap, limit: usize) -> bool {
 /// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
-/// How long open calls get to finish once shutdown is asked for.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long open calls get to finish once shutdown is asked for (the process's grace period bounds it too).
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How long a client may take over its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves the gRPC front door on `listener` until `shutdown` resolves, then lets open calls finish.
 ///
@@ -382,12 +447,13 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// gRPC specification says.
 pub async fn serve(
     listener: TcpListener,
-    dispatcher: Arc<Dispatcher>,
+    gateway: Arc<Gateway>,
     max_message_bytes: usize,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
-    let watched = dispatcher.clone();
+    let watched = gateway.clone();
     let health_task = tokio::spawn(async move {
         loop {
             let status = if watched.server_ready().await {
@@ -400,15 +466,14 @@ pub async fn serve(
             tokio::time::sleep(HEALTH_REFRESH).await;
         }
     });
-    let mut routes =
-        tonic::service::Routes::new(InferenceService::new(dispatcher, max_message_bytes)).add_service(health);
+    let mut routes = tonic::service::Routes::new(InferenceService::new(gateway, max_message_bytes)).add_service(health);
     match tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
     {
         Ok(reflection) => routes = routes.add_service(reflection),
-        Err(error) => eprintln!("gRPC reflection is unavailable: {error}"),
+        Err(error) => tracing::warn!(%error, "gRPC reflection is unavailable"),
     }
     let routes = routes.prepare();
 
@@ -425,7 +490,7 @@ pub async fn serve(
                 Ok((stream, _)) => stream,
                 Err(error) => {
                     // Out of descriptors and the like: pause rather than spin.
-                    eprintln!("oipgate: gRPC accept failed: {error}");
+                    tracing::warn!(%error, "gRPC accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -438,10 +503,33 @@ pub async fn serve(
             let mut routes = routes.clone();
             tower_service::Service::call(&mut routes, request)
         });
-        let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
+        match &tls {
+            None => {
+                let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+            }
+            Some(acceptor) => {
+                // The handshake runs on the connection's own task, so a slow or silent client holds up no one.
+                let acceptor = acceptor.clone();
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(error)) => {
+                            tracing::debug!(%error, "gRPC TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                    let connection =
+                        watcher.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
+                    let _ = connection.await;
+                });
+            }
+        }
     }
     health_task.abort();
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;

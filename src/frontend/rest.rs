@@ -17,11 +17,13 @@ use super::REQUEST_ID;
 use super::paths::{Route, route};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, EncodedBody, RestRequest};
+use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::fleet::Lease;
 use crate::headers;
-use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
+use crate::live::{Active, Gateway};
+use crate::metrics::{ClientProtocol, Direction, Finished, InFlight, RouteMetrics};
 use crate::protocol::{InferRequest, ModelReady, ServerLive, ServerReady};
 use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
@@ -35,14 +37,20 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The REST front door's logic.
 #[derive(Debug)]
 pub struct RestFrontDoor {
-    dispatcher: Arc<Dispatcher>,
+    gateway: Arc<Gateway>,
     max_request_bytes: u64,
 }
 
 /// Per-request state.
 #[derive(Debug)]
 pub struct RestContext {
+    /// The configuration the request is served by, from its start to its end.
+    dispatcher: Arc<Dispatcher>,
+    /// Counts the request as under way, for shutdown's drain.
+    _active: Active,
     started: Instant,
+    /// Whether the request was translated (not proxied as it was).
+    translated: bool,
     /// The request counters of the model and version an inference named.
     route_metrics: Option<Arc<RouteMetrics>>,
     /// A proxied call to a backend, counted in flight until the request ends.
@@ -58,6 +66,8 @@ pub struct RestContext {
     reply_headers: http::HeaderMap,
     /// A proxied request's body, gathered (as shared chunks, not copied) for its mirror.
     mirror: Option<MirrorCopy>,
+    /// The backend endpoint that answered.
+    endpoint: Option<Arc<str>>,
 }
 
 #[derive(Debug)]
@@ -121,9 +131,9 @@ impl Rename {
 }
 
 impl RestFrontDoor {
-    pub fn new(dispatcher: Arc<Dispatcher>, max_request_bytes: u64) -> Self {
+    pub fn new(gateway: Arc<Gateway>, max_request_bytes: u64) -> Self {
         RestFrontDoor {
-            dispatcher,
+            gateway,
             max_request_bytes,
         }
     }
@@ -152,7 +162,7 @@ impl RestFrontDoor {
                 format!("{path} answers {} only, not {method}", route.method()),
             ));
         }
-        let dispatcher = &self.dispatcher;
+        let dispatcher = context.dispatcher.clone();
         match route {
             Route::ServerMetadata => {
                 respond_json(
@@ -173,7 +183,7 @@ impl RestFrontDoor {
                 .await?
             }
             Route::Ready => {
-                let ready = dispatcher.server_ready().await;
+                let ready = !self.gateway.is_draining() && dispatcher.server_ready().await;
                 respond_json(
                     session,
                     context,
@@ -270,13 +280,14 @@ impl RestFrontDoor {
             .and_then(super::grpc::parse_grpc_timeout);
         let forward = headers::for_backend(&header.headers);
         context.request_id = forward.get(REQUEST_ID).cloned();
-        let (routed, route_metrics) = self.dispatcher.route(&model, version.as_deref(), &forward);
+        let dispatcher = context.dispatcher.clone();
+        let (routed, route_metrics) = dispatcher.route(&model, version.as_deref(), &forward);
         context.route_metrics = Some(route_metrics);
         let routed = routed?;
 
         if !decthings_in
             && !decthings_out
-            && let Some(target) = self.dispatcher.rest_passthrough(&routed, header_length.is_some())?
+            && let Some(target) = dispatcher.rest_passthrough(&routed, header_length.is_some())?
         {
             context.in_flight = Some(target.backend_metrics.call());
             context.passthrough = Some(target);
@@ -292,8 +303,12 @@ impl RestFrontDoor {
             return Ok(false);
         }
 
+        context.translated = true;
+        // Only a crossing to a gRPC backend is a translation between the protocols; the rest is re-encoding.
+        let crossing = dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Grpc);
         let body = self.read_body(session).await?;
         let call = CallContext { deadline, forward };
+        let decoding = Instant::now();
         let (request, binary_outputs) = if decthings_in {
             let inputs = decthings::decode_entries(&body)?;
             (
@@ -310,7 +325,7 @@ impl RestFrontDoor {
                     binary_outputs,
                 } => (request, binary_outputs),
                 RestRequest::RawBinary(body) => {
-                    let metadata = self.dispatcher.model_metadata(&model, version.as_deref()).await?;
+                    let metadata = dispatcher.model_metadata(&model, version.as_deref()).await?;
                     let [input] = metadata.inputs.as_slice() else {
                         return Err(Error::invalid(format!(
                             "a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one input; \
@@ -322,8 +337,13 @@ impl RestFrontDoor {
                 }
             }
         };
+        if crossing {
+            dispatcher
+                .metrics()
+                .translated(Direction::RestToGrpc, decoding.elapsed());
+        }
         // A client that goes away cancels the backend call: dropping it resets the backend's stream or connection.
-        let call = self.dispatcher.infer_routed(&routed, request, &call);
+        let call = dispatcher.infer_routed(&routed, request, &call);
         let replied = tokio::select! {
             replied = call => replied?,
             () = client_gone(session) => {
@@ -335,7 +355,9 @@ impl RestFrontDoor {
             }
         };
         context.reply_headers = replied.headers;
+        context.endpoint = replied.endpoint;
         let response = replied.value;
+        let encoding = Instant::now();
         if decthings_out {
             let mut answer = ResponseHeader::build(StatusCode::OK, Some(6)).map_err(pingora_failure)?;
             answer
@@ -355,9 +377,19 @@ impl RestFrontDoor {
                     .map_err(pingora_failure)?;
             }
             let body = decthings::encode_entries(&response.outputs)?;
+            if crossing {
+                dispatcher
+                    .metrics()
+                    .translated(Direction::GrpcToRest, encoding.elapsed());
+            }
             write(session, context, answer, vec![body]).await?;
         } else {
             let encoded = rest::encode_response(&response, &binary_outputs)?;
+            if crossing {
+                dispatcher
+                    .metrics()
+                    .translated(Direction::GrpcToRest, encoding.elapsed());
+            }
             respond_encoded(session, context, encoded).await?;
         }
         Ok(true)
@@ -499,6 +531,10 @@ impl ProxyHttp for RestFrontDoor {
 
     fn new_ctx(&self) -> RestContext {
         RestContext {
+            dispatcher: self.gateway.dispatcher(),
+            _active: self.gateway.begin(),
+            translated: false,
+            endpoint: None,
             started: Instant::now(),
             route_metrics: None,
             in_flight: None,
@@ -531,7 +567,7 @@ impl ProxyHttp for RestFrontDoor {
             .passthrough
             .as_ref()
             .or_err(ErrorType::InternalError, "no backend chosen")?;
-        let lease = match self.dispatcher.lease_passthrough(target, &context.tried).await {
+        let lease = match context.dispatcher.lease_passthrough(target, &context.tried).await {
             Ok(lease) => lease,
             Err(error) => {
                 return Err(pingora::Error::explain(
@@ -540,7 +576,25 @@ impl ProxyHttp for RestFrontDoor {
                 ));
             }
         };
-        let mut peer = HttpPeer::new(lease.state.authority.as_str(), false, String::new());
+        let mut peer = match &target.tls {
+            None => HttpPeer::new(lease.state.authority.as_str(), false, String::new()),
+            Some(tls) => {
+                let host = tls.server_name.clone().unwrap_or_else(|| {
+                    lease
+                        .state
+                        .authority
+                        .rsplit_once(':')
+                        .map_or("", |(host, _)| host)
+                        .trim_matches(['[', ']'])
+                        .to_owned()
+                });
+                let mut peer = HttpPeer::new(lease.state.authority.as_str(), true, host);
+                peer.options.ca.clone_from(&tls.ca);
+                peer.client_cert_key.clone_from(&tls.client_cert);
+                peer
+            }
+        };
+        context.endpoint = Some(lease.state.authority.as_str().into());
         context.lease = Some(lease);
         peer.options.connection_timeout = Some(CONNECT_TIMEOUT);
         peer.options.read_timeout = Some(target.timeout);
@@ -598,7 +652,7 @@ impl ProxyHttp for RestFrontDoor {
             copy.body.extend(body.iter().cloned());
         }
         if end_of_stream && let Some(copy) = context.mirror.take() {
-            self.dispatcher.mirror(
+            context.dispatcher.mirror(
                 &copy.route,
                 MirrorPayload::Rest {
                     body: copy.body,
@@ -618,7 +672,8 @@ impl ProxyHttp for RestFrontDoor {
         context: &mut RestContext,
     ) -> pingora::Result<()> {
         if let (Some(lease), Some(target)) = (&context.lease, &context.passthrough) {
-            self.dispatcher
+            context
+                .dispatcher
                 .passthrough_observed(target, lease, response.status.is_server_error());
         }
         let Some((name, version)) = context.passthrough.as_ref().and_then(|p| p.rename.clone()) else {
@@ -698,22 +753,28 @@ impl ProxyHttp for RestFrontDoor {
     async fn logging(&self, session: &mut Session, _error: Option<&pingora::Error>, context: &mut RestContext) {
         context.in_flight = None;
         context.lease = None;
-        // Only inferences are counted; health probes and metadata reads would drown them.
-        if context.route_metrics.is_none() {
-            return;
-        }
         // No answer written means the client left first.
         let status = session
             .response_written()
             .map_or(crate::error::CLIENT_CLOSED_REQUEST, |answer| answer.status.as_u16());
-        self.dispatcher.metrics().finished(
+        let request_id = context
+            .request_id
+            .as_ref()
+            .or_else(|| session.req_header().headers.get(REQUEST_ID))
+            .and_then(|id| id.to_str().ok());
+        // Only inferences are counted by model (route_metrics); every request is timed and logged.
+        context.dispatcher.metrics().finished(
             context.route_metrics.as_deref(),
-            Finished {
+            &Finished {
                 protocol: ClientProtocol::Rest,
                 status,
                 duration: context.started.elapsed(),
                 request_bytes: session.body_bytes_read() as u64,
                 response_bytes: session.body_bytes_sent() as u64,
+                target: session.req_header().uri.path(),
+                request_id,
+                endpoint: context.endpoint.as_deref(),
+                translated: context.translated,
             },
         );
     }
@@ -727,9 +788,9 @@ impl ProxyHttp for RestFrontDoor {
     ) -> Box<pingora::Error> {
         // Nothing reached this endpoint: count it against the endpoint and, within the budget, try another.
         if let (Some(lease), Some(target)) = (context.lease.take(), &context.passthrough) {
-            self.dispatcher.passthrough_observed(target, &lease, true);
+            context.dispatcher.passthrough_observed(target, &lease, true);
             context.tried.push(lease.index);
-            if self.dispatcher.may_retry_passthrough(target, &context.tried) {
+            if context.dispatcher.may_retry_passthrough(target, &context.tried) {
                 error.set_retry(true);
             }
         }

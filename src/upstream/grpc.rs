@@ -7,7 +7,6 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{CONTENT_TYPE, TE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tonic::Code;
 
@@ -30,22 +29,31 @@ const CONNECTION_WINDOW: u32 = 32 << 20;
 /// One backend endpoint spoken to over gRPC. Cheap to clone; connections are pooled and shared.
 #[derive(Debug, Clone)]
 pub struct GrpcUpstream {
-    client: Client<HttpConnector, ChunksBody>,
-    authority: String,
+    client: Client<super::Connector, ChunksBody>,
+    authority: std::sync::Arc<str>,
+    /// `http`, or `https` for TLS.
+    scheme: &'static str,
     max_response_bytes: usize,
 }
 
 impl GrpcUpstream {
-    pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> GrpcUpstream {
+    pub fn new(
+        endpoint: &Endpoint,
+        connect_timeout: Duration,
+        max_response_bytes: usize,
+        tls: Option<&super::EndpointTls>,
+    ) -> GrpcUpstream {
+        let (connector, scheme) = super::connector(connect_timeout, tls, &[b"h2"]);
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .http2_initial_stream_window_size(STREAM_WINDOW)
             .http2_initial_connection_window_size(CONNECTION_WINDOW)
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(super::connector(connect_timeout));
+            .build(connector);
         GrpcUpstream {
             client,
-            authority: endpoint.to_string(),
+            authority: endpoint.to_string().into(),
+            scheme,
             max_response_bytes,
         }
     }
@@ -114,7 +122,7 @@ impl GrpcUpstream {
 
         let mut request = Request::builder()
             .method(Method::POST)
-            .uri(format!("http://{}{method}", self.authority))
+            .uri(format!("{}://{}{method}", self.scheme, self.authority))
             .body(ChunksBody::new(chunks))
             .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
         let headers = request.headers_mut();
@@ -177,6 +185,8 @@ impl GrpcUpstream {
         Ok(Replied {
             value: single_message(body).map_err(|e| e.into_upstream_protocol_error())?,
             headers: answer_metadata,
+
+            endpoint: Some(self.authority.clone()),
         })
     }
 }

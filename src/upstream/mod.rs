@@ -21,14 +21,64 @@ pub use rest::RestUpstream;
 pub struct Replied<T> {
     pub value: T,
     pub headers: http::HeaderMap,
+    /// The endpoint that answered.
+    pub endpoint: Option<std::sync::Arc<str>>,
 }
 
-/// A TCP connector for backends: no Nagle delay, bounded connect time.
-fn connector(connect_timeout: Duration) -> HttpConnector {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector
+/// How backend connections are made: TCP, with TLS for `https` URIs.
+pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
+
+/// TLS to one backend endpoint: the backend's material and the name to verify (and send as SNI).
+#[derive(Debug, Clone)]
+pub struct EndpointTls {
+    pub material: crate::tls::BackendMaterial,
+    /// The configured server name, or the DNS name the endpoint was found under; `None` verifies the endpoint's
+    /// own host.
+    pub server_name: Option<String>,
+}
+
+/// A connector for backends: no Nagle delay, bounded connect time, TLS with `tls` (ALPN `alpn`); gives the URI
+/// scheme to call it with.
+fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, alpn: &[&[u8]]) -> (Connector, &'static str) {
+    let mut tcp = HttpConnector::new();
+    tcp.set_nodelay(true);
+    tcp.set_connect_timeout(Some(connect_timeout));
+    tcp.enforce_http(false);
+    let Some(tls) = tls else {
+        // Plain calls never reach the TLS layer (their URIs say http); its configuration is only a placeholder.
+        static PLAIN: std::sync::OnceLock<rustls::ClientConfig> = std::sync::OnceLock::new();
+        let config = PLAIN.get_or_init(|| {
+            rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map(|b| {
+                    b.with_root_certificates(rustls::RootCertStore::empty())
+                        .with_no_client_auth()
+                })
+                .unwrap_or_else(|_| {
+                    rustls::ClientConfig::builder()
+                        .with_root_certificates(rustls::RootCertStore::empty())
+                        .with_no_client_auth()
+                })
+        });
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(config.clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
+        return (connector, "http");
+    };
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls.material.client_config(alpn))
+        .https_only();
+    let builder = match tls
+        .server_name
+        .as_deref()
+        .and_then(|name| rustls_pki_types::ServerName::try_from(name.to_owned()).ok())
+    {
+        Some(name) => builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
+        None => builder,
+    };
+    (builder.enable_http1().wrap_connector(tcp), "https")
 }
 
 /// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of

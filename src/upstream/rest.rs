@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::Replied;
@@ -25,8 +24,10 @@ pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-leng
 /// One backend endpoint spoken to over REST. Cheap to clone; connections are pooled and shared.
 #[derive(Debug, Clone)]
 pub struct RestUpstream {
-    client: Client<HttpConnector, ChunksBody>,
-    authority: String,
+    client: Client<super::Connector, ChunksBody>,
+    authority: std::sync::Arc<str>,
+    /// `http`, or `https` for TLS.
+    scheme: &'static str,
     max_response_bytes: usize,
 }
 
@@ -64,13 +65,20 @@ pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
 }
 
 impl RestUpstream {
-    pub fn new(endpoint: &Endpoint, connect_timeout: Duration, max_response_bytes: usize) -> RestUpstream {
+    pub fn new(
+        endpoint: &Endpoint,
+        connect_timeout: Duration,
+        max_response_bytes: usize,
+        tls: Option<&super::EndpointTls>,
+    ) -> RestUpstream {
+        let (connector, scheme) = super::connector(connect_timeout, tls, &[b"http/1.1"]);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
-            .build(super::connector(connect_timeout));
+            .build(connector);
         RestUpstream {
             client,
-            authority: endpoint.to_string(),
+            authority: endpoint.to_string().into(),
+            scheme,
             max_response_bytes,
         }
     }
@@ -94,7 +102,7 @@ impl RestUpstream {
     async fn exchange(&self, method: Method, path: &str, headers: &HeaderMap, body: Vec<Bytes>) -> Result<RestAnswer> {
         let mut request = Request::builder()
             .method(method)
-            .uri(format!("http://{}{path}", self.authority))
+            .uri(format!("{}://{}{path}", self.scheme, self.authority))
             .body(ChunksBody::new(body))
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         let request_headers = request.headers_mut();
@@ -165,6 +173,8 @@ impl RestUpstream {
         Ok(Replied {
             value: response,
             headers: headers::end_to_end(&answer.headers),
+
+            endpoint: Some(self.authority.clone()),
         })
     }
 

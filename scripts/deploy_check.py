@@ -1,0 +1,611 @@
+# Offline checks of deploy/, config/gateway.toml and the Dockerfile; run by scripts/deploy-check, in its venv.
+"""Renders every kustomization under deploy/ the way kustomize would (for the fields used here), validates each
+resource against the Kubernetes schemas with kubernetes-validate (strict), then checks that the manifests, the
+gateway configuration and the Dockerfile agree with each other, and that the gateway accepts its configuration.
+
+Every failure is printed as `FAIL ...` with what was expected; the exit status is 1 when any check failed.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+import kubernetes_validate
+import yaml
+
+KUBERNETES_VERSION = "1.30"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+BASE = DEPLOY / "base"
+WITH_MODEL_SERVERS = DEPLOY / "examples" / "with-model-servers"
+CONFIG = ROOT / "config" / "gateway.toml"
+DOCKERFILE = ROOT / "Dockerfile"
+CONFIG_MAP = "oipgate-config"
+CONFIG_KEY = "gateway.toml"
+CONFIG_DIR = "/etc/oipgate"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+GATEWAY = "oipgate"
+READY_PATH = "/v2/health/ready"
+LIVE_PATH = "/v2/health/live"
+PORT_NAMES = ("rest", "grpc", "metrics")
+
+# The kustomization fields this renderer implements; any other field fails the check rather than being ignored.
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "commonLabels", "images"}
+# Kinds whose label and namespace handling below is complete (kustomize's fieldspecs for them).
+SUPPORTED_KINDS = {
+    ("", "ConfigMap"),
+    ("", "Service"),
+    ("apps", "Deployment"),
+    ("autoscaling", "HorizontalPodAutoscaler"),
+    ("policy", "PodDisruptionBudget"),
+}
+# kustomize's commonLabels fieldspecs (api/internal/konfig/builtinpluginconsts) for the supported kinds:
+# (kind, path, create). `labels` with includeSelectors uses all of them; includeTemplates only the templates.
+_AFFINITY = "spec/template/spec/affinity"
+SELECTOR_FIELDS = [
+    ("Service", "spec/selector", True),
+    ("Deployment", "spec/selector/matchLabels", True),
+    ("Deployment", f"{_AFFINITY}/podAffinity/preferredDuringSchedulingIgnoredDuringExecution/podAffinityTerm/labelSelector/matchLabels", False),  # noqa: E501
+    ("Deployment", f"{_AFFINITY}/podAffinity/requiredDuringSchedulingIgnoredDuringExecution/labelSelector/matchLabels", False),  # noqa: E501
+    ("Deployment", f"{_AFFINITY}/podAntiAffinity/preferredDuringSchedulingIgnoredDuringExecution/podAffinityTerm/labelSelector/matchLabels", False),  # noqa: E501
+    ("Deployment", f"{_AFFINITY}/podAntiAffinity/requiredDuringSchedulingIgnoredDuringExecution/labelSelector/matchLabels", False),  # noqa: E501
+    ("Deployment", "spec/template/spec/topologySpreadConstraints/labelSelector/matchLabels", False),
+    ("PodDisruptionBudget", "spec/selector/matchLabels", False),
+]
+TEMPLATE_FIELDS = [("Deployment", "spec/template/metadata/labels", True)]
+
+failures = []
+
+
+class Fatal(Exception):
+    """A problem that makes the checks after it meaningless."""
+
+
+def rel(path):
+    return str(Path(path).resolve().relative_to(ROOT))
+
+
+def fail(message):
+    failures.append(message)
+    print(f"FAIL {message}")
+
+
+def check(condition, message):
+    if not condition:
+        fail(message)
+    return condition
+
+
+def ok(message):
+    print(f"  ok  {message}")
+
+
+def section(title):
+    print(f"== {title}")
+
+
+def kn(resource):
+    return f"{resource.get('kind')}/{resource.get('metadata', {}).get('name')}"
+
+
+def group_of(resource):
+    api_version = resource["apiVersion"]
+    return api_version.split("/")[0] if "/" in api_version else ""
+
+
+def load_yaml(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+    except yaml.YAMLError as e:
+        raise Fatal(f"{rel(path)} is not valid YAML: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rendering: a kustomize subset, strict about what it does not implement.
+
+
+def set_labels_at(node, segments, pairs, create):
+    """Adds `pairs` to the map at `segments` below `node`, walking every element of lists on the way (like
+    kustomize's fieldspec paths). Creates missing maps only when `create`."""
+    if isinstance(node, list):
+        for item in node:
+            set_labels_at(item, segments, pairs, create)
+        return
+    if not isinstance(node, dict):
+        return
+    head, rest = segments[0], segments[1:]
+    if head not in node or node[head] is None:
+        if not create:
+            return
+        node[head] = {}
+    if rest:
+        set_labels_at(node[head], rest, pairs, create)
+    elif isinstance(node[head], dict):
+        node[head].update(pairs)
+    else:
+        raise Fatal(f"cannot add labels at {'/'.join(segments)}: not a map")
+
+
+def apply_labels(resources, pairs, include_selectors, include_templates):
+    for resource in resources:
+        resource.setdefault("metadata", {})
+        set_labels_at(resource, ["metadata", "labels"], pairs, True)
+        specs = (SELECTOR_FIELDS + TEMPLATE_FIELDS) if include_selectors else (
+            TEMPLATE_FIELDS if include_templates else [])
+        for kind, path, create in specs:
+            if resource["kind"] == kind:
+                set_labels_at(resource, path.split("/"), pairs, create)
+
+
+def split_image(image):
+    """`name[:tag][@digest]` into its three parts (a registry port is part of the name)."""
+    name, _, digest = image.partition("@")
+    tag = ""
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    if colon > slash:
+        name, tag = name[:colon], name[colon + 1:]
+    return name, tag, digest
+
+
+def apply_images(resources, images):
+    for entry in images:
+        unknown = set(entry) - {"name", "newName", "newTag", "digest"}
+        if unknown or "name" not in entry:
+            raise Fatal(f"images entry {entry}: needs `name`, takes newName/newTag/digest only")
+        for resource in resources:
+            if resource["kind"] != "Deployment":
+                continue
+            pod = resource.get("spec", {}).get("template", {}).get("spec", {})
+            for container in pod.get("containers", []) + pod.get("initContainers", []):
+                name, tag, digest = split_image(container.get("image", ""))
+                if name != entry["name"]:
+                    continue
+                name = entry.get("newName", name)
+                if "digest" in entry:
+                    container["image"] = f"{name}@{entry['digest']}"
+                elif "newTag" in entry:
+                    container["image"] = f"{name}:{entry['newTag']}"
+                else:
+                    container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
+
+
+def render(directory, stack=()):
+    """The resources `kustomize build directory` would give, for the fields in KUSTOMIZATION_FIELDS."""
+    directory = directory.resolve()
+    if directory in stack:
+        raise Fatal(f"kustomization cycle through {rel(directory)}")
+    path = directory / "kustomization.yaml"
+    if not path.is_file():
+        raise Fatal(f"{rel(directory)} has no kustomization.yaml")
+    docs = load_yaml(path)
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise Fatal(f"{rel(path)} must hold exactly one mapping")
+    k = docs[0]
+    unknown = set(k) - KUSTOMIZATION_FIELDS
+    if unknown:
+        raise Fatal(f"{rel(path)} uses {sorted(unknown)}, which scripts/deploy_check.py does not render; "
+                    f"extend its renderer (it handles {sorted(KUSTOMIZATION_FIELDS)})")
+    if k.get("apiVersion") != "kustomize.config.k8s.io/v1beta1" or k.get("kind") != "Kustomization":
+        raise Fatal(f"{rel(path)} must be apiVersion kustomize.config.k8s.io/v1beta1, kind Kustomization")
+
+    resources = []
+    listed = set()
+    for entry in k.get("resources") or []:
+        if not isinstance(entry, str) or "://" in entry or entry.startswith(("github.com/", "git@")):
+            raise Fatal(f"{rel(path)}: resource {entry!r} is not a local file or directory")
+        target = (directory / entry).resolve()
+        if target.is_dir():
+            resources += render(target, stack + (directory,))
+        elif target.is_file():
+            listed.add(target)
+            for doc in load_yaml(target):
+                if not isinstance(doc, dict) or not {"apiVersion", "kind", "metadata"} <= set(doc):
+                    raise Fatal(f"{rel(target)}: every document needs apiVersion, kind and metadata")
+                if not doc["metadata"].get("name"):
+                    raise Fatal(f"{rel(target)}: a {doc['kind']} has no metadata.name")
+                doc["_source"] = rel(target)
+                resources.append(doc)
+        else:
+            raise Fatal(f"{rel(path)} lists {entry!r}, which does not exist")
+
+    # Every manifest next to the kustomization is one it lists: nothing is silently left out of `kubectl apply -k`.
+    for candidate in sorted(list(directory.glob("*.yaml")) + list(directory.glob("*.yml"))):
+        if candidate.name in ("kustomization.yaml", "kustomization.yml"):
+            continue
+        if candidate.resolve() not in listed:
+            raise Fatal(f"{rel(candidate)} is not listed in {rel(path)}'s resources")
+
+    for resource in resources:
+        if (group_of(resource), resource["kind"]) not in SUPPORTED_KINDS:
+            raise Fatal(f"{resource['_source']}: {kn(resource)} ({resource['apiVersion']}) is a kind whose "
+                        "kustomize label handling scripts/deploy_check.py does not implement; extend it")
+
+    # kustomize's order: namespace, then labels, then images.
+    if "namespace" in k:
+        for resource in resources:
+            resource["metadata"]["namespace"] = k["namespace"]
+    if k.get("commonLabels"):
+        apply_labels(resources, k["commonLabels"], True, True)
+    for entry in k.get("labels") or []:
+        unknown = set(entry) - {"pairs", "includeSelectors", "includeTemplates"}
+        if unknown or not isinstance(entry.get("pairs"), dict):
+            raise Fatal(f"{rel(path)}: labels entry {entry} needs `pairs` and takes includeSelectors/"
+                        "includeTemplates only")
+        apply_labels(resources, entry["pairs"], bool(entry.get("includeSelectors")),
+                     bool(entry.get("includeTemplates")))
+    apply_images(resources, k.get("images") or [])
+
+    seen = set()
+    for resource in resources:
+        key = (resource["kind"], resource["metadata"].get("namespace", ""), resource["metadata"]["name"])
+        if key in seen:
+            raise Fatal(f"{rel(directory)}: {kn(resource)} appears twice")
+        seen.add(key)
+    return resources
+
+
+def validate(resources):
+    """Strict schema validation of each rendered resource; prints one line per resource."""
+    for resource in resources:
+        document = {key: value for key, value in resource.items() if key != "_source"}
+        where = f"{kn(resource)} ({resource['_source']})"
+        try:
+            version = kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            field = ".".join(str(part) for part in e.path) or "(top level)"
+            fail(f"{where} is not a valid {resource['apiVersion']} {resource['kind']} for Kubernetes "
+                 f"{e.version}: {field}: {e.message}")
+            continue
+        except (kubernetes_validate.SchemaNotFoundError, kubernetes_validate.InvalidSchemaError) as e:
+            fail(f"{where}: {e.message}")
+            continue
+        except Exception as e:  # noqa: BLE001 - anything else the validator trips on is a failure too
+            fail(f"{where} could not be validated: {type(e).__name__}: {e}")
+            continue
+        ok(f"{where}: valid for Kubernetes {version} (strict)")
+
+
+def find(resources, kind, name):
+    matches = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    if not matches:
+        raise Fatal(f"no {kind}/{name} in the rendered manifests")
+    return matches[0]
+
+
+def selects(selector, labels):
+    return bool(selector) and all((labels or {}).get(key) == value for key, value in selector.items())
+
+
+def pod_spec(deployment):
+    return deployment["spec"]["template"]["spec"]
+
+
+def named_container_ports(container):
+    return {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+
+
+def probe_port(probe, container):
+    port = probe.get("httpGet", {}).get("port")
+    return named_container_ports(container).get(port) if isinstance(port, str) else port
+
+
+def listen_port(address, key):
+    match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]+):(\d+)", str(address))
+    if not match:
+        raise Fatal(f"config/gateway.toml: listen.{key} = {address!r} is not host:port")
+    host, port = match.group(1), int(match.group(2))
+    check(host in ("0.0.0.0", "[::]"),
+          f"config/gateway.toml: listen.{key} binds {host}; in a pod it must bind every interface (0.0.0.0 or "
+          "[::]) for the Service and the kubelet's probes to reach it")
+    return port
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks.
+
+
+def check_gateway(resources, config, config_text):
+    before = len(failures)
+    deployment = find(resources, "Deployment", GATEWAY)
+    containers = pod_spec(deployment)["containers"]
+    container = next((c for c in containers if c["name"] == GATEWAY), None)
+    if container is None:
+        raise Fatal(f"Deployment/{GATEWAY} has no container named {GATEWAY}")
+
+    readiness = container.get("readinessProbe", {}).get("httpGet", {}).get("path")
+    liveness = container.get("livenessProbe", {}).get("httpGet", {}).get("path")
+    check(readiness == READY_PATH, f"Deployment/{GATEWAY}: readinessProbe path is {readiness!r}, want {READY_PATH}")
+    check(liveness == LIVE_PATH, f"Deployment/{GATEWAY}: livenessProbe path is {liveness!r}, want {LIVE_PATH}")
+
+    listen = config.get("listen", {})
+    want_ports = {name: listen_port(listen[name], name) for name in PORT_NAMES if name in listen}
+    check(set(want_ports) == set(PORT_NAMES), f"config/gateway.toml: [listen] must set {', '.join(PORT_NAMES)}")
+    ports = named_container_ports(container)
+    check(ports == want_ports,
+          f"Deployment/{GATEWAY}: container ports {ports} differ from config/gateway.toml [listen] {want_ports}")
+    for probe in ("readinessProbe", "livenessProbe"):
+        port = probe_port(container.get(probe, {}), container)
+        check(port == want_ports.get("rest"),
+              f"Deployment/{GATEWAY}: {probe} goes to port {port}, want the REST port {want_ports.get('rest')}")
+
+    args = container.get("args", [])
+    check(args[:3] == ["serve", "--config", CONFIG_PATH],
+          f"Deployment/{GATEWAY}: args {args} must start with serve --config {CONFIG_PATH}")
+    mounts = [m for m in container.get("volumeMounts", []) if m.get("mountPath") == CONFIG_DIR]
+    volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
+    if check(len(mounts) == 1, f"Deployment/{GATEWAY}: nothing is mounted at {CONFIG_DIR}"):
+        mount = mounts[0]
+        check("subPath" not in mount and "subPathExpr" not in mount,
+              f"Deployment/{GATEWAY}: the config mount uses subPath, which never receives ConfigMap updates")
+        source = volumes.get(mount["name"], {}).get("configMap", {}).get("name")
+        check(source == CONFIG_MAP,
+              f"Deployment/{GATEWAY}: {CONFIG_DIR} is mounted from {source!r}, want ConfigMap {CONFIG_MAP}")
+
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+    check(annotations.get("prometheus.io/scrape") == "true"
+          and annotations.get("prometheus.io/port") == str(want_ports.get("metrics"))
+          and annotations.get("prometheus.io/path") == "/metrics",
+          f"Deployment/{GATEWAY}: prometheus.io annotations {annotations} must scrape /metrics on the metrics port")
+
+    shutdown = config.get("shutdown", {})
+    needed_ms = shutdown.get("drain_delay_ms", 0) + shutdown.get("grace_period_ms", 30000)
+    grace_s = pod_spec(deployment).get("terminationGracePeriodSeconds", 30)
+    check(grace_s * 1000 > needed_ms,
+          f"Deployment/{GATEWAY}: terminationGracePeriodSeconds {grace_s} does not outlast the gateway's drain "
+          f"and grace period ({needed_ms} ms); the kubelet would kill requests in flight")
+
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+    service = find(resources, "Service", GATEWAY)
+    check(selects(service["spec"].get("selector"), labels),
+          f"Service/{GATEWAY}: selector {service['spec'].get('selector')} does not select the pods {labels}")
+    service_ports = {p.get("name"): p for p in service["spec"].get("ports", [])}
+    check(set(service_ports) == set(PORT_NAMES),
+          f"Service/{GATEWAY}: port names {sorted(service_ports)}, want {list(PORT_NAMES)}")
+    for name, port in service_ports.items():
+        target = port.get("targetPort", port.get("port"))
+        target = ports.get(target) if isinstance(target, str) else target
+        check(port.get("port") == want_ports.get(name) and target == want_ports.get(name),
+              f"Service/{GATEWAY}: port {name} is {port.get('port')} -> {target}, want {want_ports.get(name)}")
+    check(service_ports.get("grpc", {}).get("appProtocol") == "grpc",
+          f"Service/{GATEWAY}: the grpc port needs appProtocol: grpc")
+
+    pdb = find(resources, "PodDisruptionBudget", GATEWAY)
+    check(selects(pdb["spec"].get("selector", {}).get("matchLabels"), labels),
+          f"PodDisruptionBudget/{GATEWAY}: selector does not select the gateway's pods")
+    hpa = find(resources, "HorizontalPodAutoscaler", GATEWAY)
+    target = hpa["spec"]["scaleTargetRef"]
+    check(target.get("kind") == "Deployment" and target.get("name") == GATEWAY,
+          f"HorizontalPodAutoscaler/{GATEWAY}: scales {target}, want Deployment/{GATEWAY}")
+
+    config_map = find(resources, "ConfigMap", CONFIG_MAP)
+    embedded = config_map.get("data", {}).get(CONFIG_KEY)
+    if check(embedded is not None, f"ConfigMap/{CONFIG_MAP} has no {CONFIG_KEY} key"):
+        check(embedded == config_text,
+              f"ConfigMap/{CONFIG_MAP} {CONFIG_KEY} differs from config/gateway.toml; they must be byte-identical "
+              "(indent the file by four spaces under `gateway.toml: |` in deploy/base/configmap.yaml)")
+    if len(failures) == before:
+        ok(f"Deployment/{GATEWAY}: probes {READY_PATH} and {LIVE_PATH} on rest, ports {want_ports} as in [listen], "
+           f"{CONFIG_MAP} mounted at {CONFIG_DIR}")
+        ok(f"Service/{GATEWAY}: ports {', '.join(PORT_NAMES)} select the gateway's pods; PDB and HPA target them")
+        ok(f"ConfigMap/{CONFIG_MAP} {CONFIG_KEY} is byte-identical to config/gateway.toml")
+    return embedded
+
+
+def check_fleet(resources, config):
+    """Each `dns` backend names a headless Service of the combined example, in its namespace, on a port of the
+    backend's protocol, and that Service selects ready-probed pods."""
+    before = len(failures)
+    for backend in config.get("backends", []):
+        if "dns" not in backend:
+            continue
+        name, protocol = backend["name"], backend.get("protocol")
+        match = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local\.?:(\d+)", backend["dns"])
+        if not check(match, f"config/gateway.toml: backend {name} dns {backend['dns']!r} is not "
+                            "<service>.<namespace>.svc.cluster.local:<port>"):
+            continue
+        service_name, namespace, port = match.group(1), match.group(2), int(match.group(3))
+        services = [r for r in resources if r["kind"] == "Service" and r["metadata"]["name"] == service_name]
+        if not check(services, f"backend {name}: dns names Service {service_name}, which "
+                               f"{rel(WITH_MODEL_SERVERS)} does not have"):
+            continue
+        service = services[0]
+        actual_namespace = service["metadata"].get("namespace", "default")
+        check(actual_namespace == namespace,
+              f"backend {name}: dns names namespace {namespace}, but {rel(WITH_MODEL_SERVERS)} puts Service/"
+              f"{service_name} in {actual_namespace}")
+        check(service["spec"].get("clusterIP") == "None",
+              f"Service/{service_name} must be headless (clusterIP: None) for DNS to list every pod")
+        by_port = {p["port"]: p for p in service["spec"].get("ports", [])}
+        check(port in by_port and by_port[port].get("name") == protocol,
+              f"backend {name}: dns port {port} is not Service/{service_name}'s {protocol} port "
+              f"({ {p.get('name'): p['port'] for p in by_port.values()} })")
+        pods = [r for r in resources if r["kind"] == "Deployment"
+                and selects(service["spec"].get("selector"), r["spec"]["template"]["metadata"].get("labels"))]
+        if check(pods, f"Service/{service_name}: selector {service['spec'].get('selector')} selects no Deployment"):
+            for deployment in pods:
+                for container in pod_spec(deployment)["containers"]:
+                    path = container.get("readinessProbe", {}).get("httpGet", {}).get("path")
+                    check(path == READY_PATH, f"{kn(deployment)}: readinessProbe path is {path!r}, want "
+                                              f"{READY_PATH} (only ready pods belong in the DNS answer)")
+        if len(failures) == before:
+            ok(f"backend {name}: {backend['dns']} is headless Service/{service_name}'s {protocol} port in namespace "
+               f"{namespace}, selecting {', '.join(kn(d) for d in pods)}")
+
+
+def oipgate_binary():
+    return os.environ.get("OIPGATE_BIN", str(ROOT / "target" / "debug" / "oipgate"))
+
+
+def check_command_lines(resources, dockerfile_cmd):
+    """Every oipgate command line the manifests and the Dockerfile run names a subcommand and flags the binary
+    has (a flag it lacks would crash-loop the pods)."""
+    binary = oipgate_binary()
+    lines = [("Dockerfile CMD", dockerfile_cmd)] if dockerfile_cmd else []
+    for deployment in (r for r in resources if r["kind"] == "Deployment"):
+        for container in pod_spec(deployment)["containers"]:
+            if split_image(container.get("image", ""))[0].rsplit("/", 1)[-1] == "oipgate":
+                lines.append((f"{kn(deployment)} container {container['name']}",
+                              container.get("command", [])[1:] + container.get("args", [])))
+    for where, args in lines:
+        if not check(args and not args[0].startswith("-"), f"{where}: {args} names no oipgate subcommand"):
+            continue
+        try:
+            result = subprocess.run([binary, args[0], "--help"], capture_output=True, text=True, timeout=60)
+        except OSError as e:
+            fail(f"cannot run {binary}: {e} (build it, or set OIPGATE_BIN)")
+            return
+        if not check(result.returncode == 0, f"{where}: `oipgate {args[0]}` is not a subcommand of {binary}"):
+            continue
+        known = set(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", result.stdout))
+        unknown = [a.split("=")[0] for a in args[1:] if a.startswith("--") and a.split("=")[0] not in known]
+        if check(not unknown, f"{where}: `oipgate {args[0]}` has no {', '.join(unknown)} in {binary}"):
+            ok(f"{where}: oipgate {' '.join(args)}")
+
+
+def check_config_accepted(text):
+    binary = oipgate_binary()
+    with tempfile.TemporaryDirectory(prefix="deploy-check-") as tmp:
+        path = Path(tmp) / CONFIG_KEY
+        path.write_text(text, encoding="utf-8")
+        # The file as the pod sees it: no OIPGATE__SECTION__KEY overrides from this shell.
+        environment = {k: v for k, v in os.environ.items() if not k.upper().startswith("OIPGATE__")}
+        try:
+            result = subprocess.run([binary, "check-config", str(path)], env=environment, capture_output=True,
+                                    text=True, timeout=60)
+        except OSError as e:
+            fail(f"cannot run {binary} check-config: {e} (build it, or set OIPGATE_BIN)")
+            return
+    output = (result.stdout + result.stderr).strip()
+    for line in output.splitlines():
+        print(f"      {line}")
+    if check(result.returncode == 0,
+             f"{binary} check-config rejects the ConfigMap's {CONFIG_KEY} (exit status {result.returncode})"):
+        ok(f"{binary} check-config accepts the ConfigMap's {CONFIG_KEY}")
+
+
+def dockerfile_instructions(path):
+    """(instruction, arguments) of the final stage, continuation lines joined, comments dropped."""
+    stages, logical, pending = [], [], ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        logical.append(pending + stripped)
+        pending = ""
+    for line in logical:
+        instruction, _, arguments = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "FROM":
+            stages.append([])
+        elif stages:
+            stages[-1].append((instruction, arguments.strip()))
+    if not stages:
+        raise Fatal("Dockerfile has no FROM")
+    return stages[-1]
+
+
+def exec_form(arguments):
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, list) else None
+
+
+def check_dockerfile(gateway_pod):
+    """Checks the final stage; returns its CMD (exec form) or None."""
+    final = dockerfile_instructions(DOCKERFILE)
+    before = len(failures)
+    exposed = set()
+    for instruction, arguments in final:
+        if instruction == "EXPOSE":
+            exposed |= {p.split("/")[0] for p in arguments.split()}
+    check({"8000", "8001", "8002"} <= exposed, f"Dockerfile: the final stage exposes {sorted(exposed)}, "
+                                               "want EXPOSE 8000 8001 8002")
+    users = [arguments for instruction, arguments in final if instruction == "USER"]
+    user = users[-1].split(":")[0] if users else None
+    check(user is not None and user not in ("0", "root"), f"Dockerfile: the final stage runs as {user or 'root'}; "
+                                                          "it needs a non-root USER")
+    run_as = gateway_pod.get("securityContext", {}).get("runAsUser")
+    check(user is None or not user.isdigit() or int(user) == run_as,
+          f"Dockerfile: USER {user} differs from the Deployment's runAsUser {run_as}")
+    commands = [exec_form(a) for i, a in final if i == "CMD"]
+    entrypoints = [exec_form(a) for i, a in final if i == "ENTRYPOINT"]
+    check(commands and commands[-1] == ["serve", "--config", CONFIG_PATH],
+          f"Dockerfile: CMD must be [\"serve\", \"--config\", \"{CONFIG_PATH}\"] (exec form)")
+    check(entrypoints and entrypoints[-1] and Path(entrypoints[-1][0]).name == "oipgate",
+          "Dockerfile: ENTRYPOINT must run oipgate (exec form)")
+    copies = [a.split()[-2:] for i, a in final if i == "COPY"]
+    check(["config/gateway.toml", CONFIG_PATH] in copies,
+          f"Dockerfile: the final stage must COPY config/gateway.toml {CONFIG_PATH}")
+    if len(failures) == before:
+        ok(f"Dockerfile: EXPOSE {' '.join(sorted(exposed))}, USER {users[-1]}, ENTRYPOINT {entrypoints[-1]}, "
+           f"CMD {commands[-1]}, config/gateway.toml at {CONFIG_PATH}")
+    return commands[-1] if commands else None
+
+
+def main():
+    config_text = CONFIG.read_text(encoding="utf-8")
+    try:
+        config = tomllib.loads(config_text)
+    except tomllib.TOMLDecodeError as e:
+        raise Fatal(f"config/gateway.toml is not valid TOML: {e}") from e
+
+    # Every kustomization under deploy/ renders and validates, and every manifest belongs to one.
+    directories = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+    rendered = {}
+    for directory in directories:
+        section(f"render {rel(directory)} and validate against Kubernetes {KUBERNETES_VERSION} (strict)")
+        rendered[directory] = render(directory)
+        validate(rendered[directory])
+    for manifest in sorted(list(DEPLOY.rglob("*.yaml")) + list(DEPLOY.rglob("*.yml"))):
+        if not (manifest.parent / "kustomization.yaml").is_file():
+            fail(f"{rel(manifest)} is in no kustomization's directory, so nothing applies or checks it")
+    for required in (BASE, WITH_MODEL_SERVERS):
+        if required not in rendered:
+            raise Fatal(f"{rel(required)}/kustomization.yaml is missing")
+
+    section(f"gateway manifests in {rel(BASE)} against config/gateway.toml")
+    embedded = check_gateway(rendered[BASE], config, config_text)
+
+    section(f"backends reached by DNS in {rel(WITH_MODEL_SERVERS)}")
+    check_fleet(rendered[WITH_MODEL_SERVERS], config)
+
+    section(f"the gateway accepts the ConfigMap's {CONFIG_KEY}")
+    if embedded is not None:
+        check_config_accepted(embedded)
+
+    section("Dockerfile")
+    dockerfile_cmd = check_dockerfile(pod_spec(find(rendered[BASE], "Deployment", GATEWAY)))
+
+    section("oipgate command lines in the manifests and the Dockerfile")
+    check_command_lines(rendered[WITH_MODEL_SERVERS], dockerfile_cmd)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Fatal as e:
+        fail(str(e))
+        print("deploy-check: stopped at the first problem above; the checks after it did not run")
+        sys.exit(1)
+    if failures:
+        print(f"deploy-check: {len(failures)} check(s) failed")
+        sys.exit(1)
+    print("deploy-check: all checks passed")

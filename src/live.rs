@@ -1,0 +1,436 @@
+//! The running gateway's live state: the dispatcher requests are served by, swapped whole when the configuration is
+//! reloaded (file change or SIGHUP) or DNS answers change; the front doors' TLS identity; and the count of requests
+//! under way, which shutdown waits on.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+
+use crate::config::{Config, Discovery, Endpoint, Problem};
+use crate::dispatch::Dispatcher;
+use crate::metrics::Metrics;
+use crate::tls::{BackendMaterial, Prepared, ServerIdentity};
+
+/// How long one DNS resolution may take.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often discovery looks for backends whose interval has passed.
+const DISCOVERY_TICK: Duration = Duration::from_millis(100);
+
+/// The gateway as it runs.
+#[derive(Debug)]
+pub struct Gateway {
+    name: String,
+    /// The configuration file, for reloads; `None` when the configuration came from elsewhere (the demo).
+    path: Option<PathBuf>,
+    metrics: Arc<Metrics>,
+    current: ArcSwap<Dispatcher>,
+    identity: Option<Arc<ServerIdentity>>,
+    /// Everything a rebuild starts from; held while one is under way, so rebuilds never interleave.
+    state: tokio::sync::Mutex<State>,
+    draining: AtomicBool,
+    active: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct State {
+    config: Config,
+    backend_tls: Vec<Option<BackendMaterial>>,
+    /// Endpoints found through DNS, by backend name, and when each backend was last resolved.
+    discovered: HashMap<String, Vec<Endpoint>>,
+    resolved_at: HashMap<String, Instant>,
+    health: Option<tokio::task::JoinHandle<()>>,
+    /// The configuration file's and its TLS files' contents when last looked at.
+    fingerprint: Vec<u8>,
+}
+
+/// A request under way; shutdown waits until none is left.
+#[derive(Debug)]
+pub struct Active(Arc<Gateway>);
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Gateway {
+    /// Reads the TLS files `config` names and builds the first dispatcher; `path` is the file reloads read.
+    pub fn new(
+        config: Config,
+        name: &str,
+        path: Option<PathBuf>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Gateway>, Vec<Problem>> {
+        let prepared = Prepared::load(&config)?;
+        let dispatcher = Dispatcher::build(&config, name, metrics.clone(), &prepared, &HashMap::new(), None)
+            .map_err(|e| vec![problem(e.message())])?;
+        let fingerprint = path.as_ref().map(|p| fingerprint(p, &config)).unwrap_or_default();
+        Ok(Arc::new(Gateway {
+            name: name.to_owned(),
+            path,
+            metrics,
+            current: ArcSwap::from_pointee(dispatcher),
+            identity: prepared.server.map(ServerIdentity::new),
+            state: tokio::sync::Mutex::new(State {
+                config,
+                backend_tls: prepared.backend_tls,
+                discovered: HashMap::new(),
+                resolved_at: HashMap::new(),
+                health: None,
+                fingerprint,
+            }),
+            draining: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+        }))
+    }
+
+    /// The dispatcher a new request is served by; the request keeps it to its end, whatever is reloaded meanwhile.
+    pub fn dispatcher(&self) -> Arc<Dispatcher> {
+        self.current.load_full()
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The front doors' certificate and client verification, when they speak TLS.
+    pub fn identity(&self) -> Option<&Arc<ServerIdentity>> {
+        self.identity.as_ref()
+    }
+
+    /// Counts a request as under way until the guard is dropped.
+    pub fn begin(self: &Arc<Self>) -> Active {
+        self.active.fetch_add(1, Ordering::AcqRel);
+        Active(self.clone())
+    }
+
+    /// Requests under way.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// From now on readiness says no, so load balancers stop sending.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Readiness: not while draining; otherwise the dispatcher's view of the fleet.
+    pub async fn server_ready(&self) -> bool {
+        !self.is_draining() && self.dispatcher().server_ready().await
+    }
+
+    /// Runs until the process ends: resolves DNS backends, then keeps health checks, DNS discovery, the
+    /// configuration-file watch and SIGHUP going.
+    pub async fn run(self: Arc<Self>) {
+        {
+            let mut state = self.state.lock().await;
+            let due = dns_backends(&state.config);
+            if self.resolve(&mut state, &due).await {
+                let config = state.config.clone();
+                let tls = state.backend_tls.clone();
+                if let Err(problems) = self.install(&mut state, config, tls, None) {
+                    report_refused(&problems);
+                }
+            }
+            self.restart_health(&mut state);
+        }
+        tokio::join!(self.clone().watch(), self.clone().on_hangup(), self.clone().discover());
+    }
+
+    /// Reads the configuration file again and, when it is valid and its TLS files are good, serves by it from now
+    /// on; otherwise the running configuration stays and every problem is given (the same messages as
+    /// `check-config`).
+    pub async fn reload(&self) -> Result<(), Vec<Problem>> {
+        let mut state = self.state.lock().await;
+        let outcome = self.reload_locked(&mut state).await;
+        self.metrics.reloaded(outcome.is_ok());
+        match &outcome {
+            Ok(()) => tracing::info!(summary = %state.config.summary(), "configuration reloaded"),
+            Err(problems) => report_refused(problems),
+        }
+        outcome
+    }
+
+    async fn reload_locked(&self, state: &mut State) -> Result<(), Vec<Problem>> {
+        let Some(path) = &self.path else {
+            return Err(vec![problem("no configuration file to reload")]);
+        };
+        state.fingerprint = fingerprint(path, &state.config);
+        let config = Config::load(path, &crate::config::environment_overrides())?;
+        let prepared = Prepared::load(&config)?;
+        state.fingerprint = fingerprint(path, &config);
+        for change in restart_only_changes(&state.config, &config) {
+            tracing::warn!("{change} takes a restart; the running one stays");
+        }
+        // Backends found through DNS that are new, or whose name changed, are resolved before the switch, so they
+        // do not start out empty.
+        let fresh: Vec<_> = dns_backends(&config)
+            .into_iter()
+            .filter(|(name, discovery)| {
+                !state
+                    .config
+                    .backends
+                    .iter()
+                    .any(|b| &b.name == name && &b.discovery == discovery)
+            })
+            .collect();
+        for (name, _) in &fresh {
+            state.discovered.remove(name);
+        }
+        self.resolve(state, &fresh).await;
+        let server = prepared.server;
+        self.install(state, config, prepared.backend_tls, server)?;
+        self.restart_health(state);
+        Ok(())
+    }
+
+    /// Builds the dispatcher for `config` over the current one and swaps it in.
+    fn install(
+        &self,
+        state: &mut State,
+        config: Config,
+        backend_tls: Vec<Option<BackendMaterial>>,
+        server: Option<crate::tls::ServerMaterial>,
+    ) -> Result<(), Vec<Problem>> {
+        let previous = self.dispatcher();
+        let prepared = Prepared {
+            server: None,
+            backend_tls,
+        };
+        let dispatcher = Dispatcher::build(
+            &config,
+            &self.name,
+            self.metrics.clone(),
+            &prepared,
+            &state.discovered,
+            Some(&previous),
+        )
+        .map_err(|e| vec![problem(e.message())])?;
+        self.current.store(Arc::new(dispatcher));
+        if let (Some(identity), Some(server)) = (&self.identity, server) {
+            identity.replace(server);
+        }
+        state
+            .discovered
+            .retain(|name, _| config.backends.iter().any(|b| &b.name == name));
+        state.config = config;
+        state.backend_tls = prepared.backend_tls;
+        Ok(())
+    }
+
+    /// Health checks run on the current dispatcher's backends; endpoints carried over keep their state.
+    fn restart_health(&self, state: &mut State) {
+        if let Some(task) = state.health.take() {
+            task.abort();
+        }
+        state.health = Some(tokio::spawn(self.dispatcher().run_health_checks()));
+    }
+
+    /// Looks at the configuration file, and the TLS files it names, at the configured interval; a change reloads.
+    async fn watch(self: Arc<Self>) {
+        let Some(path) = self.path.clone() else { return };
+        loop {
+            let (watch, interval, config) = {
+                let state = self.state.lock().await;
+                (
+                    state.config.reload.watch,
+                    state.config.reload.interval,
+                    state.config.clone(),
+                )
+            };
+            tokio::time::sleep(interval).await;
+            if !watch {
+                continue;
+            }
+            let now = fingerprint(&path, &config);
+            let changed = self.state.lock().await.fingerprint != now;
+            if changed {
+                tracing::info!(file = %path.display(), "configuration or certificate files changed; reloading");
+                let _ = self.reload().await;
+            }
+        }
+    }
+
+    /// Reloads on SIGHUP.
+    async fn on_hangup(self: Arc<Self>) {
+        #[cfg(unix)]
+        {
+            let Ok(mut hangups) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+                tracing::warn!("cannot listen for SIGHUP; reload by changing the configuration file");
+                return;
+            };
+            while hangups.recv().await.is_some() {
+                tracing::info!("SIGHUP: reloading the configuration");
+                let _ = self.reload().await;
+            }
+        }
+    }
+
+    /// Re-resolves each backend found through DNS at its interval; a changed answer rebuilds the dispatcher, adding
+    /// and removing endpoints while the others keep their connections and state.
+    async fn discover(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(DISCOVERY_TICK).await;
+            let mut state = self.state.lock().await;
+            let due: Vec<_> = dns_backends(&state.config)
+                .into_iter()
+                .filter(|(name, discovery)| {
+                    let Discovery::Dns { interval, .. } = discovery else {
+                        return false;
+                    };
+                    state.resolved_at.get(name).is_none_or(|at| at.elapsed() >= *interval)
+                })
+                .collect();
+            if due.is_empty() || !self.resolve(&mut state, &due).await {
+                continue;
+            }
+            let config = state.config.clone();
+            let tls = state.backend_tls.clone();
+            match self.install(&mut state, config, tls, None) {
+                Ok(()) => self.restart_health(&mut state),
+                Err(problems) => report_refused(&problems),
+            }
+        }
+    }
+
+    /// Resolves `backends`; gives whether any backend's endpoints changed. A failed lookup keeps what was found
+    /// before (a DNS hiccup must not empty a backend); a name with no records empties it.
+    async fn resolve(&self, state: &mut State, backends: &[(String, Discovery)]) -> bool {
+        let mut changed = false;
+        for (name, discovery) in backends {
+            let Discovery::Dns { host, port, server, .. } = discovery else {
+                continue;
+            };
+            state.resolved_at.insert(name.clone(), Instant::now());
+            match lookup(host, *port, *server).await {
+                Ok(mut endpoints) => {
+                    endpoints.sort_by_key(ToString::to_string);
+                    endpoints.dedup();
+                    let before = state.discovered.get(name);
+                    if before != Some(&endpoints) {
+                        tracing::info!(
+                            backend = %name,
+                            dns = %format!("{host}:{port}"),
+                            endpoints = %endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+                            "endpoints discovered"
+                        );
+                        state.discovered.insert(name.clone(), endpoints);
+                        changed = true;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(backend = %name, dns = %format!("{host}:{port}"), %error, "DNS lookup failed; keeping the endpoints found before");
+                }
+            }
+        }
+        changed
+    }
+}
+
+fn problem(message: &str) -> Problem {
+    Problem {
+        path: String::new(),
+        message: message.to_owned(),
+    }
+}
+
+fn report_refused(problems: &[Problem]) {
+    for problem in problems {
+        tracing::error!(%problem, "configuration refused");
+    }
+    tracing::error!(
+        problems = problems.len(),
+        "configuration reload refused; the running configuration stays"
+    );
+}
+
+/// The backends found through DNS, by name.
+fn dns_backends(config: &Config) -> Vec<(String, Discovery)> {
+    config
+        .backends
+        .iter()
+        .filter(|b| matches!(b.discovery, Discovery::Dns { .. }))
+        .map(|b| (b.name.clone(), b.discovery.clone()))
+        .collect()
+}
+
+/// What a reload cannot change on a running process: the listeners.
+fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
+    let mut changes = Vec::new();
+    if running.listen != new.listen {
+        changes.push("a change of listen addresses");
+    }
+    let doors = |c: &Config| c.tls.as_ref().map(|t| (t.rest, t.grpc));
+    if doors(running) != doors(new) {
+        changes.push("turning TLS on or off on a front door");
+    }
+    if running.limits.max_request_bytes != new.limits.max_request_bytes {
+        changes.push("a change of limits.max_request_bytes");
+    }
+    if running.shutdown != new.shutdown {
+        changes.push("a change of [shutdown]");
+    }
+    changes
+}
+
+/// The bytes of the configuration file and of every TLS file it names, to notice a change of any of them.
+fn fingerprint(path: &std::path::Path, config: &Config) -> Vec<u8> {
+    let mut bytes = std::fs::read(path).unwrap_or_default();
+    for file in config.files() {
+        bytes.extend_from_slice(file.as_os_str().as_encoded_bytes());
+        bytes.extend(std::fs::read(&file).unwrap_or_default());
+    }
+    bytes
+}
+
+/// Every address `host` resolves to, at `port`: by the system's resolver (`/etc/hosts`, search domains, as a pod
+/// expects), or by asking `server`.
+async fn lookup(host: &str, port: u16, server: Option<SocketAddr>) -> Result<Vec<Endpoint>, String> {
+    let endpoint = |ip: IpAddr| Endpoint {
+        host: ip.to_string(),
+        port,
+    };
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(vec![endpoint(ip)]);
+    }
+    let Some(server) = server else {
+        let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
+            .await
+            .map_err(|_| format!("no answer within {} ms", RESOLVE_TIMEOUT.as_millis()))?
+            .map_err(|e| e.to_string())?;
+        return Ok(found.map(|address| endpoint(address.ip())).collect());
+    };
+    use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig, ResolverOpts};
+    use hickory_resolver::name_server::TokioConnectionProvider;
+    let group = NameServerConfigGroup::from_ips_clear(&[server.ip()], server.port(), true);
+    let mut options = ResolverOpts::default();
+    options.timeout = RESOLVE_TIMEOUT;
+    options.attempts = 1;
+    options.cache_size = 0;
+    let resolver = hickory_resolver::Resolver::builder_with_config(
+        ResolverConfig::from_parts(None, Vec::new(), group),
+        TokioConnectionProvider::default(),
+    )
+    .with_options(options)
+    .build();
+    // A fully qualified name: no search domains are tried against a named server.
+    let name = if host.ends_with('.') {
+        host.to_owned()
+    } else {
+        format!("{host}.")
+    };
+    match resolver.lookup_ip(name).await {
+        Ok(found) => Ok(found.iter().map(endpoint).collect()),
+        Err(error) if error.is_no_records_found() => Ok(Vec::new()),
+        Err(error) => Err(error.to_string()),
+    }
+}
