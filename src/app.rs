@@ -187,14 +187,14 @@ fn check_free(address: SocketAddr, what: &str) -> Result<()> {
 
 /// Runs the gateway until SIGTERM or SIGINT (both graceful). `path` is the configuration file reloads read.
 pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
+    let metrics = Metrics::new()?;
+    let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
+        .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
     check_free(config.listen.rest, "REST")?;
     check_free(config.listen.grpc, "gRPC")?;
     if let Some(address) = config.listen.metrics {
         check_free(address, "metrics")?;
     }
-    let metrics = Metrics::new()?;
-    let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
-        .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
     let max_request_bytes = config.limits.max_request_bytes;
     let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
         config
@@ -207,7 +207,15 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     let conf = ServerConf {
         threads: std::thread::available_parallelism().map_or(2, usize::from),
         // The exit comes earlier when nothing is left under way (see `Signals`).
-        grace_period_seconds: Some(config.shutdown.grace_period.as_millis().div_ceil(1000).try_into().unwrap_or(u64::MAX)),
+        grace_period_seconds: Some(
+            config
+                .shutdown
+                .grace_period
+                .as_millis()
+                .div_ceil(1000)
+                .try_into()
+                .unwrap_or(u64::MAX),
+        ),
         graceful_shutdown_timeout_seconds: Some(1),
         ..Default::default()
     };

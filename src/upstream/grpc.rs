@@ -43,7 +43,7 @@ impl GrpcUpstream {
         max_response_bytes: usize,
         tls: Option<&super::EndpointTls>,
     ) -> GrpcUpstream {
-        let (connector, scheme) = super::connector(connect_timeout, tls, &[b"h2"]);
+        let (connector, scheme) = super::connector(connect_timeout, tls, true);
         let client = Client::builder(TokioExecutor::new())
             .http2_only(true)
             .http2_initial_stream_window_size(STREAM_WINDOW)

@@ -37,9 +37,9 @@ pub struct EndpointTls {
     pub server_name: Option<String>,
 }
 
-/// A connector for backends: no Nagle delay, bounded connect time, TLS with `tls` (ALPN `alpn`); gives the URI
-/// scheme to call it with.
-fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, alpn: &[&[u8]]) -> (Connector, &'static str) {
+/// A connector for backends: no Nagle delay, bounded connect time, TLS with `tls` offering HTTP/2 (ALPN `h2`) when
+/// `http2`, else HTTP/1.1; gives the URI scheme to call it with.
+fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, http2: bool) -> (Connector, &'static str) {
     let mut tcp = HttpConnector::new();
     tcp.set_nodelay(true);
     tcp.set_connect_timeout(Some(connect_timeout));
@@ -68,7 +68,7 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, alpn: &[&[u8]
         return (connector, "http");
     };
     let builder = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls.material.client_config(alpn))
+        .with_tls_config(tls.material.client_config(&[]))
         .https_only();
     let builder = match tls
         .server_name
@@ -78,7 +78,12 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, alpn: &[&[u8]
         Some(name) => builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
         None => builder,
     };
-    (builder.enable_http1().wrap_connector(tcp), "https")
+    let connector = if http2 {
+        builder.enable_http2().wrap_connector(tcp)
+    } else {
+        builder.enable_http1().wrap_connector(tcp)
+    };
+    (connector, "https")
 }
 
 /// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of

@@ -71,7 +71,7 @@ impl RestUpstream {
         max_response_bytes: usize,
         tls: Option<&super::EndpointTls>,
     ) -> RestUpstream {
-        let (connector, scheme) = super::connector(connect_timeout, tls, &[b"http/1.1"]);
+        let (connector, scheme) = super::connector(connect_timeout, tls, false);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);

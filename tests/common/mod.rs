@@ -145,31 +145,50 @@ pub struct GatewayProcess {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
-    dir: std::path::PathBuf,
+    pub dir: std::path::PathBuf,
+    /// The `[listen]` table written ahead of every configuration.
+    listen: String,
+    /// Its log lines (stderr), when captured.
+    log: Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
 }
 
 impl GatewayProcess {
     /// `config` is the configuration without its `[listen]` table, which is added with free ports.
     pub fn start(config: &str) -> GatewayProcess {
+        GatewayProcess::start_with(config, &[], false)
+    }
+
+    /// As [`Self::start`], with more arguments to `serve` and, when `capture_log`, its stderr kept for
+    /// [`Self::log_lines`].
+    pub fn start_with(config: &str, args: &[&str], capture_log: bool) -> GatewayProcess {
         let rest: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let dir = std::env::temp_dir().join(format!("oipgate-gw-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("gateway.toml");
-        std::fs::write(
-            &path,
-            format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\nmetrics = \"{metrics}\"\n{config}"),
-        )
-        .unwrap();
+        let listen = format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\nmetrics = \"{metrics}\"\n");
+        std::fs::write(&path, format!("{listen}{config}")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
             .arg("serve")
             .arg("--config")
             .arg(&path)
+            .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(if capture_log { Stdio::piped() } else { Stdio::inherit() })
             .spawn()
             .expect("oipgate starts");
+        let log = child.stderr.take().map(|stderr| {
+            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+            let sink = lines.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    eprintln!("{line}");
+                    sink.lock().unwrap().push(line);
+                }
+            });
+            lines
+        });
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -191,7 +210,49 @@ impl GatewayProcess {
             grpc,
             metrics,
             dir,
+            listen,
+            log,
         }
+    }
+
+    /// The configuration file the gateway reads.
+    pub fn config_path(&self) -> std::path::PathBuf {
+        self.dir.join("gateway.toml")
+    }
+
+    /// Replaces the configuration file (the same `[listen]` table ahead of `config`), atomically as a ConfigMap
+    /// update does: written aside, then renamed over it.
+    pub fn rewrite(&self, config: &str) {
+        let aside = self.dir.join("gateway.toml.new");
+        std::fs::write(&aside, format!("{}{config}", self.listen)).unwrap();
+        std::fs::rename(&aside, self.config_path()).unwrap();
+    }
+
+    /// Sends a signal (`TERM`, `INT`, `HUP`) to the gateway.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Waits up to `limit` for the process to exit; its status, or `None` when it is still running.
+    pub fn wait_exit(&mut self, limit: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let until = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < until {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// The log lines written so far (only when started with `capture_log`).
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.as_ref().map(|l| l.lock().unwrap().clone()).unwrap_or_default()
     }
 
     pub fn rest_url(&self, path: &str) -> String {
