@@ -1,0 +1,205 @@
+//! Backends discovered through DNS: a small DNS server in the test answers for a name whose records change; the
+//! gateway adds and removes endpoints as they do, under load, without a failed request.
+
+mod common;
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{GatewayProcess, ModelServerProcess, free_port, http_client, send};
+use hickory_proto::op::{Message, MessageType, ResponseCode};
+use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::{Name, RData, Record, RecordType};
+use hickory_proto::serialize::binary::BinEncodable;
+
+const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
+
+/// Answers A queries for `name` with the addresses currently in `records` (none for AAAA); NXDOMAIN for other names.
+async fn dns_server(name: &str, records: Arc<Mutex<Vec<Ipv4Addr>>>) -> SocketAddr {
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let address = socket.local_addr().unwrap();
+    let name = Name::from_ascii(name).unwrap();
+    tokio::spawn(async move {
+        let mut buffer = [0u8; 512];
+        loop {
+            let Ok((length, from)) = socket.recv_from(&mut buffer).await else {
+                continue;
+            };
+            let Ok(query) = Message::from_vec(&buffer[..length]) else {
+                continue;
+            };
+            let mut answer = Message::new();
+            answer
+                .set_id(query.id())
+                .set_message_type(MessageType::Response)
+                .set_op_code(query.op_code())
+                .set_recursion_desired(query.recursion_desired())
+                .set_recursion_available(true)
+                .set_authoritative(true);
+            for question in query.queries() {
+                answer.add_query(question.clone());
+                if question.name() != &name {
+                    answer.set_response_code(ResponseCode::NXDomain);
+                } else if question.query_type() == RecordType::A {
+                    for ip in records.lock().unwrap().iter() {
+                        answer.add_answer(Record::from_rdata(name.clone(), 1, RData::A(A(*ip))));
+                    }
+                }
+            }
+            if let Ok(bytes) = answer.to_bytes() {
+                let _ = socket.send_to(&bytes, from).await;
+            }
+        }
+    });
+    address
+}
+
+fn replica_at(ip: &str, port: u16, name: &str) -> ModelServerProcess {
+    ModelServerProcess::start(&["--rest", &format!("{ip}:{port}"), "--name", name])
+}
+
+async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = Instant::now() + limit;
+    while Instant::now() < until {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
+    let port = free_port();
+    let mut two = Some(replica_at("127.0.0.2", port, "two"));
+    let _three = replica_at("127.0.0.3", port, "three");
+    let records = Arc::new(Mutex::new(vec![Ipv4Addr::new(127, 0, 0, 2)]));
+    let dns = dns_server("models.test.", records.clone()).await;
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "fleet"
+        protocol = "rest"
+        dns = "models.test:{port}"
+        dns_server = "{dns}"
+        dns_interval_ms = 100
+        lb = "round_robin"
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "fleet" }} ]
+        "#
+    ));
+    let gauge = |ip: &str| format!("oipgate_endpoint_healthy{{backend=\"fleet\",endpoint=\"{ip}:{port}\"}}");
+    let exposed = |ip: &'static str| {
+        let gateway = &gateway;
+        let series = gauge(ip);
+        async move { gateway.metrics().await.contains(&series) }
+    };
+    eventually(Duration::from_secs(5), "the first endpoint", || exposed("127.0.0.2")).await;
+    assert!(!exposed("127.0.0.3").await);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
+    let by_three = Arc::new(AtomicUsize::new(0));
+    let by_two = Arc::new(AtomicUsize::new(0));
+    let mut load = Vec::new();
+    for _ in 0..2 {
+        let (stop, failures, by_two, by_three) = (stop.clone(), failures.clone(), by_two.clone(), by_three.clone());
+        let url = gateway.rest_url("/v2/models/identity/infer");
+        load.push(tokio::spawn(async move {
+            let client = http_client(false);
+            while !stop.load(Ordering::Relaxed) {
+                let answer = send(&client, "POST", &url, &[("x-echo-probe", "1".to_owned())], BODY).await;
+                match (answer.status, answer.header("x-echo-server")) {
+                    (200, Some("two")) => by_two.fetch_add(1, Ordering::Relaxed),
+                    (200, Some("three")) => by_three.fetch_add(1, Ordering::Relaxed),
+                    (status, _) => {
+                        failures
+                            .lock()
+                            .unwrap()
+                            .push(format!("{status}: {}", String::from_utf8_lossy(&answer.body)));
+                        0
+                    }
+                };
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(by_three.load(Ordering::Relaxed), 0);
+
+    // A second record: a second endpoint, sharing the traffic.
+    records.lock().unwrap().push(Ipv4Addr::new(127, 0, 0, 3));
+    eventually(Duration::from_secs(5), "the second endpoint", || exposed("127.0.0.3")).await;
+    let before = by_three.load(Ordering::Relaxed);
+    eventually(Duration::from_secs(5), "traffic on the second endpoint", || {
+        std::future::ready(by_three.load(Ordering::Relaxed) > before + 20)
+    })
+    .await;
+
+    // The first record goes: its endpoint is dropped (series too); then its server can stop with nothing lost.
+    records.lock().unwrap().retain(|ip| *ip != Ipv4Addr::new(127, 0, 0, 2));
+    eventually(Duration::from_secs(5), "the first endpoint to go", || async {
+        !exposed("127.0.0.2").await
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(two.take());
+    let after_two = by_two.load(Ordering::Relaxed);
+    let three_before = by_three.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in load {
+        task.await.unwrap();
+    }
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert_eq!(
+        by_two.load(Ordering::Relaxed),
+        after_two,
+        "nothing reached the removed endpoint"
+    );
+    assert!(by_three.load(Ordering::Relaxed) > three_before + 20);
+}
+
+#[tokio::test]
+async fn the_system_resolver_serves_names_without_a_dns_server() {
+    let replica = ModelServerProcess::both();
+    let port = replica.rest.unwrap().port();
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "local"
+        protocol = "rest"
+        dns = "localhost:{port}"
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "local" }} ]
+        "#
+    ));
+    let series = format!("oipgate_endpoint_healthy{{backend=\"local\",endpoint=\"127.0.0.1:{port}\"}}");
+    eventually(Duration::from_secs(5), "localhost resolved", || async {
+        gateway.metrics().await.contains(&series)
+    })
+    .await;
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &gateway.rest_url("/v2/models/identity/infer"),
+        &[],
+        BODY,
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+}
