@@ -269,18 +269,18 @@ async fn index(gateway: &GatewayProcess) -> Vec<IndexEntry> {
 #[tokio::test]
 async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted() {
     let live = ModelServerProcess::both();
-    let (dead_rest, dead_grpc) = (free_port(), free_port());
+    let (dead_rest, dead_grpc) = (common::dead_address(), common::dead_address());
     // No health checks: only the calls themselves find the dead endpoints.
     let gateway = GatewayProcess::start(&format!(
         r#"
         [[backends]]
         name = "rest-pair"
         protocol = "rest"
-        endpoints = ["127.0.0.1:{dead_rest}", "{}"]
+        endpoints = ["{dead_rest}", "{}"]
         [[backends]]
         name = "grpc-pair"
         protocol = "grpc"
-        endpoints = ["127.0.0.1:{dead_grpc}", "{}"]
+        endpoints = ["{dead_grpc}", "{}"]
         [[models]]
         name = "identity"
         versions = [ {{ version = "1", backend = "rest-pair" }},

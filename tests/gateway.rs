@@ -41,7 +41,7 @@ fn setup(extra: &str) -> Setup {
         [[backends]]
         name = "down"
         protocol = "rest"
-        endpoints = ["127.0.0.1:{}"]
+        endpoints = ["{}"]
         [[models]]
         name = "add_sub"
         versions = [ {{ version = "1", backend = "fleet-a" }}, {{ version = "2", backend = "fleet-b" }} ]
@@ -67,7 +67,7 @@ fn setup(extra: &str) -> Setup {
         "#,
         rest_backend.rest.unwrap(),
         grpc_backend.grpc.unwrap(),
-        free_port()
+        common::dead_address()
     );
     let gateway = GatewayProcess::start(&config);
     Setup {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, ModelServerProcess, free_port, get, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, get, http_client, send};
 use oipgate::proto::model_infer_request::InferInputTensor;
 use oipgate::proto::{InferTensorContents, ModelInferRequest};
 
@@ -195,7 +195,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
 #[tokio::test]
 async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_file_as_check_config_does() {
     let a = replica("a");
-    let dead = free_port();
+    let dead = common::dead_address();
     let config = |weight_note: &str| {
         format!(
             r#"
@@ -204,7 +204,7 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
             [[backends]]
             name = "pair"
             protocol = "rest"
-            endpoints = ["{}", "127.0.0.1:{dead}"]
+            endpoints = ["{}", "{dead}"]
             retries = 1
             outlier = {{ consecutive_failures = 1, base_ejection_ms = 60000 }}
             [[models]]
@@ -216,7 +216,7 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
         )
     };
     let gateway = GatewayProcess::start_with(&config("first"), &[], true);
-    let healthy = format!("oipgate_endpoint_healthy{{backend=\"pair\",endpoint=\"127.0.0.1:{dead}\"}}");
+    let healthy = format!("oipgate_endpoint_healthy{{backend=\"pair\",endpoint=\"{dead}\"}}");
     let client = http_client(false);
     let url = gateway.rest_url("/v2/models/identity/infer");
     for _ in 0..4 {

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{GatewayProcess, ModelServerProcess, add_sub_json, free_port, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, send};
 use futures_util::StreamExt;
 use oipgate::proto::ModelInferRequest;
 use oipgate::proto::model_infer_request::InferInputTensor;
@@ -34,7 +34,7 @@ fn fleet(v1: u32, v2: u32) -> Fleet {
         [[backends]]
         name = "down"
         protocol = "grpc"
-        endpoints = ["127.0.0.1:{down}"]
+        endpoints = ["{down}"]
         [[models]]
         name = "add_sub"
         versions = [ {{ version = "1", backend = "fleet-a", weight = {v1} }},
@@ -60,7 +60,7 @@ fn fleet(v1: u32, v2: u32) -> Fleet {
         "#,
         rest = backend.rest.unwrap(),
         grpc = backend.grpc.unwrap(),
-        down = free_port(),
+        down = common::dead_address(),
     );
     let gateway = GatewayProcess::start(&config);
     Fleet { backend, gateway }

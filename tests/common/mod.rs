@@ -139,6 +139,12 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// An address nothing listens on, which refuses connections at once: on 127.255.0.1, where no test binds, so no
+/// other test's server can take the port meanwhile (as a released port on 127.0.0.1 can be taken).
+pub fn dead_address() -> String {
+    format!("127.255.0.1:{}", free_port())
+}
+
 /// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
 pub struct GatewayProcess {
     child: Child,
