@@ -1,0 +1,614 @@
+#!/usr/bin/env python3
+"""The end-to-end load harness (run through scripts/bench, which installs the tools and builds the binary).
+
+Starts oipgate's model server as the backend, oipgate in front of it, and nginx configured as the equivalent
+reverse proxy (HTTP/1.1 keep-alive upstream for REST, grpc_pass for gRPC). Drives each scenario with wrk (HTTP/1.1)
+or h2load (gRPC unary over HTTP/2) at a fixed concurrency and duration, alternating direct / nginx / oipgate runs
+(A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
+requests of each process, and the gateway's peak RSS. Writes target/bench/results.json and target/bench/report.md.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BINARY = ROOT / "target" / "release" / "oipgate"
+OUT = ROOT / "target" / "bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=10.0):
+    until = time.time() + timeout
+    while time.time() < until:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"bench: nothing listens on port {port}")
+
+
+def descendants(pid):
+    """`pid` and every process below it (nginx's workers)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def cpu_seconds(pid):
+    total = 0
+    for p in descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            pass
+    return total / TICKS
+
+
+def status_kib(pid, key):
+    total = 0
+    for p in descendants(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(key + ":"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def reset_peak(pid):
+    for p in descendants(pid):
+        try:
+            Path(f"/proc/{p}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+class Server:
+    def __init__(self, name, command, ports, env=None):
+        self.name = name
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+        )
+        for port in ports:
+            wait_port(port)
+
+    @property
+    def pid(self):
+        return self.process.pid
+
+    def stop(self):
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def convert(body, source, target, header_length=None):
+    command = [str(BINARY), "convert", "--from", source, "--to", target]
+    if header_length is not None:
+        command += ["--header-length", str(header_length)]
+    done = subprocess.run(command, input=body, capture_output=True, check=True)
+    length = None
+    match = re.search(rb"Inference-Header-Content-Length: (\d+)", done.stderr)
+    if match:
+        length = int(match.group(1))
+    return done.stdout, length
+
+
+def grpc_frame(message):
+    return b"\0" + struct.pack(">I", len(message)) + message
+
+
+def write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def add_sub_json(version):
+    values = list(range(16))
+    tensor = lambda name: {"name": name, "datatype": "INT32", "shape": [1, 16], "data": values}
+    body = {"inputs": [tensor("INPUT0"), tensor("INPUT1")]}
+    return json.dumps(body).encode(), version
+
+
+def fp32_json(elements):
+    # Values as a client's JSON writer prints them: 9-10 significant characters each.
+    import random
+
+    rng = random.Random(7)
+    values = ",".join(repr(round(rng.uniform(-100, 100), 5)) for _ in range(elements))
+    return (
+        '{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,%d],"data":[%s]}]}' % (elements, values)
+    ).encode()
+
+
+def fp32_binary(elements):
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "datatype": "FP32",
+                    "shape": [1, elements],
+                    "parameters": {"binary_data_size": elements * 4},
+                }
+            ],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    return header + os.urandom(elements * 4), len(header)
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def wrk(url, body_file, headers, seconds, connections, threads):
+    script = OUT / "post.lua"
+    header_lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
+    script.write_text(
+        f"""wrk.method = "POST"
+local f = io.open("{body_file}", "rb")
+wrk.body = f:read("*all")
+f:close()
+{header_lines}
+"""
+    )
+    done = subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
+        capture_output=True,
+        text=True,
+    )
+    text = done.stdout
+    requests = int(re.search(r"(\d+) requests in", text).group(1))
+    errors = 0
+    for pattern in (r"Non-2xx or 3xx responses: (\d+)", r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)"):
+        match = re.search(pattern, text)
+        if match:
+            errors += sum(int(g) for g in match.groups())
+    percentiles = {}
+    for label, key in (("50%", "p50"), ("90%", "p90"), ("99%", "p99")):
+        match = re.search(rf"^\s+{re.escape(label)}\s+([\d.]+)(us|ms|s)\s*$", text, re.M)
+        if match:
+            scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
+            percentiles[key] = float(match.group(1)) * scale
+    return {"requests": requests, "errors": errors, **percentiles}
+
+
+def h2load(url, body_file, seconds, connections, streams):
+    log = OUT / "h2load.log"
+    done = subprocess.run(
+        [
+            "h2load",
+            "-D",
+            str(seconds),
+            "-c",
+            str(connections),
+            "-m",
+            str(streams),
+            "-t",
+            "1",
+            "-d",
+            str(body_file),
+            "-H",
+            "content-type: application/grpc",
+            "-H",
+            "te: trailers",
+            "--log-file",
+            str(log),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    text = done.stdout
+    match = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", text)
+    if not match:
+        raise SystemExit(f"bench: h2load said:\n{text}\n{done.stderr}")
+    requests, succeeded = int(match.group(1)), int(match.group(2))
+    durations = []
+    for line in log.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3 and parts[1] == "200":
+            durations.append(int(parts[2]) / 1000.0)
+    durations.sort()
+    pick = lambda q: durations[min(len(durations) - 1, int(q * len(durations)))] if durations else float("nan")
+    return {"requests": requests, "errors": requests - succeeded, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+# ---------------------------------------------------------------------------------------------- setups
+
+
+NGINX_CONF = """
+{user}
+worker_processes {workers};
+error_log stderr warn;
+pid {prefix}/nginx.pid;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_max_body_size 0;
+    client_body_buffer_size 128m;
+    proxy_buffering off;
+    proxy_request_buffering off;
+    grpc_buffer_size 1m;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    upstream rest_backend {{ server 127.0.0.1:{rest}; keepalive 256; }}
+    upstream grpc_backend {{ server 127.0.0.1:{grpc}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{nginx_rest};
+        keepalive_requests 1000000;
+        location / {{
+            proxy_pass http://rest_backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+    server {{
+        listen 127.0.0.1:{nginx_grpc};
+        http2 on;
+        keepalive_requests 1000000;
+        location / {{ grpc_pass grpc://grpc_backend; }}
+    }}
+}}
+"""
+
+
+GATEWAY_CONF = """
+[listen]
+rest = "127.0.0.1:{rest}"
+grpc = "127.0.0.1:{grpc}"
+[limits]
+max_request_bytes = 268435456
+request_timeout_ms = 120000
+[reload]
+watch = false
+[[backends]]
+name = "rest"
+protocol = "rest"
+binary_data = true
+endpoints = ["127.0.0.1:{backend_rest}"]
+[[backends]]
+name = "grpc"
+protocol = "grpc"
+endpoints = ["127.0.0.1:{backend_grpc}"]
+[[models]]
+name = "add_sub"
+versions = [ {{ version = "1", backend = "rest" }}, {{ version = "2", backend = "grpc" }} ]
+default_version = "1"
+[[models]]
+name = "identity"
+versions = [ {{ version = "1", backend = "grpc" }}, {{ version = "2", backend = "rest", upstream_version = "1" }} ]
+default_version = "1"
+"""
+
+
+def start_all(work):
+    ports = {k: free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "nginx_rest", "nginx_grpc")}
+    backend = Server(
+        "model-server",
+        [str(BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
+         f"127.0.0.1:{ports['backend_grpc']}"],
+        [ports["backend_rest"], ports["backend_grpc"]],
+    )
+    config = work / "gateway.toml"
+    config.write_text(
+        GATEWAY_CONF.format(
+            rest=ports["rest"], grpc=ports["grpc"], backend_rest=ports["backend_rest"],
+            backend_grpc=ports["backend_grpc"],
+        )
+    )
+    env = dict(os.environ, RUST_LOG="warn")
+    gateway = Server("oipgate", [str(BINARY), "serve", "--config", str(config)], [ports["rest"], ports["grpc"]], env)
+    prefix = work / "nginx"
+    (prefix / "logs").mkdir(parents=True, exist_ok=True)
+    nginx_conf = prefix / "nginx.conf"
+    nginx_conf.write_text(
+        NGINX_CONF.format(
+            user="user root;" if os.geteuid() == 0 else "",
+            workers=os.cpu_count(),
+            prefix=prefix,
+            rest=ports["backend_rest"],
+            grpc=ports["backend_grpc"],
+            nginx_rest=ports["nginx_rest"],
+            nginx_grpc=ports["nginx_grpc"],
+        )
+    )
+    nginx_binary = "nginx" if subprocess.run(["which", "nginx"], capture_output=True).returncode == 0 else "/usr/sbin/nginx"
+    nginx = Server(
+        "nginx",
+        [nginx_binary, "-p", str(prefix), "-c", str(nginx_conf), "-g", "daemon off;"],
+        [ports["nginx_rest"], ports["nginx_grpc"]],
+    )
+    return ports, backend, gateway, nginx
+
+
+def run_one(label, load, processes):
+    before = {name: cpu_seconds(p.pid) for name, p in processes.items()}
+    started = time.time()
+    result = load()
+    elapsed = time.time() - started
+    after = {name: cpu_seconds(p.pid) for name, p in processes.items()}
+    result["seconds"] = elapsed
+    result["rps"] = result["requests"] / elapsed if elapsed else 0.0
+    result["cpu_per_1k"] = {
+        name: (after[name] - before[name]) * 1000.0 / max(result["requests"], 1) for name in processes
+    }
+    result["setup"] = label
+    return result
+
+
+def scenario_runs(scenario, setups, rounds, processes, gateway):
+    runs = []
+    for _ in range(rounds):
+        for label, load, involved in setups:
+            reset_peak(gateway.pid)
+            result = run_one(label, load, {name: processes[name] for name in involved})
+            result["gateway_peak_rss_mib"] = status_kib(gateway.pid, "VmHWM") / 1024 if "oipgate" in involved else None
+            print(
+                f"  {scenario}: {label:<32} {result['rps']:>9.1f} req/s  p50 {result.get('p50', float('nan')):8.3f} ms"
+                f"  p99 {result.get('p99', float('nan')):8.3f} ms  errors {result['errors']}",
+                flush=True,
+            )
+            runs.append(result)
+    return runs
+
+
+def idle_connections(port, count):
+    sockets = []
+    request = f"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    for _ in range(count):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(request)
+        s.recv(4096)
+        sockets.append(s)
+    return sockets
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=int, default=10, help="duration of each run")
+    parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
+    parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
+    parser.add_argument("--only", default="1,2,3,4,5,6", help="scenarios to run, e.g. 1,2,6")
+    args = parser.parse_args()
+    only = {int(s) for s in args.only.split(",")}
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
+    ports, backend, gateway, nginx = start_all(work)
+    processes = {"model-server": backend, "oipgate": gateway, "nginx": nginx}
+    results = {"machine": machine(), "args": vars(args), "scenarios": {}}
+    seconds, c = args.seconds, args.connections
+    threads = min(2, os.cpu_count() or 1)
+    try:
+        if 6 in only:
+            results["scenarios"]["6"] = idle_rss(ports, gateway, nginx)
+        if 1 in only:
+            body, _ = add_sub_json("1")
+            f = write(OUT / "add_sub.json", body)
+            h = {"Content-Type": "application/json"}
+            url = lambda port: f"http://127.0.0.1:{port}/v2/models/add_sub/versions/1/infer"
+            results["scenarios"]["1"] = scenario_runs("1", [
+                ("direct", lambda: wrk(url(ports["backend_rest"]), f, h, seconds, c, threads), ["model-server"]),
+                ("nginx", lambda: wrk(url(ports["nginx_rest"]), f, h, seconds, c, threads), ["model-server", "nginx"]),
+                ("oipgate", lambda: wrk(url(ports["rest"]), f, h, seconds, c, threads), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+        grpc_path = "/inference.GRPCInferenceService/ModelInfer"
+        if 2 in only or 3 in only:
+            body, _ = add_sub_json("2")
+            message, _ = convert(body, "json", "protobuf")
+            # The model and version go in the message: add_sub version 2 (a gRPC backend at the gateway).
+            message = encode_name(message, "add_sub", "2")
+            g = write(OUT / "add_sub.grpc", grpc_frame(message))
+            f = write(OUT / "add_sub.json", body)
+        if 2 in only:
+            gurl = lambda port: f"http://127.0.0.1:{port}{grpc_path}"
+            results["scenarios"]["2"] = scenario_runs("2", [
+                ("direct", lambda: h2load(gurl(ports["backend_grpc"]), g, seconds, 4, c // 4), ["model-server"]),
+                ("nginx grpc_pass", lambda: h2load(gurl(ports["nginx_grpc"]), g, seconds, 4, c // 4), ["model-server", "nginx"]),
+                ("oipgate", lambda: h2load(gurl(ports["grpc"]), g, seconds, 4, c // 4), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+        if 3 in only:
+            h = {"Content-Type": "application/json"}
+            results["scenarios"]["3a"] = scenario_runs("3 small", [
+                ("direct gRPC (pre-encoded)", lambda: h2load(f"http://127.0.0.1:{ports['backend_grpc']}{grpc_path}", g, seconds, 4, c // 4), ["model-server"]),
+                ("oipgate REST JSON -> gRPC", lambda: wrk(f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub/versions/2/infer", f, h, seconds, c, threads), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+            big = fp32_json(1 << 20)
+            fb = write(OUT / "fp32_1m.json", big)
+            message, _ = convert(big, "json", "protobuf")
+            gb = write(OUT / "fp32_1m.grpc", grpc_frame(encode_name(message, "identity", "1")))
+            results["scenarios"]["3b"] = scenario_runs("3 1M FP32", [
+                ("direct gRPC (pre-encoded)", lambda: h2load(f"http://127.0.0.1:{ports['backend_grpc']}{grpc_path}", gb, seconds, 1, 1), ["model-server"]),
+                ("oipgate REST JSON -> gRPC", lambda: wrk(f"http://127.0.0.1:{ports['rest']}/v2/models/identity/versions/1/infer", fb, h, seconds, 1, 1), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+            results["scenarios"]["3b"].append({"setup": "JSON body", "bytes": len(big)})
+        if 4 in only or 5 in only:
+            elements = 16 << 20  # 64 MiB of FP32
+            body, header_length = fp32_binary(elements)
+            fbin = write(OUT / "fp32_64m.bin", body)
+            message, _ = convert(body, "binary", "protobuf", header_length)
+            g64 = write(OUT / "fp32_64m_identity1.grpc", grpc_frame(encode_name(message, "identity", "1")))
+            g64_rest = write(OUT / "fp32_64m_identity2.grpc", grpc_frame(encode_name(message, "identity", "2")))
+            hb = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)}
+        if 4 in only:
+            results["scenarios"]["4"] = scenario_runs("4 64 MiB", [
+                ("direct gRPC (pre-encoded)", lambda: h2load(f"http://127.0.0.1:{ports['backend_grpc']}{grpc_path}", g64, seconds, 1, 1), ["model-server"]),
+                ("oipgate REST binary -> gRPC", lambda: wrk(f"http://127.0.0.1:{ports['rest']}/v2/models/identity/versions/1/infer", fbin, hb, seconds, 1, 1), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+        if 5 in only:
+            results["scenarios"]["5"] = scenario_runs("5 64 MiB", [
+                ("direct REST binary", lambda: wrk(f"http://127.0.0.1:{ports['backend_rest']}/v2/models/identity/versions/1/infer", fbin, hb, seconds, 1, 1), ["model-server"]),
+                ("oipgate gRPC -> REST binary", lambda: h2load(f"http://127.0.0.1:{ports['grpc']}{grpc_path}", g64_rest, seconds, 1, 1), ["model-server", "oipgate"]),
+            ], args.rounds, processes, gateway)
+    finally:
+        for server in (gateway, nginx, backend):
+            server.stop()
+    (OUT / "results.json").write_text(json.dumps(results, indent=2))
+    (OUT / "report.md").write_text(report(results))
+    print(f"bench: wrote {OUT / 'report.md'} and {OUT / 'results.json'}")
+
+
+def encode_name(message, name, version):
+    """Replaces fields 1 and 2 (model_name, model_version) of an encoded ModelInferRequest."""
+    out, i = bytearray(), 0
+
+    def varint(n):
+        b = bytearray()
+        while True:
+            byte = n & 0x7F
+            n >>= 7
+            b.append(byte | (0x80 if n else 0))
+            if not n:
+                return bytes(b)
+
+    def read_varint(pos):
+        shift = value = 0
+        while True:
+            byte = message[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value, pos
+
+    for field, text in ((1, name), (2, version)):
+        data = text.encode()
+        out += varint(field << 3 | 2) + varint(len(data)) + data
+    while i < len(message):
+        key, j = read_varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, end = read_varint(j)
+        elif wire == 2:
+            length, k = read_varint(j)
+            end = k + length
+        elif wire == 1:
+            end = j + 8
+        elif wire == 5:
+            end = j + 4
+        else:
+            raise SystemExit("bench: unexpected wire type")
+        if field not in (1, 2):
+            out += message[i:end]
+        i = end
+    return bytes(out)
+
+
+def idle_rss(ports, gateway, nginx):
+    time.sleep(0.5)
+    idle = {"oipgate": status_kib(gateway.pid, "VmRSS"), "nginx": status_kib(nginx.pid, "VmRSS")}
+    count = 1000
+    held = {}
+    for name, port in (("oipgate", ports["rest"]), ("nginx", ports["nginx_rest"])):
+        held[name] = idle_connections(port, count)
+    time.sleep(0.5)
+    loaded = {"oipgate": status_kib(gateway.pid, "VmRSS"), "nginx": status_kib(nginx.pid, "VmRSS")}
+    for sockets in held.values():
+        for s in sockets:
+            s.close()
+    result = {
+        name: {
+            "idle_rss_mib": idle[name] / 1024,
+            "rss_with_1000_idle_mib": loaded[name] / 1024,
+            "per_connection_kib": (loaded[name] - idle[name]) / count,
+        }
+        for name in idle
+    }
+    for name, r in result.items():
+        print(f"  6: {name:<8} idle {r['idle_rss_mib']:.1f} MiB, with 1,000 idle connections "
+              f"{r['rss_with_1000_idle_mib']:.1f} MiB ({r['per_connection_kib']:.1f} KiB each)", flush=True)
+    return result
+
+
+def machine():
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    version = lambda cmd: subprocess.run(cmd, capture_output=True, text=True).stdout.strip() or subprocess.run(
+        cmd, capture_output=True, text=True).stderr.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "oipgate": version([str(BINARY), "--version"]),
+        "nginx": version(["nginx", "-v"]).splitlines()[0] if version(["nginx", "-v"]) else "",
+        "wrk": version(["wrk", "-v"]).splitlines()[0],
+        "h2load": version(["h2load", "--version"]).splitlines()[0],
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def report(results):
+    lines = ["# End-to-end load run", ""]
+    m = results["machine"]
+    lines += [f"Machine: {m['cpu']}, {m['cores']} cores, Linux {m['kernel']}; {m['oipgate']}, {m['nginx']}, "
+              f"{m['wrk']}, {m['h2load']}; {m['date']}. Settings: {results['args']}.", ""]
+    for name, runs in results["scenarios"].items():
+        lines += [f"## Scenario {name}", ""]
+        if name == "6":
+            lines += ["| | idle RSS | RSS with 1,000 idle keep-alive connections | per connection |", "|---|---|---|---|"]
+            for proc, r in runs.items():
+                lines.append(f"| {proc} | {r['idle_rss_mib']:.1f} MiB | {r['rss_with_1000_idle_mib']:.1f} MiB | "
+                             f"{r['per_connection_kib']:.1f} KiB |")
+            lines.append("")
+            continue
+        lines += ["| setup | req/s | p50 ms | p90 ms | p99 ms | errors | CPU s / 1k req | gateway peak RSS |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in runs:
+            if "rps" not in r:
+                continue
+            cpu = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_per_1k"].items())
+            rss = f"{r['gateway_peak_rss_mib']:.0f} MiB" if r.get("gateway_peak_rss_mib") else ""
+            lines.append(f"| {r['setup']} | {r['rps']:.1f} | {r.get('p50', float('nan')):.3f} | "
+                         f"{r.get('p90', float('nan')):.3f} | {r.get('p99', float('nan')):.3f} | {r['errors']} | {cpu} | {rss} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
