@@ -40,10 +40,10 @@ def wait_port(port, timeout=10.0):
     while time.time() < until:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
+                return True
         except OSError:
             time.sleep(0.05)
-    raise SystemExit(f"bench: nothing listens on port {port}")
+    return False
 
 
 def descendants(pid):
@@ -98,11 +98,13 @@ def reset_peak(pid):
 class Server:
     def __init__(self, name, command, ports, env=None):
         self.name = name
+        self.log = OUT / f"{name}.log"
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+            command, stdout=subprocess.DEVNULL, stderr=self.log.open("wb"), env=env, start_new_session=True
         )
         for port in ports:
-            wait_port(port)
+            if not wait_port(port):
+                raise SystemExit(f"bench: {name} does not listen on {port}: {self.log.read_text()[-2000:]}")
 
     @property
     def pid(self):
@@ -172,7 +174,7 @@ def fp32_binary(elements):
                     "parameters": {"binary_data_size": elements * 4},
                 }
             ],
-            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+            "parameters": {"binary_data_output": True},
         }
     ).encode()
     return header + os.urandom(elements * 4), len(header)
@@ -193,7 +195,7 @@ f:close()
 """
     )
     done = subprocess.run(
-        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
+        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "60s", "--latency", "-s", str(script), url],
         capture_output=True,
         text=True,
     )
@@ -215,6 +217,8 @@ f:close()
 
 def h2load(url, body_file, seconds, connections, streams):
     log = OUT / "h2load.log"
+    # h2load appends to its log.
+    log.unlink(missing_ok=True)
     done = subprocess.run(
         [
             "h2load",
@@ -284,8 +288,7 @@ http {{
         }}
     }}
     server {{
-        listen 127.0.0.1:{nginx_grpc};
-        http2 on;
+        listen 127.0.0.1:{nginx_grpc} http2;
         keepalive_requests 1000000;
         location / {{ grpc_pass grpc://grpc_backend; }}
     }}

@@ -6,9 +6,9 @@ mod common;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{GatewayProcess, ModelServerProcess, free_port, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, eventually, free_port, http_client, send};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{Name, RData, Record, RecordType};
@@ -58,21 +58,6 @@ async fn dns_server(name: &str, records: Arc<Mutex<Vec<Ipv4Addr>>>) -> SocketAdd
 
 fn replica_at(ip: &str, port: u16, name: &str) -> ModelServerProcess {
     ModelServerProcess::start(&["--rest", &format!("{ip}:{port}"), "--name", name])
-}
-
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let until = Instant::now() + limit;
-    while Instant::now() < until {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -9,47 +9,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, ModelServerProcess, get, http_client, send};
-use oipgate::proto::model_infer_request::InferInputTensor;
-use oipgate::proto::{InferTensorContents, ModelInferRequest};
+use common::{GatewayProcess, ModelServerProcess, eventually, get, http_client, send};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
 fn replica(name: &str) -> ModelServerProcess {
     ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--name", name])
-}
-
-fn grpc_identity(model: &str) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: model.into(),
-        inputs: vec![InferInputTensor {
-            name: "x".into(),
-            datatype: "INT32".into(),
-            shape: vec![2],
-            contents: Some(InferTensorContents {
-                int_contents: vec![7, 8],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
-}
-
-/// Polls `check` every 20 ms until it holds or `limit` passes.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let until = Instant::now() + limit;
-    while Instant::now() < until {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// The configuration of step `step` of the rewrite sequence: weights that move, a model added and removed, a backend
@@ -118,7 +83,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
                         .then_some(())
                         .ok_or_else(|| format!("REST {}: {}", answer.status, String::from_utf8_lossy(&answer.body)))
                 } else {
-                    grpc.model_infer(grpc_identity("identity"))
+                    grpc.model_infer(common::grpc_int32_request("identity", ""))
                         .await
                         .map(drop)
                         .map_err(|status| format!("gRPC {status:?}"))
@@ -386,7 +351,7 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
     assert_eq!(unknown.status, 404);
     assert_eq!(get(&gateway.rest_url("/v2/health/live")).await.status, 200);
     let mut grpc = gateway.grpc_client().await;
-    let mut request = tonic::Request::new(grpc_identity("identity"));
+    let mut request = tonic::Request::new(common::grpc_int32_request("identity", ""));
     request
         .metadata_mut()
         .insert("x-request-id", "req-grpc".parse().unwrap());

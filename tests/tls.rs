@@ -15,8 +15,6 @@ use common::{GatewayProcess, ModelServerProcess, http_client, send};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use oipgate::proto::model_infer_request::InferInputTensor;
-use oipgate::proto::{InferTensorContents, ModelInferRequest};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -290,21 +288,7 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
     }
     let mut grpc = back.grpc_client().await;
     for version in ["1", "2"] {
-        let request = ModelInferRequest {
-            model_name: "identity".into(),
-            model_version: version.into(),
-            inputs: vec![InferInputTensor {
-                name: "x".into(),
-                datatype: "INT32".into(),
-                shape: vec![2],
-                contents: Some(InferTensorContents {
-                    int_contents: vec![7, 8],
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        };
+        let request = common::grpc_int32_request("identity", version);
         let answer = grpc.model_infer(request).await;
         assert!(answer.is_ok(), "gRPC version {version}: {answer:?}");
     }

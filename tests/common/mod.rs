@@ -296,3 +296,39 @@ impl Drop for GatewayProcess {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Polls `check` every 20 ms until it holds, or panics naming `what` after `limit`.
+pub async fn eventually<F, Fut>(limit: std::time::Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < until {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A gRPC `identity` request (or any one-input INT32 model) for `model` at `version` ("" for the default) with the
+/// input [7, 8].
+pub fn grpc_int32_request(model: &str, version: &str) -> oipgate::proto::ModelInferRequest {
+    oipgate::proto::ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        inputs: vec![oipgate::proto::model_infer_request::InferInputTensor {
+            name: "x".into(),
+            datatype: "INT32".into(),
+            shape: vec![2],
+            contents: Some(oipgate::proto::InferTensorContents {
+                int_contents: vec![7, 8],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
