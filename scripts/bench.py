@@ -325,7 +325,7 @@ default_version = "1"
 """
 
 
-def start_all(work):
+def start_all(work, workers):
     ports = {k: free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "nginx_rest", "nginx_grpc")}
     backend = Server(
         "model-server",
@@ -340,7 +340,7 @@ def start_all(work):
             backend_grpc=ports["backend_grpc"],
         )
     )
-    env = dict(os.environ, RUST_LOG="warn")
+    env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
     gateway = Server("oipgate", [str(BINARY), "serve", "--config", str(config)], [ports["rest"], ports["grpc"]], env)
     prefix = work / "nginx"
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
@@ -348,7 +348,7 @@ def start_all(work):
     nginx_conf.write_text(
         NGINX_CONF.format(
             user="user root;" if os.geteuid() == 0 else "",
-            workers=os.cpu_count(),
+            workers=workers,
             prefix=prefix,
             rest=ports["backend_rest"],
             grpc=ports["backend_grpc"],
@@ -413,11 +413,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
     parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
     parser.add_argument("--only", default="1,2,3,4,5,6", help="scenarios to run, e.g. 1,2,6")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(),
+                        help="worker threads of oipgate's doors and nginx's worker processes (default: cores)")
     args = parser.parse_args()
     only = {int(s) for s in args.only.split(",")}
     OUT.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
-    ports, backend, gateway, nginx = start_all(work)
+    ports, backend, gateway, nginx = start_all(work, args.workers)
     processes = {"model-server": backend, "oipgate": gateway, "nginx": nginx}
     results = {"machine": machine(), "args": vars(args), "scenarios": {}}
     seconds, c = args.seconds, args.connections

@@ -206,7 +206,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     };
 
     let conf = ServerConf {
-        threads: std::thread::available_parallelism().map_or(2, usize::from),
+        threads: config.threads,
         // The exit comes earlier when nothing is left under way (see `Signals`).
         grace_period_seconds: Some(
             config

@@ -379,6 +379,9 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
     if running.shutdown != new.shutdown {
         changes.push("a change of [shutdown]");
     }
+    if running.threads != new.threads {
+        changes.push("a change of runtime.threads");
+    }
     changes
 }
 

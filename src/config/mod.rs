@@ -36,6 +36,8 @@ pub struct Config {
     pub tls: Option<ServerTls>,
     pub shutdown: Shutdown,
     pub reload: Reload,
+    /// Worker threads of each front door.
+    pub threads: usize,
     pub backends: Vec<Backend>,
     pub models: Vec<ModelConfig>,
 }
@@ -717,6 +719,15 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
         value => value.unwrap_or(DEFAULT_WATCH_INTERVAL_MS),
     };
 
+    let threads = match raw.runtime.threads {
+        Some(0) => {
+            problems.add("runtime.threads", "must be at least 1");
+            1
+        }
+        Some(n) => n,
+        None => std::thread::available_parallelism().map_or(2, usize::from),
+    };
+
     let ready_policy = match raw.ready_policy.as_deref() {
         None | Some("all_models") => ReadyPolicy::AllModels,
         Some("any_model") => ReadyPolicy::AnyModel,
@@ -753,6 +764,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
             watch: raw.reload.watch.unwrap_or(true),
             interval: Duration::from_millis(watch_interval),
         },
+        threads,
         backends,
         models,
     })

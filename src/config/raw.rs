@@ -21,6 +21,8 @@ pub struct RawConfig {
     #[serde(default)]
     pub reload: RawReload,
     #[serde(default)]
+    pub runtime: RawRuntime,
+    #[serde(default)]
     pub backends: Vec<RawBackend>,
     #[serde(default)]
     pub models: Vec<RawModel>,
@@ -77,6 +79,13 @@ pub struct RawReload {
     pub watch: Option<bool>,
     /// How often they are looked at, in milliseconds.
     pub watch_interval_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRuntime {
+    /// Worker threads of each front door (default: one per core).
+    pub threads: Option<usize>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -407,10 +407,21 @@ impl RestFrontDoor {
             if (body.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len()) as u64 > self.max_request_bytes {
                 return Err(self.too_large());
             }
-            // One chunk is kept as it is; only a body in several pieces is joined.
+            // One chunk is kept as it is; only a body in several pieces is joined, into one buffer of the declared
+            // length (no growth by doubling, which would copy a large tensor several times over).
             match first.take() {
                 None if body.is_empty() => first = Some(chunk),
                 Some(previous) => {
+                    let declared = session
+                        .req_header()
+                        .headers
+                        .get(http::header::CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .filter(|&length| length <= self.max_request_bytes)
+                        .and_then(|length| usize::try_from(length).ok())
+                        .unwrap_or(0);
+                    body.reserve(declared.max(previous.len() + chunk.len()));
                     body.extend_from_slice(&previous);
                     body.extend_from_slice(&chunk);
                 }

@@ -167,7 +167,14 @@ impl GrpcUpstream {
         }
         let (parts, body) = response.into_parts();
         let mut answer_metadata = headers::end_to_end(&parts.headers);
-        let (body, trailers) = super::read_answer(body, self.max_response_bytes, FRAME_HEADER, &self.authority).await?;
+        let (body, trailers) = super::read_answer(
+            body,
+            self.max_response_bytes,
+            FRAME_HEADER,
+            super::Sized::GrpcFrame,
+            &self.authority,
+        )
+        .await?;
         let trailers = trailers.unwrap_or_default();
         if let Some(error) = status_error(&trailers) {
             return Err(error);

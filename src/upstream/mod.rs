@@ -8,7 +8,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use bytes::BytesMut;
+use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -115,29 +116,88 @@ async fn within<T>(deadline: Option<Duration>, authority: &str, call: impl Futur
     }
 }
 
+/// How an answer's length is known ahead of its bytes, so it can be gathered into one buffer allocated once.
+#[derive(Debug, Clone, Copy)]
+enum Sized {
+    /// A REST answer's Content-Length, when given.
+    ContentLength(Option<usize>),
+    /// A gRPC message: its length is in the 5-byte frame header.
+    GrpcFrame,
+}
+
 /// Reads a backend's whole answer, up to `limit` bytes of payload plus `framing` bytes of protocol framing; gives the
-/// body and its trailers.
+/// body and its trailers. An answer that arrives as one frame is kept as it is; one in many frames is gathered into a
+/// single buffer sized from its announced length (no growth by doubling, no second buffer to join into), each frame
+/// freed as it is copied.
 async fn read_answer<B>(
     body: B,
     limit: usize,
     framing: usize,
+    sized: Sized,
     authority: &str,
 ) -> Result<(Bytes, Option<http::HeaderMap>)>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let collected = Limited::new(body, limit.saturating_add(framing))
-        .collect()
-        .await
-        .map_err(|e| {
-            let message = if e.is::<http_body_util::LengthLimitError>() {
-                format!("backend {authority} answered more than the limit of {limit} bytes")
-            } else {
-                format!("backend {authority} broke off its answer: {e}")
-            };
-            Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
+    let cap = limit.saturating_add(framing);
+    let too_large = || {
+        Error::new(
+            ErrorKind::BadGateway,
+            Origin::Upstream,
+            format!("backend {authority} answered more than the limit of {limit} bytes"),
+        )
+        .with_retryable(false)
+    };
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut gathered = BytesMut::new();
+    let mut trailers = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("backend {authority} broke off its answer: {}", e.into()),
+            )
+            .with_retryable(false)
         })?;
-    let trailers = collected.trailers().cloned();
-    Ok((collected.to_bytes(), trailers))
+        let data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(map) = frame.into_trailers() {
+                    trailers = Some(map);
+                }
+                continue;
+            }
+        };
+        let so_far = first.as_ref().map_or(0, Bytes::len) + gathered.len();
+        if so_far + data.len() > cap {
+            return Err(too_large());
+        }
+        if first.is_none() && gathered.is_empty() {
+            first = Some(data);
+            continue;
+        }
+        if let Some(previous) = first.take() {
+            let expected = match sized {
+                Sized::ContentLength(length) => length,
+                Sized::GrpcFrame => {
+                    let mut header = [0u8; 5];
+                    let head = previous.iter().chain(data.iter()).take(5).copied().collect::<Vec<_>>();
+                    header[..head.len()].copy_from_slice(&head);
+                    (head.len() == 5)
+                        .then(|| 5 + u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize)
+                }
+            };
+            gathered.reserve(expected.unwrap_or(0).min(cap).max(previous.len() + data.len()));
+            gathered.extend_from_slice(&previous);
+        }
+        gathered.extend_from_slice(&data);
+    }
+    let body = match first {
+        Some(only) => only,
+        None => gathered.freeze(),
+    };
+    Ok((body, trailers))
 }

@@ -120,7 +120,18 @@ impl RestUpstream {
             .map_err(|e| super::unreachable(&self.authority, &e))?;
         let status = response.status();
         let headers = response.headers().clone();
-        let (body, _) = super::read_answer(response.into_body(), self.max_response_bytes, 0, &self.authority).await?;
+        let length = headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        let (body, _) = super::read_answer(
+            response.into_body(),
+            self.max_response_bytes,
+            0,
+            super::Sized::ContentLength(length),
+            &self.authority,
+        )
+        .await?;
         Ok(RestAnswer { status, headers, body })
     }
 
