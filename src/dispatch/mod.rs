@@ -3,7 +3,6 @@
 //! the public names restored.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,20 +12,24 @@ use prost::Message;
 
 use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
-use crate::config::{Backend, BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
+use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::fleet::{EndpointState, Endpoints, Lease};
+use crate::fleet::Lease;
 use crate::metrics::{self, BackendMetrics, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
     InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
 };
 use crate::routing::{RouteTable, Routed, VersionRoute};
-use crate::tls::{BackendMaterial, Prepared};
-use crate::upstream::{EndpointTls, GrpcUpstream, Replied, RestUpstream};
+use crate::tls::Prepared;
+use crate::upstream::Replied;
 
+mod backend;
 mod mirror;
 mod probe;
+
+pub use backend::PeerTls;
+use backend::{BackendClients, Replicas};
 
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
@@ -70,45 +73,6 @@ pub struct Passthrough {
     pub tls: Option<Arc<PeerTls>>,
 }
 
-/// TLS for a backend's calls proxied by pingora: the CA to verify against, the client certificate, the SNI.
-pub struct PeerTls {
-    pub ca: Option<Arc<[pingora::utils::tls::WrappedX509]>>,
-    pub client_cert: Option<Arc<pingora::utils::tls::CertKey>>,
-    /// The configured or DNS name; `None` for the endpoint's own host.
-    pub server_name: Option<String>,
-}
-
-impl std::fmt::Debug for PeerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerTls")
-            .field("ca", &self.ca.as_ref().map(|ca| ca.len()))
-            .field("client_cert", &self.client_cert.is_some())
-            .field("server_name", &self.server_name)
-            .finish()
-    }
-}
-
-impl PeerTls {
-    fn new(material: &BackendMaterial, server_name: Option<String>) -> PeerTls {
-        use pingora::utils::tls::{CertKey, WrappedX509, parse_x509};
-        PeerTls {
-            ca: material.ca.as_ref().map(|ca| {
-                ca.iter()
-                    .map(|c| WrappedX509::new(c.as_ref().to_vec(), parse_x509))
-                    .collect::<Vec<_>>()
-                    .into()
-            }),
-            client_cert: material.client_cert.as_ref().map(|(chain, key)| {
-                Arc::new(CertKey::new(
-                    chain.iter().map(|c| c.as_ref().to_vec()).collect(),
-                    key.clone(),
-                ))
-            }),
-            server_name,
-        }
-    }
-}
-
 /// What one request carries besides its payload.
 #[derive(Debug, Clone, Default)]
 pub struct CallContext {
@@ -117,166 +81,6 @@ pub struct CallContext {
     /// The end-to-end headers (or gRPC metadata) to pass on to the backend: `x-request-id`, `traceparent`,
     /// `authorization` and whatever else the client sent that is not about one hop (see [`crate::headers`]).
     pub forward: HeaderMap,
-}
-
-/// A backend's replicas, spoken to over its protocol.
-#[derive(Debug)]
-enum Replicas {
-    Rest {
-        endpoints: Vec<RestUpstream>,
-        binary_data: bool,
-    },
-    Grpc {
-        endpoints: Vec<GrpcUpstream>,
-    },
-}
-
-#[derive(Debug)]
-struct BackendClients {
-    name: String,
-    /// The configuration it was built from (its endpoints aside) and its TLS material, to tell on reload whether
-    /// its connections can be kept.
-    config: Backend,
-    tls: Option<BackendMaterial>,
-    /// The endpoints, in the order of `replicas` and `fleet.states`.
-    endpoints: Vec<Endpoint>,
-    /// TLS for calls proxied by pingora.
-    peer_tls: Option<Arc<PeerTls>>,
-    replicas: Replicas,
-    /// The replicas' state and the choice among them; index `i` is replica `i` of `replicas`.
-    fleet: Endpoints,
-    metrics: BackendMetrics,
-}
-
-impl BackendClients {
-    /// The clients of `backend` at `endpoints`; an endpoint `reuse` has is taken over with its connections and state.
-    fn new(
-        backend: &Backend,
-        endpoints: &[Endpoint],
-        tls: Option<BackendMaterial>,
-        max_response: usize,
-        reuse: Option<&BackendClients>,
-        metrics: &Metrics,
-    ) -> BackendClients {
-        let server_name = tls.as_ref().and_then(|material| {
-            material.server_name.clone().or_else(|| match &backend.discovery {
-                Discovery::Dns { host, .. } => Some(host.clone()),
-                Discovery::Static => None,
-            })
-        });
-        let endpoint_tls = tls.as_ref().map(|material| EndpointTls {
-            material: material.clone(),
-            server_name: server_name.clone(),
-        });
-        let previous = |endpoint: &Endpoint| {
-            reuse.and_then(|old| old.endpoints.iter().position(|e| e == endpoint).map(|i| (old, i)))
-        };
-        let replicas = match backend.protocol {
-            BackendProtocol::Rest => Replicas::Rest {
-                endpoints: endpoints
-                    .iter()
-                    .map(|e| match previous(e) {
-                        Some((old, i)) if let Replicas::Rest { endpoints: clients, .. } = &old.replicas => {
-                            clients[i].clone()
-                        }
-                        _ => RestUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
-                    })
-                    .collect(),
-                binary_data: backend.binary_data,
-            },
-            BackendProtocol::Grpc => Replicas::Grpc {
-                endpoints: endpoints
-                    .iter()
-                    .map(|e| match previous(e) {
-                        Some((old, i)) if let Replicas::Grpc { endpoints: clients } = &old.replicas => {
-                            clients[i].clone()
-                        }
-                        _ => GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
-                    })
-                    .collect(),
-            },
-        };
-        let states = endpoints
-            .iter()
-            .map(|e| match previous(e) {
-                Some((old, i)) => old.fleet.states[i].clone(),
-                None => {
-                    let authority = e.to_string();
-                    let gauge = metrics.endpoint_healthy(&backend.name, &authority);
-                    Arc::new(EndpointState::new(authority, &backend.policy, gauge))
-                }
-            })
-            .collect();
-        BackendClients {
-            name: backend.name.clone(),
-            config: backend.clone(),
-            peer_tls: tls
-                .as_ref()
-                .map(|material| Arc::new(PeerTls::new(material, server_name))),
-            tls,
-            endpoints: endpoints.to_vec(),
-            replicas,
-            fleet: Endpoints::from_states(states, backend.policy.clone()),
-            metrics: metrics.backend(&backend.name),
-        }
-    }
-
-    /// Whether clients built for `backend` with `tls` would connect the same way as these.
-    fn same_connections(&self, backend: &Backend, tls: Option<&BackendMaterial>) -> bool {
-        let mut a = self.config.clone();
-        let mut b = backend.clone();
-        a.endpoints.clear();
-        b.endpoints.clear();
-        a == b && self.tls.as_ref() == tls
-    }
-
-    /// Runs `call` on a chosen endpoint (its index and the time left), and on further endpoints while the call
-    /// failed before reaching one, within the backend's retries and retry budget and the deadline. Each outcome feeds
-    /// the endpoint's outlier detection.
-    async fn attempt<T, F, Fut>(
-        &self,
-        upstream: (&str, &str),
-        sticky: Option<u64>,
-        deadline: Duration,
-        mut call: F,
-    ) -> Result<T>
-    where
-        F: FnMut(usize, Duration) -> Fut,
-        Fut: Future<Output = Result<T>>,
-    {
-        let until = Instant::now() + deadline;
-        let mut tried = Vec::new();
-        let mut unreached: Option<Error> = None;
-        loop {
-            let lease = match self
-                .fleet
-                .lease(&self.name, upstream.0, upstream.1, sticky, &tried)
-                .await
-            {
-                Ok(lease) => lease,
-                // No other endpoint to try: the endpoint that could not be reached is the answer.
-                Err(error) => return Err(unreached.unwrap_or(error)),
-            };
-            let left = until.saturating_duration_since(Instant::now());
-            let _call = self.metrics.call();
-            let outcome = call(lease.index, left).await;
-            let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
-            lease.state.observed(failed, &self.fleet.policy);
-            match outcome {
-                Err(error)
-                    if error.is_unsent()
-                        && tried.len() < self.fleet.policy.retries as usize
-                        && !until.saturating_duration_since(Instant::now()).is_zero()
-                        && self.fleet.take_retry() =>
-                {
-                    self.metrics.retried();
-                    tried.push(lease.index);
-                    unreached = Some(error);
-                }
-                outcome => return outcome,
-            }
-        }
-    }
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.

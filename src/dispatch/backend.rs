@@ -1,0 +1,213 @@
+//! A backend's clients: one per endpoint over the backend's protocol (and TLS), the endpoints' shared state, the
+//! carry-over of both when a configuration is rebuilt, and the attempt loop (retries within budget and deadline).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::CONNECT_TIMEOUT;
+use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
+use crate::error::{Error, Result};
+use crate::fleet::{EndpointState, Endpoints};
+use crate::metrics::{BackendMetrics, Metrics};
+use crate::tls::BackendMaterial;
+use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
+
+/// TLS for a backend's calls proxied by pingora: the CA to verify against, the client certificate, the SNI.
+pub struct PeerTls {
+    pub ca: Option<Arc<[pingora::utils::tls::WrappedX509]>>,
+    pub client_cert: Option<Arc<pingora::utils::tls::CertKey>>,
+    /// The configured or DNS name; `None` for the endpoint's own host.
+    pub server_name: Option<String>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerTls")
+            .field("ca", &self.ca.as_ref().map(|ca| ca.len()))
+            .field("client_cert", &self.client_cert.is_some())
+            .field("server_name", &self.server_name)
+            .finish()
+    }
+}
+
+impl PeerTls {
+    fn new(material: &BackendMaterial, server_name: Option<String>) -> PeerTls {
+        use pingora::utils::tls::{CertKey, WrappedX509, parse_x509};
+        PeerTls {
+            ca: material.ca.as_ref().map(|ca| {
+                ca.iter()
+                    .map(|c| WrappedX509::new(c.as_ref().to_vec(), parse_x509))
+                    .collect::<Vec<_>>()
+                    .into()
+            }),
+            client_cert: material.client_cert.as_ref().map(|(chain, key)| {
+                Arc::new(CertKey::new(
+                    chain.iter().map(|c| c.as_ref().to_vec()).collect(),
+                    key.clone(),
+                ))
+            }),
+            server_name,
+        }
+    }
+}
+
+/// A backend's replicas, spoken to over its protocol.
+#[derive(Debug)]
+pub(super) enum Replicas {
+    Rest {
+        endpoints: Vec<RestUpstream>,
+        binary_data: bool,
+    },
+    Grpc {
+        endpoints: Vec<GrpcUpstream>,
+    },
+}
+
+#[derive(Debug)]
+pub(super) struct BackendClients {
+    pub(super) name: String,
+    /// The configuration it was built from (its endpoints aside) and its TLS material, to tell on reload whether
+    /// its connections can be kept.
+    pub(super) config: Backend,
+    pub(super) tls: Option<BackendMaterial>,
+    /// The endpoints, in the order of `replicas` and `fleet.states`.
+    pub(super) endpoints: Vec<Endpoint>,
+    /// TLS for calls proxied by pingora.
+    pub(super) peer_tls: Option<Arc<PeerTls>>,
+    pub(super) replicas: Replicas,
+    /// The replicas' state and the choice among them; index `i` is replica `i` of `replicas`.
+    pub(super) fleet: Endpoints,
+    pub(super) metrics: BackendMetrics,
+}
+
+impl BackendClients {
+    /// The clients of `backend` at `endpoints`; an endpoint `reuse` has is taken over with its connections and state.
+    pub(super) fn new(
+        backend: &Backend,
+        endpoints: &[Endpoint],
+        tls: Option<BackendMaterial>,
+        max_response: usize,
+        reuse: Option<&BackendClients>,
+        metrics: &Metrics,
+    ) -> BackendClients {
+        let server_name = tls.as_ref().and_then(|material| {
+            material.server_name.clone().or_else(|| match &backend.discovery {
+                Discovery::Dns { host, .. } => Some(host.clone()),
+                Discovery::Static => None,
+            })
+        });
+        let endpoint_tls = tls.as_ref().map(|material| EndpointTls {
+            material: material.clone(),
+            server_name: server_name.clone(),
+        });
+        let previous = |endpoint: &Endpoint| {
+            reuse.and_then(|old| old.endpoints.iter().position(|e| e == endpoint).map(|i| (old, i)))
+        };
+        let replicas = match backend.protocol {
+            BackendProtocol::Rest => Replicas::Rest {
+                endpoints: endpoints
+                    .iter()
+                    .map(|e| match previous(e) {
+                        Some((old, i)) if let Replicas::Rest { endpoints: clients, .. } = &old.replicas => {
+                            clients[i].clone()
+                        }
+                        _ => RestUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
+                    })
+                    .collect(),
+                binary_data: backend.binary_data,
+            },
+            BackendProtocol::Grpc => Replicas::Grpc {
+                endpoints: endpoints
+                    .iter()
+                    .map(|e| match previous(e) {
+                        Some((old, i)) if let Replicas::Grpc { endpoints: clients } = &old.replicas => {
+                            clients[i].clone()
+                        }
+                        _ => GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
+                    })
+                    .collect(),
+            },
+        };
+        let states = endpoints
+            .iter()
+            .map(|e| match previous(e) {
+                Some((old, i)) => old.fleet.states[i].clone(),
+                None => {
+                    let authority = e.to_string();
+                    let gauge = metrics.endpoint_healthy(&backend.name, &authority);
+                    Arc::new(EndpointState::new(authority, &backend.policy, gauge))
+                }
+            })
+            .collect();
+        BackendClients {
+            name: backend.name.clone(),
+            config: backend.clone(),
+            peer_tls: tls
+                .as_ref()
+                .map(|material| Arc::new(PeerTls::new(material, server_name))),
+            tls,
+            endpoints: endpoints.to_vec(),
+            replicas,
+            fleet: Endpoints::from_states(states, backend.policy.clone()),
+            metrics: metrics.backend(&backend.name),
+        }
+    }
+
+    /// Whether clients built for `backend` with `tls` would connect the same way as these.
+    pub(super) fn same_connections(&self, backend: &Backend, tls: Option<&BackendMaterial>) -> bool {
+        let mut a = self.config.clone();
+        let mut b = backend.clone();
+        a.endpoints.clear();
+        b.endpoints.clear();
+        a == b && self.tls.as_ref() == tls
+    }
+
+    /// Runs `call` on a chosen endpoint (its index and the time left), and on further endpoints while the call
+    /// failed before reaching one, within the backend's retries and retry budget and the deadline. Each outcome feeds
+    /// the endpoint's outlier detection.
+    pub(super) async fn attempt<T, F, Fut>(
+        &self,
+        upstream: (&str, &str),
+        sticky: Option<u64>,
+        deadline: Duration,
+        mut call: F,
+    ) -> Result<T>
+    where
+        F: FnMut(usize, Duration) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let until = Instant::now() + deadline;
+        let mut tried = Vec::new();
+        let mut unreached: Option<Error> = None;
+        loop {
+            let lease = match self
+                .fleet
+                .lease(&self.name, upstream.0, upstream.1, sticky, &tried)
+                .await
+            {
+                Ok(lease) => lease,
+                // No other endpoint to try: the endpoint that could not be reached is the answer.
+                Err(error) => return Err(unreached.unwrap_or(error)),
+            };
+            let left = until.saturating_duration_since(Instant::now());
+            let _call = self.metrics.call();
+            let outcome = call(lease.index, left).await;
+            let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
+            lease.state.observed(failed, &self.fleet.policy);
+            match outcome {
+                Err(error)
+                    if error.is_unsent()
+                        && tried.len() < self.fleet.policy.retries as usize
+                        && !until.saturating_duration_since(Instant::now()).is_zero()
+                        && self.fleet.take_retry() =>
+                {
+                    self.metrics.retried();
+                    tried.push(lease.index);
+                    unreached = Some(error);
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+}
