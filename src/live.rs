@@ -412,13 +412,15 @@ async fn lookup(host: &str, port: u16, server: Option<SocketAddr>) -> Result<Vec
             .map_err(|e| e.to_string())?;
         return Ok(found.map(|address| endpoint(address.ip())).collect());
     };
-    use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig, ResolverOpts};
+    use hickory_resolver::config::{LookupIpStrategy, NameServerConfigGroup, ResolverConfig, ResolverOpts};
     use hickory_resolver::name_server::TokioConnectionProvider;
     let group = NameServerConfigGroup::from_ips_clear(&[server.ip()], server.port(), true);
     let mut options = ResolverOpts::default();
     options.timeout = RESOLVE_TIMEOUT;
     options.attempts = 1;
     options.cache_size = 0;
+    // Every A and every AAAA record is an endpoint (the default asks for AAAA only when there is no A).
+    options.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
     let resolver = hickory_resolver::Resolver::builder_with_config(
         ResolverConfig::from_parts(None, Vec::new(), group),
         TokioConnectionProvider::default(),

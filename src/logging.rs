@@ -36,7 +36,9 @@ pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
-    let field = |value: Option<&str>| value.filter(|v| !v.is_empty()).unwrap_or("-").to_owned();
+    fn field(value: Option<&str>) -> &str {
+        value.filter(|v| !v.is_empty()).unwrap_or("-")
+    }
     tracing::info!(
         target: ACCESS,
         request_id = %field(request.request_id),

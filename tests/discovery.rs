@@ -3,21 +3,22 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{GatewayProcess, ModelServerProcess, eventually, free_port, http_client, send};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
-use hickory_proto::rr::rdata::A;
+use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_proto::serialize::binary::BinEncodable;
 
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
-/// Answers A queries for `name` with the addresses currently in `records` (none for AAAA); NXDOMAIN for other names.
-async fn dns_server(name: &str, records: Arc<Mutex<Vec<Ipv4Addr>>>) -> SocketAddr {
+/// Answers A queries for `name` with the IPv4 addresses currently in `records` and AAAA queries with the IPv6 ones;
+/// NXDOMAIN for other names.
+async fn dns_server(name: &str, records: Arc<Mutex<Vec<IpAddr>>>) -> SocketAddr {
     let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let address = socket.local_addr().unwrap();
     let name = Name::from_ascii(name).unwrap();
@@ -42,9 +43,17 @@ async fn dns_server(name: &str, records: Arc<Mutex<Vec<Ipv4Addr>>>) -> SocketAdd
                 answer.add_query(question.clone());
                 if question.name() != &name {
                     answer.set_response_code(ResponseCode::NXDomain);
-                } else if question.query_type() == RecordType::A {
+                } else {
                     for ip in records.lock().unwrap().iter() {
-                        answer.add_answer(Record::from_rdata(name.clone(), 1, RData::A(A(*ip))));
+                        match (ip, question.query_type()) {
+                            (IpAddr::V4(v4), RecordType::A) => {
+                                answer.add_answer(Record::from_rdata(name.clone(), 1, RData::A(A(*v4))));
+                            }
+                            (IpAddr::V6(v6), RecordType::AAAA) => {
+                                answer.add_answer(Record::from_rdata(name.clone(), 1, RData::AAAA(AAAA(*v6))));
+                            }
+                            _ => {}
+                        }
                     }
                 }
             }
@@ -65,7 +74,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     let port = free_port();
     let mut two = Some(replica_at("127.0.0.2", port, "two"));
     let _three = replica_at("127.0.0.3", port, "three");
-    let records = Arc::new(Mutex::new(vec![Ipv4Addr::new(127, 0, 0, 2)]));
+    let records = Arc::new(Mutex::new(vec![IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))]));
     let dns = dns_server("models.test.", records.clone()).await;
     let gateway = GatewayProcess::start(&format!(
         r#"
@@ -120,7 +129,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     assert_eq!(by_three.load(Ordering::Relaxed), 0);
 
     // A second record: a second endpoint, sharing the traffic.
-    records.lock().unwrap().push(Ipv4Addr::new(127, 0, 0, 3));
+    records.lock().unwrap().push(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)));
     eventually(Duration::from_secs(5), "the second endpoint", || exposed("127.0.0.3")).await;
     let before = by_three.load(Ordering::Relaxed);
     eventually(Duration::from_secs(5), "traffic on the second endpoint", || {
@@ -129,7 +138,10 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     .await;
 
     // The first record goes: its endpoint is dropped (series too); then its server can stop with nothing lost.
-    records.lock().unwrap().retain(|ip| *ip != Ipv4Addr::new(127, 0, 0, 2));
+    records
+        .lock()
+        .unwrap()
+        .retain(|ip| *ip != IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)));
     eventually(Duration::from_secs(5), "the first endpoint to go", || async {
         !exposed("127.0.0.2").await
     })
@@ -187,4 +199,38 @@ async fn the_system_resolver_serves_names_without_a_dns_server() {
     )
     .await;
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+}
+
+#[tokio::test]
+async fn every_a_and_aaaa_record_is_an_endpoint() {
+    let port = free_port();
+    let records = Arc::new(Mutex::new(vec![
+        IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
+        IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)),
+        IpAddr::V6(Ipv6Addr::LOCALHOST),
+    ]));
+    let dns = dns_server("both.test.", records).await;
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "both"
+        protocol = "grpc"
+        dns = "both.test:{port}"
+        dns_server = "{dns}"
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "both" }} ]
+        "#
+    ));
+    for endpoint in [
+        format!("127.0.0.2:{port}"),
+        format!("127.0.0.3:{port}"),
+        format!("[::1]:{port}"),
+    ] {
+        let series = format!("oipgate_endpoint_healthy{{backend=\"both\",endpoint=\"{endpoint}\"}}");
+        eventually(Duration::from_secs(5), &series, || async {
+            gateway.metrics().await.contains(&series)
+        })
+        .await;
+    }
 }

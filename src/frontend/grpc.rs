@@ -328,15 +328,20 @@ where
         let limit = self.max_message_bytes;
         let active = self.gateway.begin();
         let started = Instant::now();
-        let path = request.uri().path().to_owned();
         // Inferences are logged with their model and backend by the raw path; every other call is logged here.
-        let log_here = path != MODEL_INFER_PATH;
-        let request_id = request
-            .headers()
-            .get(super::REQUEST_ID)
-            .and_then(|id| id.to_str().ok())
-            .map(str::to_owned);
-        let metrics = self.gateway.metrics().clone();
+        let log_here = request.uri().path() != MODEL_INFER_PATH;
+        let logged = log_here.then(|| {
+            let request_id = request
+                .headers()
+                .get(super::REQUEST_ID)
+                .and_then(|id| id.to_str().ok())
+                .map(str::to_owned);
+            (
+                request.uri().path().to_owned(),
+                request_id,
+                self.gateway.metrics().clone(),
+            )
+        });
         let answer: Self::Future = if !log_here {
             let raw = self.raw.clone();
             Box::pin(async move {
@@ -351,7 +356,7 @@ where
             let mut response = answer.await?;
             size_limit_is_resource_exhausted(&mut response, limit);
             drop(active);
-            if log_here {
+            if let Some((path, request_id, metrics)) = logged {
                 let code = response
                     .headers()
                     .get("grpc-status")
