@@ -236,12 +236,15 @@ impl GatewayProcess {
 
     /// Sends a signal (`TERM`, `INT`, `HUP`) to the gateway.
     pub fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill -{name} failed");
+        use nix::sys::signal::{Signal, kill};
+        let signal = match name {
+            "TERM" => Signal::SIGTERM,
+            "INT" => Signal::SIGINT,
+            "HUP" => Signal::SIGHUP,
+            other => panic!("no signal {other}"),
+        };
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
+        kill(pid, signal).expect("the signal is sent");
     }
 
     /// Waits up to `limit` for the process to exit; its status, or `None` when it is still running.
