@@ -10,7 +10,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::metrics::Metrics;
 use prometheus::IntGauge;
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
@@ -183,23 +182,6 @@ pub struct Endpoints {
 }
 
 impl Endpoints {
-    /// The endpoints of backend `backend`, each with its health gauge in `metrics`.
-    pub fn new(backend: &str, authorities: Vec<String>, policy: BackendPolicy, metrics: &Metrics) -> Endpoints {
-        Endpoints {
-            states: authorities
-                .into_iter()
-                .map(|authority| {
-                    let gauge = metrics.endpoint_healthy(backend, &authority);
-                    Arc::new(EndpointState::new(authority, &policy, gauge))
-                })
-                .collect(),
-            policy,
-            next: AtomicUsize::new(0),
-            calls: AtomicU64::new(0),
-            retries: AtomicU64::new(0),
-        }
-    }
-
     /// Endpoints with the given states (some carried over from a previous configuration).
     pub fn from_states(states: Vec<Arc<EndpointState>>, policy: BackendPolicy) -> Endpoints {
         Endpoints {

@@ -204,14 +204,6 @@ impl Dispatcher {
         })
     }
 
-    /// Every backend endpoint, as `(backend, endpoint)`.
-    pub fn endpoints(&self) -> Vec<(String, String)> {
-        self.backends
-            .iter()
-            .flat_map(|b| b.fleet.states.iter().map(|s| (b.name.clone(), s.authority.clone())))
-            .collect()
-    }
-
     /// The protocol of the backend serving `route`.
     pub fn backend_protocol(&self, route: &VersionRoute) -> Option<BackendProtocol> {
         self.backends.get(route.backend).map(|b| match b.replicas {
