@@ -354,8 +354,9 @@ where
         };
         Box::pin(async move {
             let mut response = answer.await?;
-            size_limit_is_resource_exhausted(&mut response, limit);
-            drop(active);
+            // The request counts as under way until its answer's body is sent or dropped, so a shutdown waits for
+            // a large answer still streaming.
+            finish_answer(&mut response, limit, active);
             if let Some((path, request_id, metrics)) = logged {
                 let code = response
                     .headers()
@@ -394,10 +395,11 @@ where
     }
 }
 
-/// tonic refuses an oversized message from its length prefix, before reading it, but says OUT_OF_RANGE; the
-/// protocol's table (and the REST door's 413) says RESOURCE_EXHAUSTED. The status may come in the headers
-/// (trailers-only) or in the trailers.
-fn size_limit_is_resource_exhausted(response: &mut http::Response<tonic::body::Body>, limit: usize) {
+/// Readies an answer for the wire: the request stays counted as under way (`active`) until its body is sent or
+/// dropped; and an oversized request's status is corrected. tonic refuses an oversized message from its length
+/// prefix, before reading it, but says OUT_OF_RANGE; the protocol's table (and the REST door's 413) says
+/// RESOURCE_EXHAUSTED. The status may come in the headers (trailers-only) or in the trailers.
+fn finish_answer(response: &mut http::Response<tonic::body::Body>, limit: usize, active: crate::live::Active) {
     let rewritten = rewrite_size_status(response.headers_mut(), limit);
     if rewritten && response.extensions().get::<Status>().is_some() {
         // tonic keeps the status here too, and writes it from here on the wire.
@@ -406,12 +408,16 @@ fn size_limit_is_resource_exhausted(response: &mut http::Response<tonic::body::B
             .insert(Status::resource_exhausted(size_message(limit)));
     }
     let body = std::mem::replace(response.body_mut(), tonic::body::Body::empty());
-    let body = http_body_util::BodyExt::map_frame(body, move |frame| match frame.into_trailers() {
-        Ok(mut trailers) => {
-            let _ = rewrite_size_status(&mut trailers, limit);
-            http_body::Frame::trailers(trailers)
+    let body = http_body_util::BodyExt::map_frame(body, move |frame| {
+        // Owned by the body, so dropped with it.
+        let _under_way = &active;
+        match frame.into_trailers() {
+            Ok(mut trailers) => {
+                let _ = rewrite_size_status(&mut trailers, limit);
+                http_body::Frame::trailers(trailers)
+            }
+            Err(frame) => frame,
         }
-        Err(frame) => frame,
     });
     *response.body_mut() = tonic::body::Body::new(body);
 }
