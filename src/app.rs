@@ -8,15 +8,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::apps::HttpServerOptions;
-use pingora::listeners::tls::TlsSettings;
-use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::server::configuration::ServerConf;
 use pingora::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
 use pingora::services::background::{BackgroundService, background_service};
 
 use crate::config::{Config, Shutdown};
 use crate::error::{Error, Result};
-use crate::frontend::{grpc, rest::RestFrontDoor};
+use crate::frontend::grpc;
+use crate::frontend::rest::{RestFrontDoor, RestListener};
 use crate::live::Gateway;
 use crate::metrics::{self, Metrics};
 
@@ -49,6 +48,28 @@ impl BackgroundService for GrpcFrontDoor {
             stop,
         )
         .await;
+    }
+}
+
+/// The REST front door (its own accept threads) as one of pingora's background services.
+struct RestFrontDoorService {
+    door: Arc<RestListener>,
+    socket: std::sync::Mutex<Option<std::net::TcpListener>>,
+}
+
+#[async_trait]
+impl BackgroundService for RestFrontDoorService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let Some(socket) = self.socket.lock().ok().and_then(|mut socket| socket.take()) else {
+            return;
+        };
+        if let Err(error) = self.door.clone().run(&socket, &shutdown) {
+            tracing::error!(address = %self.door.address, %error, "cannot start the REST door");
+            std::process::exit(1);
+        }
+        // The threads hold their own handles on the socket; it closes when the last of them lets go.
+        drop(socket);
+        let _ = shutdown.changed().await;
     }
 }
 
@@ -191,7 +212,8 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     let metrics = Metrics::new()?;
     let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
-    check_free(config.listen.rest, "REST")?;
+    let rest_socket = RestListener::bind(config.listen.rest)
+        .map_err(|e| Error::internal(format!("cannot listen for REST on {}: {e}", config.listen.rest)))?;
     check_free(config.listen.grpc, "gRPC")?;
     if let Some(address) = config.listen.metrics {
         check_free(address, "metrics")?;
@@ -226,30 +248,31 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
-    let mut rest = pingora::proxy::http_proxy_service(
+    let mut proxy = pingora::proxy::http_proxy(
         &server.configuration,
         RestFrontDoor::new(gateway.clone(), max_request_bytes),
     );
-    if let Some(logic) = rest.app_logic_mut() {
-        let mut options = HttpServerOptions::default();
-        options.h2c = true;
-        logic.server_options = Some(options);
-    }
-    // pingora reads each connection through a 64 KiB buffer of its own, kept while the connection idles; its HTTP
-    // reader buffers the request head itself and reads bodies in large chunks, so the extra layer only costs memory.
-    let listener = ListenerConfig::tcp(config.listen.rest.to_string()).l4_buffer(L4BufferSettings::new(0, 1460));
-    match tls_on(|tls| tls.rest) {
-        None => rest.add_listener(listener),
-        Some(identity) => {
-            let mut settings = TlsSettings::with_callbacks(Box::new(NoCallbacks))
-                .map_err(|e| Error::internal(format!("REST TLS: {e}")))?;
-            settings.set_cert_resolver(identity.resolver());
-            settings.set_client_cert_verifier(identity.verifier());
-            settings.enable_h2();
-            rest.add_listener(listener.tls(settings));
-        }
-    }
-    server.add_service(rest);
+    let mut options = HttpServerOptions::default();
+    options.h2c = true;
+    proxy.server_options = Some(options);
+    let rest_tls = tls_on(|tls| tls.rest).map(|identity| {
+        Arc::new(pingora::listeners::tls::Acceptor::from_server_config(
+            identity.server_config(&[b"h2", b"http/1.1"]),
+        ))
+    });
+    server.add_service(background_service(
+        "rest front door",
+        RestFrontDoorService {
+            door: Arc::new(RestListener {
+                address: config.listen.rest,
+                threads: config.threads,
+                proxy: Arc::new(proxy),
+                tls: rest_tls,
+                h2c: true,
+            }),
+            socket: std::sync::Mutex::new(Some(rest_socket)),
+        },
+    ));
     server.add_service(background_service(
         "control",
         Control {
@@ -291,9 +314,3 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     });
     Ok(())
 }
-
-/// pingora's TLS settings need callbacks or certificate files; the certificate comes from the resolver instead.
-struct NoCallbacks;
-
-#[async_trait]
-impl pingora::listeners::TlsAccept for NoCallbacks {}

@@ -830,3 +830,97 @@ async fn a_client_deadline_bounds_the_backend_call_on_every_path() {
     assert_eq!(answer.status, 504, "{:?}", answer.body);
     assert!(start.elapsed() < Duration::from_millis(SLOW_MS / 2));
 }
+
+/// Sends `parts` over a fresh connection, pausing between them, and gives everything the gateway answered (the
+/// request asks the connection to close after it).
+async fn raw_exchange(address: std::net::SocketAddr, parts: &[&[u8]]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    for part in parts {
+        stream.write_all(part).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut answer))
+        .await
+        .expect("the gateway answered and closed")
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn proxied_bodies_of_every_length_and_framing_arrive_whole_and_renamed() {
+    let setup = setup("");
+    // Small bodies are read whole and sent with their head; long ones, and those of unknown length, stream through.
+    for elements in [4u64, 100_000] {
+        let values: Vec<u8> = (0..elements * 4).map(|i| (i % 251) as u8).collect();
+        let mut request = InferRequest {
+            inputs: vec![Tensor::new("INPUT0", DataType::Fp32, vec![elements], Bytes::from(values)).unwrap()],
+            ..InferRequest::default()
+        };
+        request
+            .parameters
+            .insert("binary_data_output".into(), ParamValue::Bool(true));
+        let body = rest::encode_request(&request, true).unwrap();
+        let headers = [(
+            "inference-header-content-length",
+            body.header_length.unwrap().to_string(),
+        )];
+        // Version "rest" is an alias of the backend's version 1: the answer's version is put back on both paths.
+        let url = setup.gateway.rest_url("/v2/models/identity/versions/rest/infer");
+        let answer = send(&http_client(false), "POST", &url, &headers, body.to_bytes()).await;
+        assert_eq!(answer.status, 200, "{elements}: {:?}", answer.body);
+        assert_eq!(answer.header("oip-model-version"), Some("rest"));
+        let length = answer
+            .header("inference-header-content-length")
+            .map(|l| l.parse().unwrap());
+        assert_eq!(
+            answer.header("content-length").map(|l| l.parse::<usize>().unwrap()),
+            Some(answer.body.len())
+        );
+        let response = rest::decode_response(answer.body, length).unwrap();
+        assert_eq!(response.outputs, request.inputs, "{elements} elements");
+        assert_eq!(response.model_version.as_deref(), Some("rest"));
+    }
+
+    let address = setup.gateway.rest;
+    let json = add_sub_json("INT32");
+    let (first, rest_of_it) = json.split_at(json.len() / 2);
+    let chunked = format!(
+        "POST /v2/models/classifier/versions/4/infer HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{first}\r\n{:x}\r\n{rest_of_it}\r\n0\r\n\r\n",
+        first.len(),
+        rest_of_it.len()
+    );
+    let answer = raw_exchange(address, &[chunked.as_bytes()]).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""model_name":"classifier""#), "{answer}");
+
+    // A client that sends its request a byte at a time at first is told from HTTP/2's preface, which also starts
+    // with 'P', as soon as its second byte differs.
+    let request = format!(
+        "POST /v2/models/add_sub/infer HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{json}",
+        json.len()
+    );
+    let (p, tail) = request.as_bytes().split_at(1);
+    let (o, tail) = tail.split_at(1);
+    let answer = raw_exchange(address, &[p, o, tail]).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""model_name":"add_sub""#), "{answer}");
+}
+
+#[tokio::test]
+async fn keep_alive_connections_serve_request_after_request_and_h2c_shares_the_port() {
+    let setup = setup("");
+    let url = setup.gateway.rest_url("/v2/models/add_sub/infer");
+    for h2c in [false, true] {
+        // One client, so one connection (or one HTTP/2 connection's streams) carries every request.
+        let client = http_client(h2c);
+        for round in 0..20 {
+            let answer = send(&client, "POST", &url, &[], add_sub_json("INT32")).await;
+            assert_eq!(answer.status, 200, "h2c {h2c}, round {round}: {:?}", answer.body);
+            tokio::time::sleep(Duration::from_millis(if round % 5 == 0 { 50 } else { 0 })).await;
+        }
+    }
+}

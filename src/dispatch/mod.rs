@@ -295,6 +295,46 @@ impl Dispatcher {
             .await
     }
 
+    /// Sends a proxied request whose whole body is at hand to an endpoint of the backend, and to others while it
+    /// could not reach one (within the backend's retries and budget), until `until`. Gives the answer's head with the
+    /// place held at the endpoint that answered; an answer of 5xx counts against that endpoint.
+    pub async fn passthrough_send(
+        &self,
+        target: &Passthrough,
+        headers: &HeaderMap,
+        body: &Bytes,
+        until: Instant,
+    ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
+        let mut tried = Vec::new();
+        let mut unreached: Option<Error> = None;
+        loop {
+            let lease = match self.lease_passthrough(target, &tried).await {
+                Ok(lease) => lease,
+                Err(error) => return Err(unreached.unwrap_or(error)),
+            };
+            let client = match self.backends.get(target.backend).map(|backend| &backend.replicas) {
+                Some(Replicas::Rest { endpoints, .. }) => endpoints.get(lease.index),
+                _ => None,
+            }
+            .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
+            let left = until.saturating_duration_since(Instant::now());
+            match client.forward(&target.path, headers.clone(), body.clone(), left).await {
+                Ok(response) => {
+                    self.passthrough_observed(target, &lease, response.status().is_server_error());
+                    return Ok((response, lease));
+                }
+                Err(error) => {
+                    self.passthrough_observed(target, &lease, error.is_endpoint_failure());
+                    tried.push(lease.index);
+                    if !(error.is_unsent() && Instant::now() < until && self.may_retry_passthrough(target, &tried)) {
+                        return Err(error);
+                    }
+                    unreached = Some(error);
+                }
+            }
+        }
+    }
+
     /// Records how a proxied call went at its endpoint, for outlier detection.
     pub fn passthrough_observed(&self, target: &Passthrough, lease: &Lease, failed: bool) {
         if let Some(backend) = self.backends.get(target.backend) {

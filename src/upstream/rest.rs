@@ -21,10 +21,18 @@ use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, 
 /// The binary extension's header giving the JSON part's length.
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 
-/// One backend endpoint spoken to over REST. Cheap to clone; connections are pooled and shared.
+type HttpClient = Client<super::Connector, ChunksBody>;
+
+/// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.
+///
+/// Each thread keeps its own pool of connections to the endpoint: a connection is served by a task on the runtime
+/// that opened it, so a pool shared between the gateway's single-threaded runtimes would make every request it lends
+/// across threads wake the other thread twice (request out, answer back).
 #[derive(Debug, Clone)]
 pub struct RestUpstream {
-    client: Client<super::Connector, ChunksBody>,
+    connector: super::Connector,
+    /// Identifies this endpoint's pools in each thread's table; they are dropped once every clone is.
+    pools: std::sync::Arc<()>,
     authority: std::sync::Arc<str>,
     /// `http`, or `https` for TLS.
     scheme: &'static str,
@@ -72,15 +80,34 @@ impl RestUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> RestUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, false);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
         RestUpstream {
-            client,
+            connector,
+            pools: std::sync::Arc::new(()),
             authority: endpoint.to_string().into(),
             scheme,
             max_response_bytes,
         }
+    }
+
+    /// This thread's client (and connection pool) for the endpoint.
+    fn client(&self) -> HttpClient {
+        thread_local! {
+            static POOLS: std::cell::RefCell<Vec<(std::sync::Weak<()>, HttpClient)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        POOLS.with_borrow_mut(|pools| {
+            // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
+            let key = std::sync::Arc::as_ptr(&self.pools);
+            if let Some((_, client)) = pools.iter().find(|(token, _)| token.as_ptr() == key) {
+                return client.clone();
+            }
+            pools.retain(|(token, _)| token.strong_count() > 0);
+            let client = Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(self.connector.clone());
+            pools.push((std::sync::Arc::downgrade(&self.pools), client.clone()));
+            client
+        })
     }
 
     pub fn authority(&self) -> &str {
@@ -114,7 +141,7 @@ impl RestUpstream {
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
         let response = self
-            .client
+            .client()
             .request(request)
             .await
             .map_err(|e| super::unreachable(&self.authority, &e))?;
@@ -133,6 +160,35 @@ impl RestUpstream {
         )
         .await?;
         Ok(RestAnswer { status, headers, body })
+    }
+
+    /// Sends a proxied request's body as it came (one buffer, with its head in one write) and gives the answer's head
+    /// as soon as it arrives, its body still to be read.
+    pub async fn forward(
+        &self,
+        path: &str,
+        headers: HeaderMap,
+        body: Bytes,
+        deadline: Duration,
+    ) -> Result<http::Response<hyper::body::Incoming>> {
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}://{}{path}", self.scheme, self.authority))
+            .body(ChunksBody::new(vec![body]))
+            .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
+        *request.headers_mut() = headers;
+        request.headers_mut().insert(
+            USER_AGENT,
+            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
+        );
+        let client = self.client();
+        super::within(Some(deadline), &self.authority, async {
+            client
+                .request(request)
+                .await
+                .map_err(|e| super::unreachable(&self.authority, &e))
+        })
+        .await
     }
 
     /// The backend's error, when the answer is not a success.

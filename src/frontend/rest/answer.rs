@@ -26,6 +26,49 @@ pub(super) struct Rename {
 }
 
 impl Rename {
+    /// Readies a proxied answer to have its model name and version restored: its lengths are fixed up in `answer`'s
+    /// head. Only successful, uncompressed answers carry names to restore; for others, `None`.
+    pub(super) fn prepare(
+        answer: &mut ResponseHeader,
+        name: String,
+        version: String,
+    ) -> pingora::Result<Option<Rename>> {
+        if answer.status != StatusCode::OK || answer.headers.contains_key(http::header::CONTENT_ENCODING) {
+            return Ok(None);
+        }
+        let number = |name: &str| {
+            answer
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        };
+        let content_length = number(http::header::CONTENT_LENGTH.as_str());
+        let header_length = number(INFERENCE_HEADER_CONTENT_LENGTH).or(content_length);
+        let renamed_length = header_length.map(|length| rest::rename::renamed_length(length, &name, &version));
+        match (header_length, renamed_length) {
+            (Some(old), Some(new)) => {
+                if answer.headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+                    answer.insert_header(INFERENCE_HEADER_CONTENT_LENGTH, new)?;
+                }
+                if let Some(total) = content_length {
+                    answer.insert_header(http::header::CONTENT_LENGTH, total - old + new)?;
+                }
+            }
+            _ => {
+                answer.remove_header(&http::header::CONTENT_LENGTH);
+            }
+        }
+        Ok(Some(Rename {
+            name,
+            version,
+            header_length,
+            renamed_length,
+            held: BytesMut::new(),
+            done: false,
+        }))
+    }
+
     /// Takes a body chunk; gives what can go downstream now.
     pub(super) fn take(
         &mut self,
