@@ -19,9 +19,12 @@ use crate::frontend::rest::{RestFrontDoor, RestListener};
 use crate::live::Gateway;
 use crate::metrics::{self, Metrics};
 
-/// The gRPC front door as one of pingora's background services.
+/// The gRPC front door (one accept loop per worker thread, each on its own runtime) as one of pingora's background
+/// services.
 struct GrpcFrontDoor {
     address: SocketAddr,
+    threads: usize,
+    socket: std::sync::Mutex<Option<std::net::TcpListener>>,
     gateway: Arc<Gateway>,
     max_message_bytes: usize,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -30,24 +33,36 @@ struct GrpcFrontDoor {
 #[async_trait]
 impl BackgroundService for GrpcFrontDoor {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let listener = match tokio::net::TcpListener::bind(self.address).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::error!(address = %self.address, %error, "cannot listen for gRPC");
+        let Some(socket) = self.socket.lock().ok().and_then(|mut socket| socket.take()) else {
+            return;
+        };
+        for index in 0..self.threads.max(1) {
+            let door = socket.try_clone().and_then(|socket| {
+                let gateway = self.gateway.clone();
+                let tls = self.tls.clone();
+                let max_message_bytes = self.max_message_bytes;
+                let mut stop = shutdown.clone();
+                crate::frontend::spawn_door_thread(format!("grpc-{index}"), async move {
+                    let listener = match tokio::net::TcpListener::from_std(socket) {
+                        Ok(listener) => listener,
+                        Err(error) => {
+                            tracing::error!(%error, "cannot listen for gRPC");
+                            std::process::exit(1);
+                        }
+                    };
+                    let stopping = async move { crate::frontend::stopping(&mut stop).await };
+                    grpc::serve(listener, gateway, max_message_bytes, tls, stopping).await;
+                    // The listening socket is closed; calls still under way finish until the process ends.
+                    std::future::pending::<()>().await;
+                })
+            });
+            if let Err(error) = door {
+                tracing::error!(address = %self.address, %error, "cannot start the gRPC door");
                 std::process::exit(1);
             }
-        };
-        let stop = async move {
-            let _ = shutdown.changed().await;
-        };
-        grpc::serve(
-            listener,
-            self.gateway.clone(),
-            self.max_message_bytes,
-            self.tls.clone(),
-            stop,
-        )
-        .await;
+        }
+        drop(socket);
+        crate::frontend::stopping(&mut shutdown).await;
     }
 }
 
@@ -69,7 +84,7 @@ impl BackgroundService for RestFrontDoorService {
         }
         // The threads hold their own handles on the socket; it closes when the last of them lets go.
         drop(socket);
-        let _ = shutdown.changed().await;
+        crate::frontend::stopping(&mut shutdown).await;
     }
 }
 
@@ -212,9 +227,10 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     let metrics = Metrics::new()?;
     let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
-    let rest_socket = RestListener::bind(config.listen.rest)
+    let rest_socket = crate::frontend::bind(config.listen.rest)
         .map_err(|e| Error::internal(format!("cannot listen for REST on {}: {e}", config.listen.rest)))?;
-    check_free(config.listen.grpc, "gRPC")?;
+    let grpc_socket = crate::frontend::bind(config.listen.grpc)
+        .map_err(|e| Error::internal(format!("cannot listen for gRPC on {}: {e}", config.listen.grpc)))?;
     if let Some(address) = config.listen.metrics {
         check_free(address, "metrics")?;
     }
@@ -283,6 +299,8 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
         "grpc front door",
         GrpcFrontDoor {
             address: config.listen.grpc,
+            threads: config.threads,
+            socket: std::sync::Mutex::new(Some(grpc_socket)),
             gateway: gateway.clone(),
             max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
             tls: tls_on(|tls| tls.grpc)

@@ -29,7 +29,7 @@ const CONNECTION_WINDOW: u32 = 32 << 20;
 /// One backend endpoint spoken to over gRPC. Cheap to clone; connections are pooled and shared.
 #[derive(Debug, Clone)]
 pub struct GrpcUpstream {
-    client: Client<super::Connector, ChunksBody>,
+    clients: super::ThreadClients,
     authority: std::sync::Arc<str>,
     /// `http`, or `https` for TLS.
     scheme: &'static str,
@@ -44,14 +44,16 @@ impl GrpcUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> GrpcUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, true);
-        let client = Client::builder(TokioExecutor::new())
-            .http2_only(true)
-            .http2_initial_stream_window_size(STREAM_WINDOW)
-            .http2_initial_connection_window_size(CONNECTION_WINDOW)
-            .pool_idle_timeout(Duration::from_secs(90))
-            .build(connector);
+        let build = |connector| {
+            Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .http2_initial_stream_window_size(STREAM_WINDOW)
+                .http2_initial_connection_window_size(CONNECTION_WINDOW)
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(connector)
+        };
         GrpcUpstream {
-            client,
+            clients: super::ThreadClients::new(connector, build),
             authority: endpoint.to_string().into(),
             scheme,
             max_response_bytes,
@@ -146,7 +148,8 @@ impl GrpcUpstream {
         }
 
         let response = self
-            .client
+            .clients
+            .get()
             .request(request)
             .await
             .map_err(|e| super::unreachable(&self.authority, &e))?;

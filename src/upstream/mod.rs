@@ -29,6 +29,52 @@ pub struct Replied<T> {
 /// How backend connections are made: TCP, with TLS for `https` URIs.
 pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
+/// The HTTP client of one backend endpoint on one thread.
+type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::ChunksBody>;
+
+/// One backend endpoint's HTTP clients, one per thread, each with its own connection pool. Cheap to clone; clones
+/// share the clients.
+///
+/// A connection is served by a task on the runtime that opened it, and the gateway runs one single-threaded runtime
+/// per thread: a pool shared between them would make every request it lends across threads wake the other thread
+/// twice (request out, answer back).
+#[derive(Debug, Clone)]
+struct ThreadClients {
+    connector: Connector,
+    build: fn(Connector) -> HttpClient,
+    /// Identifies this endpoint's clients in each thread's table; they are dropped once every clone is.
+    token: std::sync::Arc<()>,
+}
+
+impl ThreadClients {
+    fn new(connector: Connector, build: fn(Connector) -> HttpClient) -> ThreadClients {
+        ThreadClients {
+            connector,
+            build,
+            token: std::sync::Arc::new(()),
+        }
+    }
+
+    /// This thread's client.
+    fn get(&self) -> HttpClient {
+        thread_local! {
+            static CLIENTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, HttpClient)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        CLIENTS.with_borrow_mut(|clients| {
+            // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
+            let key = std::sync::Arc::as_ptr(&self.token);
+            if let Some((_, client)) = clients.iter().find(|(token, _)| token.as_ptr() == key) {
+                return client.clone();
+            }
+            clients.retain(|(token, _)| token.strong_count() > 0);
+            let client = (self.build)(self.connector.clone());
+            clients.push((std::sync::Arc::downgrade(&self.token), client.clone()));
+            client
+        })
+    }
+}
+
 /// TLS to one backend endpoint: the backend's material and the name to verify (and send as SNI).
 #[derive(Debug, Clone)]
 pub struct EndpointTls {

@@ -21,18 +21,10 @@ use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, 
 /// The binary extension's header giving the JSON part's length.
 pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 
-type HttpClient = Client<super::Connector, ChunksBody>;
-
 /// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.
-///
-/// Each thread keeps its own pool of connections to the endpoint: a connection is served by a task on the runtime
-/// that opened it, so a pool shared between the gateway's single-threaded runtimes would make every request it lends
-/// across threads wake the other thread twice (request out, answer back).
 #[derive(Debug, Clone)]
 pub struct RestUpstream {
-    connector: super::Connector,
-    /// Identifies this endpoint's pools in each thread's table; they are dropped once every clone is.
-    pools: std::sync::Arc<()>,
+    clients: super::ThreadClients,
     authority: std::sync::Arc<str>,
     /// `http`, or `https` for TLS.
     scheme: &'static str,
@@ -80,34 +72,17 @@ impl RestUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> RestUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, false);
+        let build = |connector| {
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .build(connector)
+        };
         RestUpstream {
-            connector,
-            pools: std::sync::Arc::new(()),
+            clients: super::ThreadClients::new(connector, build),
             authority: endpoint.to_string().into(),
             scheme,
             max_response_bytes,
         }
-    }
-
-    /// This thread's client (and connection pool) for the endpoint.
-    fn client(&self) -> HttpClient {
-        thread_local! {
-            static POOLS: std::cell::RefCell<Vec<(std::sync::Weak<()>, HttpClient)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
-        POOLS.with_borrow_mut(|pools| {
-            // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
-            let key = std::sync::Arc::as_ptr(&self.pools);
-            if let Some((_, client)) = pools.iter().find(|(token, _)| token.as_ptr() == key) {
-                return client.clone();
-            }
-            pools.retain(|(token, _)| token.strong_count() > 0);
-            let client = Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(90))
-                .build(self.connector.clone());
-            pools.push((std::sync::Arc::downgrade(&self.pools), client.clone()));
-            client
-        })
     }
 
     pub fn authority(&self) -> &str {
@@ -141,7 +116,8 @@ impl RestUpstream {
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
         let response = self
-            .client()
+            .clients
+            .get()
             .request(request)
             .await
             .map_err(|e| super::unreachable(&self.authority, &e))?;
@@ -181,7 +157,7 @@ impl RestUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
-        let client = self.client();
+        let client = self.clients.get();
         super::within(Some(deadline), &self.authority, async {
             client
                 .request(request)

@@ -28,6 +28,7 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::RestFrontDoor;
+use crate::frontend::stopping;
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout` (and pingora's own
 /// default).
@@ -36,8 +37,6 @@ const KEEPALIVE: Duration = Duration::from_secs(60);
 const HANDSHAKE: Duration = Duration::from_secs(60);
 /// The first bytes of an HTTP/2 connection (RFC 9113, section 3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-/// Connections waiting to be accepted, as pingora's listeners have it.
-const BACKLOG: u32 = 65_535;
 /// Writes up to this size are held until the next flush, so an answer's head and a small body leave in one packet.
 const COALESCE: usize = 4096;
 
@@ -53,23 +52,6 @@ pub struct RestListener {
 }
 
 impl RestListener {
-    /// Binds the door's socket; fails with the address named.
-    pub fn bind(address: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-        let socket = socket2::Socket::new(
-            socket2::Domain::for_address(address),
-            socket2::Type::STREAM,
-            Some(socket2::Protocol::TCP),
-        )?;
-        socket.set_reuse_address(true)?;
-        if address.is_ipv6() {
-            socket.set_only_v6(true)?;
-        }
-        socket.bind(&address.into())?;
-        socket.listen(i32::try_from(BACKLOG).unwrap_or(i32::MAX))?;
-        socket.set_nonblocking(true)?;
-        Ok(socket.into())
-    }
-
     /// Runs the door on `listener` until `shutdown` says stop: then no connection is accepted, idle connections
     /// close, and requests under way finish on their threads (the process ends when they have; see `app::Signals`).
     pub fn run(self: Arc<Self>, listener: &std::net::TcpListener, shutdown: &ShutdownWatch) -> std::io::Result<()> {
@@ -77,18 +59,7 @@ impl RestListener {
             let socket = listener.try_clone()?;
             let door = self.clone();
             let shutdown = shutdown.clone();
-            std::thread::Builder::new()
-                .name(format!("rest-{index}"))
-                .spawn(move || {
-                    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                        Ok(runtime) => runtime,
-                        Err(error) => {
-                            tracing::error!(%error, "cannot start a REST door thread");
-                            std::process::exit(1);
-                        }
-                    };
-                    runtime.block_on(door.accept_loop(socket, shutdown));
-                })?;
+            crate::frontend::spawn_door_thread(format!("rest-{index}"), door.accept_loop(socket, shutdown))?;
         }
         Ok(())
     }
@@ -352,15 +323,6 @@ impl GetProxyDigest for Connection {
 impl GetSocketDigest for Connection {
     fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
         Some(self.digest.clone())
-    }
-}
-
-/// Resolves once the gateway is shutting down (never, if the signal's sender is gone).
-async fn stopping(shutdown: &mut ShutdownWatch) {
-    while !*shutdown.borrow_and_update() {
-        if shutdown.changed().await.is_err() {
-            std::future::pending::<()>().await;
-        }
     }
 }
 
