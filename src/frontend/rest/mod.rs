@@ -15,8 +15,10 @@ use pingora::{ErrorType, OkOrErr, OrErr};
 
 mod answer;
 mod listener;
+mod whole;
 
 pub use listener::RestListener;
+use whole::{AS_SENT, WHOLE_BODY_LIMIT, default_content_type};
 
 use answer::{
     Rename, client_gone, discard_body, health_status, pingora_failure, respond_encoded, respond_error, respond_json,
@@ -41,24 +43,6 @@ use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 pub const DECTHINGS_CONTENT_TYPE: &str = "application/x-decthings-tensors";
 /// How long a refused body is read and dropped so the client can read the refusal.
 const LINGER: Duration = Duration::from_secs(5);
-/// A proxied request whose declared body is at most this long is read whole and sent with its head in one write
-/// over the thread's own pooled connection; a longer one (or one of unknown length) streams through pingora's proxy.
-const WHOLE_BODY_LIMIT: u64 = 256 * 1024;
-/// Headers about the body that a proxied request carries as the client sent them (the body is not re-encoded).
-const AS_SENT: [http::header::HeaderName; 5] = [
-    http::header::CONTENT_TYPE,
-    http::header::CONTENT_ENCODING,
-    http::header::ACCEPT,
-    http::header::ACCEPT_ENCODING,
-    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
-];
-/// Headers about the body that a proxied answer carries as the backend sent them.
-const ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
-    http::header::CONTENT_TYPE,
-    http::header::CONTENT_ENCODING,
-    http::header::CONTENT_LENGTH,
-    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
-];
 /// How long connecting to a backend may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -395,99 +379,6 @@ impl RestFrontDoor {
         Ok(true)
     }
 
-    /// Proxies a request whose whole body is at hand: sends it to the backend and streams the answer back as it
-    /// comes, renaming the model when the route aliases it.
-    async fn forward_whole(
-        &self,
-        session: &mut Session,
-        context: &mut RestContext,
-        target: Passthrough,
-        headers: &http::HeaderMap,
-        body: Bytes,
-    ) -> Result<()> {
-        let until = Instant::now() + target.timeout;
-        let send = context.dispatcher.passthrough_send(&target, headers, &body, until);
-        let (response, lease) = tokio::select! {
-            sent = send => sent?,
-            () = client_gone(session) => {
-                return Err(Error::new(
-                    ErrorKind::Cancelled,
-                    Origin::Client,
-                    "the client closed the connection before the answer",
-                ));
-            }
-        };
-        context.endpoint = Some(lease.state.authority.as_str().into());
-        context.lease = Some(lease);
-        let (parts, mut answer) = response.into_parts();
-        let mut head = ResponseHeader::build(parts.status, Some(parts.headers.len() + 2)).map_err(pingora_failure)?;
-        for (name, value) in &headers::end_to_end(&parts.headers) {
-            head.append_header(name, value).map_err(pingora_failure)?;
-        }
-        for name in ANSWER_AS_SENT {
-            if let Some(value) = parts.headers.get(&name) {
-                head.insert_header(name, value).map_err(pingora_failure)?;
-            }
-        }
-        if let Some(id) = &context.request_id {
-            head.insert_header(REQUEST_ID, id.clone()).map_err(pingora_failure)?;
-        }
-        head.insert_header(headers::OIP_MODEL_VERSION, target.version.as_str())
-            .map_err(pingora_failure)?;
-        let mut rename = match target.rename {
-            Some((name, version)) => Rename::prepare(&mut head, name, version).map_err(pingora_failure)?,
-            None => None,
-        };
-        let no_body = parts
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .is_some_and(|v| v.as_bytes() == b"0");
-        session
-            .write_response_header(Box::new(head), no_body && rename.is_none())
-            .await
-            .map_err(pingora_failure)?;
-        if no_body && rename.is_none() {
-            return Ok(());
-        }
-        let authority = context.endpoint.clone().unwrap_or_default();
-        loop {
-            let frame = match tokio::time::timeout_at(until.into(), http_body_util::BodyExt::frame(&mut answer)).await {
-                Ok(Some(Ok(frame))) => frame,
-                Ok(None) => break,
-                Ok(Some(Err(error))) => {
-                    return Err(broken_answer(format!(
-                        "backend {authority} broke off its answer: {error}"
-                    )));
-                }
-                Err(_) => {
-                    return Err(broken_answer(format!(
-                        "backend {authority} did not finish its answer in time"
-                    )));
-                }
-            };
-            let Ok(chunk) = frame.into_data() else { continue };
-            let chunk = match &mut rename {
-                Some(rename) => rename
-                    .take(Some(chunk), false)
-                    .map_err(|e| broken_answer(e.message().to_owned()))?,
-                None => Some(chunk),
-            };
-            if let Some(chunk) = chunk {
-                session
-                    .write_response_body(Some(chunk), false)
-                    .await
-                    .map_err(pingora_failure)?;
-            }
-        }
-        let last = match &mut rename {
-            Some(rename) => rename
-                .take(None, true)
-                .map_err(|e| broken_answer(e.message().to_owned()))?,
-            None => None,
-        };
-        session.write_response_body(last, true).await.map_err(pingora_failure)
-    }
-
     /// Reads the whole body, refusing it as soon as it passes the limit.
     async fn read_body(&self, session: &mut Session) -> Result<Bytes> {
         let mut body = BytesMut::new();
@@ -522,27 +413,6 @@ impl RestFrontDoor {
             }
         }
         Ok(first.unwrap_or_else(|| body.freeze()))
-    }
-}
-
-/// A proxied answer that failed after its head was sent.
-fn broken_answer(message: String) -> Error {
-    Error::new(ErrorKind::BadGateway, Origin::Upstream, message)
-}
-
-/// tritonclient sends no Content-Type; KServe's server reads a body without one as binary and refuses it. The body's
-/// form is known from the binary extension's header, so the type is said for it.
-fn default_content_type(headers: &mut http::HeaderMap) {
-    if !headers.contains_key(http::header::CONTENT_TYPE) {
-        let binary = headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH);
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static(if binary {
-                "application/octet-stream"
-            } else {
-                "application/json"
-            }),
-        );
     }
 }
 
