@@ -13,6 +13,8 @@ use http_body::{Body, Frame, SizeHint};
 pub struct ChunksBody {
     chunks: VecDeque<Bytes>,
     remaining: u64,
+    /// Sent after the last chunk (a gRPC answer's status).
+    trailers: Option<http::HeaderMap>,
 }
 
 impl ChunksBody {
@@ -21,6 +23,15 @@ impl ChunksBody {
         ChunksBody {
             chunks: chunks.into_iter().filter(|c| !c.is_empty()).collect(),
             remaining,
+            trailers: None,
+        }
+    }
+
+    /// The chunks, then `trailers`.
+    pub fn with_trailers(chunks: Vec<Bytes>, trailers: http::HeaderMap) -> Self {
+        ChunksBody {
+            trailers: Some(trailers),
+            ..ChunksBody::new(chunks)
         }
     }
 }
@@ -30,14 +41,15 @@ impl Body for ChunksBody {
     type Error = Infallible;
 
     fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.chunks.pop_front().map(|chunk| {
+        if let Some(chunk) = self.chunks.pop_front() {
             self.remaining -= chunk.len() as u64;
-            Ok(Frame::data(chunk))
-        }))
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        Poll::Ready(self.trailers.take().map(|trailers| Ok(Frame::trailers(trailers))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.chunks.is_empty()
+        self.chunks.is_empty() && self.trailers.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

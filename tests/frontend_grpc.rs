@@ -149,6 +149,62 @@ async fn inference_through_both_paths() {
     assert_eq!(response.metadata().get("x-request-id").unwrap(), "mine-42");
 }
 
+/// One ModelInfer call over a bare HTTP/2 connection: the answer's head, its whole body and its trailers.
+async fn raw_model_infer(
+    addr: SocketAddr,
+    message: &ModelInferRequest,
+    compressed: bool,
+) -> (http::response::Parts, Bytes, Option<http::HeaderMap>) {
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use prost::Message;
+
+    let encoded = message.encode_to_vec();
+    let mut framed = vec![u8::from(compressed)];
+    framed.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(&encoded);
+    let mut request = http::Request::post(format!("http://{addr}/inference.GRPCInferenceService/ModelInfer"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if compressed {
+        request = request.header("grpc-encoding", "gzip");
+    }
+    let request = request.body(http_body_util::Full::new(Bytes::from(framed))).unwrap();
+    let client: Client<_, http_body_util::Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).http2_only(true).build_http();
+    let (parts, body) = client.request(request).await.unwrap().into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    (parts, collected.to_bytes(), trailers)
+}
+
+#[tokio::test]
+async fn model_infer_answers_one_framed_message_and_refuses_compressed_requests() {
+    use prost::Message;
+
+    let gateway = gateway().await;
+    for (model, version) in [("add_sub", "2"), ("add_sub", "1")] {
+        let (head, body, trailers) = raw_model_infer(gateway.addr, &add_sub(model, version), false).await;
+        assert_eq!(head.status, http::StatusCode::OK);
+        assert_eq!(head.headers["content-type"], "application/grpc");
+        assert!(head.headers.contains_key("x-request-id"), "{:?}", head.headers);
+        assert_eq!(body[0], 0, "the answer is not compressed");
+        let length = u32::from_be_bytes(body[1..5].try_into().unwrap()) as usize;
+        assert_eq!(length, body.len() - 5, "exactly one message, its length prefix exact");
+        let answer = oipgate::proto::ModelInferResponse::decode(&body[5..]).unwrap();
+        assert_eq!(answer.raw_output_contents[0], int32s(10..26), "{model} {version}");
+        let trailers = trailers.expect("a successful answer ends with trailers");
+        assert_eq!(trailers["grpc-status"], "0");
+    }
+
+    let (head, body, _) = raw_model_infer(gateway.addr, &add_sub("add_sub", "2"), true).await;
+    assert!(body.is_empty(), "trailers-only answer");
+    assert_eq!(head.headers["grpc-status"], "12", "UNIMPLEMENTED: {:?}", head.headers);
+    let message = head.headers["grpc-message"].to_str().unwrap();
+    assert!(message.contains("gzip"), "{message}");
+}
+
 #[tokio::test]
 async fn typed_rpcs_and_errors() {
     let gateway = gateway().await;

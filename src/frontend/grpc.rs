@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BufMut, Bytes};
+use bytes::{Buf, Bytes};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codec::{DecodeBuf, Decoder};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
@@ -36,43 +36,9 @@ const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 /// How often the health service's status is refreshed from the backends.
 const HEALTH_REFRESH: Duration = Duration::from_secs(1);
 
-/// Messages as bytes: decoding slices the received buffer, encoding writes the chunks.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RawCodec;
-
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RawEncoder;
-
+/// A message as bytes: decoding slices the received buffer.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RawDecoder;
-
-impl Codec for RawCodec {
-    type Encode = Vec<Bytes>;
-    type Decode = Bytes;
-    type Encoder = RawEncoder;
-    type Decoder = RawDecoder;
-
-    fn encoder(&mut self) -> RawEncoder {
-        RawEncoder
-    }
-
-    fn decoder(&mut self) -> RawDecoder {
-        RawDecoder
-    }
-}
-
-impl Encoder for RawEncoder {
-    type Item = Vec<Bytes>;
-    type Error = Status;
-
-    fn encode(&mut self, chunks: Vec<Bytes>, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        // tonic frames from its own buffer, so the answer is copied once here.
-        for chunk in chunks {
-            buf.put_slice(&chunk);
-        }
-        Ok(())
-    }
-}
 
 impl Decoder for RawDecoder {
     type Item = Bytes;
@@ -344,11 +310,7 @@ where
         });
         let answer: Self::Future = if !log_here {
             let raw = self.raw.clone();
-            Box::pin(async move {
-                let mut grpc =
-                    tonic::server::Grpc::new(RawCodec).apply_max_message_size_config(Some(limit), Some(usize::MAX));
-                Ok(grpc.unary(raw, request).await)
-            })
+            Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
         } else {
             self.typed.call(request)
         };
@@ -393,6 +355,81 @@ where
             Ok(response)
         })
     }
+}
+
+/// `ModelInfer` on the raw path. The request message is read whole by tonic's decoder (framing, size limit); the
+/// answer's chunks are framed and sent as they are, where tonic's encoder would copy them into one buffer first.
+async fn infer_raw<B>(mut raw: InferRaw, request: http::Request<B>, limit: usize) -> http::Response<tonic::body::Body>
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    let request = match read_unary(request, limit).await {
+        Ok(request) => request,
+        Err(status) => return status.into_http(),
+    };
+    match raw.call(request).await {
+        Ok(answer) => framed_answer(answer),
+        Err(status) => status.into_http(),
+    }
+}
+
+/// Reads a unary call's one message, as tonic's `Grpc::unary` does: compressed requests are refused (the raw path
+/// accepts no compression), and trailers sent with the request join its metadata.
+async fn read_unary<B>(request: http::Request<B>, limit: usize) -> Result<Request<Bytes>, Status>
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    if let Some(encoding) = request.headers().get("grpc-encoding")
+        && encoding.as_bytes() != b"identity"
+    {
+        return Err(Status::unimplemented(format!(
+            "Content is compressed with `{}` which isn't supported",
+            String::from_utf8_lossy(encoding.as_bytes())
+        )));
+    }
+    let (mut parts, body) = request.into_parts();
+    let mut stream = tonic::codec::Streaming::new_request(RawDecoder, body, None, Some(limit));
+    let message = stream
+        .message()
+        .await?
+        .ok_or_else(|| Status::internal("Missing request message."))?;
+    if let Some(trailers) = stream.trailers().await? {
+        parts.headers.extend(trailers.into_headers());
+    }
+    Ok(Request::from_http(http::Request::from_parts(parts, message)))
+}
+
+/// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's
+/// own chunks, and `grpc-status: 0` in the trailers.
+fn framed_answer(answer: Response<Vec<Bytes>>) -> http::Response<tonic::body::Body> {
+    let (metadata, chunks, extensions) = answer.into_parts();
+    let length: usize = chunks.iter().map(Bytes::len).sum();
+    let Ok(prefix_length) = u32::try_from(length) else {
+        return Status::resource_exhausted(format!(
+            "the answer is {length} bytes, more than a gRPC message can hold"
+        ))
+        .into_http();
+    };
+    let mut prefix = Vec::with_capacity(5);
+    prefix.push(0u8);
+    prefix.extend_from_slice(&prefix_length.to_be_bytes());
+    let mut frames = Vec::with_capacity(chunks.len() + 1);
+    frames.push(Bytes::from(prefix));
+    frames.extend(chunks);
+    let mut trailers = http::HeaderMap::with_capacity(1);
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let mut response = http::Response::new(tonic::body::Body::new(crate::body::ChunksBody::with_trailers(
+        frames, trailers,
+    )));
+    *response.headers_mut() = metadata.into_headers();
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    *response.extensions_mut() = extensions;
+    response
 }
 
 /// Readies an answer for the wire: the request stays counted as under way (`active`) until its body is sent or
