@@ -162,10 +162,15 @@ pub async fn start(config: ModelServerConfig) -> Result<RunningModelServer> {
             .max_decoding_message_size(config.max_request_bytes)
             .max_encoding_message_size(usize::MAX);
         let stop = stopped(shutdown.subscribe());
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // The builder's `tcp_nodelay` applies only to listeners tonic binds itself; without it, a small answer
+        // after a large one waited for the peer's delayed acknowledgement (about 40 ms).
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tasks.push(tokio::spawn(async move {
+            // HTTP/2's default 64 KiB window made a large tensor wait on a window update every 64 KiB, so its
+            // latency swung with scheduling; the gateway's own doors use the same windows.
             let served = tonic::transport::Server::builder()
-                .tcp_nodelay(true)
+                .initial_stream_window_size(8 << 20)
+                .initial_connection_window_size(32 << 20)
                 .add_service(service)
                 .serve_with_incoming_shutdown(incoming, stop)
                 .await;
