@@ -56,7 +56,7 @@ pub(super) async fn mirror_call(
                 headers.insert(http::header::CONTENT_TYPE, content_type);
             }
             if let Some(length) = header_length {
-                headers.insert(crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
+                headers.insert(rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
             }
             let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
             let answer = backend

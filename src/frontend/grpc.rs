@@ -405,19 +405,15 @@ where
 /// own chunks, and `grpc-status: 0` in the trailers.
 fn framed_answer(answer: Response<Vec<Bytes>>) -> http::Response<tonic::body::Body> {
     let (metadata, chunks, extensions) = answer.into_parts();
-    let length: usize = chunks.iter().map(Bytes::len).sum();
-    let Ok(prefix_length) = u32::try_from(length) else {
-        return Status::resource_exhausted(format!(
-            "the answer is {length} bytes, more than a gRPC message can hold"
-        ))
-        .into_http();
+    let frames = match crate::body::grpc_message(chunks) {
+        Ok(frames) => frames,
+        Err(length) => {
+            return Status::resource_exhausted(format!(
+                "the answer is {length} bytes, more than a gRPC message can hold"
+            ))
+            .into_http();
+        }
     };
-    let mut prefix = Vec::with_capacity(5);
-    prefix.push(0u8);
-    prefix.extend_from_slice(&prefix_length.to_be_bytes());
-    let mut frames = Vec::with_capacity(chunks.len() + 1);
-    frames.push(Bytes::from(prefix));
-    frames.extend(chunks);
     let mut trailers = http::HeaderMap::with_capacity(1);
     trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
     let mut response = http::Response::new(tonic::body::Body::new(crate::body::ChunksBody::with_trailers(

@@ -12,13 +12,10 @@ use http_body_util::{BodyExt, Limited};
 
 use super::ModelServerState;
 use crate::body::ChunksBody;
-use crate::codec::rest::{self, EncodedBody, RestRequest};
+use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::paths::{Route, route};
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
-
-/// The binary extension's header giving the JSON part's length.
-pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChunksBody> {
     let mut response = Response::new(ChunksBody::new(vec![Bytes::from(body)]));
@@ -151,20 +148,7 @@ where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    let header_length = match request.headers().get(INFERENCE_HEADER_CONTENT_LENGTH) {
-        None => None,
-        Some(value) => Some(
-            value
-                .to_str()
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .ok_or_else(|| {
-                    Error::invalid(format!(
-                        "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
-                    ))
-                })?,
-        ),
-    };
+    let header_length = rest::inference_header_length(request.headers())?;
     let body = read_body(request, state.max_request_bytes).await?;
     let (infer_request, binary_outputs) = match rest::decode_request(body, header_length)? {
         RestRequest::Request {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{CONTENT_TYPE, TE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request};
 use hyper_util::client::legacy::Client;
@@ -109,18 +109,11 @@ impl GrpcUpstream {
         deadline: Option<Duration>,
         metadata: &HeaderMap,
     ) -> Result<Replied<Bytes>> {
-        let length: usize = message.iter().map(Bytes::len).sum();
-        let length = u32::try_from(length).map_err(|_| {
+        let chunks = crate::body::grpc_message(message).map_err(|length| {
             Error::invalid(format!(
                 "a gRPC message of {length} bytes exceeds the 4 GiB frame limit"
             ))
         })?;
-        let mut header = BytesMut::with_capacity(FRAME_HEADER);
-        header.put_u8(0);
-        header.put_u32(length);
-        let mut chunks = Vec::with_capacity(message.len() + 1);
-        chunks.push(header.freeze());
-        chunks.extend(message);
 
         let mut request = Request::builder()
             .method(Method::POST)

@@ -12,14 +12,11 @@ use hyper_util::rt::TokioExecutor;
 
 use super::Replied;
 use crate::body::ChunksBody;
-use crate::codec::rest::{self, EncodedBody};
+use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::config::Endpoint;
 use crate::error::{Error, Result};
 use crate::headers;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
-
-/// The binary extension's header giving the JSON part's length.
-pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
 
 /// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.
 #[derive(Debug, Clone)]
@@ -199,19 +196,7 @@ impl RestUpstream {
         let path = model_path(model, version, "/infer");
         let answer = self.send(Method::POST, &path, &headers, body.chunks, deadline).await?;
         self.check(&answer)?;
-        let length = match answer.headers.get(INFERENCE_HEADER_CONTENT_LENGTH) {
-            None => None,
-            Some(value) => Some(
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .ok_or_else(|| {
-                        Error::invalid(format!("{INFERENCE_HEADER_CONTENT_LENGTH} {value:?} is not a number"))
-                            .into_upstream_protocol_error()
-                    })?,
-            ),
-        };
+        let length = rest::inference_header_length(&answer.headers).map_err(Error::into_upstream_protocol_error)?;
         let response = rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)?;
         Ok(Replied {
             value: response,

@@ -25,6 +25,27 @@ pub use request::{BINARY_DATA, BINARY_DATA_OUTPUT, RestRequest, decode_request, 
 pub use response::{decode_response, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;
 
+/// The binary extension's header giving the JSON part's length.
+pub const INFERENCE_HEADER_CONTENT_LENGTH: &str = "inference-header-content-length";
+
+/// The JSON part's length a binary-extension body declares (`Inference-Header-Content-Length`); `None` when the
+/// body is JSON alone.
+pub fn inference_header_length(headers: &http::HeaderMap) -> Result<Option<u64>> {
+    let Some(value) = headers.get(INFERENCE_HEADER_CONTENT_LENGTH) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
+            ))
+        })
+}
+
 /// Which outputs a REST caller wants as binary data: an output's own `binary_data` wins; when it does not say, the
 /// request's `binary_data_output` decides; when neither says, JSON.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

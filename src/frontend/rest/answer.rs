@@ -7,10 +7,10 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use super::{LINGER, RestContext};
+use crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::codec::rest::{self, EncodedBody};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
-use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// An aliased answer on its way through: its JSON header is held back until complete, then renamed.
 #[derive(Debug)]

@@ -28,7 +28,7 @@ use answer::{
 use super::REQUEST_ID;
 use super::paths::{Route, route};
 use crate::codec::decthings;
-use crate::codec::rest::{self, BinaryOutputs, RestRequest};
+use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -37,7 +37,6 @@ use crate::headers;
 use crate::live::{Active, Gateway};
 use crate::metrics::{ClientProtocol, Direction, Finished, InFlight, RouteMetrics};
 use crate::protocol::{InferRequest, ModelReady, ServerLive, ServerReady};
-use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// Content type of Decthings request and response bodies.
 pub const DECTHINGS_CONTENT_TYPE: &str = "application/x-decthings-tensors";
@@ -209,20 +208,7 @@ impl RestFrontDoor {
         if declared.is_some_and(|length| length > self.max_request_bytes) {
             return Err(self.too_large());
         }
-        let header_length = match header.headers.get(INFERENCE_HEADER_CONTENT_LENGTH) {
-            None => None,
-            Some(value) => Some(
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.trim().parse::<u64>().ok())
-                    .ok_or_else(|| {
-                        Error::invalid(format!(
-                            "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
-                        ))
-                    })?,
-            ),
-        };
+        let header_length = rest::inference_header_length(&header.headers)?;
         let content_type = header
             .headers
             .get(http::header::CONTENT_TYPE)

@@ -10,11 +10,11 @@ use pingora::proxy::Session;
 
 use super::answer::{Rename, client_gone, pingora_failure};
 use super::{RestContext, RestFrontDoor};
+use crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::dispatch::Passthrough;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
-use crate::upstream::rest::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write
 /// over the thread's own pooled connection; a longer one (or one of unknown length) streams through pingora's proxy.
