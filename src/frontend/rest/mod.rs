@@ -18,7 +18,7 @@ mod listener;
 mod whole;
 
 pub use listener::RestListener;
-use whole::{AS_SENT, WHOLE_BODY_LIMIT, default_content_type};
+use whole::{AS_SENT, WHOLE_BODY_LIMIT, missing_content_type};
 
 use answer::{
     Rename, client_gone, discard_body, health_status, pingora_failure, respond_encoded, respond_error, respond_json,
@@ -28,7 +28,7 @@ use answer::{
 use super::REQUEST_ID;
 use super::paths::{Route, route};
 use crate::codec::decthings;
-use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
+use crate::codec::rest::{self, BinaryOutputs, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -244,7 +244,9 @@ impl RestFrontDoor {
                         send.insert(name, value.clone());
                     }
                 }
-                default_content_type(&mut send);
+                if let Some(content_type) = missing_content_type(&send) {
+                    send.insert(http::header::CONTENT_TYPE, content_type);
+                }
                 let body = self.read_body(session).await?;
                 if let Some(route) = routed.mirror {
                     context.dispatcher.mirror(
@@ -497,18 +499,8 @@ impl ProxyHttp for RestFrontDoor {
         if let Some(target) = &context.passthrough {
             let uri: http::Uri = target.path.parse().or_err(ErrorType::InternalError, "backend path")?;
             upstream_request.set_uri(uri);
-            // tritonclient sends no Content-Type; KServe's server reads a body without one as binary and refuses
-            // it. The body's form is known from the binary extension's header, so the type is said for it.
-            if !upstream_request.headers.contains_key(http::header::CONTENT_TYPE) {
-                let binary = upstream_request.headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH);
-                upstream_request.insert_header(
-                    http::header::CONTENT_TYPE,
-                    if binary {
-                        "application/octet-stream"
-                    } else {
-                        "application/json"
-                    },
-                )?;
+            if let Some(content_type) = missing_content_type(&upstream_request.headers) {
+                upstream_request.insert_header(http::header::CONTENT_TYPE, content_type)?;
             }
         }
         if let Some(id) = &context.request_id {

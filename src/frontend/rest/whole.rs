@@ -134,18 +134,18 @@ fn broken_answer(message: String) -> Error {
     Error::new(ErrorKind::BadGateway, Origin::Upstream, message)
 }
 
-/// tritonclient sends no Content-Type; KServe's server reads a body without one as binary and refuses it. The body's
-/// form is known from the binary extension's header, so the type is said for it.
-pub(super) fn default_content_type(headers: &mut http::HeaderMap) {
-    if !headers.contains_key(http::header::CONTENT_TYPE) {
-        let binary = headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH);
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static(if binary {
-                "application/octet-stream"
-            } else {
-                "application/json"
-            }),
-        );
+/// The Content-Type a proxied request goes to its backend with when the client sent none. tritonclient sends none;
+/// KServe's server reads a body without one as binary and refuses it. The body's form is known from the binary
+/// extension's header, so the type is said for it.
+pub(super) fn missing_content_type(headers: &http::HeaderMap) -> Option<HeaderValue> {
+    if headers.contains_key(http::header::CONTENT_TYPE) {
+        return None;
     }
+    Some(HeaderValue::from_static(
+        if headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+            "application/octet-stream"
+        } else {
+            "application/json"
+        },
+    ))
 }
