@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{GatewayProcess, ModelServerProcess, eventually, free_port, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, eventually, free_port, http_client, send, stop_load};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
@@ -151,17 +151,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     let after_two = by_two.load(Ordering::Relaxed);
     let three_before = by_three.load(Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in load {
-        task.await.unwrap();
-    }
-    let failures = failures.lock().unwrap().clone();
-    assert!(
-        failures.is_empty(),
-        "{} failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(5)]
-    );
+    stop_load(&stop, load, &failures).await;
     assert_eq!(
         by_two.load(Ordering::Relaxed),
         after_two,

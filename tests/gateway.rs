@@ -83,6 +83,21 @@ fn outputs(body: &[u8]) -> serde_json::Value {
     value["outputs"].clone()
 }
 
+/// A binary-extension request body carrying `inputs` and asking for binary outputs, with the header that says where
+/// its JSON part ends.
+fn binary_request(inputs: Vec<Tensor>) -> (rest::EncodedBody, [(&'static str, String); 1]) {
+    let mut request = InferRequest {
+        inputs,
+        ..InferRequest::default()
+    };
+    request
+        .parameters
+        .insert("binary_data_output".into(), ParamValue::Bool(true));
+    let body = rest::encode_request(&request, true).unwrap();
+    let length = body.header_length.unwrap().to_string();
+    (body, [("inference-header-content-length", length)])
+}
+
 #[tokio::test]
 async fn rest_endpoints_and_errors() {
     let setup = setup("");
@@ -273,18 +288,7 @@ async fn binary_extension_and_every_datatype_on_both_rest_paths() {
         };
         inputs.push(tensor);
     }
-    let mut request = InferRequest {
-        inputs: inputs.clone(),
-        ..InferRequest::default()
-    };
-    request
-        .parameters
-        .insert("binary_data_output".into(), ParamValue::Bool(true));
-    let body = rest::encode_request(&request, true).unwrap();
-    let headers = [(
-        "inference-header-content-length",
-        body.header_length.unwrap().to_string(),
-    )];
+    let (body, headers) = binary_request(inputs.clone());
     for version in ["1", "grpc", "rest"] {
         let url = setup
             .gateway
@@ -854,18 +858,8 @@ async fn proxied_bodies_of_every_length_and_framing_arrive_whole_and_renamed() {
     // Small bodies are read whole and sent with their head; long ones, and those of unknown length, stream through.
     for elements in [4u64, 100_000] {
         let values: Vec<u8> = (0..elements * 4).map(|i| (i % 251) as u8).collect();
-        let mut request = InferRequest {
-            inputs: vec![Tensor::new("INPUT0", DataType::Fp32, vec![elements], Bytes::from(values)).unwrap()],
-            ..InferRequest::default()
-        };
-        request
-            .parameters
-            .insert("binary_data_output".into(), ParamValue::Bool(true));
-        let body = rest::encode_request(&request, true).unwrap();
-        let headers = [(
-            "inference-header-content-length",
-            body.header_length.unwrap().to_string(),
-        )];
+        let inputs = vec![Tensor::new("INPUT0", DataType::Fp32, vec![elements], Bytes::from(values)).unwrap()];
+        let (body, headers) = binary_request(inputs.clone());
         // Version "rest" is an alias of the backend's version 1: the answer's version is put back on both paths.
         let url = setup.gateway.rest_url("/v2/models/identity/versions/rest/infer");
         let answer = send(&http_client(false), "POST", &url, &headers, body.to_bytes()).await;
@@ -879,7 +873,7 @@ async fn proxied_bodies_of_every_length_and_framing_arrive_whole_and_renamed() {
             Some(answer.body.len())
         );
         let response = rest::decode_response(answer.body, length).unwrap();
-        assert_eq!(response.outputs, request.inputs, "{elements} elements");
+        assert_eq!(response.outputs, inputs, "{elements} elements");
         assert_eq!(response.model_version.as_deref(), Some("rest"));
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, ModelServerProcess, eventually, get, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, eventually, get, http_client, send, stop_load};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
@@ -141,17 +141,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
         assert_eq!(answer.status, if with_echo { 200 } else { 404 }, "step {step}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    for task in load {
-        task.await.unwrap();
-    }
-    let failures = failures.lock().unwrap().clone();
-    assert!(
-        failures.is_empty(),
-        "{} failed requests: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(5)]
-    );
+    stop_load(&stop, load, &failures).await;
     assert!(served.load(Ordering::Relaxed) > 200, "the load kept going");
     assert_eq!(reloads("error").await, 1.0);
     assert!(reloads("ok").await >= expected_ok);

@@ -335,3 +335,22 @@ pub fn grpc_int32_request(model: &str, version: &str) -> oipgate::proto::ModelIn
         ..Default::default()
     }
 }
+
+/// Stops a background load (`stop`), waits for its tasks, and asserts that none of its requests failed.
+pub async fn stop_load(
+    stop: &std::sync::atomic::AtomicBool,
+    load: Vec<tokio::task::JoinHandle<()>>,
+    failures: &std::sync::Mutex<Vec<String>>,
+) {
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in load {
+        task.await.unwrap();
+    }
+    let failures = failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} requests failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+}
