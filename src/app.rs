@@ -1,5 +1,6 @@
-//! Wiring: the gateway's two front doors (plain or TLS) over its live state, run by pingora's server until a signal
-//! drains and stops them.
+//! Wiring: the gateway's two front doors (plain or TLS) and its metrics listener over its live state, run by
+//! pingora's server as services on listening sockets that its binary upgrade hands from one process to the next,
+//! until a signal drains and stops them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,107 +8,178 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use pingora::apps::HttpServerOptions;
-use pingora::server::configuration::ServerConf;
-use pingora::server::{ExecutionPhase, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::server::configuration::{Opt, ServerConf};
+use pingora::server::{ExecutionPhase, ListenFds, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::services::Service;
 use pingora::services::background::{BackgroundService, background_service};
 
 use crate::config::{Config, Shutdown};
 use crate::error::{Error, Result};
 use crate::frontend::grpc;
-use crate::frontend::rest::{RestFrontDoor, RestListener};
+use crate::frontend::rest::RestDoor;
+use crate::frontend::rest::connection::RestConnections;
 use crate::live::Gateway;
 use crate::metrics::{self, Metrics};
 
-/// The gRPC front door (one accept loop per worker thread, each on its own runtime) as one of pingora's background
-/// services.
-struct GrpcFrontDoor {
+/// Where a new process started with `--upgrade` waits for the running one's listening sockets.
+pub const DEFAULT_UPGRADE_SOCKET: &str = "/tmp/oipgate-upgrade.sock";
+
+/// How the process starts: fresh, or taking over the listening sockets of a running one.
+#[derive(Debug, Clone)]
+pub struct Process {
+    /// Take the listening sockets of the process now running (which hands them over on SIGQUIT).
+    pub upgrade: bool,
+    /// The Unix socket the handover goes through.
+    pub upgrade_socket: PathBuf,
+}
+
+impl Default for Process {
+    fn default() -> Self {
+        Process {
+            upgrade: false,
+            upgrade_socket: PathBuf::from(DEFAULT_UPGRADE_SOCKET),
+        }
+    }
+}
+
+/// What a listener serves.
+enum Serves {
+    Rest(RestConnections),
+    Grpc {
+        gateway: Arc<Gateway>,
+        max_message_bytes: usize,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    },
+    Metrics(Arc<Metrics>),
+}
+
+/// A listening socket and what is served on it, as one of pingora's services: the socket comes from the previous
+/// process in an upgrade (or is bound here), and is registered for handing on to the next.
+struct Listener {
+    name: &'static str,
     address: SocketAddr,
     threads: usize,
-    socket: std::sync::Mutex<Option<std::net::TcpListener>>,
-    gateway: Arc<Gateway>,
-    max_message_bytes: usize,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Bound before the server started, so a taken port fails the start with its address named.
+    bound: Option<std::net::TcpListener>,
+    serves: Serves,
+    failure: Arc<tokio::sync::Notify>,
 }
 
 #[async_trait]
-impl BackgroundService for GrpcFrontDoor {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let Some(socket) = self.socket.lock().ok().and_then(|mut socket| socket.take()) else {
-            return;
-        };
-        for index in 0..self.threads.max(1) {
-            let door = socket.try_clone().and_then(|socket| {
-                let gateway = self.gateway.clone();
-                let tls = self.tls.clone();
-                let max_message_bytes = self.max_message_bytes;
-                let mut stop = shutdown.clone();
-                crate::frontend::spawn_door_thread(format!("grpc-{index}"), async move {
-                    let listener = match tokio::net::TcpListener::from_std(socket) {
-                        Ok(listener) => listener,
-                        Err(error) => {
-                            tracing::error!(%error, "cannot listen for gRPC");
-                            std::process::exit(1);
-                        }
-                    };
-                    let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                    grpc::serve(listener, gateway, max_message_bytes, tls, stopping).await;
-                    // The listening socket is closed; calls still under way finish until the process ends.
-                    std::future::pending::<()>().await;
-                })
-            });
-            if let Err(error) = door {
-                tracing::error!(address = %self.address, %error, "cannot start the gRPC door");
-                std::process::exit(1);
-            }
-        }
-        drop(socket);
-        crate::frontend::stopping(&mut shutdown).await;
-    }
-}
-
-/// The REST front door (its own accept threads) as one of pingora's background services.
-struct RestFrontDoorService {
-    door: Arc<RestListener>,
-    socket: std::sync::Mutex<Option<std::net::TcpListener>>,
-}
-
-#[async_trait]
-impl BackgroundService for RestFrontDoorService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let Some(socket) = self.socket.lock().ok().and_then(|mut socket| socket.take()) else {
-            return;
-        };
-        if let Err(error) = self.door.clone().run(&socket, &shutdown) {
-            tracing::error!(address = %self.door.address, %error, "cannot start the REST door");
-            std::process::exit(1);
-        }
-        // The threads hold their own handles on the socket; it closes when the last of them lets go.
-        drop(socket);
-        crate::frontend::stopping(&mut shutdown).await;
-    }
-}
-
-/// The metrics listener as one of pingora's background services.
-struct MetricsListener {
-    address: SocketAddr,
-    metrics: Arc<Metrics>,
-}
-
-#[async_trait]
-impl BackgroundService for MetricsListener {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let listener = match tokio::net::TcpListener::bind(self.address).await {
-            Ok(listener) => listener,
+impl Service for Listener {
+    async fn start_service(&mut self, fds: Option<ListenFds>, mut shutdown: ShutdownWatch, _listeners_per_fd: usize) {
+        let socket = match self.socket(fds) {
+            Ok(socket) => socket,
             Err(error) => {
-                tracing::error!(address = %self.address, %error, "cannot listen for metrics");
-                std::process::exit(1);
+                tracing::error!(door = self.name, address = %self.address, %error, "cannot listen");
+                self.failure.notify_one();
+                return;
             }
         };
-        let stop = async move {
-            let _ = shutdown.changed().await;
+        if let Err(error) = self.start(&socket, &shutdown) {
+            tracing::error!(door = self.name, address = %self.address, %error, "cannot start");
+            self.failure.notify_one();
+            return;
+        }
+        // Held until shutdown: its descriptor is the one the next process is handed (before shutdown starts).
+        crate::frontend::stopping(&mut shutdown).await;
+        drop(socket);
+    }
+
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    fn threads(&self) -> Option<usize> {
+        // The doors run their own threads; pingora's runtime for each only waits.
+        Some(1)
+    }
+
+    fn listen_addresses(&self) -> Option<Vec<String>> {
+        Some(vec![self.address.to_string()])
+    }
+}
+
+impl Listener {
+    /// The listening socket: the one handed over by the previous process, the one bound before start, or a new one;
+    /// registered for handing on.
+    fn socket(&mut self, fds: Option<ListenFds>) -> std::io::Result<std::net::TcpListener> {
+        let key = self.address.to_string();
+        let Some(fds) = fds else {
+            return self
+                .bound
+                .take()
+                .map_or_else(|| crate::frontend::bind(self.address), Ok);
         };
-        metrics::serve(listener, self.metrics.clone(), stop).await;
+        let mut fds = fds.lock();
+        if let Some(fd) = fds.get(&key) {
+            let socket = crate::frontend::inherited(*fd)?;
+            tracing::info!(door = self.name, address = %self.address, "took over the listening socket");
+            return Ok(socket);
+        }
+        let socket = self
+            .bound
+            .take()
+            .map_or_else(|| crate::frontend::bind(self.address), Ok)?;
+        fds.add(key, std::os::fd::AsRawFd::as_raw_fd(&socket));
+        Ok(socket)
+    }
+
+    /// Starts serving on `socket`: one accept loop per thread, each on its own runtime.
+    fn start(&self, socket: &std::net::TcpListener, shutdown: &ShutdownWatch) -> std::io::Result<()> {
+        let threads = match self.serves {
+            Serves::Metrics(_) => 1,
+            _ => self.threads.max(1),
+        };
+        for index in 0..threads {
+            let listener = socket.try_clone()?;
+            let mut stop = shutdown.clone();
+            let name = format!("{}-{index}", self.name);
+            match &self.serves {
+                Serves::Rest(connections) => {
+                    let connections = connections.clone();
+                    let shutdown = shutdown.clone();
+                    crate::frontend::spawn_door_thread(name, async move {
+                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                            return;
+                        };
+                        let stopping = async move { crate::frontend::stopping(&mut stop).await };
+                        crate::frontend::accept_loop(listener, "rest", stopping, |tcp, peer| {
+                            tokio::spawn(connections.clone().serve(tcp, peer, shutdown.clone()));
+                        })
+                        .await;
+                        // Connections still open are served until the process ends.
+                        std::future::pending::<()>().await;
+                    })?;
+                }
+                Serves::Grpc {
+                    gateway,
+                    max_message_bytes,
+                    tls,
+                } => {
+                    let (gateway, max_message_bytes, tls) = (gateway.clone(), *max_message_bytes, tls.clone());
+                    crate::frontend::spawn_door_thread(name, async move {
+                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                            return;
+                        };
+                        let stopping = async move { crate::frontend::stopping(&mut stop).await };
+                        grpc::serve(listener, gateway, max_message_bytes, tls, stopping).await;
+                        std::future::pending::<()>().await;
+                    })?;
+                }
+                Serves::Metrics(registry) => {
+                    let registry = registry.clone();
+                    crate::frontend::spawn_door_thread(name, async move {
+                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                            return;
+                        };
+                        let stopping = async move { crate::frontend::stopping(&mut stop).await };
+                        metrics::serve(listener, registry, stopping).await;
+                    })?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -127,56 +199,118 @@ impl BackgroundService for Control {
 }
 
 /// SIGTERM and SIGINT start a graceful shutdown: readiness says no at once; after the drain delay the listeners
-/// close; requests under way get the grace period; the process exits as soon as none is left.
+/// close; requests under way get the grace period; the process exits as soon as none is left. SIGQUIT hands the
+/// listening sockets to a new process started with `--upgrade`, then stops accepting and drains the same way (readiness
+/// stays: the new process answers on the same sockets). A listener that cannot start stops the process the same
+/// way, with a failing exit status.
 struct Signals {
+    /// The signals, listened for from the start (before the listeners open), so none is missed or fatal.
+    streams: std::sync::Mutex<Option<SignalStreams>>,
     gateway: Arc<Gateway>,
     shutdown: Shutdown,
     /// Tells when pingora has closed the listeners.
     phases: std::sync::Mutex<Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>>,
+    failure: Arc<tokio::sync::Notify>,
+}
+
+/// Why the process stops.
+enum Stop {
+    Terminate(&'static str),
+    Upgrade,
+    Failed,
 }
 
 #[async_trait]
 impl ShutdownSignalWatch for Signals {
     async fn recv(&self) -> ShutdownSignal {
-        let signal = termination().await;
-        self.gateway.start_draining();
-        tracing::info!(
-            signal,
-            drain_delay_ms = self.shutdown.drain_delay.as_millis(),
-            grace_period_ms = self.shutdown.grace_period.as_millis(),
-            in_flight = self.gateway.active(),
-            "shutting down: readiness is now false"
-        );
-        tokio::time::sleep(self.shutdown.drain_delay).await;
+        let streams = self.streams.lock().ok().and_then(|mut streams| streams.take());
+        let stop = tokio::select! {
+            stop = termination(streams) => stop,
+            () = self.failure.notified() => Stop::Failed,
+        };
         let phases = self.phases.lock().ok().and_then(|mut p| p.take());
         let gateway = self.gateway.clone();
         let grace = self.shutdown.grace_period;
+        let (signal, status) = match stop {
+            Stop::Upgrade => {
+                tracing::info!(
+                    in_flight = self.gateway.active(),
+                    "SIGQUIT: handing the listening sockets to the new process, then draining"
+                );
+                std::thread::spawn(move || exit_when_drained(&gateway, phases, grace, 0));
+                return ShutdownSignal::GracefulUpgrade;
+            }
+            Stop::Failed => {
+                tracing::error!("a listener could not start: shutting down");
+                (ShutdownSignal::GracefulTerminate, 1)
+            }
+            Stop::Terminate(signal) => {
+                self.gateway.start_draining();
+                tracing::info!(
+                    signal,
+                    drain_delay_ms = self.shutdown.drain_delay.as_millis(),
+                    grace_period_ms = self.shutdown.grace_period.as_millis(),
+                    in_flight = self.gateway.active(),
+                    "shutting down: readiness is now false"
+                );
+                tokio::time::sleep(self.shutdown.drain_delay).await;
+                (ShutdownSignal::GracefulTerminate, 0)
+            }
+        };
         // pingora waits out its whole grace period; this ends the process as soon as nothing is under way.
-        std::thread::spawn(move || exit_when_drained(&gateway, phases, grace));
-        ShutdownSignal::GracefulTerminate
+        std::thread::spawn(move || exit_when_drained(&gateway, phases, grace, status));
+        signal
     }
 }
 
-/// Waits for SIGTERM or SIGINT; gives its name.
-async fn termination() -> &'static str {
-    #[cfg(unix)]
-    {
+/// SIGTERM, SIGINT and SIGQUIT, listened for.
+struct SignalStreams {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+}
+
+/// The runtime the signals are registered on; kept for the life of the process (pingora's runtime, which waits for
+/// them, reads the signals' shared pipe).
+static SIGNAL_RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+
+impl SignalStreams {
+    /// Takes over the three signals now: from here on none of them ends the process by its default action.
+    fn listen() -> std::io::Result<SignalStreams> {
         use tokio::signal::unix::{SignalKind, signal};
-        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
-            (Ok(mut terminate), Ok(mut interrupt)) => tokio::select! {
-                _ = terminate.recv() => "SIGTERM",
-                _ = interrupt.recv() => "SIGINT",
-            },
-            _ => {
-                let _ = tokio::signal::ctrl_c().await;
-                "SIGINT"
+        let runtime = match SIGNAL_RUNTIME.get() {
+            Some(runtime) => runtime,
+            None => {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                SIGNAL_RUNTIME.get_or_init(|| runtime)
             }
-        }
+        };
+        let (terminate, interrupt, quit) = {
+            let _entered = runtime.enter();
+            (
+                signal(SignalKind::terminate())?,
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::quit())?,
+            )
+        };
+        Ok(SignalStreams {
+            terminate,
+            interrupt,
+            quit,
+        })
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-        "Ctrl-C"
+}
+
+/// Waits for SIGTERM, SIGINT or SIGQUIT.
+async fn termination(streams: Option<SignalStreams>) -> Stop {
+    let Some(mut streams) = streams else {
+        std::future::pending::<()>().await;
+        return Stop::Failed;
+    };
+    tokio::select! {
+        _ = streams.terminate.recv() => Stop::Terminate("SIGTERM"),
+        _ = streams.interrupt.recv() => Stop::Terminate("SIGINT"),
+        _ = streams.quit.recv() => Stop::Upgrade,
     }
 }
 
@@ -184,6 +318,7 @@ fn exit_when_drained(
     gateway: &Gateway,
     phases: Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>,
     grace: Duration,
+    status: i32,
 ) {
     let started = Instant::now();
     if let Some(mut phases) = phases {
@@ -212,28 +347,28 @@ fn exit_when_drained(
         tracing::info!("drained; exiting");
     }
     let _ = std::io::Write::flush(&mut std::io::stdout());
-    std::process::exit(0);
+    std::process::exit(status);
 }
 
-/// Fails early, with the address named, when a front door's port is taken.
-fn check_free(address: SocketAddr, what: &str) -> Result<()> {
-    std::net::TcpListener::bind(address)
-        .map(drop)
-        .map_err(|e| Error::internal(format!("cannot listen for {what} on {address}: {e}")))
-}
-
-/// Runs the gateway until SIGTERM or SIGINT (both graceful). `path` is the configuration file reloads read.
-pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
+/// Runs the gateway until SIGTERM or SIGINT (both graceful), or until SIGQUIT hands its listening sockets to a new
+/// process. `path` is the configuration file reloads read.
+pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Process) -> Result<()> {
+    let streams = SignalStreams::listen().map_err(|e| Error::internal(format!("cannot listen for signals: {e}")))?;
     let metrics = Metrics::new()?;
     let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
-    let rest_socket = crate::frontend::bind(config.listen.rest)
-        .map_err(|e| Error::internal(format!("cannot listen for REST on {}: {e}", config.listen.rest)))?;
-    let grpc_socket = crate::frontend::bind(config.listen.grpc)
-        .map_err(|e| Error::internal(format!("cannot listen for gRPC on {}: {e}", config.listen.grpc)))?;
-    if let Some(address) = config.listen.metrics {
-        check_free(address, "metrics")?;
-    }
+    // A fresh start binds now, so a taken port fails it with the address named; an upgrade takes the sockets over.
+    let bind = |address: Option<SocketAddr>, what: &str| -> Result<Option<std::net::TcpListener>> {
+        match address {
+            Some(address) if !process.upgrade => crate::frontend::bind(address)
+                .map(Some)
+                .map_err(|e| Error::internal(format!("cannot listen for {what} on {address}: {e}"))),
+            _ => Ok(None),
+        }
+    };
+    let rest_socket = bind(Some(config.listen.rest), "REST")?;
+    let grpc_socket = bind(Some(config.listen.grpc), "gRPC")?;
+    let metrics_socket = bind(config.listen.metrics, "metrics")?;
     let max_request_bytes = config.limits.max_request_bytes;
     let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
         config
@@ -244,7 +379,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
     };
 
     let conf = ServerConf {
-        threads: config.threads,
+        threads: 1,
         // The exit comes earlier when nothing is left under way (see `Signals`).
         grace_period_seconds: Some(
             config
@@ -256,76 +391,67 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>) -> Result<()> {
                 .unwrap_or(u64::MAX),
         ),
         graceful_shutdown_timeout_seconds: Some(1),
-        // One single-threaded runtime per thread, connections pinned to one: no task is woken across threads, which
-        // on few cores cost more than the balance it buys.
-        work_stealing: false,
+        upgrade_sock: process.upgrade_socket.to_string_lossy().into_owned(),
         ..Default::default()
     };
-    let mut server = Server::new_with_opt_and_conf(None, conf);
+    let options = Opt {
+        upgrade: process.upgrade,
+        ..Default::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(Some(options), conf);
+    // In an upgrade, this waits for the running process's sockets (it sends them on SIGQUIT).
     server.bootstrap();
 
-    let mut proxy = pingora::proxy::http_proxy(
-        &server.configuration,
-        RestFrontDoor::new(gateway.clone(), max_request_bytes),
-    );
-    let mut options = HttpServerOptions::default();
-    options.h2c = true;
-    proxy.server_options = Some(options);
-    let rest_tls = tls_on(|tls| tls.rest).map(|identity| {
-        Arc::new(pingora::listeners::tls::Acceptor::from_server_config(
-            identity.server_config(&[b"h2", b"http/1.1"]),
-        ))
-    });
-    server.add_service(background_service(
-        "rest front door",
-        RestFrontDoorService {
-            door: Arc::new(RestListener {
-                address: config.listen.rest,
-                threads: config.threads,
-                proxy: Arc::new(proxy),
-                tls: rest_tls,
-                h2c: true,
-            }),
-            socket: std::sync::Mutex::new(Some(rest_socket)),
-        },
-    ));
+    let failure = Arc::new(tokio::sync::Notify::new());
+    let listener = |name, address, bound, serves| Listener {
+        name,
+        address,
+        threads: config.threads,
+        bound,
+        serves,
+        failure: failure.clone(),
+    };
+    let rest = RestConnections {
+        door: Arc::new(RestDoor::new(gateway.clone(), max_request_bytes)),
+        tls: tls_on(|tls| tls.rest)
+            .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2", b"http/1.1"]))),
+        header_timeout: config.limits.header_read_timeout,
+    };
+    server.add_service(listener("rest", config.listen.rest, rest_socket, Serves::Rest(rest)));
+    let grpc = Serves::Grpc {
+        gateway: gateway.clone(),
+        max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
+        tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
+    };
+    server.add_service(listener("grpc", config.listen.grpc, grpc_socket, grpc));
+    if let Some(address) = config.listen.metrics {
+        server.add_service(listener("metrics", address, metrics_socket, Serves::Metrics(metrics)));
+    }
     server.add_service(background_service(
         "control",
         Control {
             gateway: gateway.clone(),
         },
     ));
-    server.add_service(background_service(
-        "grpc front door",
-        GrpcFrontDoor {
-            address: config.listen.grpc,
-            threads: config.threads,
-            socket: std::sync::Mutex::new(Some(grpc_socket)),
-            gateway: gateway.clone(),
-            max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
-            tls: tls_on(|tls| tls.grpc)
-                .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
-        },
-    ));
-    if let Some(address) = config.listen.metrics {
-        server.add_service(background_service("metrics", MetricsListener { address, metrics }));
-    }
     let metrics_address = config
         .listen
         .metrics
         .map_or_else(|| "off".to_owned(), |address| address.to_string());
-    tracing::info!(summary = %config.summary(), "configuration loaded");
+    tracing::info!(summary = %config.summary(), pid = std::process::id(), "configuration loaded");
     println!(
-        "oipgate serving: rest={} grpc={} metrics={metrics_address} ({})",
+        "oipgate serving: rest={} grpc={} metrics={metrics_address} pid={} ({})",
         config.listen.rest,
         config.listen.grpc,
+        std::process::id(),
         config.summary()
     );
     let _ = std::io::Write::flush(&mut std::io::stdout());
     let signals = Signals {
+        streams: std::sync::Mutex::new(Some(streams)),
         gateway,
         shutdown: config.shutdown,
         phases: std::sync::Mutex::new(Some(server.watch_execution_phase())),
+        failure,
     };
     server.run(RunArgs {
         shutdown_signal: Box::new(signals),

@@ -1,10 +1,12 @@
-//! A body made of shared buffers, sent one after another without being joined: how tensors leave the process
-//! without a copy.
+//! Bodies that leave the process: shared buffers sent one after another without being joined (how tensors leave
+//! without a copy), and a client's body relayed to a backend as it arrives.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -68,6 +70,230 @@ impl Body for ChunksBody {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(self.remaining)
+    }
+}
+
+/// A body sent to a backend: buffers at hand, or a client's body relayed as it arrives.
+#[derive(Debug)]
+pub enum OutBody {
+    Chunks(ChunksBody),
+    Relayed(Relayed),
+}
+
+impl From<ChunksBody> for OutBody {
+    fn from(body: ChunksBody) -> Self {
+        OutBody::Chunks(body)
+    }
+}
+
+impl Body for OutBody {
+    type Data = Bytes;
+    type Error = RelayError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
+        match self.get_mut() {
+            OutBody::Chunks(body) => Pin::new(body).poll_frame(cx).map_err(|never| match never {}),
+            OutBody::Relayed(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            OutBody::Chunks(body) => body.is_end_stream(),
+            OutBody::Relayed(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            OutBody::Chunks(body) => body.size_hint(),
+            OutBody::Relayed(body) => body.size_hint(),
+        }
+    }
+}
+
+/// Why a relayed body stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayError {
+    /// The client sent more than the limit.
+    TooLarge,
+    /// The client's body could not be read (a malformed chunk, a connection closed early).
+    Unreadable,
+}
+
+impl std::fmt::Display for RelayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RelayError::TooLarge => "the request body is larger than the limit",
+            RelayError::Unreadable => "the request body could not be read",
+        })
+    }
+}
+
+impl std::error::Error for RelayError {}
+
+/// A client's body on its way to a backend, shared between the attempts to send it: until the first of them reads
+/// from it, a later attempt may take it (so a request whose endpoint could not be reached goes to another), and
+/// afterwards it tells how much was read and why it stopped.
+#[derive(Debug)]
+pub struct RelaySource {
+    /// The body, and the tap its chunks go through, until an attempt takes them.
+    body: Mutex<Option<(hyper::body::Incoming, Option<Tap>)>>,
+    limit: u64,
+    received: AtomicU64,
+    /// 0 while fine; else 1 + the `RelayError`'s position.
+    failure: AtomicU8,
+    /// Length declared by the client, when it declared one.
+    declared: Option<u64>,
+}
+
+/// Chunks gathered as they pass (shared, not copied), handed to `then` at the end of the body: the mirror's copy.
+pub struct Tap {
+    chunks: Vec<Bytes>,
+    then: Box<dyn FnOnce(Vec<Bytes>) + Send>,
+}
+
+impl Tap {
+    pub fn new(then: Box<dyn FnOnce(Vec<Bytes>) + Send>) -> Tap {
+        Tap {
+            chunks: Vec::new(),
+            then,
+        }
+    }
+}
+
+impl std::fmt::Debug for Tap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tap")
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelaySource {
+    pub fn new(body: hyper::body::Incoming, limit: u64, tap: Option<Tap>) -> RelaySource {
+        let declared = body.size_hint().exact();
+        RelaySource {
+            body: Mutex::new(Some((body, tap))),
+            limit,
+            received: AtomicU64::new(0),
+            failure: AtomicU8::new(0),
+            declared,
+        }
+    }
+
+    /// Bytes read from the client so far.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// Why the body stopped early, if it did.
+    pub fn failure(&self) -> Option<RelayError> {
+        match self.failure.load(Ordering::Relaxed) {
+            1 => Some(RelayError::TooLarge),
+            2 => Some(RelayError::Unreadable),
+            _ => None,
+        }
+    }
+
+    /// Whether no attempt has read from the body yet.
+    pub fn untouched(&self) -> bool {
+        self.body.lock().is_ok_and(|body| body.is_some())
+    }
+
+    fn fail(&self, error: RelayError) -> RelayError {
+        let code = match error {
+            RelayError::TooLarge => 1,
+            RelayError::Unreadable => 2,
+        };
+        self.failure.store(code, Ordering::Relaxed);
+        error
+    }
+}
+
+/// One attempt's view of a [`RelaySource`].
+#[derive(Debug)]
+pub struct Relayed {
+    source: std::sync::Arc<RelaySource>,
+    body: Option<hyper::body::Incoming>,
+    tap: Option<Tap>,
+    done: bool,
+}
+
+impl Relayed {
+    pub fn new(source: std::sync::Arc<RelaySource>) -> Relayed {
+        Relayed {
+            source,
+            body: None,
+            tap: None,
+            done: false,
+        }
+    }
+}
+
+impl Body for Relayed {
+    type Data = Bytes;
+    type Error = RelayError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.body.is_none() {
+            let Some((body, tap)) = this.source.body.lock().ok().and_then(|mut body| body.take()) else {
+                // Another attempt read it first.
+                this.done = true;
+                return Poll::Ready(Some(Err(RelayError::Unreadable)));
+            };
+            this.body = Some(body);
+            this.tap = tap;
+        }
+        let Some(body) = this.body.as_mut() else {
+            return Poll::Ready(None);
+        };
+        loop {
+            match ready!(Pin::new(&mut *body).poll_frame(cx)) {
+                None => {
+                    this.done = true;
+                    if let Some(tap) = this.tap.take() {
+                        (tap.then)(tap.chunks);
+                    }
+                    return Poll::Ready(None);
+                }
+                Some(Err(_)) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(this.source.fail(RelayError::Unreadable))));
+                }
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else {
+                        // Request trailers stay on the client's hop.
+                        continue;
+                    };
+                    let received =
+                        this.source.received.fetch_add(data.len() as u64, Ordering::Relaxed) + data.len() as u64;
+                    if received > this.source.limit {
+                        this.done = true;
+                        return Poll::Ready(Some(Err(this.source.fail(RelayError::TooLarge))));
+                    }
+                    if let Some(tap) = &mut this.tap {
+                        tap.chunks.push(data.clone());
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.source.declared == Some(0)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.source.declared {
+            Some(length) => SizeHint::with_exact(length),
+            None => SizeHint::default(),
+        }
     }
 }
 

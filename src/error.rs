@@ -17,6 +17,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// Request larger than the configured limit: 413 / RESOURCE_EXHAUSTED.
     PayloadTooLarge,
+    /// Request target longer than the limit: 414 / INVALID_ARGUMENT.
+    UriTooLong,
     /// Overloaded or concurrency limit reached: 429 / RESOURCE_EXHAUSTED.
     Overloaded,
     /// Not implemented: 501 / UNIMPLEMENTED.
@@ -52,6 +54,7 @@ impl ErrorKind {
             ErrorKind::NotFound => (404, Code::NotFound),
             ErrorKind::MethodNotAllowed => (405, Code::Unimplemented),
             ErrorKind::PayloadTooLarge => (413, Code::ResourceExhausted),
+            ErrorKind::UriTooLong => (414, Code::InvalidArgument),
             ErrorKind::Overloaded => (429, Code::ResourceExhausted),
             ErrorKind::Unimplemented => (501, Code::Unimplemented),
             ErrorKind::BadGateway => (502, Code::Unavailable),
@@ -74,6 +77,7 @@ impl ErrorKind {
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
             | ErrorKind::PayloadTooLarge
+            | ErrorKind::UriTooLong
             | ErrorKind::Unimplemented
             | ErrorKind::Timeout
             | ErrorKind::Internal
@@ -95,6 +99,7 @@ impl ErrorKind {
             405 => ErrorKind::MethodNotAllowed,
             409 => ErrorKind::Conflict,
             413 => ErrorKind::PayloadTooLarge,
+            414 => ErrorKind::UriTooLong,
             429 => ErrorKind::Overloaded,
             CLIENT_CLOSED_REQUEST => ErrorKind::Cancelled,
             501 => ErrorKind::Unimplemented,

@@ -75,6 +75,14 @@ enum Command {
         /// request, target `oipgate::access`.
         #[arg(long, value_enum, default_value_t = LogFormat::Text)]
         log_format: LogFormat,
+        /// Take over the listening sockets of the gateway now running (zero-downtime binary upgrade): start this,
+        /// then send the running process SIGQUIT; it hands its sockets over, stops accepting, finishes what it has
+        /// under way and exits.
+        #[arg(long)]
+        upgrade: bool,
+        /// The Unix socket the sockets are handed over through (the same for the old process and the new).
+        #[arg(long, default_value = oipgate::app::DEFAULT_UPGRADE_SOCKET)]
+        upgrade_socket: std::path::PathBuf,
     },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
     CheckConfig {
@@ -110,9 +118,20 @@ fn main() -> ExitCode {
             to,
             header_length,
         } => run_convert(from, to, header_length),
-        Command::Serve { config, log_format } => {
+        Command::Serve {
+            config,
+            log_format,
+            upgrade,
+            upgrade_socket,
+        } => {
             oipgate::logging::init(log_format);
-            run_serve(&config)
+            run_serve(
+                &config,
+                &oipgate::app::Process {
+                    upgrade,
+                    upgrade_socket,
+                },
+            )
         }
         Command::CheckConfig { file } => return check_config(&file),
         Command::ModelServer {
@@ -204,12 +223,12 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     }
 }
 
-fn run_serve(path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+fn run_serve(path: &std::path::Path, process: &oipgate::app::Process) -> Result<(), Box<dyn std::error::Error>> {
     let config =
         oipgate::config::Config::load(path, &oipgate::config::environment_overrides()).map_err(|problems| {
             let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
             lines.join("\n")
         })?;
-    oipgate::app::serve(config, "oipgate", Some(path.to_path_buf()))?;
+    oipgate::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
     Ok(())
 }

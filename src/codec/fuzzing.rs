@@ -115,7 +115,9 @@ pub fn splice(data: &[u8]) {
 /// length, and what it accepts stays valid JSON with the new names.
 pub fn rename(data: &[u8]) {
     use super::rest::rename::{rename_header, renamed_length};
-    let length = renamed_length(data.len(), "public", "7");
+    let Some(length) = renamed_length(data.len(), "public", "7") else {
+        return;
+    };
     if let Ok(renamed) = rename_header(data, "public", "7", length) {
         assert_eq!(
             renamed.len(),

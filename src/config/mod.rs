@@ -20,6 +20,7 @@ pub const DEFAULT_GRPC: &str = "127.0.0.1:8001";
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 /// Default whole-request deadline.
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// Default time in-flight requests get after SIGTERM.
 pub const DEFAULT_GRACE_PERIOD_MS: u64 = 30_000;
 /// Default interval of DNS re-resolution.
@@ -165,6 +166,13 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     let timeout_ms = raw.limits.request_timeout_ms.unwrap_or(DEFAULT_REQUEST_TIMEOUT_MS);
     if timeout_ms == 0 {
         problems.add("limits.request_timeout_ms", "must be at least 1");
+    }
+    let header_timeout_ms = raw
+        .limits
+        .header_read_timeout_ms
+        .unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS);
+    if header_timeout_ms == 0 {
+        problems.add("limits.header_read_timeout_ms", "must be at least 1");
     }
 
     let mut backend_index: HashMap<&str, usize> = HashMap::new();
@@ -490,6 +498,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
         limits: Limits {
             max_request_bytes,
             request_timeout: Duration::from_millis(timeout_ms),
+            header_read_timeout: Duration::from_millis(header_timeout_ms),
         },
         tls,
         shutdown: Shutdown {

@@ -46,6 +46,8 @@ pub struct RawLimits {
     pub max_request_bytes: Option<u64>,
     /// Whole-request deadline, in milliseconds.
     pub request_timeout_ms: Option<u64>,
+    /// How long a REST client may take over a request's head once its first byte has arrived, in milliseconds.
+    pub header_read_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

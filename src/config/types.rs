@@ -86,6 +86,8 @@ pub struct Limits {
     /// REST body and gRPC message limit, in bytes.
     pub max_request_bytes: u64,
     pub request_timeout: Duration,
+    /// How long a REST client may take over a request's head once it has begun (then 408).
+    pub header_read_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -13,45 +13,6 @@ use crate::metrics::{BackendMetrics, Metrics};
 use crate::tls::BackendMaterial;
 use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
 
-/// TLS for a backend's calls proxied by pingora: the CA to verify against, the client certificate, the SNI.
-pub struct PeerTls {
-    pub ca: Option<Arc<[pingora::utils::tls::WrappedX509]>>,
-    pub client_cert: Option<Arc<pingora::utils::tls::CertKey>>,
-    /// The configured or DNS name; `None` for the endpoint's own host.
-    pub server_name: Option<String>,
-}
-
-impl std::fmt::Debug for PeerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerTls")
-            .field("ca", &self.ca.as_ref().map(|ca| ca.len()))
-            .field("client_cert", &self.client_cert.is_some())
-            .field("server_name", &self.server_name)
-            .finish()
-    }
-}
-
-impl PeerTls {
-    fn new(material: &BackendMaterial, server_name: Option<String>) -> PeerTls {
-        use pingora::utils::tls::{CertKey, WrappedX509, parse_x509};
-        PeerTls {
-            ca: material.ca.as_ref().map(|ca| {
-                ca.iter()
-                    .map(|c| WrappedX509::new(c.as_ref().to_vec(), parse_x509))
-                    .collect::<Vec<_>>()
-                    .into()
-            }),
-            client_cert: material.client_cert.as_ref().map(|(chain, key)| {
-                Arc::new(CertKey::new(
-                    chain.iter().map(|c| c.as_ref().to_vec()).collect(),
-                    key.clone(),
-                ))
-            }),
-            server_name,
-        }
-    }
-}
-
 /// A backend's replicas, spoken to over its protocol.
 #[derive(Debug)]
 pub(super) enum Replicas {
@@ -73,8 +34,6 @@ pub(super) struct BackendClients {
     pub(super) tls: Option<BackendMaterial>,
     /// The endpoints, in the order of `replicas` and `fleet.states`.
     pub(super) endpoints: Vec<Endpoint>,
-    /// TLS for calls proxied by pingora.
-    pub(super) peer_tls: Option<Arc<PeerTls>>,
     pub(super) replicas: Replicas,
     /// The replicas' state and the choice among them; index `i` is replica `i` of `replicas`.
     pub(super) fleet: Endpoints,
@@ -143,9 +102,6 @@ impl BackendClients {
         BackendClients {
             name: backend.name.clone(),
             config: backend.clone(),
-            peer_tls: tls
-                .as_ref()
-                .map(|material| Arc::new(PeerTls::new(material, server_name))),
             tls,
             endpoints: endpoints.to_vec(),
             replicas,

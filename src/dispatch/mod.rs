@@ -14,8 +14,7 @@ use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::fleet::Lease;
-use crate::metrics::{self, BackendMetrics, Direction, Metrics, MirrorResult, RouteMetrics};
+use crate::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
     InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
@@ -26,13 +25,14 @@ use crate::upstream::Replied;
 
 mod backend;
 mod mirror;
+mod passthrough;
 mod probe;
 
-pub use backend::PeerTls;
 use backend::{BackendClients, Replicas};
 
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
+pub use passthrough::{Outgoing, Passthrough};
 use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
@@ -50,28 +50,6 @@ const METADATA_CACHE: Duration = Duration::from_secs(5);
 const READY_CACHE: Duration = Duration::from_secs(1);
 /// Bound on each readiness probe of a backend.
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
-
-/// A REST request proxied to a backend unchanged but for its path; its endpoint is leased when pingora connects.
-#[derive(Debug, Clone)]
-pub struct Passthrough {
-    /// Index of the backend.
-    backend: usize,
-    /// The backend's model name and version, for choosing an endpoint that serves them.
-    upstream: (String, String),
-    sticky: Option<u64>,
-    /// The backend's path for the model and version.
-    pub path: String,
-    /// Bound on the backend's answer.
-    pub timeout: Duration,
-    /// The public model name and version to put back into the answer, when the backend's differ.
-    pub rename: Option<(String, String)>,
-    /// The public version that serves the request.
-    pub version: String,
-    /// The backend's metric handles, for the proxied call's in-flight count and latency.
-    pub backend_metrics: BackendMetrics,
-    /// TLS to the backend, when it speaks it.
-    pub tls: Option<Arc<PeerTls>>,
-}
 
 /// What one request carries besides its payload.
 #[derive(Debug, Clone, Default)]
@@ -250,109 +228,6 @@ impl Dispatcher {
             .get(route.backend)
             .map(|backend| &**backend)
             .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend)))
-    }
-
-    /// Where a REST client's inference can be proxied as it is: a REST backend that understands the body
-    /// (binary-extension bodies only to backends that speak it). Aliased names are renamed on the way back.
-    pub fn rest_passthrough(&self, routed: &Routed, binary_body: bool) -> Result<Option<Passthrough>> {
-        let route = &routed.route;
-        let backend = self.backend(route)?;
-        let Replicas::Rest { binary_data, .. } = &backend.replicas else {
-            return Ok(None);
-        };
-        if binary_body && !binary_data {
-            return Ok(None);
-        }
-        let aliased = route.upstream_name != route.model || route.upstream_version != route.version;
-        Ok(Some(Passthrough {
-            backend: route.backend,
-            upstream: (route.upstream_name.clone(), route.upstream_version.clone()),
-            sticky: routed.sticky,
-            path: crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer"),
-            timeout: self.request_timeout,
-            rename: aliased.then(|| (route.model.clone(), route.version.clone())),
-            version: route.version.clone(),
-            backend_metrics: backend.metrics.clone(),
-            tls: backend.peer_tls.clone(),
-        }))
-    }
-
-    /// Chooses (and holds a place at) an endpoint for a proxied request, skipping endpoints already `tried`.
-    pub async fn lease_passthrough(&self, target: &Passthrough, tried: &[usize]) -> Result<Lease> {
-        let backend = self
-            .backends
-            .get(target.backend)
-            .ok_or_else(|| Error::internal("no backend for a proxied request"))?;
-        backend
-            .fleet
-            .lease(
-                &backend.name,
-                &target.upstream.0,
-                &target.upstream.1,
-                target.sticky,
-                tried,
-            )
-            .await
-    }
-
-    /// Sends a proxied request whose whole body is at hand to an endpoint of the backend, and to others while it
-    /// could not reach one (within the backend's retries and budget), until `until`. Gives the answer's head with the
-    /// place held at the endpoint that answered; an answer of 5xx counts against that endpoint.
-    pub async fn passthrough_send(
-        &self,
-        target: &Passthrough,
-        headers: &HeaderMap,
-        body: &Bytes,
-        until: Instant,
-    ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
-        let mut tried = Vec::new();
-        let mut unreached: Option<Error> = None;
-        loop {
-            let lease = match self.lease_passthrough(target, &tried).await {
-                Ok(lease) => lease,
-                Err(error) => return Err(unreached.unwrap_or(error)),
-            };
-            let client = match self.backends.get(target.backend).map(|backend| &backend.replicas) {
-                Some(Replicas::Rest { endpoints, .. }) => endpoints.get(lease.index),
-                _ => None,
-            }
-            .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
-            let left = until.saturating_duration_since(Instant::now());
-            match client.forward(&target.path, headers.clone(), body.clone(), left).await {
-                Ok(response) => {
-                    self.passthrough_observed(target, &lease, response.status().is_server_error());
-                    return Ok((response, lease));
-                }
-                Err(error) => {
-                    self.passthrough_observed(target, &lease, error.is_endpoint_failure());
-                    tried.push(lease.index);
-                    if !(error.is_unsent() && Instant::now() < until && self.may_retry_passthrough(target, &tried)) {
-                        return Err(error);
-                    }
-                    unreached = Some(error);
-                }
-            }
-        }
-    }
-
-    /// Records how a proxied call went at its endpoint, for outlier detection.
-    pub fn passthrough_observed(&self, target: &Passthrough, lease: &Lease, failed: bool) {
-        if let Some(backend) = self.backends.get(target.backend) {
-            lease.state.observed(failed, &backend.fleet.policy);
-        }
-    }
-
-    /// Whether a proxied request that could not connect to the `tried` endpoints may try another one.
-    pub fn may_retry_passthrough(&self, target: &Passthrough, tried: &[usize]) -> bool {
-        self.backends.get(target.backend).is_some_and(|backend| {
-            let retry = tried.len() <= backend.fleet.policy.retries as usize
-                && backend.fleet.has_untried(&target.upstream.0, &target.upstream.1, tried)
-                && backend.fleet.take_retry();
-            if retry {
-                backend.metrics.retried();
-            }
-            retry
-        })
     }
 
     /// Runs an inference for `model` at `version` (routed here): the convenience form of [`Self::infer_routed`].

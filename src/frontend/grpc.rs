@@ -9,8 +9,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes};
+use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tonic::codec::{DecodeBuf, Decoder};
@@ -521,60 +521,43 @@ pub async fn serve(
     }
     let routes = routes.prepare();
 
-    let mut builder = auto::Builder::new(TokioExecutor::new()).http2_only();
+    let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
-        .http2()
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW);
     let graceful = GracefulShutdown::new();
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    // Out of descriptors and the like: pause rather than spin.
-                    tracing::warn!(%error, "gRPC accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = &mut shutdown => break,
-        };
+    super::accept_loop(listener, "grpc", shutdown, |stream, _peer| {
         let _ = stream.set_nodelay(true);
         let routes = routes.clone();
         let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
             let mut routes = routes.clone();
             tower_service::Service::call(&mut routes, request)
         });
-        match &tls {
-            None => {
-                let connection = graceful.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-            }
-            Some(acceptor) => {
-                // The handshake runs on the connection's own task, so a slow or silent client holds up no one.
-                let acceptor = acceptor.clone();
-                let builder = builder.clone();
-                let watcher = graceful.watcher();
-                tokio::spawn(async move {
+        let builder = builder.clone();
+        let acceptor = tls.clone();
+        let watcher = graceful.watcher();
+        // A TLS handshake runs on the connection's own task, so a slow or silent client holds up no one.
+        tokio::spawn(async move {
+            match acceptor {
+                None => {
+                    let _ = watcher
+                        .watch(builder.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
+                Some(acceptor) => {
                     let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => stream,
-                        Ok(Err(error)) => {
-                            tracing::debug!(%error, "gRPC TLS handshake failed");
-                            return;
-                        }
+                        Ok(Err(error)) => return tracing::debug!(%error, "gRPC TLS handshake failed"),
                         Err(_) => return,
                     };
-                    let connection =
-                        watcher.watch(builder.serve_connection(TokioIo::new(stream), service).into_owned());
-                    let _ = connection.await;
-                });
+                    let _ = watcher
+                        .watch(builder.serve_connection(TokioIo::new(stream), service))
+                        .await;
+                }
             }
-        }
-    }
+        });
+    })
+    .await;
     health_task.abort();
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;
 }

@@ -27,23 +27,54 @@ pub fn bind(address: std::net::SocketAddr) -> std::io::Result<std::net::TcpListe
     Ok(socket.into())
 }
 
+/// A listening socket handed over by the previous process in a binary upgrade, taken by its descriptor.
+#[allow(unsafe_code)]
+pub fn inherited(fd: std::os::fd::RawFd) -> std::io::Result<std::net::TcpListener> {
+    // SAFETY: pingora received this descriptor from the previous process over the upgrade socket; it is open and
+    // nothing else in this process owns it. The socket is kept until the process ends (it stays registered with
+    // pingora, which hands the same descriptor to the next process), so it is never closed twice.
+    let socket = unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    socket.set_nonblocking(true)?;
+    Ok(socket)
+}
+
 /// Runs `door` on a thread of its own with a single-threaded runtime. A front door runs one such thread per worker,
 /// all accepting from one socket (the kernel hands a new connection to a thread that is waiting for one), so each
-/// connection lives on one thread from accept to close and no request wakes another thread.
+/// connection lives on one thread from accept to close and no request wakes another thread. The runtime is built
+/// here, so a failure to build it is the caller's to report.
 pub fn spawn_door_thread<F>(name: String, door: F) -> std::io::Result<()>
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    std::thread::Builder::new().name(name).spawn(move || {
-        match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-            Ok(runtime) => runtime.block_on(door),
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(move || runtime.block_on(door))?;
+    Ok(())
+}
+
+/// Accepts connections on `listener` until `stop` resolves, handing each to `serve` (which spawns its task on this
+/// thread); then closes the listening socket (connections still open are served on) and returns.
+pub async fn accept_loop<F, S>(listener: tokio::net::TcpListener, door: &'static str, stop: S, mut serve: F)
+where
+    S: Future<Output = ()>,
+    F: FnMut(tokio::net::TcpStream, std::net::SocketAddr),
+{
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        match accepted {
+            Ok((stream, peer)) => serve(stream, peer),
             Err(error) => {
-                tracing::error!(%error, "cannot start a front door thread");
-                std::process::exit(1);
+                tracing::warn!(door, %error, "accepting a connection failed");
+                // Out of file descriptors and the like: accepting again at once would only spin.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
         }
-    })?;
-    Ok(())
+    }
 }
 
 /// Resolves once the gateway is shutting down (never, if the signal's sender is gone).

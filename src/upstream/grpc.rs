@@ -118,7 +118,7 @@ impl GrpcUpstream {
         let mut request = Request::builder()
             .method(Method::POST)
             .uri(format!("{}://{}{method}", self.scheme, self.authority))
-            .body(ChunksBody::new(chunks))
+            .body(ChunksBody::new(chunks).into())
             .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
         let headers = request.headers_mut();
         for (name, value) in metadata {

@@ -30,7 +30,7 @@ pub struct Replied<T> {
 pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
 /// The HTTP client of one backend endpoint on one thread.
-type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::ChunksBody>;
+type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::OutBody>;
 
 /// One backend endpoint's HTTP clients, one per thread, each with its own connection pool. Cheap to clone; clones
 /// share the clients.

@@ -11,7 +11,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use super::Replied;
-use crate::body::ChunksBody;
+use crate::body::{ChunksBody, OutBody};
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::config::Endpoint;
 use crate::error::{Error, Result};
@@ -102,7 +102,7 @@ impl RestUpstream {
         let mut request = Request::builder()
             .method(method)
             .uri(format!("{}://{}{path}", self.scheme, self.authority))
-            .body(ChunksBody::new(body))
+            .body(ChunksBody::new(body).into())
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         let request_headers = request.headers_mut();
         for (name, value) in headers {
@@ -135,19 +135,19 @@ impl RestUpstream {
         Ok(RestAnswer { status, headers, body })
     }
 
-    /// Sends a proxied request's body as it came (one buffer, with its head in one write) and gives the answer's head
-    /// as soon as it arrives, its body still to be read.
+    /// Sends a proxied request's body as it came (a small one in one buffer, with its head in one write; a large one
+    /// relayed as it arrives) and gives the answer's head as soon as it arrives, its body still to be read.
     pub async fn forward(
         &self,
         path: &str,
         headers: HeaderMap,
-        body: Bytes,
+        body: OutBody,
         deadline: Duration,
     ) -> Result<http::Response<hyper::body::Incoming>> {
         let mut request = Request::builder()
             .method(Method::POST)
             .uri(format!("{}://{}{path}", self.scheme, self.authority))
-            .body(ChunksBody::new(vec![body]))
+            .body(body)
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         *request.headers_mut() = headers;
         request.headers_mut().insert(

@@ -155,7 +155,7 @@ pub struct GatewayProcess {
     /// The `[listen]` table written ahead of every configuration.
     listen: String,
     /// Its log lines (stderr), when captured.
-    log: Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
+    log: Log,
 }
 
 impl GatewayProcess {
@@ -175,31 +175,7 @@ impl GatewayProcess {
         let path = dir.join("gateway.toml");
         let listen = format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\nmetrics = \"{metrics}\"\n");
         std::fs::write(&path, format!("{listen}{config}")).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-            .arg("serve")
-            .arg("--config")
-            .arg(&path)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(if capture_log { Stdio::piped() } else { Stdio::inherit() })
-            .spawn()
-            .expect("oipgate starts");
-        let log = child.stderr.take().map(|stderr| {
-            let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-            let sink = lines.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    eprintln!("{line}");
-                    sink.lock().unwrap().push(line);
-                }
-            });
-            lines
-        });
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
+        let (child, log) = spawn_gateway(&path, args, capture_log);
         // The line comes before pingora binds: wait until both ports accept.
         for addr in [rest, grpc, metrics] {
             let ready = (0..100).any(|_| {
@@ -219,6 +195,36 @@ impl GatewayProcess {
             listen,
             log,
         }
+    }
+
+    /// A second gateway on the same configuration, started with `--upgrade` and `args`: it takes this one's
+    /// listening sockets once `hand_over` has sent this one SIGQUIT (see [`Self::signal`]). Returns when the new
+    /// process is serving. Its log is captured.
+    pub fn upgrade(&self, args: &[&str], hand_over: impl FnOnce()) -> GatewayProcess {
+        let mut upgrade_args = vec!["--upgrade".to_owned()];
+        upgrade_args.extend(args.iter().map(|arg| (*arg).to_owned()));
+        let path = self.config_path();
+        let started = std::thread::spawn(move || {
+            let args: Vec<&str> = upgrade_args.iter().map(String::as_str).collect();
+            spawn_gateway(&path, &args, true)
+        });
+        // The new process waits for the sockets; the old one sends them on SIGQUIT.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        hand_over();
+        let (child, log) = started.join().expect("the new process starts");
+        GatewayProcess {
+            child,
+            rest: self.rest,
+            grpc: self.grpc,
+            metrics: self.metrics,
+            dir: self.dir.join("upgraded"),
+            listen: self.listen.clone(),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// The configuration file the gateway reads.
@@ -241,6 +247,7 @@ impl GatewayProcess {
             "TERM" => Signal::SIGTERM,
             "INT" => Signal::SIGINT,
             "HUP" => Signal::SIGHUP,
+            "QUIT" => Signal::SIGQUIT,
             other => panic!("no signal {other}"),
         };
         let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
@@ -298,6 +305,40 @@ impl Drop for GatewayProcess {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A gateway's captured log lines.
+type Log = Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>;
+
+/// Starts `oipgate serve` on the configuration at `path` with `args`, and waits for its first line, which it prints
+/// once its listening sockets are bound (or taken over); its stderr is kept when `capture_log`.
+fn spawn_gateway(path: &std::path::Path, args: &[&str], capture_log: bool) -> (Child, Log) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .arg("serve")
+        .arg("--config")
+        .arg(path)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(if capture_log { Stdio::piped() } else { Stdio::inherit() })
+        .spawn()
+        .expect("oipgate starts");
+    let log = child.stderr.take().map(|stderr| {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("{line}");
+                sink.lock().unwrap().push(line);
+            }
+        });
+        lines
+    });
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
+    (child, log)
 }
 
 /// Polls `check` every 20 ms until it holds, or panics naming `what` after `limit`.

@@ -15,10 +15,11 @@ fn literal_len(text: &str) -> usize {
 }
 
 /// The length a JSON header of `original` bytes will have once renamed to `name` / `version`: large enough for any
-/// header that names the backend's model and version (or leaves the version out).
-pub fn renamed_length(original: usize, name: &str, version: &str) -> usize {
+/// header that names the backend's model and version (or leaves the version out). `None` when the length would
+/// not fit in a `usize` (a backend's claim, not a real header).
+pub fn renamed_length(original: usize, name: &str, version: &str) -> Option<usize> {
     // Worst cases: the old name was empty (`""`), and the version member is added whole.
-    original + literal_len(name) + r#","model_version":"#.len() + literal_len(version)
+    original.checked_add(literal_len(name) + r#","model_version":"#.len() + literal_len(version))
 }
 
 /// Rewrites `header` (the complete JSON header) with the public names, padded with spaces to `length` bytes.
@@ -94,7 +95,7 @@ mod tests {
     #[test]
     fn a_null_version_is_replaced() {
         let header = br#"{"model_name":"echo","model_version":null,"id":"r1","outputs":[]}"#;
-        let length = renamed_length(header.len(), "public", "1");
+        let length = renamed_length(header.len(), "public", "1").unwrap();
         let renamed = rename_header(header, "public", "1", length).unwrap();
         let value: serde_json::Value = serde_json::from_slice(&renamed).unwrap();
         assert_eq!(
@@ -106,7 +107,7 @@ mod tests {
     #[test]
     fn renames_in_place_and_pads() {
         let header = br#"{"model_name":"distilbert","model_version":"7","outputs":[{"name":"o","datatype":"INT8","shape":[1],"data":[1]}]}"#;
-        let length = renamed_length(header.len(), "classifier", "3");
+        let length = renamed_length(header.len(), "classifier", "3").unwrap();
         let renamed = rename_header(header, "classifier", "3", length).unwrap();
         assert_eq!(renamed.len(), length);
         let value: serde_json::Value = serde_json::from_slice(&renamed).unwrap();
@@ -120,7 +121,7 @@ mod tests {
     #[test]
     fn adds_a_missing_version_and_handles_escapes() {
         let header = br#"{"model_name":"","outputs":[]}"#;
-        let length = renamed_length(header.len(), "a\"b", "v\\1");
+        let length = renamed_length(header.len(), "a\"b", "v\\1").unwrap();
         let renamed = rename_header(header, "a\"b", "v\\1", length).unwrap();
         let value: serde_json::Value = serde_json::from_slice(&renamed).unwrap();
         assert_eq!(

@@ -1,62 +1,396 @@
-//! How the REST door answers: its own answers and errors written through pingora, the wait for a client to leave,
-//! the lingering read of a refused body, and the renaming of a proxied answer's model name and version.
+//! What the REST door answers with: the answer's body (the gateway's own buffers, or a backend's answer streamed
+//! through, its model name restored for aliased models), the request's record that reports it to the metrics and
+//! the access log once the body is sent, and the answers the door builds itself.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use http::{Method, StatusCode};
-use pingora::http::ResponseHeader;
-use pingora::proxy::Session;
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
 
-use super::{LINGER, RestContext};
-use crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH;
-use crate::codec::rest::{self, EncodedBody};
+use super::connection::ConnState;
+use crate::body::{ChunksBody, RelaySource};
+use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
+use crate::dispatch::Dispatcher;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::fleet::Lease;
 use crate::frontend::REQUEST_ID;
+use crate::live::Active;
+use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
+
+/// One request on its way through the door; reported to the metrics and the access log when dropped, which is when
+/// its answer's body has been sent (or the client left: then its status is 499).
+#[derive(Debug)]
+pub(super) struct Record {
+    dispatcher: Arc<Dispatcher>,
+    /// Counts the request as under way, for shutdown's drain.
+    _active: Active,
+    started: Instant,
+    uri: http::Uri,
+    /// The answer's status, once its head is made.
+    status: Option<u16>,
+    /// The request counters of the model and version an inference named.
+    pub(super) route: Option<Arc<RouteMetrics>>,
+    /// A proxied call, counted in flight, and the place it holds at its endpoint, until the answer is sent.
+    pub(super) in_flight: Option<InFlight>,
+    pub(super) lease: Option<Lease>,
+    pub(super) request_id: Option<HeaderValue>,
+    pub(super) endpoint: Option<Arc<str>>,
+    /// Whether the request was translated (not proxied as it was).
+    pub(super) translated: bool,
+    pub(super) request_bytes: u64,
+    /// A relayed body, which counts its own bytes.
+    pub(super) relayed: Option<Arc<RelaySource>>,
+    response_bytes: u64,
+    /// The HTTP/1.1 connection to tell when the answer is sent.
+    connection: Option<Arc<ConnState>>,
+}
+
+impl Record {
+    pub(super) fn new(
+        dispatcher: Arc<Dispatcher>,
+        active: Active,
+        uri: http::Uri,
+        connection: Option<Arc<ConnState>>,
+    ) -> Record {
+        Record {
+            dispatcher,
+            _active: active,
+            started: Instant::now(),
+            uri,
+            status: None,
+            route: None,
+            in_flight: None,
+            lease: None,
+            request_id: None,
+            endpoint: None,
+            translated: false,
+            request_bytes: 0,
+            relayed: None,
+            response_bytes: 0,
+            connection,
+        }
+    }
+
+    pub(super) fn dispatcher(&self) -> &Arc<Dispatcher> {
+        &self.dispatcher
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        self.in_flight = None;
+        self.lease = None;
+        let request_bytes = self
+            .relayed
+            .as_ref()
+            .map_or(self.request_bytes, |relayed| relayed.received());
+        // Only inferences are counted by model; every request is timed and logged.
+        self.dispatcher.metrics().finished(
+            self.route.as_deref(),
+            &Finished {
+                protocol: ClientProtocol::Rest,
+                status: self.status.unwrap_or(crate::error::CLIENT_CLOSED_REQUEST),
+                duration: self.started.elapsed(),
+                request_bytes,
+                response_bytes: self.response_bytes,
+                target: self.uri.path(),
+                request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
+                endpoint: self.endpoint.as_deref(),
+                translated: self.translated,
+            },
+        );
+        if let Some(connection) = &self.connection {
+            connection.answered();
+        }
+    }
+}
+
+/// An answer's body; it carries the request's record, so the request is reported once the body is sent.
+#[derive(Debug)]
+pub struct AnswerBody {
+    source: Source,
+    record: Option<Record>,
+}
+
+#[derive(Debug)]
+enum Source {
+    Chunks(ChunksBody),
+    Proxied(Box<Proxied>),
+}
+
+/// A backend's answer on its way to the client.
+#[derive(Debug)]
+struct Proxied {
+    body: hyper::body::Incoming,
+    rename: Option<Rename>,
+    /// The end of the backend's time to answer.
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    authority: Arc<str>,
+    /// The renamed header is out and the body ended: nothing more to send.
+    finished: bool,
+}
+
+impl Body for AnswerBody {
+    type Data = Bytes;
+    type Error = Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>>>> {
+        let this = &mut *self;
+        let frame = match &mut this.source {
+            Source::Chunks(chunks) => {
+                ready!(Pin::new(chunks).poll_frame(cx)).map(|frame| frame.map_err(|never| match never {}))
+            }
+            Source::Proxied(proxied) => ready!(proxied.poll_chunk(cx)).map(|chunk| chunk.map(Frame::data)),
+        };
+        match &frame {
+            Some(Ok(frame)) => {
+                if let (Some(data), Some(record)) = (frame.data_ref(), &mut this.record) {
+                    record.response_bytes += data.len() as u64;
+                }
+            }
+            Some(Err(error)) => tracing::warn!(error = %error.message(), "proxied answer broken off"),
+            None => {
+                // Sent: the request is reported now rather than when hyper lets go of the body.
+                this.record = None;
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.source {
+            Source::Chunks(chunks) => chunks.is_end_stream(),
+            Source::Proxied(proxied) => proxied.finished,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.source {
+            Source::Chunks(chunks) => chunks.size_hint(),
+            // An aliased answer's length is in its head, renamed.
+            Source::Proxied(proxied) if proxied.rename.is_none() => proxied.body.size_hint(),
+            Source::Proxied(_) => SizeHint::default(),
+        }
+    }
+}
+
+impl Proxied {
+    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        loop {
+            let frame = match Pin::new(&mut self.body).poll_frame(cx) {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    if self.deadline.as_mut().poll(cx).is_ready() {
+                        self.finished = true;
+                        return Poll::Ready(Some(Err(broken_answer(format!(
+                            "backend {} did not finish its answer in time",
+                            self.authority
+                        )))));
+                    }
+                    return Poll::Pending;
+                }
+            };
+            match frame {
+                None => {
+                    self.finished = true;
+                    let last = match &mut self.rename {
+                        Some(rename) => rename.take(None, true).transpose(),
+                        None => None,
+                    };
+                    return Poll::Ready(last);
+                }
+                Some(Err(error)) => {
+                    self.finished = true;
+                    return Poll::Ready(Some(Err(broken_answer(format!(
+                        "backend {} broke off its answer: {error}",
+                        self.authority
+                    )))));
+                }
+                Some(Ok(frame)) => {
+                    let Ok(chunk) = frame.into_data() else { continue };
+                    let chunk = match &mut self.rename {
+                        Some(rename) => match rename.take(Some(chunk), false) {
+                            Ok(Some(chunk)) => chunk,
+                            Ok(None) => continue,
+                            Err(error) => {
+                                self.finished = true;
+                                return Poll::Ready(Some(Err(error)));
+                            }
+                        },
+                        None => chunk,
+                    };
+                    return Poll::Ready(Some(Ok(chunk)));
+                }
+            }
+        }
+    }
+}
+
+/// A proxied answer that failed after its head was sent.
+fn broken_answer(message: String) -> Error {
+    Error::new(ErrorKind::BadGateway, Origin::Upstream, message)
+}
+
+/// An answer whose whole body is at hand: `chunks`, with the record's request id and a Content-Length.
+pub(super) fn buffered(
+    status: StatusCode,
+    mut headers: HeaderMap,
+    chunks: Vec<Bytes>,
+    mut record: Record,
+) -> Response<AnswerBody> {
+    if let Some(id) = &record.request_id {
+        headers.insert(REQUEST_ID, id.clone());
+    }
+    record.status = Some(status.as_u16());
+    let mut response = Response::new(AnswerBody {
+        source: Source::Chunks(ChunksBody::new(chunks)),
+        record: Some(record),
+    });
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
+}
+
+/// A backend's answer streamed through: `head` is the answer's head as it goes to the client (renamed when
+/// `rename` is set), the body follows until `deadline`.
+pub(super) fn proxied(
+    mut head: http::response::Parts,
+    body: hyper::body::Incoming,
+    rename: Option<Rename>,
+    deadline: Instant,
+    mut record: Record,
+) -> Response<AnswerBody> {
+    if let Some(id) = &record.request_id {
+        head.headers.insert(REQUEST_ID, id.clone());
+    }
+    record.status = Some(head.status.as_u16());
+    let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+    Response::from_parts(
+        head,
+        AnswerBody {
+            source: Source::Proxied(Box::new(Proxied {
+                body,
+                rename,
+                deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+                authority,
+                finished: false,
+            })),
+            record: Some(record),
+        },
+    )
+}
+
+pub(super) fn json(status: StatusCode, body: Vec<u8>, record: Record) -> Response<AnswerBody> {
+    let mut headers = HeaderMap::with_capacity(2);
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    buffered(status, headers, vec![Bytes::from(body)], record)
+}
+
+/// An encoded inference answer, with the backend's end-to-end headers.
+pub(super) fn encoded(body: EncodedBody, mut headers: HeaderMap, record: Record) -> Response<AnswerBody> {
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(body.content_type()),
+    );
+    if let Some(length) = body.header_length {
+        headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(length));
+    }
+    buffered(StatusCode::OK, headers, body.chunks, record)
+}
+
+/// The protocol's error answer: the error's status and `{"error": "<message>"}`.
+pub(super) fn error(error: &Error, method: &Method, record: Record) -> Response<AnswerBody> {
+    let mut headers = HeaderMap::with_capacity(3);
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if error.kind() == ErrorKind::MethodNotAllowed {
+        let allow = if method == Method::GET { "POST" } else { "GET" };
+        headers.insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    }
+    buffered(
+        error.http_status(),
+        headers,
+        vec![Bytes::from(rest::encode_error(error.message()))],
+        record,
+    )
+}
+
+pub(super) fn health_status(healthy: bool) -> StatusCode {
+    if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
 
 /// An aliased answer on its way through: its JSON header is held back until complete, then renamed.
 #[derive(Debug)]
 pub(super) struct Rename {
-    pub(super) name: String,
-    pub(super) version: String,
+    name: String,
+    version: String,
     /// The backend's JSON header length; `None` for a JSON-only answer of unknown length.
-    pub(super) header_length: Option<usize>,
+    header_length: Option<usize>,
     /// The length announced downstream.
-    pub(super) renamed_length: Option<usize>,
-    pub(super) held: BytesMut,
-    pub(super) done: bool,
+    renamed_length: Option<usize>,
+    held: BytesMut,
+    done: bool,
 }
 
 impl Rename {
-    /// Readies a proxied answer to have its model name and version restored: its lengths are fixed up in `answer`'s
-    /// head. Only successful, uncompressed answers carry names to restore; for others, `None`.
+    /// Readies a proxied answer to have its model name and version restored: its lengths are fixed up in
+    /// `headers`. Only successful, uncompressed answers carry names to restore; for others, `None`. The backend's
+    /// lengths are checked, not trusted: a JSON header said to be longer than the body is refused.
     pub(super) fn prepare(
-        answer: &mut ResponseHeader,
+        status: StatusCode,
+        headers: &mut HeaderMap,
         name: String,
         version: String,
-    ) -> pingora::Result<Option<Rename>> {
-        if answer.status != StatusCode::OK || answer.headers.contains_key(http::header::CONTENT_ENCODING) {
+        authority: &str,
+    ) -> Result<Option<Rename>> {
+        if status != StatusCode::OK || headers.contains_key(http::header::CONTENT_ENCODING) {
             return Ok(None);
         }
         let number = |name: &str| {
-            answer
-                .headers
+            headers
                 .get(name)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<usize>().ok())
         };
         let content_length = number(http::header::CONTENT_LENGTH.as_str());
         let header_length = number(INFERENCE_HEADER_CONTENT_LENGTH).or(content_length);
-        let renamed_length = header_length.map(|length| rest::rename::renamed_length(length, &name, &version));
+        let untrusted = || {
+            broken_answer(format!(
+                "backend {authority} sent an answer whose lengths do not add up (Inference-Header-Content-Length \
+                 {header_length:?}, Content-Length {content_length:?})"
+            ))
+        };
+        if let (Some(header), Some(total)) = (header_length, content_length)
+            && header > total
+        {
+            return Err(untrusted());
+        }
+        let renamed_length = match header_length {
+            Some(length) => Some(rest::rename::renamed_length(length, &name, &version).ok_or_else(untrusted)?),
+            None => None,
+        };
         match (header_length, renamed_length) {
             (Some(old), Some(new)) => {
-                if answer.headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
-                    answer.insert_header(INFERENCE_HEADER_CONTENT_LENGTH, new)?;
+                if headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+                    headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(new));
                 }
                 if let Some(total) = content_length {
-                    answer.insert_header(http::header::CONTENT_LENGTH, total - old + new)?;
+                    let total = (total - old).checked_add(new).ok_or_else(untrusted)?;
+                    headers.insert(http::header::CONTENT_LENGTH, HeaderValue::from(total));
                 }
             }
             _ => {
-                answer.remove_header(&http::header::CONTENT_LENGTH);
+                headers.remove(http::header::CONTENT_LENGTH);
             }
         }
         Ok(Some(Rename {
@@ -70,11 +404,7 @@ impl Rename {
     }
 
     /// Takes a body chunk; gives what can go downstream now.
-    pub(super) fn take(
-        &mut self,
-        chunk: Option<Bytes>,
-        end_of_stream: bool,
-    ) -> std::result::Result<Option<Bytes>, Error> {
+    fn take(&mut self, chunk: Option<Bytes>, end_of_stream: bool) -> Result<Option<Bytes>> {
         if self.done {
             return Ok(chunk);
         }
@@ -87,18 +417,18 @@ impl Rename {
         };
         if !complete {
             if end_of_stream {
-                return Err(Error::new(
-                    ErrorKind::BadGateway,
-                    Origin::Upstream,
-                    "backend's answer ended inside its JSON header",
+                return Err(broken_answer(
+                    "backend's answer ended inside its JSON header".to_owned(),
                 ));
             }
             return Ok(None);
         }
         let length = self.header_length.unwrap_or(self.held.len());
-        let target = self
-            .renamed_length
-            .unwrap_or_else(|| rest::rename::renamed_length(length, &self.name, &self.version));
+        let target = match self.renamed_length {
+            Some(target) => target,
+            None => rest::rename::renamed_length(length, &self.name, &self.version)
+                .ok_or_else(|| broken_answer("backend's answer is too long to rename".to_owned()))?,
+        };
         // The JSON header is joined from the chunks it arrived in; so is whatever followed it in its last chunk
         // (one read's worth at most). Every later chunk, tensor bytes included, passes through uncopied.
         let held = self.held.split().freeze();
@@ -108,113 +438,4 @@ impl Rename {
         self.done = true;
         Ok(Some(Bytes::from(out)))
     }
-}
-
-/// Resolves when the client has closed its connection (HTTP/1.1) or stream (HTTP/2); the request body must have
-/// been read.
-pub(super) async fn client_gone(session: &mut Session) {
-    if session.read_body_or_idle(true).await.is_err() {
-        return;
-    }
-    // Only an error ends the wait; anything else means the client is still there.
-    std::future::pending::<()>().await;
-}
-
-/// Reads and drops what is left of a refused body, for a bounded time, so a client still sending it gets to read the
-/// answer instead of a reset connection (nginx's lingering close). Nothing is kept.
-pub(super) async fn discard_body(session: &mut Session) {
-    let drain = async { while let Ok(Some(_)) = session.read_request_body().await {} };
-    let _ = tokio::time::timeout(LINGER, drain).await;
-}
-
-pub(super) fn health_status(healthy: bool) -> StatusCode {
-    if healthy {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    }
-}
-
-pub(super) fn pingora_failure(error: Box<pingora::Error>) -> Error {
-    Error::internal(format!("could not write the answer: {error}"))
-}
-
-pub(super) async fn write(
-    session: &mut Session,
-    context: &RestContext,
-    mut header: ResponseHeader,
-    chunks: Vec<Bytes>,
-) -> Result<()> {
-    let length: usize = chunks.iter().map(Bytes::len).sum();
-    for (name, value) in &context.reply_headers {
-        header.append_header(name, value).map_err(pingora_failure)?;
-    }
-    header
-        .insert_header(http::header::CONTENT_LENGTH, length)
-        .map_err(pingora_failure)?;
-    if let Some(id) = &context.request_id {
-        header.insert_header(REQUEST_ID, id.clone()).map_err(pingora_failure)?;
-    }
-    session
-        .write_response_header(Box::new(header), chunks.is_empty())
-        .await
-        .map_err(pingora_failure)?;
-    let count = chunks.len();
-    for (index, chunk) in chunks.into_iter().enumerate() {
-        session
-            .write_response_body(Some(chunk), index + 1 == count)
-            .await
-            .map_err(pingora_failure)?;
-    }
-    Ok(())
-}
-
-pub(super) async fn respond_json(
-    session: &mut Session,
-    context: &RestContext,
-    status: StatusCode,
-    body: Vec<u8>,
-) -> Result<()> {
-    let mut header = ResponseHeader::build(status, Some(4)).map_err(pingora_failure)?;
-    header
-        .insert_header(http::header::CONTENT_TYPE, "application/json")
-        .map_err(pingora_failure)?;
-    write(session, context, header, vec![Bytes::from(body)]).await
-}
-
-pub(super) async fn respond_encoded(session: &mut Session, context: &RestContext, body: EncodedBody) -> Result<()> {
-    let mut header = ResponseHeader::build(StatusCode::OK, Some(5)).map_err(pingora_failure)?;
-    header
-        .insert_header(http::header::CONTENT_TYPE, body.content_type())
-        .map_err(pingora_failure)?;
-    if let Some(length) = body.header_length {
-        header
-            .insert_header(INFERENCE_HEADER_CONTENT_LENGTH, length)
-            .map_err(pingora_failure)?;
-    }
-    write(session, context, header, body.chunks).await
-}
-
-/// The protocol's error answer: the error's status and `{"error": "<message>"}`.
-pub(super) async fn respond_error(session: &mut Session, context: &RestContext, error: &Error) {
-    let mut header = match ResponseHeader::build(error.http_status(), Some(5)) {
-        Ok(header) => header,
-        Err(_) => return,
-    };
-    let _ = header.insert_header(http::header::CONTENT_TYPE, "application/json");
-    if error.kind() == ErrorKind::MethodNotAllowed {
-        let allow = if session.req_header().method == Method::GET {
-            "POST"
-        } else {
-            "GET"
-        };
-        let _ = header.insert_header(http::header::ALLOW, allow);
-    }
-    let _ = write(
-        session,
-        context,
-        header,
-        vec![Bytes::from(rest::encode_error(error.message()))],
-    )
-    .await;
 }

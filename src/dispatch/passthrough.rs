@@ -1,0 +1,152 @@
+//! REST inferences proxied to a REST backend unchanged but for their path: where one may go, and sending it (to
+//! another endpoint while none could be reached, within the backend's retries and budget).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::HeaderMap;
+
+use super::Dispatcher;
+use super::backend::Replicas;
+use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
+use crate::error::{Error, Result};
+use crate::fleet::Lease;
+use crate::metrics::BackendMetrics;
+use crate::routing::Routed;
+
+/// A REST request proxied to a backend unchanged but for its path.
+#[derive(Debug, Clone)]
+pub struct Passthrough {
+    /// Index of the backend.
+    backend: usize,
+    /// The backend's model name and version, for choosing an endpoint that serves them.
+    upstream: (String, String),
+    sticky: Option<u64>,
+    /// The backend's path for the model and version.
+    pub path: String,
+    /// Bound on the backend's answer.
+    pub timeout: Duration,
+    /// The public model name and version to put back into the answer, when the backend's differ.
+    pub rename: Option<(String, String)>,
+    /// The public version that serves the request.
+    pub version: String,
+    /// The backend's metric handles, for the proxied call's in-flight count and latency.
+    pub backend_metrics: BackendMetrics,
+}
+
+/// A proxied request's body: whole at hand, or relayed from the client as it arrives.
+#[derive(Debug, Clone)]
+pub enum Outgoing {
+    Whole(Bytes),
+    Relayed(Arc<RelaySource>),
+}
+
+impl Outgoing {
+    fn body(&self) -> OutBody {
+        match self {
+            Outgoing::Whole(body) => ChunksBody::new(vec![body.clone()]).into(),
+            Outgoing::Relayed(source) => OutBody::Relayed(Relayed::new(source.clone())),
+        }
+    }
+
+    /// Whether another attempt can still send it all.
+    fn resendable(&self) -> bool {
+        match self {
+            Outgoing::Whole(_) => true,
+            Outgoing::Relayed(source) => source.untouched(),
+        }
+    }
+}
+
+impl Dispatcher {
+    /// Where a REST client's inference can be proxied as it is: a REST backend that understands the body
+    /// (binary-extension bodies only to backends that speak it). Aliased names are renamed on the way back.
+    pub fn rest_passthrough(&self, routed: &Routed, binary_body: bool) -> Result<Option<Passthrough>> {
+        let route = &routed.route;
+        let backend = self.backend(route)?;
+        let Replicas::Rest { binary_data, .. } = &backend.replicas else {
+            return Ok(None);
+        };
+        if binary_body && !binary_data {
+            return Ok(None);
+        }
+        let aliased = route.upstream_name != route.model || route.upstream_version != route.version;
+        Ok(Some(Passthrough {
+            backend: route.backend,
+            upstream: (route.upstream_name.clone(), route.upstream_version.clone()),
+            sticky: routed.sticky,
+            path: crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer"),
+            timeout: self.request_timeout,
+            rename: aliased.then(|| (route.model.clone(), route.version.clone())),
+            version: route.version.clone(),
+            backend_metrics: backend.metrics.clone(),
+        }))
+    }
+
+    /// Sends a proxied request to an endpoint of the backend, and to others while it could not reach one (within the
+    /// backend's retries and budget, and while the body can still be sent whole), until `until`. Gives the answer's
+    /// head with the place held at the endpoint that answered; an answer of 5xx counts against that endpoint.
+    pub async fn passthrough_send(
+        &self,
+        target: &Passthrough,
+        headers: &HeaderMap,
+        body: &Outgoing,
+        until: Instant,
+    ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
+        let backend = self
+            .backends
+            .get(target.backend)
+            .ok_or_else(|| Error::internal("no backend for a proxied request"))?;
+        let Replicas::Rest { endpoints, .. } = &backend.replicas else {
+            return Err(Error::internal("no REST client for a proxied request"));
+        };
+        let mut tried = Vec::new();
+        let mut unreached: Option<Error> = None;
+        loop {
+            let lease = match backend
+                .fleet
+                .lease(
+                    &backend.name,
+                    &target.upstream.0,
+                    &target.upstream.1,
+                    target.sticky,
+                    &tried,
+                )
+                .await
+            {
+                Ok(lease) => lease,
+                Err(error) => return Err(unreached.unwrap_or(error)),
+            };
+            let client = endpoints
+                .get(lease.index)
+                .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
+            let left = until.saturating_duration_since(Instant::now());
+            match client.forward(&target.path, headers.clone(), body.body(), left).await {
+                Ok(response) => {
+                    lease
+                        .state
+                        .observed(response.status().is_server_error(), &backend.fleet.policy);
+                    return Ok((response, lease));
+                }
+                Err(error) => {
+                    lease.state.observed(error.is_endpoint_failure(), &backend.fleet.policy);
+                    tried.push(lease.index);
+                    let retry = error.is_unsent()
+                        && body.resendable()
+                        && Instant::now() < until
+                        && tried.len() <= backend.fleet.policy.retries as usize
+                        && backend
+                            .fleet
+                            .has_untried(&target.upstream.0, &target.upstream.1, &tried)
+                        && backend.fleet.take_retry();
+                    if !retry {
+                        return Err(error);
+                    }
+                    backend.metrics.retried();
+                    unreached = Some(error);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! The REST door's inference: proxied as it came to a REST backend that understands it, or decoded, dispatched and
+//! encoded again.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use hyper::body::Incoming;
+
+use super::answer::{Record, Rename};
+use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
+use crate::body::{RelayError, RelaySource, Tap};
+use crate::codec::decthings;
+use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
+use crate::config::BackendProtocol;
+use crate::dispatch::{CallContext, MirrorPayload, Outgoing, Passthrough};
+use crate::error::{Error, Result};
+use crate::frontend::REQUEST_ID;
+use crate::headers;
+use crate::metrics::Direction;
+use crate::protocol::InferRequest;
+use crate::routing::Routed;
+
+/// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
+/// a longer one, or one of unknown length, is relayed as it arrives.
+const WHOLE_BODY_LIMIT: u64 = 256 * 1024;
+/// Headers about the body that a proxied request carries as the client sent them (the body is not re-encoded).
+const AS_SENT: [http::header::HeaderName; 5] = [
+    http::header::CONTENT_TYPE,
+    http::header::CONTENT_ENCODING,
+    http::header::ACCEPT,
+    http::header::ACCEPT_ENCODING,
+    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
+];
+/// Headers about the body that a proxied answer carries as the backend sent them.
+const ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
+    http::header::CONTENT_TYPE,
+    http::header::CONTENT_ENCODING,
+    http::header::CONTENT_LENGTH,
+    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
+];
+
+/// What the request asked for, read from its head.
+struct Asked {
+    declared: Option<u64>,
+    header_length: Option<u64>,
+    decthings_in: bool,
+    decthings_out: bool,
+    forward: HeaderMap,
+}
+
+impl RestDoor {
+    pub(super) async fn infer(
+        &self,
+        parts: &http::request::Parts,
+        body: &mut Option<Incoming>,
+        record: &mut Record,
+        model: &str,
+        version: Option<&str>,
+    ) -> Result<Reply> {
+        let headers = &parts.headers;
+        let text = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
+        let asked = Asked {
+            declared: self.declared_length(headers)?,
+            header_length: rest::inference_header_length(headers)?,
+            decthings_in: text(http::header::CONTENT_TYPE).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
+            decthings_out: text(http::header::ACCEPT).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
+            forward: headers::for_backend(headers),
+        };
+        record.request_id = asked.forward.get(REQUEST_ID).cloned();
+        let dispatcher = record.dispatcher().clone();
+        let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward);
+        record.route = Some(route_metrics);
+        let routed = routed?;
+        if !asked.decthings_in
+            && !asked.decthings_out
+            && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
+        {
+            return self.pass_through(headers, body, record, target, routed, asked).await;
+        }
+        record.translated = true;
+        let deadline = text(http::header::HeaderName::from_static("grpc-timeout"))
+            .and_then(crate::frontend::grpc::parse_grpc_timeout);
+        let payload = self.read_body(body, headers).await?;
+        record.request_bytes = payload.len() as u64;
+        // Only a crossing to a gRPC backend is a translation between the protocols; the rest is re-encoding.
+        let crossing = dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Grpc);
+        let decoding = Instant::now();
+        let (request, binary_outputs) = self.decode(payload, &asked, model, version, record).await?;
+        if crossing {
+            dispatcher
+                .metrics()
+                .translated(Direction::RestToGrpc, decoding.elapsed());
+        }
+        // A client that goes away drops this future, and with it the backend call (its stream or connection reset).
+        let call = CallContext {
+            deadline,
+            forward: asked.forward,
+        };
+        let replied = dispatcher.infer_routed(&routed, request, &call).await?;
+        record.endpoint = replied.endpoint;
+        let response = replied.value;
+        let mut headers = replied.headers;
+        let encoding = Instant::now();
+        let reply = if asked.decthings_out {
+            headers.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static(DECTHINGS_CONTENT_TYPE),
+            );
+            let named = |value: &str| HeaderValue::from_str(value).map_err(|_| Error::internal("an unsendable name"));
+            headers.insert("model-name", named(&response.model_name)?);
+            if let Some(version) = &response.model_version {
+                headers.insert("model-version", named(version)?);
+            }
+            if let Some(id) = &response.id {
+                headers.insert("inference-id", named(id)?);
+            }
+            Reply::Buffered(
+                StatusCode::OK,
+                headers,
+                vec![decthings::encode_entries(&response.outputs)?],
+            )
+        } else {
+            Reply::Encoded(rest::encode_response(&response, &binary_outputs)?, headers)
+        };
+        if crossing {
+            dispatcher
+                .metrics()
+                .translated(Direction::GrpcToRest, encoding.elapsed());
+        }
+        Ok(reply)
+    }
+
+    /// Decodes a request body: Decthings, JSON, the binary extension, or a raw binary body for a one-input model.
+    async fn decode(
+        &self,
+        payload: Bytes,
+        asked: &Asked,
+        model: &str,
+        version: Option<&str>,
+        record: &Record,
+    ) -> Result<(InferRequest, BinaryOutputs)> {
+        if asked.decthings_in {
+            let inputs = decthings::decode_entries(&payload)?;
+            return Ok((
+                InferRequest {
+                    inputs,
+                    ..InferRequest::default()
+                },
+                BinaryOutputs::default(),
+            ));
+        }
+        match rest::decode_request(payload, asked.header_length)? {
+            RestRequest::Request {
+                request,
+                binary_outputs,
+            } => Ok((request, binary_outputs)),
+            RestRequest::RawBinary(payload) => {
+                let metadata = record.dispatcher().model_metadata(model, version).await?;
+                let [input] = metadata.inputs.as_slice() else {
+                    return Err(Error::invalid(format!(
+                        "a raw binary request (Inference-Header-Content-Length: 0) needs a model with exactly one \
+                         input; '{model}' has {}",
+                        metadata.inputs.len()
+                    )));
+                };
+                rest::raw_binary_request(payload, input)
+            }
+        }
+    }
+
+    /// Proxies the request to the backend as it came but for its path: a small body whole, a large one relayed as
+    /// it arrives; the answer streams back, renamed for an aliased model.
+    async fn pass_through(
+        &self,
+        headers: &HeaderMap,
+        body: &mut Option<Incoming>,
+        record: &mut Record,
+        target: Passthrough,
+        routed: Routed,
+        asked: Asked,
+    ) -> Result<Reply> {
+        record.in_flight = Some(target.backend_metrics.call());
+        let dispatcher = record.dispatcher().clone();
+        let mut send = asked.forward.clone();
+        for name in AS_SENT {
+            if let Some(value) = headers.get(&name) {
+                send.insert(name, value.clone());
+            }
+        }
+        if let Some(content_type) = missing_content_type(&send) {
+            send.insert(http::header::CONTENT_TYPE, content_type);
+        }
+        let content_type = send.get(http::header::CONTENT_TYPE).cloned();
+        let header_length = asked.header_length;
+        let outgoing = if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
+            let whole = self.read_body(body, headers).await?;
+            record.request_bytes = whole.len() as u64;
+            if let Some(route) = &routed.mirror {
+                let payload = MirrorPayload::Rest {
+                    body: vec![whole.clone()],
+                    header_length,
+                    content_type,
+                };
+                dispatcher.mirror(route, payload, &asked.forward);
+            }
+            Outgoing::Whole(whole)
+        } else {
+            let Some(incoming) = body.take() else {
+                return Err(Error::internal("the request body was already read"));
+            };
+            let tap = routed.mirror.map(|route| {
+                let dispatcher = dispatcher.clone();
+                let forward = asked.forward;
+                Tap::new(Box::new(move |chunks: Vec<Bytes>| {
+                    let payload = MirrorPayload::Rest {
+                        body: chunks,
+                        header_length,
+                        content_type,
+                    };
+                    dispatcher.mirror(&route, payload, &forward);
+                }))
+            });
+            let source = Arc::new(RelaySource::new(incoming, self.max_request_bytes, tap));
+            record.relayed = Some(source.clone());
+            Outgoing::Relayed(source)
+        };
+        let until = Instant::now() + target.timeout;
+        let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
+            Ok(sent) => sent,
+            Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
+        };
+        let authority: Arc<str> = lease.state.authority.as_str().into();
+        record.endpoint = Some(authority.clone());
+        record.lease = Some(lease);
+        let (mut head, answer) = response.into_parts();
+        let mut passed = headers::end_to_end(&head.headers);
+        for name in ANSWER_AS_SENT {
+            if let Some(value) = head.headers.get(&name) {
+                passed.insert(name, value.clone());
+            }
+        }
+        if let Ok(version) = HeaderValue::from_str(&target.version) {
+            passed.insert(headers::OIP_MODEL_VERSION, version);
+        }
+        check_lengths(&passed, &authority)?;
+        let rename = match target.rename {
+            Some((name, version)) => Rename::prepare(head.status, &mut passed, name, version, &authority)?,
+            None => None,
+        };
+        head.headers = passed;
+        head.version = http::Version::HTTP_11;
+        Ok(Reply::Proxied(Box::new(head), answer, rename, until))
+    }
+
+    /// The client's side of a relayed body that stopped: too large, or unreadable.
+    fn relay_failure(&self, outgoing: &Outgoing) -> Option<Error> {
+        let Outgoing::Relayed(source) = outgoing else {
+            return None;
+        };
+        match source.failure()? {
+            RelayError::TooLarge => Some(self.too_large()),
+            RelayError::Unreadable => Some(Error::invalid("could not read the request body")),
+        }
+    }
+}
+
+/// A backend's answer whose JSON header is said to be longer than the whole body is refused: its lengths are not
+/// trusted.
+fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
+    let number = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    match (
+        number(INFERENCE_HEADER_CONTENT_LENGTH),
+        number(http::header::CONTENT_LENGTH.as_str()),
+    ) {
+        (Some(header), Some(total)) if header > total => Err(Error::new(
+            crate::error::ErrorKind::BadGateway,
+            crate::error::Origin::Upstream,
+            format!(
+                "backend {authority} answered with Inference-Header-Content-Length {header}, longer than its whole \
+                 body ({total} bytes)"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The Content-Type a proxied request goes to its backend with when the client sent none. tritonclient sends none;
+/// KServe's server reads a body without one as binary and refuses it. The body's form is known from the binary
+/// extension's header, so the type is said for it.
+fn missing_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
+    if headers.contains_key(http::header::CONTENT_TYPE) {
+        return None;
+    }
+    Some(HeaderValue::from_static(
+        if headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+            "application/octet-stream"
+        } else {
+            "application/json"
+        },
+    ))
+}

@@ -1,0 +1,141 @@
+//! The zero-downtime binary upgrade: a second process started with `--upgrade` takes the listening sockets of the
+//! running one (pingora's handover on SIGQUIT) while REST keep-alive and gRPC clients keep sending, and no request
+//! fails.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, send, stop_load};
+
+/// A gRPC client that, as gRPC's own clients do (transparent retry, gRFC A6), sends a call again on a new
+/// connection when its connection closed before the call was sent (as after an HTTP/2 GOAWAY); tonic's channel
+/// would fail such a call.
+fn retrying_grpc_client(
+    address: std::net::SocketAddr,
+) -> oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient<
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, tonic::body::Body>,
+> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let origin = format!("http://{address}").parse().unwrap();
+    oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient::with_origin(client, origin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
+    let backend = ModelServerProcess::both();
+    let socket = std::env::temp_dir().join(format!("oipgate-upgrade-{}.sock", std::process::id()));
+    let socket_arg = socket.to_string_lossy().into_owned();
+    let config = format!(
+        r#"
+        [shutdown]
+        drain_delay_ms = 0
+        grace_period_ms = 10000
+
+        [[backends]]
+        name = "rest"
+        protocol = "rest"
+        endpoints = ["{}"]
+
+        [[backends]]
+        name = "grpc"
+        protocol = "grpc"
+        endpoints = ["{}"]
+
+        [[models]]
+        name = "add_sub"
+        versions = [ {{ version = "1", backend = "rest" }} ]
+
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "grpc" }} ]
+        "#,
+        backend.rest.unwrap(),
+        backend.grpc.unwrap()
+    );
+    let mut old = GatewayProcess::start_with(&config, &["--upgrade-socket", &socket_arg], false);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let served = Arc::new(AtomicUsize::new(0));
+    let mut load = Vec::new();
+    for worker in 0..4 {
+        let (stop, failures, served) = (stop.clone(), failures.clone(), served.clone());
+        let rest_url = old.rest_url("/v2/models/add_sub/infer");
+        let mut grpc = retrying_grpc_client(old.grpc);
+        load.push(tokio::spawn(async move {
+            // Each REST worker keeps its keep-alive connections for the whole run.
+            let client = http_client(false);
+            while !stop.load(Ordering::Relaxed) {
+                let outcome = if worker < 2 {
+                    let answer = send(&client, "POST", &rest_url, &[], add_sub_json("INT32")).await;
+                    (answer.status == 200)
+                        .then_some(())
+                        .ok_or_else(|| format!("REST {}: {}", answer.status, String::from_utf8_lossy(&answer.body)))
+                } else {
+                    grpc.model_infer(common::grpc_int32_request("identity", ""))
+                        .await
+                        .map(drop)
+                        .map_err(|status| format!("gRPC {status:?}"))
+                };
+                match outcome {
+                    Ok(()) => served.fetch_add(1, Ordering::Relaxed),
+                    Err(failure) => {
+                        failures.lock().unwrap().push(failure);
+                        0
+                    }
+                };
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = served.load(Ordering::Relaxed);
+    assert!(before > 0, "the load is under way before the upgrade");
+
+    let new = tokio::task::block_in_place(|| old.upgrade(&["--upgrade-socket", &socket_arg], || old.signal("QUIT")));
+    let old_pid = old.pid();
+    // The old process hands over, stops accepting, finishes what it has and exits on its own.
+    let status = tokio::task::block_in_place(|| old.wait_exit(Duration::from_secs(30)));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the old process exits cleanly: {status:?}"
+    );
+    let at_exit = served.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_load(&stop, load, &failures).await;
+    assert!(
+        served.load(Ordering::Relaxed) > at_exit,
+        "requests are answered after the old process ({old_pid}) is gone"
+    );
+
+    // The new process answers on the same ports, and its own access log shows the requests it served.
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &new.rest_url("/v2/models/add_sub/infer"),
+        &[],
+        add_sub_json("INT32"),
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    let mut grpc = new.grpc_client().await;
+    grpc.model_infer(common::grpc_int32_request("identity", ""))
+        .await
+        .unwrap();
+    let served_by_new = new
+        .log_lines()
+        .iter()
+        .filter(|line| line.contains("oipgate::access"))
+        .count();
+    assert!(
+        served_by_new > 0,
+        "the new process ({}) logs the requests it served",
+        new.pid()
+    );
+    assert_ne!(new.pid(), old_pid);
+    let _ = std::fs::remove_file(&socket);
+}
