@@ -137,8 +137,8 @@ impl std::error::Error for RelayError {}
 /// afterwards it tells how much was read and why it stopped.
 #[derive(Debug)]
 pub struct RelaySource {
-    /// The body, and the tap its chunks go through, until an attempt takes them.
-    body: Mutex<Option<(hyper::body::Incoming, Option<Tap>)>>,
+    /// The body, until an attempt takes it.
+    body: Mutex<Option<Unsent>>,
     limit: u64,
     received: AtomicU64,
     /// 0 while fine; else 1 + the `RelayError`'s position.
@@ -171,12 +171,14 @@ impl std::fmt::Debug for Tap {
 }
 
 impl RelaySource {
-    pub fn new(body: hyper::body::Incoming, limit: u64, tap: Option<Tap>) -> RelaySource {
-        let declared = body.size_hint().exact();
+    /// `read` is what was already read of `body`, counted against `limit`.
+    pub fn new(read: Vec<Bytes>, body: hyper::body::Incoming, limit: u64, tap: Option<Tap>) -> RelaySource {
+        let already: u64 = read.iter().map(|chunk| chunk.len() as u64).sum();
+        let declared = body.size_hint().exact().map(|rest| rest + already);
         RelaySource {
-            body: Mutex::new(Some((body, tap))),
+            body: Mutex::new(Some((read, body, tap))),
             limit,
-            received: AtomicU64::new(0),
+            received: AtomicU64::new(already),
             failure: AtomicU8::new(0),
             declared,
         }
@@ -211,10 +213,16 @@ impl RelaySource {
     }
 }
 
+/// A relayed body before any attempt has taken it: the chunks already read (sent first), the rest of the body, and
+/// the tap its chunks go through.
+type Unsent = (Vec<Bytes>, hyper::body::Incoming, Option<Tap>);
+
 /// One attempt's view of a [`RelaySource`].
 #[derive(Debug)]
 pub struct Relayed {
     source: std::sync::Arc<RelaySource>,
+    /// Chunks read before the relay began, sent first (in reverse order, the next one last).
+    read: Vec<Bytes>,
     body: Option<hyper::body::Incoming>,
     tap: Option<Tap>,
     done: bool,
@@ -224,6 +232,7 @@ impl Relayed {
     pub fn new(source: std::sync::Arc<RelaySource>) -> Relayed {
         Relayed {
             source,
+            read: Vec::new(),
             body: None,
             tap: None,
             done: false,
@@ -241,13 +250,21 @@ impl Body for Relayed {
             return Poll::Ready(None);
         }
         if this.body.is_none() {
-            let Some((body, tap)) = this.source.body.lock().ok().and_then(|mut body| body.take()) else {
+            let Some((mut read, body, mut tap)) = this.source.body.lock().ok().and_then(|mut body| body.take()) else {
                 // Another attempt read it first.
                 this.done = true;
                 return Poll::Ready(Some(Err(RelayError::Unreadable)));
             };
+            if let Some(tap) = &mut tap {
+                tap.chunks.extend(read.iter().cloned());
+            }
+            read.reverse();
+            this.read = read;
             this.body = Some(body);
             this.tap = tap;
+        }
+        if let Some(chunk) = this.read.pop() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
         let Some(body) = this.body.as_mut() else {
             return Poll::Ready(None);

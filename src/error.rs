@@ -141,7 +141,7 @@ pub enum Origin {
 
 /// A failure with both faces. A backend's own error keeps its exact status or code for callers of the same
 /// protocol and crosses to the other protocol by the table in [`ErrorKind::faces`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Error {
     kind: ErrorKind,
     origin: Origin,
@@ -151,7 +151,34 @@ pub struct Error {
     message: String,
     upstream_http_status: Option<u16>,
     upstream_grpc_code: Option<Code>,
+    /// What caused it, when another error did (an I/O error, a client library's error).
+    cause: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
 }
+
+/// Two errors are equal when they say the same; their causes are not compared.
+impl PartialEq for Error {
+    fn eq(&self, other: &Error) -> bool {
+        (
+            self.kind,
+            self.origin,
+            self.retryable,
+            self.unsent,
+            &self.message,
+            self.upstream_http_status,
+            self.upstream_grpc_code,
+        ) == (
+            other.kind,
+            other.origin,
+            other.retryable,
+            other.unsent,
+            &other.message,
+            other.upstream_http_status,
+            other.upstream_grpc_code,
+        )
+    }
+}
+
+impl Eq for Error {}
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -165,7 +192,14 @@ impl Error {
             message: message.into(),
             upstream_http_status: None,
             upstream_grpc_code: None,
+            cause: None,
         }
+    }
+
+    /// The same error, caused by `cause` (kept for [`std::error::Error::source`], not shown in the message).
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Error {
+        self.cause = Some(std::sync::Arc::new(cause));
+        self
     }
 
     /// A malformed or invalid request from the caller.
@@ -197,12 +231,10 @@ impl Error {
 
     /// Reclassifies a decoding failure of something a backend sent: the backend is at fault, not the caller.
     pub fn into_upstream_protocol_error(self) -> Error {
-        Error::new(
-            ErrorKind::BadGateway,
-            Origin::Upstream,
-            format!("backend sent an invalid response: {}", self.message),
-        )
-        .with_retryable(false)
+        let message = format!("backend sent an invalid response: {}", self.message);
+        Error::new(ErrorKind::BadGateway, Origin::Upstream, message)
+            .with_retryable(false)
+            .caused_by(self)
     }
 
     /// Marks a failure that happened before any byte of the request reached the backend.
@@ -275,7 +307,13 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|cause| cause as &(dyn std::error::Error + 'static))
+    }
+}
 
 impl From<Error> for tonic::Status {
     fn from(error: Error) -> tonic::Status {
@@ -286,6 +324,16 @@ impl From<Error> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_keeps_its_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let error = Error::new(ErrorKind::BadGateway, Origin::Upstream, "backend b broke off").caused_by(io);
+        let cause = std::error::Error::source(&error).expect("a cause");
+        assert_eq!(cause.to_string(), "reset by peer");
+        let wrapped = Error::invalid("bad JSON").into_upstream_protocol_error();
+        assert_eq!(std::error::Error::source(&wrapped).unwrap().to_string(), "bad JSON");
+    }
 
     #[test]
     fn table_of_the_protocol_core_issue() {

@@ -1,20 +1,15 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
-pub mod app;
 pub mod body;
+pub mod cli;
 pub mod codec;
 pub mod config;
-pub mod convert;
-pub mod demo;
 pub mod dispatch;
 pub mod error;
-pub mod fleet;
 pub mod frontend;
 pub mod headers;
-pub mod live;
-pub mod logging;
-pub mod metrics;
 pub mod modelserver;
+pub mod process;
 pub mod protocol;
 pub mod routing;
 pub mod tls;

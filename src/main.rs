@@ -6,9 +6,9 @@ use std::process::ExitCode;
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
-use oipgate::convert::{Form, convert};
-use oipgate::logging::LogFormat;
+use oipgate::cli::convert::{Form, convert};
 use oipgate::modelserver::{self, ModelServerConfig};
+use oipgate::process::logging::LogFormat;
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
 /// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them.
@@ -81,7 +81,7 @@ enum Command {
         #[arg(long)]
         upgrade: bool,
         /// The Unix socket the sockets are handed over through (the same for the old process and the new).
-        #[arg(long, default_value = oipgate::app::DEFAULT_UPGRADE_SOCKET)]
+        #[arg(long, default_value = oipgate::process::app::DEFAULT_UPGRADE_SOCKET)]
         upgrade_socket: std::path::PathBuf,
     },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
@@ -110,8 +110,8 @@ fn main() -> ExitCode {
             metrics,
             log_format,
         } => {
-            oipgate::logging::init(log_format);
-            oipgate::demo::run(oipgate::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
+            oipgate::process::logging::init(log_format);
+            oipgate::cli::demo::run(oipgate::cli::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
         }
         Command::Convert {
             from,
@@ -124,10 +124,10 @@ fn main() -> ExitCode {
             upgrade,
             upgrade_socket,
         } => {
-            oipgate::logging::init(log_format);
+            oipgate::process::logging::init(log_format);
             run_serve(
                 &config,
-                &oipgate::app::Process {
+                &oipgate::process::app::Process {
                     upgrade,
                     upgrade_socket,
                 },
@@ -223,12 +223,15 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     }
 }
 
-fn run_serve(path: &std::path::Path, process: &oipgate::app::Process) -> Result<(), Box<dyn std::error::Error>> {
+fn run_serve(
+    path: &std::path::Path,
+    process: &oipgate::process::app::Process,
+) -> Result<(), Box<dyn std::error::Error>> {
     let config =
         oipgate::config::Config::load(path, &oipgate::config::environment_overrides()).map_err(|problems| {
             let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
             lines.join("\n")
         })?;
-    oipgate::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
+    oipgate::process::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
     Ok(())
 }

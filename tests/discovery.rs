@@ -4,11 +4,11 @@
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{GatewayProcess, ModelServerProcess, eventually, free_port, http_client, send, stop_load};
+use common::{GatewayProcess, Load, ModelServerProcess, answered_ok, eventually, free_port, http_client, send};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
@@ -99,31 +99,25 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     eventually(Duration::from_secs(5), "the first endpoint", || exposed("127.0.0.2")).await;
     assert!(!exposed("127.0.0.3").await);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(Mutex::new(Vec::<String>::new()));
     let by_three = Arc::new(AtomicUsize::new(0));
     let by_two = Arc::new(AtomicUsize::new(0));
-    let mut load = Vec::new();
+    let mut load = Load::default();
     for _ in 0..2 {
-        let (stop, failures, by_two, by_three) = (stop.clone(), failures.clone(), by_two.clone(), by_three.clone());
+        let (by_two, by_three) = (by_two.clone(), by_three.clone());
         let url = gateway.rest_url("/v2/models/identity/infer");
-        load.push(tokio::spawn(async move {
-            let client = http_client(false);
-            while !stop.load(Ordering::Relaxed) {
+        let client = http_client(false);
+        load.worker(move || {
+            let (client, url, by_two, by_three) = (client.clone(), url.clone(), by_two.clone(), by_three.clone());
+            async move {
                 let answer = send(&client, "POST", &url, &[("x-echo-probe", "1".to_owned())], BODY).await;
                 match (answer.status, answer.header("x-echo-server")) {
                     (200, Some("two")) => by_two.fetch_add(1, Ordering::Relaxed),
                     (200, Some("three")) => by_three.fetch_add(1, Ordering::Relaxed),
-                    (status, _) => {
-                        failures
-                            .lock()
-                            .unwrap()
-                            .push(format!("{status}: {}", String::from_utf8_lossy(&answer.body)));
-                        0
-                    }
+                    _ => return answered_ok(&answer).and(Err(format!("no x-echo-server in {answer:?}"))),
                 };
+                Ok(())
             }
-        }));
+        });
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(by_three.load(Ordering::Relaxed), 0);
@@ -151,7 +145,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     let after_two = by_two.load(Ordering::Relaxed);
     let three_before = by_three.load(Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_load(&stop, load, &failures).await;
+    load.stop().await;
     assert_eq!(
         by_two.load(Ordering::Relaxed),
         after_two,

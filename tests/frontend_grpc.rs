@@ -65,8 +65,13 @@ async fn gateway() -> Gateway {
         grpc_backend.grpc_addr.unwrap()
     );
     let config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
-    let live =
-        oipgate::live::Gateway::new(config, "oipgate-test", None, oipgate::metrics::Metrics::new().unwrap()).unwrap();
+    let live = oipgate::process::live::Gateway::new(
+        config,
+        "oipgate-test",
+        None,
+        oipgate::process::metrics::Metrics::new().unwrap(),
+    )
+    .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

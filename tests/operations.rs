@@ -5,11 +5,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, ModelServerProcess, eventually, get, http_client, send, stop_load};
+use common::{GatewayProcess, Load, ModelServerProcess, answered_ok, eventually, get, http_client, send};
 
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
@@ -66,37 +64,27 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
     let a = replica("a");
     let b = replica("b");
     let gateway = GatewayProcess::start(&step_config(&a, &b, 0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let served = Arc::new(AtomicUsize::new(0));
-    let mut load = Vec::new();
+    let mut load = Load::default();
     for worker in 0..4 {
-        let (stop, failures, served) = (stop.clone(), failures.clone(), served.clone());
-        let rest_url = gateway.rest_url("/v2/models/identity/infer");
-        let mut grpc = gateway.grpc_client().await;
-        load.push(tokio::spawn(async move {
+        if worker < 2 {
             let client = http_client(worker % 2 == 0);
-            while !stop.load(Ordering::Relaxed) {
-                let outcome = if worker < 2 {
-                    let answer = send(&client, "POST", &rest_url, &[], BODY).await;
-                    (answer.status == 200)
-                        .then_some(())
-                        .ok_or_else(|| format!("REST {}: {}", answer.status, String::from_utf8_lossy(&answer.body)))
-                } else {
+            let url = gateway.rest_url("/v2/models/identity/infer");
+            load.worker(move || {
+                let (client, url) = (client.clone(), url.clone());
+                async move { answered_ok(&send(&client, "POST", &url, &[], BODY).await) }
+            });
+        } else {
+            let grpc = gateway.grpc_client().await;
+            load.worker(move || {
+                let mut grpc = grpc.clone();
+                async move {
                     grpc.model_infer(common::grpc_int32_request("identity", ""))
                         .await
                         .map(drop)
                         .map_err(|status| format!("gRPC {status:?}"))
-                };
-                match outcome {
-                    Ok(()) => served.fetch_add(1, Ordering::Relaxed),
-                    Err(failure) => {
-                        failures.lock().unwrap().push(failure);
-                        0
-                    }
-                };
-            }
-        }));
+                }
+            });
+        }
     }
     let reloads = |result: &'static str| {
         let gateway = &gateway;
@@ -141,8 +129,9 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
         assert_eq!(answer.status, if with_echo { 200 } else { 404 }, "step {step}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop_load(&stop, load, &failures).await;
-    assert!(served.load(Ordering::Relaxed) > 200, "the load kept going");
+    let served = load.served();
+    load.stop().await;
+    assert!(served > 200, "the load kept going");
     assert_eq!(reloads("error").await, 1.0);
     assert!(reloads("ok").await >= expected_ok);
 }

@@ -4,11 +4,9 @@
 
 mod common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, send, stop_load};
+use common::{GatewayProcess, Load, ModelServerProcess, add_sub_json, answered_ok, http_client, send};
 
 /// A gRPC client that, as gRPC's own clients do (transparent retry, gRFC A6), sends a call again on a new
 /// connection when its connection closed before the call was sent (as after an HTTP/2 GOAWAY); tonic's channel
@@ -59,42 +57,31 @@ async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
     );
     let mut old = GatewayProcess::start_with(&config, &["--upgrade-socket", &socket_arg], false);
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    let served = Arc::new(AtomicUsize::new(0));
-    let mut load = Vec::new();
+    let mut load = Load::default();
     for worker in 0..4 {
-        let (stop, failures, served) = (stop.clone(), failures.clone(), served.clone());
-        let rest_url = old.rest_url("/v2/models/add_sub/infer");
-        let mut grpc = retrying_grpc_client(old.grpc);
-        load.push(tokio::spawn(async move {
+        if worker < 2 {
             // Each REST worker keeps its keep-alive connections for the whole run.
             let client = http_client(false);
-            while !stop.load(Ordering::Relaxed) {
-                let outcome = if worker < 2 {
-                    let answer = send(&client, "POST", &rest_url, &[], add_sub_json("INT32")).await;
-                    (answer.status == 200)
-                        .then_some(())
-                        .ok_or_else(|| format!("REST {}: {}", answer.status, String::from_utf8_lossy(&answer.body)))
-                } else {
+            let url = old.rest_url("/v2/models/add_sub/infer");
+            load.worker(move || {
+                let (client, url) = (client.clone(), url.clone());
+                async move { answered_ok(&send(&client, "POST", &url, &[], add_sub_json("INT32")).await) }
+            });
+        } else {
+            let grpc = retrying_grpc_client(old.grpc);
+            load.worker(move || {
+                let mut grpc = grpc.clone();
+                async move {
                     grpc.model_infer(common::grpc_int32_request("identity", ""))
                         .await
                         .map(drop)
                         .map_err(|status| format!("gRPC {status:?}"))
-                };
-                match outcome {
-                    Ok(()) => served.fetch_add(1, Ordering::Relaxed),
-                    Err(failure) => {
-                        failures.lock().unwrap().push(failure);
-                        0
-                    }
-                };
-            }
-        }));
+                }
+            });
+        }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let before = served.load(Ordering::Relaxed);
-    assert!(before > 0, "the load is under way before the upgrade");
+    assert!(load.served() > 0, "the load is under way before the upgrade");
 
     let new = tokio::task::block_in_place(|| old.upgrade(&["--upgrade-socket", &socket_arg], || old.signal("QUIT")));
     let old_pid = old.pid();
@@ -104,11 +91,12 @@ async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
         status.is_some_and(|s| s.success()),
         "the old process exits cleanly: {status:?}"
     );
-    let at_exit = served.load(Ordering::Relaxed);
+    let at_exit = load.served();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_load(&stop, load, &failures).await;
+    let served = load.served();
+    load.stop().await;
     assert!(
-        served.load(Ordering::Relaxed) > at_exit,
+        served > at_exit,
         "requests are answered after the old process ({old_pid}) is gone"
     );
 

@@ -1,6 +1,7 @@
 //! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
 
 pub mod decthings;
+#[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod protobuf;
 pub mod rest;

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::CONNECT_TIMEOUT;
 use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
+use crate::dispatch::fleet::{EndpointState, Endpoints};
 use crate::error::{Error, Result};
-use crate::fleet::{EndpointState, Endpoints};
-use crate::metrics::{BackendMetrics, Metrics};
+use crate::process::metrics::{BackendMetrics, Metrics};
 use crate::tls::BackendMaterial;
 use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
 

@@ -14,7 +14,7 @@ use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
+use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
     InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
@@ -24,6 +24,7 @@ use crate::tls::Prepared;
 use crate::upstream::Replied;
 
 mod backend;
+pub mod fleet;
 mod mirror;
 mod passthrough;
 mod probe;
@@ -76,6 +77,8 @@ pub struct Dispatcher {
     metrics: Arc<Metrics>,
     /// Metric handles by route id.
     route_metrics: Vec<Arc<RouteMetrics>>,
+    /// The backend's REST inference path by route id, made once rather than per proxied request.
+    rest_paths: Vec<Arc<str>>,
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
@@ -161,7 +164,15 @@ impl Dispatcher {
                 metrics.route(&route.model, &route.version, backend)
             })
             .collect();
+        let rest_paths = routes
+            .routes()
+            .iter()
+            .map(|route| {
+                crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer").into()
+            })
+            .collect();
         Ok(Dispatcher {
+            rest_paths,
             routes,
             mirror_slots: previous.map_or_else(
                 || Arc::new(tokio::sync::Semaphore::new(MAX_MIRRORS_IN_FLIGHT)),

@@ -10,27 +10,23 @@ use http::HeaderMap;
 use super::Dispatcher;
 use super::backend::Replicas;
 use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
+use crate::dispatch::fleet::Lease;
 use crate::error::{Error, Result};
-use crate::fleet::Lease;
-use crate::metrics::BackendMetrics;
-use crate::routing::Routed;
+use crate::process::metrics::BackendMetrics;
+use crate::routing::{Routed, VersionRoute};
 
 /// A REST request proxied to a backend unchanged but for its path.
 #[derive(Debug, Clone)]
 pub struct Passthrough {
-    /// Index of the backend.
-    backend: usize,
-    /// The backend's model name and version, for choosing an endpoint that serves them.
-    upstream: (String, String),
+    /// The route: the public model and version, the backend, and the backend's own names.
+    pub route: Arc<VersionRoute>,
     sticky: Option<u64>,
     /// The backend's path for the model and version.
-    pub path: String,
+    pub path: Arc<str>,
     /// Bound on the backend's answer.
     pub timeout: Duration,
-    /// The public model name and version to put back into the answer, when the backend's differ.
-    pub rename: Option<(String, String)>,
-    /// The public version that serves the request.
-    pub version: String,
+    /// Whether the backend's model name or version differs from the public one (to be put back in the answer).
+    pub aliased: bool,
     /// The backend's metric handles, for the proxied call's in-flight count and latency.
     pub backend_metrics: BackendMetrics,
 }
@@ -71,15 +67,17 @@ impl Dispatcher {
         if binary_body && !binary_data {
             return Ok(None);
         }
-        let aliased = route.upstream_name != route.model || route.upstream_version != route.version;
+        let path = self
+            .rest_paths
+            .get(route.id)
+            .cloned()
+            .ok_or_else(|| Error::internal("no REST path for a route"))?;
         Ok(Some(Passthrough {
-            backend: route.backend,
-            upstream: (route.upstream_name.clone(), route.upstream_version.clone()),
+            route: route.clone(),
             sticky: routed.sticky,
-            path: crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer"),
+            path,
             timeout: self.request_timeout,
-            rename: aliased.then(|| (route.model.clone(), route.version.clone())),
-            version: route.version.clone(),
+            aliased: route.upstream_name != route.model || route.upstream_version != route.version,
             backend_metrics: backend.metrics.clone(),
         }))
     }
@@ -94,10 +92,8 @@ impl Dispatcher {
         body: &Outgoing,
         until: Instant,
     ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
-        let backend = self
-            .backends
-            .get(target.backend)
-            .ok_or_else(|| Error::internal("no backend for a proxied request"))?;
+        let backend = self.backend(&target.route)?;
+        let (model, version) = (&target.route.upstream_name, &target.route.upstream_version);
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
             return Err(Error::internal("no REST client for a proxied request"));
         };
@@ -106,13 +102,7 @@ impl Dispatcher {
         loop {
             let lease = match backend
                 .fleet
-                .lease(
-                    &backend.name,
-                    &target.upstream.0,
-                    &target.upstream.1,
-                    target.sticky,
-                    &tried,
-                )
+                .lease(&backend.name, model, version, target.sticky, &tried)
                 .await
             {
                 Ok(lease) => lease,
@@ -136,9 +126,7 @@ impl Dispatcher {
                         && body.resendable()
                         && Instant::now() < until
                         && tried.len() <= backend.fleet.policy.retries as usize
-                        && backend
-                            .fleet
-                            .has_untried(&target.upstream.0, &target.upstream.1, &tried)
+                        && backend.fleet.has_untried(model, version, &tried)
                         && backend.fleet.take_retry();
                     if !retry {
                         return Err(error);

@@ -21,8 +21,8 @@ use crate::codec::{protobuf, splice};
 use crate::dispatch::CallContext;
 use crate::error::{Error, Result};
 use crate::headers;
-use crate::live::Gateway;
-use crate::metrics::{ClientProtocol, Finished, RequestTimer};
+use crate::process::live::Gateway;
+use crate::process::metrics::{ClientProtocol, Finished, RequestTimer};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
@@ -432,7 +432,7 @@ fn framed_answer(answer: Response<Vec<Bytes>>) -> http::Response<tonic::body::Bo
 /// dropped; and an oversized request's status is corrected. tonic refuses an oversized message from its length
 /// prefix, before reading it, but says OUT_OF_RANGE; the protocol's table (and the REST door's 413) says
 /// RESOURCE_EXHAUSTED. The status may come in the headers (trailers-only) or in the trailers.
-fn finish_answer(response: &mut http::Response<tonic::body::Body>, limit: usize, active: crate::live::Active) {
+fn finish_answer(response: &mut http::Response<tonic::body::Body>, limit: usize, active: crate::process::live::Active) {
     let rewritten = rewrite_size_status(response.headers_mut(), limit);
     if rewritten && response.extensions().get::<Status>().is_some() {
         // tonic keeps the status here too, and writes it from here on the wire.

@@ -145,7 +145,7 @@ impl GrpcUpstream {
             .get()
             .request(request)
             .await
-            .map_err(|e| super::unreachable(&self.authority, &e))?;
+            .map_err(|e| super::unreachable(&self.authority, e))?;
         if response.status() != http::StatusCode::OK {
             return Err(Error::new(
                 ErrorKind::BadGateway,

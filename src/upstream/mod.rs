@@ -135,13 +135,15 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, http2: bool) 
 
 /// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of
 /// it, so only that may be sent to another endpoint.
-fn unreachable(authority: &str, error: &hyper_util::client::legacy::Error) -> Error {
+fn unreachable(authority: &str, error: hyper_util::client::legacy::Error) -> Error {
+    let connect = error.is_connect();
     let failure = Error::new(
         ErrorKind::BadGateway,
         Origin::Upstream,
         format!("backend {authority} unreachable: {error}"),
-    );
-    if error.is_connect() {
+    )
+    .caused_by(error);
+    if connect {
         failure.unsent()
     } else {
         failure.with_retryable(false)

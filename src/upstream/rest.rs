@@ -117,7 +117,7 @@ impl RestUpstream {
             .get()
             .request(request)
             .await
-            .map_err(|e| super::unreachable(&self.authority, &e))?;
+            .map_err(|e| super::unreachable(&self.authority, e))?;
         let status = response.status();
         let headers = response.headers().clone();
         let length = headers
@@ -159,7 +159,7 @@ impl RestUpstream {
             client
                 .request(request)
                 .await
-                .map_err(|e| super::unreachable(&self.authority, &e))
+                .map_err(|e| super::unreachable(&self.authority, e))
         })
         .await
     }

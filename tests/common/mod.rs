@@ -377,21 +377,66 @@ pub fn grpc_int32_request(model: &str, version: &str) -> oipgate::proto::ModelIn
     }
 }
 
-/// Stops a background load (`stop`), waits for its tasks, and asserts that none of its requests failed.
-pub async fn stop_load(
-    stop: &std::sync::atomic::AtomicBool,
-    load: Vec<tokio::task::JoinHandle<()>>,
-    failures: &std::sync::Mutex<Vec<String>>,
-) {
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for task in load {
-        task.await.unwrap();
+/// Requests sent over and over by background workers until stopped, counting what was served and what failed.
+#[derive(Default)]
+pub struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    failures: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// A worker that awaits `call` again and again until the load stops: `Ok` is a request served, `Err` a failure
+    /// described.
+    pub fn worker<F, Fut>(&mut self, mut call: F)
+    where
+        F: FnMut() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), String>> + Send,
+    {
+        let (stop, failures, served) = (self.stop.clone(), self.failures.clone(), self.served.clone());
+        self.workers.push(tokio::spawn(async move {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match call().await {
+                    Ok(()) => {
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(failure) => failures.lock().unwrap().push(failure),
+                }
+            }
+        }));
     }
-    let failures = failures.lock().unwrap().clone();
-    assert!(
-        failures.is_empty(),
-        "{} requests failed: {:?}",
-        failures.len(),
-        &failures[..failures.len().min(5)]
-    );
+
+    /// Requests served so far.
+    pub fn served(&self) -> usize {
+        self.served.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stops the workers, waits for them, and asserts that none of their requests failed.
+    pub async fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for worker in self.workers {
+            worker.await.unwrap();
+        }
+        let failures = self.failures.lock().unwrap().clone();
+        assert!(
+            failures.is_empty(),
+            "{} requests failed: {:?}",
+            failures.len(),
+            &failures[..failures.len().min(5)]
+        );
+    }
+}
+
+/// A REST answer as a load worker's outcome: 200, or a failure with its status and body.
+pub fn answered_ok(answer: &HttpAnswer) -> Result<(), String> {
+    if answer.status == 200 {
+        Ok(())
+    } else {
+        Err(format!(
+            "REST {}: {}",
+            answer.status,
+            String::from_utf8_lossy(&answer.body)
+        ))
+    }
 }

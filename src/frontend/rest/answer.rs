@@ -15,11 +15,11 @@ use super::connection::ConnState;
 use crate::body::{ChunksBody, RelaySource};
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::dispatch::Dispatcher;
+use crate::dispatch::fleet::Lease;
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::fleet::Lease;
 use crate::frontend::REQUEST_ID;
-use crate::live::Active;
-use crate::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
+use crate::process::live::Active;
+use crate::process::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
 
 /// One request on its way through the door; reported to the metrics and the access log when dropped, which is when
 /// its answer's body has been sent (or the client left: then its status is 499).

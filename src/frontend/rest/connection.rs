@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -29,6 +30,9 @@ const HANDSHAKE: Duration = Duration::from_secs(10);
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The largest request head (request line and headers) read; beyond it the answer is 431.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// How long an idle HTTP/1.1 connection keeps hyper's state (its buffers) before it waits for its next request with
+/// only its socket: long enough that a connection under load never pays for setting hyper up again.
+const IDLE_HANDOFF: Duration = Duration::from_millis(200);
 /// Once shutdown starts, how long an idle HTTP/1.1 connection is kept for a request already on its way (answered
 /// with `Connection: close`) before it is closed.
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
@@ -67,6 +71,9 @@ pub struct ConnState {
     answered: AtomicU64,
     /// Shutdown has begun: answers say `Connection: close`.
     closing: AtomicBool,
+    /// The latest request head named both a Content-Length and a Transfer-Encoding (hyper keeps only the latter,
+    /// so the door cannot see it in the headers).
+    both_lengths: AtomicBool,
 }
 
 impl ConnState {
@@ -81,6 +88,11 @@ impl ConnState {
 
     fn begin(&self) {
         self.begun.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether the request just begun framed its body both ways (and takes the answer for it).
+    pub fn framed_both_ways(&self) -> bool {
+        self.both_lengths.swap(false, Ordering::Relaxed)
     }
 
     /// Whether a request is under way (begun and not yet answered).
@@ -113,19 +125,14 @@ impl RestConnections {
         }
     }
 
-    async fn serve_http1<S>(self, stream: S, mut shutdown: ShutdownWatch)
+    /// Serves HTTP/1.1 requests on `stream`. On a plain connection hyper's state is held only while requests come:
+    /// once the connection has idled for [`IDLE_HANDOFF`], hyper lets it go and it waits for its next request in a
+    /// small future of its own (its socket and nothing else); a TLS connection stays with hyper.
+    async fn serve_http1<S>(self, mut stream: S, mut shutdown: ShutdownWatch)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        S: AsyncRead + AsyncWrite + Peek + Unpin + Send + 'static,
     {
         let state = Arc::new(ConnState::default());
-        let io = Http1Io {
-            inner: stream,
-            state: state.clone(),
-            timer: None,
-            timing_head: false,
-            requests_seen: 0,
-            header_timeout: self.header_timeout,
-        };
         let door = self.door;
         let requests = state.clone();
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
@@ -135,24 +142,57 @@ impl RestConnections {
             async move { Ok::<_, Infallible>(door.answer(request, Some(connection)).await) }
         });
         let mut builder = http1::Builder::new();
-        builder.max_buf_size(MAX_HEAD_BYTES);
-        let connection = builder.serve_connection(TokioIo::new(io), service);
-        tokio::pin!(connection);
-        tokio::select! {
-            _ = connection.as_mut() => return,
-            () = stopping(&mut shutdown) => {}
-        }
-        // From now on each answer closes its connection; a request already on its way to an idle one still gets
-        // one, for a moment.
-        state.closing.store(true, Ordering::Relaxed);
-        if !state.busy() {
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                () = tokio::time::sleep(CLOSE_LINGER) => {}
+        builder.max_header_size(MAX_HEAD_BYTES);
+        let mut unread = Bytes::new();
+        loop {
+            let io = Http1Io {
+                inner: stream,
+                unread,
+                state: state.clone(),
+                timer: None,
+                timing_head: false,
+                requests_seen: state.begun.load(Ordering::Relaxed),
+                header_timeout: self.header_timeout,
+                head: HeadScan::default(),
+                hands_off: S::CAN_PEEK,
+                handed_off: false,
+            };
+            let connection = builder
+                .serve_connection(TokioIo::new(io), service.clone())
+                .without_shutdown();
+            tokio::pin!(connection);
+            let served = tokio::select! {
+                served = connection.as_mut() => served,
+                () = stopping(&mut shutdown) => {
+                    // From now on each answer closes its connection; a request already on its way to an idle one
+                    // still gets one, for a moment.
+                    state.closing.store(true, Ordering::Relaxed);
+                    loop {
+                        tokio::select! {
+                            served = connection.as_mut() => break served,
+                            () = tokio::time::sleep(CLOSE_LINGER) => if !state.busy() {
+                                return;
+                            },
+                        }
+                    }
+                }
+            };
+            let Ok(parts) = served else { return };
+            let io = parts.io.into_inner();
+            if !io.handed_off || state.is_closing() {
+                return;
+            }
+            // What hyper had read and not used, then what it had not read of the last hand-off's bytes.
+            unread = match (parts.read_buf.is_empty(), io.unread.is_empty()) {
+                (_, true) => parts.read_buf,
+                (true, false) => io.unread,
+                (false, false) => Bytes::from([parts.read_buf, io.unread].concat()),
+            };
+            stream = io.inner;
+            if unread.is_empty() && !next_request(&stream, &shutdown).await {
+                return;
             }
         }
-        connection.as_mut().graceful_shutdown();
-        let _ = connection.await;
     }
 
     async fn serve_http2<S>(self, stream: S, mut shutdown: ShutdownWatch)
@@ -180,6 +220,39 @@ impl RestConnections {
         // GOAWAY: streams under way finish, new ones go elsewhere.
         connection.as_mut().graceful_shutdown();
         let _ = connection.await;
+    }
+}
+
+/// Waits, within the keep-alive timeout, for an idle connection's next request; `false` when the client closed the
+/// connection, the time ran out or the gateway is shutting down.
+async fn next_request<S: Peek>(stream: &S, shutdown: &ShutdownWatch) -> bool {
+    let mut shutdown = shutdown.clone();
+    tokio::select! {
+        biased;
+        () = stopping(&mut shutdown) => false,
+        arrived = tokio::time::timeout(KEEPALIVE, stream.peek_byte()) => matches!(arrived, Ok(true)),
+    }
+}
+
+/// A stream whose next bytes can be waited for without reading them (plain TCP; TLS cannot).
+pub trait Peek {
+    const CAN_PEEK: bool;
+    /// Waits until a byte can be read; `false` at the end of the stream or on an error.
+    fn peek_byte(&self) -> impl Future<Output = bool> + Send;
+}
+
+impl Peek for TcpStream {
+    const CAN_PEEK: bool = true;
+    async fn peek_byte(&self) -> bool {
+        let mut byte = [0u8; 1];
+        matches!(self.peek(&mut byte).await, Ok(1..))
+    }
+}
+
+impl<S: Send + Sync> Peek for tokio_rustls::server::TlsStream<S> {
+    const CAN_PEEK: bool = false;
+    async fn peek_byte(&self) -> bool {
+        false
     }
 }
 
@@ -223,6 +296,8 @@ async fn first_bytes(tcp: &TcpStream, shutdown: &ShutdownWatch) -> Arrival {
 /// time its head may take (the client is told 408 when it runs out).
 struct Http1Io<S> {
     inner: S,
+    /// Bytes read from `inner` by an earlier hyper connection and not used by it, read first.
+    unread: Bytes,
     state: Arc<ConnState>,
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Whether `timer` is the head's clock (else the keep-alive one).
@@ -230,11 +305,91 @@ struct Http1Io<S> {
     /// Requests begun when the clock was last set, to tell that a new request has begun since.
     requests_seen: u64,
     header_timeout: Duration,
+    /// What the request head read so far says about its body's framing.
+    head: HeadScan,
+    /// Whether an idle connection is handed back by hyper (ends as if closed) after [`IDLE_HANDOFF`].
+    hands_off: bool,
+    /// It was.
+    handed_off: bool,
+}
+
+/// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
+/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at.
+#[derive(Debug)]
+struct HeadScan {
+    /// The start of the line being read, lower-cased, while it may still be one of the two names.
+    line: Vec<u8>,
+    /// Within a line already told apart (or the request line): its end is what is looked for.
+    skipping: bool,
+    content_length: bool,
+    transfer_encoding: bool,
+    /// The head's blank line has been seen.
+    done: bool,
+}
+
+impl Default for HeadScan {
+    fn default() -> Self {
+        // A head begins with its request line, which names no header.
+        HeadScan {
+            line: Vec::new(),
+            skipping: true,
+            content_length: false,
+            transfer_encoding: false,
+            done: false,
+        }
+    }
+}
+
+impl HeadScan {
+    const CONTENT_LENGTH: &[u8] = b"content-length:";
+    const TRANSFER_ENCODING: &[u8] = b"transfer-encoding:";
+
+    /// Takes the next bytes of the head (and maybe of what follows it).
+    fn scan(&mut self, mut bytes: &[u8]) {
+        while !self.done && !bytes.is_empty() {
+            if self.skipping {
+                let Some(end) = memchr::memchr(b'\n', bytes) else {
+                    return;
+                };
+                bytes = &bytes[end + 1..];
+                self.skipping = false;
+                self.line.clear();
+                continue;
+            }
+            let (&byte, rest) = bytes.split_first().unwrap_or((&b'\n', &[]));
+            bytes = rest;
+            if byte == b'\n' {
+                // A line shorter than either name; an empty one ends the head.
+                self.done = self.line.is_empty() || self.line == b"\r";
+                self.line.clear();
+                continue;
+            }
+            self.line.push(byte.to_ascii_lowercase());
+            if self.line == b"\r" {
+                // Perhaps the blank line.
+                continue;
+            }
+            if self.line == Self::CONTENT_LENGTH {
+                self.content_length = true;
+                self.skipping = true;
+            } else if self.line == Self::TRANSFER_ENCODING {
+                self.transfer_encoding = true;
+                self.skipping = true;
+            } else if !Self::CONTENT_LENGTH.starts_with(&self.line) && !Self::TRANSFER_ENCODING.starts_with(&self.line)
+            {
+                self.skipping = true;
+            }
+        }
+    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Http1Io<S> {
     fn set_timer(&mut self, head: bool) {
-        let wait = if head { self.header_timeout } else { KEEPALIVE };
+        let wait = match (head, self.hands_off) {
+            (true, _) => self.header_timeout,
+            (false, true) => IDLE_HANDOFF,
+            (false, false) => KEEPALIVE,
+        };
         let deadline = tokio::time::Instant::now() + wait;
         match &mut self.timer {
             Some(timer) => timer.as_mut().reset(deadline),
@@ -249,12 +404,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
         let this = self.get_mut();
         let begun = this.state.begun.load(Ordering::Relaxed);
         if begun != this.requests_seen {
-            // A request began: whatever clock ran was for the wait before it.
+            // A request began: whatever clock ran was for the wait before it, and the next head is read afresh.
             this.requests_seen = begun;
             this.timer = None;
+            this.head = HeadScan::default();
         }
         let before = buf.filled().len();
-        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let polled = if this.unread.is_empty() {
+            Pin::new(&mut this.inner).poll_read(cx, buf)
+        } else {
+            let taken = this.unread.len().min(buf.remaining());
+            buf.put_slice(&this.unread.split_to(taken));
+            Poll::Ready(Ok(()))
+        };
         if this.state.busy() {
             return polled;
         }
@@ -262,6 +424,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before && !this.timing_head {
                     this.set_timer(true);
+                }
+                this.head.scan(&buf.filled()[before..]);
+                if this.head.content_length && this.head.transfer_encoding {
+                    this.state.both_lengths.store(true, Ordering::Relaxed);
                 }
                 Poll::Ready(Ok(()))
             }
@@ -277,7 +443,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
                     return Poll::Pending;
                 }
                 if !this.timing_head {
-                    // Idle too long: closed as if by the client, which hyper takes quietly.
+                    // Idle: hyper takes the end of the stream quietly, and lets the connection go (to wait in a
+                    // smaller future, when it can be peeked at) or closes it.
+                    this.handed_off = this.hands_off;
                     return Poll::Ready(Ok(()));
                 }
                 // Best effort: a short answer into an empty send buffer goes at once; if not, the close says it.
@@ -316,5 +484,38 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeadScan;
+
+    fn scanned(parts: &[&[u8]]) -> HeadScan {
+        let mut scan = HeadScan::default();
+        for part in parts {
+            scan.scan(part);
+        }
+        scan
+    }
+
+    #[test]
+    fn both_framing_headers_are_seen_in_any_case_and_across_reads() {
+        let head = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTRANSFER-ENCODING: chunked\r\n\r\nbody";
+        let whole = scanned(&[head]);
+        assert!(whole.content_length && whole.transfer_encoding && whole.done);
+        let pieces: Vec<&[u8]> = head.chunks(3).collect();
+        let split = scanned(&pieces);
+        assert!(split.content_length && split.transfer_encoding && split.done);
+    }
+
+    #[test]
+    fn the_body_and_header_values_are_not_taken_for_headers() {
+        let head = b"POST /content-length: HTTP/1.1\r\nx-note: transfer-encoding: no\r\ncontent-length: 40\r\n\r\n\
+transfer-encoding: chunked\r\n";
+        let scan = scanned(&[head]);
+        assert!(scan.content_length);
+        assert!(!scan.transfer_encoding);
+        assert!(scan.done);
     }
 }

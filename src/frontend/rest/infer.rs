@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use super::answer::{Record, Rename};
@@ -18,7 +19,7 @@ use crate::dispatch::{CallContext, MirrorPayload, Outgoing, Passthrough};
 use crate::error::{Error, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
-use crate::metrics::Direction;
+use crate::process::metrics::Direction;
 use crate::protocol::InferRequest;
 use crate::routing::Routed;
 
@@ -194,8 +195,48 @@ impl RestDoor {
         }
         let content_type = send.get(http::header::CONTENT_TYPE).cloned();
         let header_length = asked.header_length;
-        let outgoing = if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
-            let whole = self.read_body(body, headers).await?;
+        // A body of unknown length is read up to the limit for whole bodies: a small one goes whole (checked to the
+        // end before any of it leaves), a longer one is relayed after what was read.
+        let mut read = Vec::new();
+        if asked.declared.is_none()
+            && let Some(incoming) = body.as_mut()
+        {
+            let mut length = 0;
+            loop {
+                match incoming.frame().await {
+                    Some(Ok(frame)) => {
+                        let Ok(chunk) = frame.into_data() else { continue };
+                        length += chunk.len() as u64;
+                        read.push(chunk);
+                        if length > WHOLE_BODY_LIMIT {
+                            break;
+                        }
+                    }
+                    Some(Err(error)) => {
+                        let message = format!("could not read the request body: {error}");
+                        return Err(Error::invalid(message).caused_by(error));
+                    }
+                    None => {
+                        *body = None;
+                        break;
+                    }
+                }
+            }
+            if length > self.max_request_bytes {
+                return Err(self.too_large());
+            }
+        }
+        let whole = if body.is_none() {
+            Some(match read.len() {
+                1 => read.pop().unwrap_or_default(),
+                _ => Bytes::from(read.concat()),
+            })
+        } else if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
+            Some(self.read_body(body, headers).await?)
+        } else {
+            None
+        };
+        let outgoing = if let Some(whole) = whole {
             record.request_bytes = whole.len() as u64;
             if let Some(route) = &routed.mirror {
                 let payload = MirrorPayload::Rest {
@@ -222,7 +263,7 @@ impl RestDoor {
                     dispatcher.mirror(&route, payload, &forward);
                 }))
             });
-            let source = Arc::new(RelaySource::new(incoming, self.max_request_bytes, tap));
+            let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap));
             record.relayed = Some(source.clone());
             Outgoing::Relayed(source)
         };
@@ -241,13 +282,15 @@ impl RestDoor {
                 passed.insert(name, value.clone());
             }
         }
-        if let Ok(version) = HeaderValue::from_str(&target.version) {
+        if let Ok(version) = HeaderValue::from_str(&target.route.version) {
             passed.insert(headers::OIP_MODEL_VERSION, version);
         }
         check_lengths(&passed, &authority)?;
-        let rename = match target.rename {
-            Some((name, version)) => Rename::prepare(head.status, &mut passed, name, version, &authority)?,
-            None => None,
+        let rename = if target.aliased {
+            let (name, version) = (target.route.model.clone(), target.route.version.clone());
+            Rename::prepare(head.status, &mut passed, name, version, &authority)?
+        } else {
+            None
         };
         head.headers = passed;
         head.version = http::Version::HTTP_11;

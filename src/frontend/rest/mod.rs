@@ -23,7 +23,7 @@ pub use connection::ConnState;
 use super::paths::{Route, route};
 use crate::codec::rest::{self, EncodedBody};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::live::Gateway;
+use crate::process::live::Gateway;
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
 
 /// Content type of Decthings request and response bodies.
@@ -67,6 +67,7 @@ impl RestDoor {
     /// Answers one request. `connection` is the HTTP/1.1 connection it came on, told when the answer is sent.
     pub async fn answer(&self, request: Request<Incoming>, connection: Option<Arc<ConnState>>) -> Response<AnswerBody> {
         let closing = connection.as_ref().is_some_and(|c| c.is_closing());
+        let framed_both_ways = connection.as_ref().is_some_and(|c| c.framed_both_ways());
         let http1 = connection.is_some();
         let (parts, body) = request.into_parts();
         let mut record = Record::new(
@@ -76,7 +77,11 @@ impl RestDoor {
             connection,
         );
         let mut body = Some(body);
-        let reply = self.handle(&parts, &mut body, &mut record).await;
+        let reply = if framed_both_ways {
+            Err(both_lengths())
+        } else {
+            self.handle(&parts, &mut body, &mut record).await
+        };
         let mut response = match reply {
             Ok(Reply::Json(status, json)) => answer::json(status, json, record),
             Ok(Reply::Encoded(encoded, headers)) => answer::encoded(encoded, headers, record),
@@ -114,14 +119,6 @@ impl RestDoor {
                 ErrorKind::UriTooLong,
                 Origin::Client,
                 format!("the request target is longer than {MAX_TARGET_BYTES} bytes"),
-            ));
-        }
-        if parts.headers.contains_key(http::header::TRANSFER_ENCODING)
-            && parts.headers.contains_key(http::header::CONTENT_LENGTH)
-        {
-            // RFC 9112 section 6.3: a message with both is a smuggling attempt as often as not; it goes nowhere.
-            return Err(Error::invalid(
-                "the request has both Content-Length and Transfer-Encoding; send one",
             ));
         }
         let path = parts.uri.path();
@@ -212,7 +209,8 @@ impl RestDoor {
         let mut joined = BytesMut::new();
         let mut first: Option<Bytes> = None;
         while let Some(frame) = reading.frame().await {
-            let frame = frame.map_err(|e| Error::invalid(format!("could not read the request body: {e}")))?;
+            let frame =
+                frame.map_err(|e| Error::invalid(format!("could not read the request body: {e}")).caused_by(e))?;
             let Ok(chunk) = frame.into_data() else { continue };
             if (joined.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len()) as u64 > self.max_request_bytes {
                 return Err(self.too_large());
@@ -231,6 +229,12 @@ impl RestDoor {
         *body = None;
         Ok(first.unwrap_or_else(|| joined.freeze()))
     }
+}
+
+/// A request whose body is framed both by Content-Length and by Transfer-Encoding (RFC 9112 section 6.3 lets a
+/// server refuse it, and as often as not it is request smuggling): it goes nowhere.
+fn both_lengths() -> Error {
+    Error::invalid("the request has both Content-Length and Transfer-Encoding; send one")
 }
 
 /// Reads and drops a body nobody will use, for a bounded time; nothing is kept.

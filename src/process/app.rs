@@ -18,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::frontend::grpc;
 use crate::frontend::rest::RestDoor;
 use crate::frontend::rest::connection::RestConnections;
-use crate::live::Gateway;
-use crate::metrics::{self, Metrics};
+use crate::process::live::Gateway;
+use crate::process::metrics::{self, Metrics};
 
 /// Where a new process started with `--upgrade` waits for the running one's listening sockets.
 pub const DEFAULT_UPGRADE_SOCKET: &str = "/tmp/oipgate-upgrade.sock";

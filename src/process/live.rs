@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 
 use crate::config::{Config, Discovery, Endpoint, Problem};
 use crate::dispatch::Dispatcher;
-use crate::metrics::Metrics;
+use crate::process::metrics::Metrics;
 use crate::tls::{BackendMaterial, Prepared, ServerIdentity};
 
 /// How long one DNS resolution may take.

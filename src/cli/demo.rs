@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::modelserver::{self, ModelServerConfig};
 
 /// The configuration the demo runs, shipped as config/demo.toml.
-pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
+pub const DEMO_CONFIG: &str = include_str!("../../config/demo.toml");
 
 /// Where the demo's gateway listens.
 #[derive(Debug, Clone, Copy)]
@@ -65,7 +65,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
     let config = config::validate(raw)
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
     println!("{}", examples(options, rest_backend_addr, grpc_backend_addr));
-    let served = crate::app::serve(config, "oipgate-demo", None, &crate::app::Process::default());
+    let served = crate::process::app::serve(config, "oipgate-demo", None, &crate::process::app::Process::default());
     runtime.block_on(async {
         rest_backend.shutdown().await;
         grpc_backend.shutdown().await;

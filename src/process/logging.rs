@@ -1,7 +1,7 @@
 //! Logs: `tracing` with `RUST_LOG`-style filtering, as text for people or JSON lines for collectors, and the one
 //! access-log line each request gets.
 
-use crate::metrics::{Finished, RouteMetrics};
+use crate::process::metrics::{Finished, RouteMetrics};
 
 /// The `tracing` target of access-log lines, so they can be filtered on their own (`RUST_LOG=oipgate::access=off`).
 pub const ACCESS: &str = "oipgate::access";

@@ -516,7 +516,7 @@ impl Metrics {
         if let Some(route) = route {
             route.counter(request.protocol, request.status).inc();
         }
-        crate::logging::access(route, request);
+        crate::process::logging::access(route, request);
     }
 
     /// Records one message translated between the protocols.

@@ -1,0 +1,50 @@
+//! The smallest pingora reverse proxy: a reference row of the load harness (`scripts/bench`), the cost of pingora's
+//! HTTP proxy path that the REST door no longer takes. `ProxyHttp` with only `upstream_peer`, one `HttpPeer`.
+//! `floor_pingora --listen ADDR --upstream ADDR --threads N`; without arguments (as `cargo test` runs it) it does
+//! nothing.
+
+use async_trait::async_trait;
+use pingora::prelude::HttpPeer;
+use pingora::proxy::{ProxyHttp, Session, http_proxy_service};
+use pingora::server::Server;
+use pingora::server::configuration::ServerConf;
+
+struct Proxy {
+    upstream: String,
+}
+
+#[async_trait]
+impl ProxyHttp for Proxy {
+    type CTX = ();
+
+    fn new_ctx(&self) {}
+
+    async fn upstream_peer(&self, _session: &mut Session, _context: &mut ()) -> pingora::Result<Box<HttpPeer>> {
+        Ok(Box::new(HttpPeer::new(self.upstream.as_str(), false, String::new())))
+    }
+}
+
+fn argument(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn main() {
+    let (Some(listen), Some(upstream)) = (argument("--listen"), argument("--upstream")) else {
+        return;
+    };
+    let threads = argument("--threads").and_then(|t| t.parse().ok()).unwrap_or(2);
+    let conf = ServerConf {
+        threads,
+        ..Default::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut proxy = http_proxy_service(&server.configuration, Proxy { upstream });
+    proxy.add_tcp(&listen);
+    server.add_service(proxy);
+    server.run_forever();
+}

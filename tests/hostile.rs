@@ -1,0 +1,256 @@
+//! Hostile input at the REST door, from both sides: clients that send malformed or oversized heads, ambiguous or
+//! broken framing, or dribble their headers; and a backend whose answer claims lengths it does not have. Each is
+//! refused with the right status, and nothing a client sends that way reaches a backend.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{GatewayProcess, ModelServerProcess, http_client, send};
+
+/// A REST "backend" on a bound listener that counts the inference requests it receives and answers every request
+/// with `answer`.
+struct LyingBackend {
+    address: std::net::SocketAddr,
+    requests: Arc<AtomicUsize>,
+}
+
+impl LyingBackend {
+    fn start(answer: &'static [u8]) -> LyingBackend {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let counted = requests.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let counted = counted.clone();
+                std::thread::spawn(move || {
+                    let mut seen = Vec::new();
+                    let mut buffer = [0u8; 4096];
+                    // One request per connection: its head, then whatever body came with it.
+                    while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buffer) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buffer[..n]),
+                        }
+                    }
+                    // Health probes come too; only inferences are counted.
+                    if seen.starts_with(b"POST") && String::from_utf8_lossy(&seen).contains("/infer ") {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+                    let _ = stream.read(&mut buffer);
+                    let _ = stream.write_all(answer);
+                });
+            }
+        });
+        LyingBackend { address, requests }
+    }
+}
+
+/// An answer whose JSON header is said to be 999 bytes long in a body of 10.
+const HEADER_LONGER_THAN_BODY: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
+inference-header-content-length: 999\r\ncontent-length: 10\r\nconnection: close\r\n\r\n0123456789";
+/// An answer whose JSON header length is near the top of a 64-bit number.
+const HEADER_NEAR_USIZE_MAX: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
+inference-header-content-length: 18446744073709551610\r\nconnection: close\r\n\r\n0123456789";
+
+fn config(liar: &LyingBackend, huge: &LyingBackend, real: &ModelServerProcess) -> String {
+    format!(
+        r#"
+        [limits]
+        header_read_timeout_ms = 500
+
+        [[backends]]
+        name = "liar"
+        protocol = "rest"
+        endpoints = ["{}"]
+
+        [[backends]]
+        name = "huge"
+        protocol = "rest"
+        endpoints = ["{}"]
+
+        [[backends]]
+        name = "real"
+        protocol = "rest"
+        endpoints = ["{}"]
+
+        [[models]]
+        name = "liar"
+        versions = [ {{ version = "1", backend = "liar" }} ]
+
+        [[models]]
+        name = "liar_alias"
+        versions = [ {{ version = "1", backend = "liar", upstream_name = "other" }} ]
+
+        [[models]]
+        name = "huge_alias"
+        versions = [ {{ version = "1", backend = "huge", upstream_name = "other" }} ]
+
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "real" }} ]
+        "#,
+        liar.address,
+        huge.address,
+        real.rest.unwrap()
+    )
+}
+
+/// Sends `parts` (pausing `pause` between them) on one connection while reading what comes back, until the gateway
+/// closes it.
+fn exchange(address: std::net::SocketAddr, parts: &[&[u8]], pause: Duration) -> String {
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let parts: Vec<Vec<u8>> = parts.iter().map(|part| part.to_vec()).collect();
+    let writing = std::thread::spawn(move || {
+        for part in parts {
+            if writer.write_all(&part).is_err() {
+                break;
+            }
+            std::thread::sleep(pause);
+        }
+    });
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    let _ = writing.join();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+fn status(answer: &str) -> &str {
+    answer.split(' ').nth(1).unwrap_or("")
+}
+
+const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
+
+#[tokio::test]
+async fn a_backend_answer_whose_lengths_do_not_add_up_is_a_bad_gateway_naming_it() {
+    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
+    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
+    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
+    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
+    for (model, backend) in [("liar", &liar), ("liar_alias", &liar), ("huge_alias", &huge)] {
+        let answer = send(
+            &http_client(false),
+            "POST",
+            &gateway.rest_url(&format!("/v2/models/{model}/infer")),
+            &[],
+            BODY,
+        )
+        .await;
+        assert_eq!(answer.status, 502, "{model}: {}", String::from_utf8_lossy(&answer.body));
+        let message = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(message.contains(&backend.address.to_string()), "{model}: {message}");
+    }
+    // The gateway is unharmed: a well-behaved backend is still served.
+    let answer = send(
+        &http_client(false),
+        "POST",
+        &gateway.rest_url("/v2/models/identity/infer"),
+        &[],
+        BODY,
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+}
+
+#[tokio::test]
+async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
+    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
+    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
+    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
+    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
+    let address = gateway.rest;
+    let infer = "POST /v2/models/liar/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "a header block over the limit",
+            format!(
+                "{infer}x-padding: {}\r\ncontent-length: 2\r\n\r\n{{}}",
+                "a".repeat(70 * 1024)
+            )
+            .into_bytes(),
+            "431",
+        ),
+        (
+            "a request line over the limit",
+            format!(
+                "POST /v2/models/liar/infer?{} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{{}}",
+                "q".repeat(10 * 1024)
+            )
+            .into_bytes(),
+            "414",
+        ),
+        (
+            "both Content-Length and Transfer-Encoding",
+            format!("{infer}content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n")
+                .into_bytes(),
+            "400",
+        ),
+        (
+            "two different Content-Length values",
+            format!("{infer}content-length: 2\r\ncontent-length: 3\r\n\r\n{{}}").into_bytes(),
+            "400",
+        ),
+        (
+            "a malformed chunk size",
+            format!("{infer}transfer-encoding: chunked\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n").into_bytes(),
+            "400",
+        ),
+    ];
+    for (what, request, expected) in cases {
+        let answer = tokio::task::spawn_blocking(move || exchange(address, &[&request], Duration::ZERO))
+            .await
+            .unwrap();
+        assert_eq!(status(&answer), expected, "{what}: {answer}");
+    }
+    assert_eq!(
+        liar.requests.load(Ordering::SeqCst),
+        0,
+        "a refused request reached the backend"
+    );
+}
+
+#[tokio::test]
+async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
+    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
+    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
+    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
+    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
+    let address = gateway.rest;
+    let head = b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-slow: abcdefghijklmnopqrstuvwxyz\r\n\r\n";
+    let started = std::time::Instant::now();
+    let answer = tokio::task::spawn_blocking(move || {
+        let bytes: Vec<&[u8]> = head.chunks(1).collect();
+        exchange(address, &bytes, Duration::from_millis(50))
+    })
+    .await
+    .unwrap();
+    assert_eq!(status(&answer), "408", "{answer}");
+    assert!(answer.contains("did not arrive in time"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "closed long before the whole head would have come"
+    );
+
+    // An idle keep-alive connection is not timed as a slow head: it waits past the head's limit and still serves.
+    let answer = tokio::task::spawn_blocking(move || {
+        exchange(
+            address,
+            &[
+                b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n",
+                b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+            ],
+            Duration::from_millis(900),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer}");
+}
