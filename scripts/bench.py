@@ -360,7 +360,7 @@ http {{
 HAPROXY_CONF = """
 global
     nbthread {workers}
-    maxconn 20000
+    maxconn 8000
 defaults
     mode http
     timeout connect 5s

@@ -1,13 +1,15 @@
 //! The dispatch layer in front of real model servers: every protocol path gives the same outputs, public names are
 //! restored on aliases, errors keep their meaning, metadata and readiness come from the serving backend.
 
+mod common;
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use oipgate::codec::protobuf;
 use oipgate::config::{Config, raw, validate};
 use oipgate::dispatch::{CallContext, Dispatcher};
-use oipgate::modelserver::{self, ModelServerConfig, RunningModelServer};
+use oipgate::modelserver::RunningModelServer;
 use oipgate::proto::ModelInferResponse;
 use oipgate::protocol::{DataType, InferRequest, InferResponse, ParamValue, Tensor};
 use oipgate::{ErrorKind, Origin};
@@ -21,23 +23,8 @@ struct Fleet {
 }
 
 async fn fleet() -> Fleet {
-    let any = || Some("127.0.0.1:0".parse().unwrap());
-    let rest = modelserver::start(ModelServerConfig {
-        rest: any(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let grpc = modelserver::start(ModelServerConfig {
-        grpc: any(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let down = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let (rest, grpc) = common::in_process_backends().await;
+    let down = common::dead_address();
     let text = format!(
         r#"
         [[backends]]

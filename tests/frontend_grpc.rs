@@ -1,13 +1,15 @@
 //! The gRPC front door in front of real model servers, driven by generated clients: passthrough and translated
 //! inference, the typed RPCs, request ids, health checking and server reflection.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
 use oipgate::config::{raw, validate};
 use oipgate::frontend::grpc;
-use oipgate::modelserver::{self, ModelServerConfig, RunningModelServer};
+use oipgate::modelserver::RunningModelServer;
 use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use oipgate::proto::model_infer_request::InferInputTensor;
 use oipgate::proto::{
@@ -24,19 +26,7 @@ struct Gateway {
 }
 
 async fn gateway() -> Gateway {
-    let any = || Some("127.0.0.1:0".parse().unwrap());
-    let rest = modelserver::start(ModelServerConfig {
-        rest: any(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let grpc_backend = modelserver::start(ModelServerConfig {
-        grpc: any(),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let (rest, grpc_backend) = common::in_process_backends().await;
     let text = format!(
         r#"
         [limits]

@@ -152,21 +152,8 @@ async fn a_deadline_cuts_the_call() {
 
 #[tokio::test]
 async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
-    // Bind then drop a listener: nothing listens on that port now.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let client = GrpcUpstream::new(
-        &Endpoint {
-            host: "127.0.0.1".into(),
-            port,
-        },
-        Duration::from_secs(1),
-        1024,
-        None,
-    );
+    let (host, port) = common::dead_endpoint();
+    let client = GrpcUpstream::new(&Endpoint { host, port }, Duration::from_secs(1), 1024, None);
     let started = Instant::now();
     let error = client
         .unary(

@@ -170,20 +170,8 @@ async fn deadline_and_a_backend_that_is_down() {
     assert_eq!((error.kind(), error.http_status().as_u16()), (ErrorKind::Timeout, 504));
     assert!(started.elapsed() < Duration::from_secs(3));
 
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let down = RestUpstream::new(
-        &Endpoint {
-            host: "127.0.0.1".into(),
-            port,
-        },
-        Duration::from_secs(1),
-        1024,
-        None,
-    );
+    let (host, port) = common::dead_endpoint();
+    let down = RestUpstream::new(&Endpoint { host, port }, Duration::from_secs(1), 1024, None);
     let error = down.server_ready(Some(Duration::from_secs(5))).await.unwrap_err();
     assert_eq!(
         (error.kind(), error.http_status().as_u16()),

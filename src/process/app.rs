@@ -96,15 +96,21 @@ impl Service for Listener {
     }
 
     fn listen_addresses(&self) -> Option<Vec<String>> {
-        Some(vec![self.address.to_string()])
+        Some(vec![self.handover_key()])
     }
 }
 
 impl Listener {
     /// The listening socket: the one handed over by the previous process, the one bound before start, or a new one;
     /// registered for handing on.
+    /// The name the socket is handed over under: the listener and its configured address, so listeners configured
+    /// on port 0 are told apart, and a changed address gets a new socket.
+    fn handover_key(&self) -> String {
+        format!("{}@{}", self.name, self.address)
+    }
+
     fn socket(&mut self, fds: Option<ListenFds>) -> std::io::Result<std::net::TcpListener> {
-        let key = self.address.to_string();
+        let key = self.handover_key();
         let Some(fds) = fds else {
             return self
                 .bound
@@ -369,6 +375,8 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     let rest_socket = bind(Some(config.listen.rest), "REST")?;
     let grpc_socket = bind(Some(config.listen.grpc), "gRPC")?;
     let metrics_socket = bind(config.listen.metrics, "metrics")?;
+    let local = |socket: &Option<std::net::TcpListener>| socket.as_ref().and_then(|s| s.local_addr().ok());
+    let (rest_bound, grpc_bound, metrics_bound) = (local(&rest_socket), local(&grpc_socket), local(&metrics_socket));
     let max_request_bytes = config.limits.max_request_bytes;
     let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
         config
@@ -433,15 +441,18 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
             gateway: gateway.clone(),
         },
     ));
-    let metrics_address = config
-        .listen
-        .metrics
-        .map_or_else(|| "off".to_owned(), |address| address.to_string());
+    // Where each listener is: the bound address (a port 0 made real), or in an upgrade the configured one.
+    let shown = |bound: Option<SocketAddr>, configured: Option<SocketAddr>| {
+        bound
+            .or(configured)
+            .map_or_else(|| "off".to_owned(), |address| address.to_string())
+    };
     tracing::info!(summary = %config.summary(), pid = std::process::id(), "configuration loaded");
     println!(
-        "oipgate serving: rest={} grpc={} metrics={metrics_address} pid={} ({})",
-        config.listen.rest,
-        config.listen.grpc,
+        "oipgate serving: rest={} grpc={} metrics={} pid={} ({})",
+        shown(rest_bound, Some(config.listen.rest)),
+        shown(grpc_bound, Some(config.listen.grpc)),
+        shown(metrics_bound, config.listen.metrics),
         std::process::id(),
         config.summary()
     );

@@ -13,6 +13,22 @@ use hyper_util::rt::TokioExecutor;
 use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use tonic::transport::Channel;
 
+/// Two of oipgate's model servers in this process, each on a port of its own: one serving REST, one gRPC.
+pub async fn in_process_backends() -> (
+    oipgate::modelserver::RunningModelServer,
+    oipgate::modelserver::RunningModelServer,
+) {
+    let start = |rest: bool| {
+        let any = Some("127.0.0.1:0".parse().unwrap());
+        oipgate::modelserver::start(oipgate::modelserver::ModelServerConfig {
+            rest: if rest { any } else { None },
+            grpc: if rest { None } else { any },
+            ..Default::default()
+        })
+    };
+    (start(true).await.unwrap(), start(false).await.unwrap())
+}
+
 /// `oipgate model-server` started as a child process; killed when dropped.
 pub struct ModelServerProcess {
     child: Child,
@@ -142,7 +158,13 @@ pub fn free_port() -> u16 {
 /// An address nothing listens on, which refuses connections at once: on 127.255.0.1, where no test binds, so no
 /// other test's server can take the port meanwhile (as a released port on 127.0.0.1 can be taken).
 pub fn dead_address() -> String {
-    format!("127.255.0.1:{}", free_port())
+    let (host, port) = dead_endpoint();
+    format!("{host}:{port}")
+}
+
+/// [`dead_address`] as host and port.
+pub fn dead_endpoint() -> (String, u16) {
+    ("127.255.0.1".to_owned(), free_port())
 }
 
 /// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
@@ -167,25 +189,18 @@ impl GatewayProcess {
     /// As [`Self::start`], with more arguments to `serve` and, when `capture_log`, its stderr kept for
     /// [`Self::log_lines`].
     pub fn start_with(config: &str, args: &[&str], capture_log: bool) -> GatewayProcess {
-        let rest: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let dir = std::env::temp_dir().join(format!("oipgate-gw-{}-{}", std::process::id(), free_port()));
+        // Port 0 everywhere: the gateway binds and prints the ports it got, so no port is released and retaken.
+        let dir = std::env::temp_dir().join(format!(
+            "oipgate-gw-{}-{}",
+            std::process::id(),
+            GATEWAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("gateway.toml");
-        let listen = format!("[listen]\nrest = \"{rest}\"\ngrpc = \"{grpc}\"\nmetrics = \"{metrics}\"\n");
+        let listen = "[listen]\nrest = \"127.0.0.1:0\"\ngrpc = \"127.0.0.1:0\"\nmetrics = \"127.0.0.1:0\"\n".to_owned();
         std::fs::write(&path, format!("{listen}{config}")).unwrap();
-        let (child, log) = spawn_gateway(&path, args, capture_log);
-        // The line comes before pingora binds: wait until both ports accept.
-        for addr in [rest, grpc, metrics] {
-            let ready = (0..100).any(|_| {
-                std::net::TcpStream::connect(addr).is_ok() || {
-                    std::thread::sleep(std::time::Duration::from_millis(50));
-                    false
-                }
-            });
-            assert!(ready, "gateway did not open {addr}");
-        }
+        let (child, log, addresses) = spawn_gateway(&path, args, capture_log);
+        let [rest, grpc, metrics] = addresses;
         GatewayProcess {
             child,
             rest,
@@ -211,7 +226,7 @@ impl GatewayProcess {
         // The new process waits for the sockets; the old one sends them on SIGQUIT.
         std::thread::sleep(std::time::Duration::from_millis(300));
         hand_over();
-        let (child, log) = started.join().expect("the new process starts");
+        let (child, log, _) = started.join().expect("the new process starts");
         GatewayProcess {
             child,
             rest: self.rest,
@@ -310,9 +325,13 @@ impl Drop for GatewayProcess {
 /// A gateway's captured log lines.
 type Log = Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>;
 
+/// Gateways started by this test binary, each with a directory of its own.
+static GATEWAYS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Starts `oipgate serve` on the configuration at `path` with `args`, and waits for its first line, which it prints
-/// once its listening sockets are bound (or taken over); its stderr is kept when `capture_log`.
-fn spawn_gateway(path: &std::path::Path, args: &[&str], capture_log: bool) -> (Child, Log) {
+/// once its listening sockets are bound (or taken over); gives its REST, gRPC and metrics addresses from that line.
+/// Its stderr is kept when `capture_log`.
+fn spawn_gateway(path: &std::path::Path, args: &[&str], capture_log: bool) -> (Child, Log, [SocketAddr; 3]) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
         .arg("serve")
         .arg("--config")
@@ -338,7 +357,13 @@ fn spawn_gateway(path: &std::path::Path, args: &[&str], capture_log: bool) -> (C
         .read_line(&mut line)
         .unwrap();
     assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
-    (child, log)
+    let address = |key: &str| -> SocketAddr {
+        line.split_whitespace()
+            .find_map(|word| word.strip_prefix(key))
+            .and_then(|address| address.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} address in {line:?}"))
+    };
+    (child, log, [address("rest="), address("grpc="), address("metrics=")])
 }
 
 /// Polls `check` every 20 ms until it holds, or panics naming `what` after `limit`.
