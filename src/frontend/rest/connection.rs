@@ -157,10 +157,12 @@ impl RestConnections {
                 hands_off: S::CAN_PEEK,
                 handed_off: false,
             };
-            let connection = builder
-                .serve_connection(TokioIo::new(io), service.clone())
-                .without_shutdown();
-            tokio::pin!(connection);
+            // Boxed, so hyper's state is freed when the connection is handed off, not kept in the task for its life.
+            let mut connection = Box::pin(
+                builder
+                    .serve_connection(TokioIo::new(io), service.clone())
+                    .without_shutdown(),
+            );
             let served = tokio::select! {
                 served = connection.as_mut() => served,
                 () = stopping(&mut shutdown) => {
@@ -418,6 +420,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
             Poll::Ready(Ok(()))
         };
         if this.state.busy() {
+            // hyper may not read again once the answer is out (it is already waiting for the socket), so the idle
+            // clock is kept running from here: it wakes this read to find the connection idle.
+            if polled.is_pending() && this.hands_off {
+                if this.timer.is_none() || this.timing_head {
+                    this.set_timer(false);
+                }
+                if this
+                    .timer
+                    .as_mut()
+                    .is_some_and(|timer| timer.as_mut().poll(cx).is_ready())
+                {
+                    this.set_timer(false);
+                    let _ = this.timer.as_mut().map(|timer| timer.as_mut().poll(cx));
+                }
+            }
             return polled;
         }
         match polled {
