@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::server::configuration::{Opt, ServerConf};
-use pingora::server::{ExecutionPhase, ListenFds, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::server::{ListenFds, RunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
 use pingora::services::Service;
 use pingora::services::background::{BackgroundService, background_service};
 
@@ -214,9 +214,9 @@ struct Signals {
     streams: std::sync::Mutex<Option<SignalStreams>>,
     gateway: Arc<Gateway>,
     shutdown: Shutdown,
-    /// Tells when pingora has closed the listeners.
-    phases: std::sync::Mutex<Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>>,
     failure: Arc<tokio::sync::Notify>,
+    /// A listener could not start: the process ends with an error once drained.
+    failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Why the process stops.
@@ -234,21 +234,18 @@ impl ShutdownSignalWatch for Signals {
             stop = termination(streams) => stop,
             () = self.failure.notified() => Stop::Failed,
         };
-        let phases = self.phases.lock().ok().and_then(|mut p| p.take());
-        let gateway = self.gateway.clone();
-        let grace = self.shutdown.grace_period;
-        let (signal, status) = match stop {
+        match stop {
             Stop::Upgrade => {
                 tracing::info!(
                     in_flight = self.gateway.active(),
                     "SIGQUIT: handing the listening sockets to the new process, then draining"
                 );
-                std::thread::spawn(move || exit_when_drained(&gateway, phases, grace, 0));
-                return ShutdownSignal::GracefulUpgrade;
+                ShutdownSignal::GracefulUpgrade
             }
             Stop::Failed => {
                 tracing::error!("a listener could not start: shutting down");
-                (ShutdownSignal::GracefulTerminate, 1)
+                self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                ShutdownSignal::GracefulTerminate
             }
             Stop::Terminate(signal) => {
                 self.gateway.start_draining();
@@ -260,12 +257,9 @@ impl ShutdownSignalWatch for Signals {
                     "shutting down: readiness is now false"
                 );
                 tokio::time::sleep(self.shutdown.drain_delay).await;
-                (ShutdownSignal::GracefulTerminate, 0)
+                ShutdownSignal::GracefulTerminate
             }
-        };
-        // pingora waits out its whole grace period; this ends the process as soon as nothing is under way.
-        std::thread::spawn(move || exit_when_drained(&gateway, phases, grace, status));
-        signal
+        }
     }
 }
 
@@ -320,25 +314,10 @@ async fn termination(streams: Option<SignalStreams>) -> Stop {
     }
 }
 
-fn exit_when_drained(
-    gateway: &Gateway,
-    phases: Option<tokio::sync::broadcast::Receiver<ExecutionPhase>>,
-    grace: Duration,
-    status: i32,
-) {
+/// Waits, once the listeners are closed, until no request is under way or `grace` has passed.
+fn drain(gateway: &Gateway, grace: Duration) {
     let started = Instant::now();
-    if let Some(mut phases) = phases {
-        // Once pingora has told the listeners to close, no new request can start.
-        while let Ok(phase) = phases.blocking_recv() {
-            if matches!(
-                phase,
-                ExecutionPhase::GracefulTerminate | ExecutionPhase::ShutdownGracePeriod
-            ) {
-                break;
-            }
-        }
-    }
-    // The listeners stop accepting on their next turn of the loop; a moment lets them.
+    // The accept loops stop on their next turn; a moment lets them, so no request starts after this.
     std::thread::sleep(Duration::from_millis(50));
     while gateway.active() > 0 && started.elapsed() < grace {
         std::thread::sleep(Duration::from_millis(10));
@@ -352,8 +331,6 @@ fn exit_when_drained(
     } else {
         tracing::info!("drained; exiting");
     }
-    let _ = std::io::Write::flush(&mut std::io::stdout());
-    std::process::exit(status);
 }
 
 /// Runs the gateway until SIGTERM or SIGINT (both graceful), or until SIGQUIT hands its listening sockets to a new
@@ -388,16 +365,9 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
 
     let conf = ServerConf {
         threads: 1,
-        // The exit comes earlier when nothing is left under way (see `Signals`).
-        grace_period_seconds: Some(
-            config
-                .shutdown
-                .grace_period
-                .as_millis()
-                .div_ceil(1000)
-                .try_into()
-                .unwrap_or(u64::MAX),
-        ),
+        // pingora would wait out the whole grace period; the drain is waited for here once it returns, and ends
+        // as soon as nothing is under way.
+        grace_period_seconds: Some(0),
         graceful_shutdown_timeout_seconds: Some(1),
         upgrade_sock: process.upgrade_socket.to_string_lossy().into_owned(),
         ..Default::default()
@@ -411,6 +381,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     server.bootstrap();
 
     let failure = Arc::new(tokio::sync::Notify::new());
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let listener = |name, address, bound, serves| Listener {
         name,
         address,
@@ -459,13 +430,18 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     let _ = std::io::Write::flush(&mut std::io::stdout());
     let signals = Signals {
         streams: std::sync::Mutex::new(Some(streams)),
-        gateway,
+        gateway: gateway.clone(),
         shutdown: config.shutdown,
-        phases: std::sync::Mutex::new(Some(server.watch_execution_phase())),
         failure,
+        failed: failed.clone(),
     };
+    let grace = config.shutdown.grace_period;
     server.run(RunArgs {
         shutdown_signal: Box::new(signals),
     });
+    drain(&gateway, grace);
+    if failed.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(Error::internal("a listener could not start (see the log)"));
+    }
     Ok(())
 }

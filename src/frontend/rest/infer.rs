@@ -15,13 +15,13 @@ use crate::body::{RelayError, RelaySource, Tap};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, MirrorPayload, Outgoing, Passthrough};
+use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
 use crate::error::{Error, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
 use crate::protocol::InferRequest;
-use crate::routing::Routed;
+use crate::routing::{Routed, VersionRoute};
 
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
 /// a longer one, or one of unknown length, is relayed as it arrives.
@@ -184,21 +184,40 @@ impl RestDoor {
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
         let dispatcher = record.dispatcher().clone();
-        let mut send = asked.forward.clone();
-        for name in AS_SENT {
-            if let Some(value) = headers.get(&name) {
-                send.insert(name, value.clone());
-            }
-        }
-        if let Some(content_type) = missing_content_type(&send) {
-            send.insert(http::header::CONTENT_TYPE, content_type);
-        }
-        let content_type = send.get(http::header::CONTENT_TYPE).cloned();
-        let header_length = asked.header_length;
-        // A body of unknown length is read up to the limit for whole bodies: a small one goes whole (checked to the
-        // end before any of it leaves), a longer one is relayed after what was read.
+        let send = headers_to_send(headers, &asked.forward);
+        let mirror = routed.mirror.map(|route| Mirror {
+            route,
+            header_length: asked.header_length,
+            content_type: send.get(http::header::CONTENT_TYPE).cloned(),
+            forward: asked.forward,
+        });
+        let outgoing = self.outgoing(headers, body, record, asked.declared, mirror).await?;
+        let until = Instant::now() + target.timeout;
+        let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
+            Ok(sent) => sent,
+            Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
+        };
+        let authority: Arc<str> = lease.state.authority.as_str().into();
+        record.endpoint = Some(authority.clone());
+        record.lease = Some(lease);
+        let (head, answer) = response.into_parts();
+        let (head, rename) = answer_head(head, &target, &authority)?;
+        Ok(Reply::Proxied(Box::new(head), answer, rename, until))
+    }
+
+    /// The body to send: whole when it is small (a body of unknown length is read up to that size first, so a
+    /// small one is checked to its end before any of it leaves), else relayed as it arrives after what was read.
+    /// The mirror gets the same chunks.
+    async fn outgoing(
+        &self,
+        headers: &HeaderMap,
+        body: &mut Option<Incoming>,
+        record: &mut Record,
+        declared: Option<u64>,
+        mirror: Option<Mirror>,
+    ) -> Result<Outgoing> {
         let mut read = Vec::new();
-        if asked.declared.is_none()
+        if declared.is_none()
             && let Some(incoming) = body.as_mut()
         {
             let mut length = 0;
@@ -231,70 +250,28 @@ impl RestDoor {
                 1 => read.pop().unwrap_or_default(),
                 _ => Bytes::from(read.concat()),
             })
-        } else if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
+        } else if declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
             Some(self.read_body(body, headers).await?)
         } else {
             None
         };
-        let outgoing = if let Some(whole) = whole {
+        if let Some(whole) = whole {
             record.request_bytes = whole.len() as u64;
-            if let Some(route) = &routed.mirror {
-                let payload = MirrorPayload::Rest {
-                    body: vec![whole.clone()],
-                    header_length,
-                    content_type,
-                };
-                dispatcher.mirror(route, payload, &asked.forward);
+            if let Some(mirror) = mirror {
+                mirror.send(record.dispatcher(), vec![whole.clone()]);
             }
-            Outgoing::Whole(whole)
-        } else {
-            let Some(incoming) = body.take() else {
-                return Err(Error::internal("the request body was already read"));
-            };
-            let tap = routed.mirror.map(|route| {
-                let dispatcher = dispatcher.clone();
-                let forward = asked.forward;
-                Tap::new(Box::new(move |chunks: Vec<Bytes>| {
-                    let payload = MirrorPayload::Rest {
-                        body: chunks,
-                        header_length,
-                        content_type,
-                    };
-                    dispatcher.mirror(&route, payload, &forward);
-                }))
-            });
-            let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap));
-            record.relayed = Some(source.clone());
-            Outgoing::Relayed(source)
-        };
-        let until = Instant::now() + target.timeout;
-        let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
-            Ok(sent) => sent,
-            Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
-        };
-        let authority: Arc<str> = lease.state.authority.as_str().into();
-        record.endpoint = Some(authority.clone());
-        record.lease = Some(lease);
-        let (mut head, answer) = response.into_parts();
-        let mut passed = headers::end_to_end(&head.headers);
-        for name in ANSWER_AS_SENT {
-            if let Some(value) = head.headers.get(&name) {
-                passed.insert(name, value.clone());
-            }
+            return Ok(Outgoing::Whole(whole));
         }
-        if let Ok(version) = HeaderValue::from_str(&target.route.version) {
-            passed.insert(headers::OIP_MODEL_VERSION, version);
-        }
-        check_lengths(&passed, &authority)?;
-        let rename = if target.aliased {
-            let (name, version) = (target.route.model.clone(), target.route.version.clone());
-            Rename::prepare(head.status, &mut passed, name, version, &authority)?
-        } else {
-            None
+        let Some(incoming) = body.take() else {
+            return Err(Error::internal("the request body was already read"));
         };
-        head.headers = passed;
-        head.version = http::Version::HTTP_11;
-        Ok(Reply::Proxied(Box::new(head), answer, rename, until))
+        let tap = mirror.map(|mirror| {
+            let dispatcher = record.dispatcher().clone();
+            Tap::new(Box::new(move |chunks: Vec<Bytes>| mirror.send(&dispatcher, chunks)))
+        });
+        let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap));
+        record.relayed = Some(source.clone());
+        Ok(Outgoing::Relayed(source))
     }
 
     /// The client's side of a relayed body that stopped: too large, or unreadable.
@@ -307,6 +284,68 @@ impl RestDoor {
             RelayError::Unreadable => Some(Error::invalid("could not read the request body")),
         }
     }
+}
+
+/// A copy of a proxied request for the mirror version, sent once its body is at hand.
+struct Mirror {
+    route: Arc<VersionRoute>,
+    header_length: Option<u64>,
+    content_type: Option<HeaderValue>,
+    forward: HeaderMap,
+}
+
+impl Mirror {
+    fn send(self, dispatcher: &Dispatcher, body: Vec<Bytes>) {
+        let payload = MirrorPayload::Rest {
+            body,
+            header_length: self.header_length,
+            content_type: self.content_type,
+        };
+        dispatcher.mirror(&self.route, payload, &self.forward);
+    }
+}
+
+/// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them,
+/// with a Content-Type said when the client sent none.
+fn headers_to_send(headers: &HeaderMap, forward: &HeaderMap) -> HeaderMap {
+    let mut send = forward.clone();
+    for name in AS_SENT {
+        if let Some(value) = headers.get(&name) {
+            send.insert(name, value.clone());
+        }
+    }
+    if let Some(content_type) = missing_content_type(&send) {
+        send.insert(http::header::CONTENT_TYPE, content_type);
+    }
+    send
+}
+
+/// The head a proxied answer goes to the client with: the backend's end-to-end headers and those about the body,
+/// the serving version, lengths checked, and renamed for an aliased model.
+fn answer_head(
+    mut head: http::response::Parts,
+    target: &Passthrough,
+    authority: &str,
+) -> Result<(http::response::Parts, Option<Rename>)> {
+    let mut passed = headers::end_to_end(&head.headers);
+    for name in ANSWER_AS_SENT {
+        if let Some(value) = head.headers.get(&name) {
+            passed.insert(name, value.clone());
+        }
+    }
+    if let Ok(version) = HeaderValue::from_str(&target.route.version) {
+        passed.insert(headers::OIP_MODEL_VERSION, version);
+    }
+    check_lengths(&passed, authority)?;
+    let rename = if target.aliased {
+        let (name, version) = (target.route.model.clone(), target.route.version.clone());
+        Rename::prepare(head.status, &mut passed, name, version, authority)?
+    } else {
+        None
+    };
+    head.headers = passed;
+    head.version = http::Version::HTTP_11;
+    Ok((head, rename))
 }
 
 /// A backend's answer whose JSON header is said to be longer than the whole body is refused: its lengths are not
