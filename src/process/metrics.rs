@@ -290,6 +290,28 @@ fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Regis
     Ok(metric)
 }
 
+/// Counters named `name`, by `labels`, registered in `registry`.
+fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntCounterVec> {
+    registered(
+        registry,
+        IntCounterVec::new(Opts::new(name, help), labels).map_err(metric_error)?,
+    )
+}
+
+/// Gauges named `name`, by `labels`, registered in `registry`.
+fn gauges(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntGaugeVec> {
+    registered(
+        registry,
+        IntGaugeVec::new(Opts::new(name, help), labels).map_err(metric_error)?,
+    )
+}
+
+/// Duration histograms named `name`, by `labels`, registered in `registry`.
+fn histograms(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<HistogramVec> {
+    let options = HistogramOpts::new(name, help).buckets(DURATION_BUCKETS.to_vec());
+    registered(registry, HistogramVec::new(options, labels).map_err(metric_error)?)
+}
+
 fn metric_error(error: prometheus::Error) -> Error {
     Error::internal(format!("cannot create a metric: {error}"))
 }
@@ -297,135 +319,78 @@ fn metric_error(error: prometheus::Error) -> Error {
 impl Metrics {
     pub fn new() -> Result<Arc<Metrics>> {
         let registry = Registry::new();
-        let build_info = registered(
+        let build_info = gauges(
             &registry,
-            IntGaugeVec::new(
-                Opts::new("oipgate_build_info", "The running oipgate's version; always 1."),
-                &["version"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_build_info",
+            "The running oipgate's version; always 1.",
+            &["version"],
         )?;
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
-        let requests = registered(
+        let requests = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_requests_total",
-                    "Inference requests by public model and version, client protocol, backend and HTTP status.",
-                ),
-                &["model", "version", "protocol", "backend", "code"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_requests_total",
+            "Inference requests by public model and version, client protocol, backend and HTTP status.",
+            &["model", "version", "protocol", "backend", "code"],
         )?;
-        let mirrors = registered(
+        let mirrors = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_mirror_requests_total",
-                    "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
-                ),
-                &["model", "version", "result"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_mirror_requests_total",
+            "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
+            &["model", "version", "result"],
         )?;
-        let request_duration = registered(
+        let request_duration = histograms(
             &registry,
-            HistogramVec::new(
-                HistogramOpts::new(
-                    "oipgate_request_duration_seconds",
-                    "Whole requests, from the first byte read to the last written, by client protocol.",
-                )
-                .buckets(DURATION_BUCKETS.to_vec()),
-                &["protocol"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_request_duration_seconds",
+            "Whole requests, from the first byte read to the last written, by client protocol.",
+            &["protocol"],
         )?;
-        let upstream_duration = registered(
+        let upstream_duration = histograms(
             &registry,
-            HistogramVec::new(
-                HistogramOpts::new(
-                    "oipgate_upstream_duration_seconds",
-                    "Backend calls, from sending to the whole answer, by backend.",
-                )
-                .buckets(DURATION_BUCKETS.to_vec()),
-                &["backend"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_upstream_duration_seconds",
+            "Backend calls, from sending to the whole answer, by backend.",
+            &["backend"],
         )?;
-        let in_flight = registered(
+        let in_flight = gauges(
             &registry,
-            IntGaugeVec::new(
-                Opts::new("oipgate_in_flight", "Backend calls under way, by backend."),
-                &["backend"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_in_flight",
+            "Backend calls under way, by backend.",
+            &["backend"],
         )?;
-        let retries = registered(
+        let retries = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_retries_total",
-                    "Calls sent again to another endpoint of a backend because the first could not be reached.",
-                ),
-                &["backend"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_retries_total",
+            "Calls sent again to another endpoint of a backend because the first could not be reached.",
+            &["backend"],
         )?;
-        let endpoint_healthy = registered(
+        let endpoint_healthy = gauges(
             &registry,
-            IntGaugeVec::new(
-                Opts::new(
-                    "oipgate_endpoint_healthy",
-                    "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
-                ),
-                &["backend", "endpoint"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_endpoint_healthy",
+            "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
+            &["backend", "endpoint"],
         )?;
-        let request_bytes = registered(
+        let request_bytes = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_request_bytes_total",
-                    "Request body bytes received, by client protocol.",
-                ),
-                &["protocol"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_request_bytes_total",
+            "Request body bytes received, by client protocol.",
+            &["protocol"],
         )?;
-        let response_bytes = registered(
+        let response_bytes = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_response_bytes_total",
-                    "Response body bytes sent, by client protocol.",
-                ),
-                &["protocol"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_response_bytes_total",
+            "Response body bytes sent, by client protocol.",
+            &["protocol"],
         )?;
-        let translation = registered(
+        let translation = histograms(
             &registry,
-            HistogramVec::new(
-                HistogramOpts::new(
-                    "oipgate_translation_duration_seconds",
-                    "Time spent translating one message between REST (JSON or binary extension) and gRPC, by direction.",
-                )
-                .buckets(DURATION_BUCKETS.to_vec()),
-                &["direction"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_translation_duration_seconds",
+            "Time spent translating one message between REST (JSON or binary extension) and gRPC, by direction.",
+            &["direction"],
         )?;
-        let reloads = registered(
+        let reloads = counters(
             &registry,
-            IntCounterVec::new(
-                Opts::new(
-                    "oipgate_config_reloads_total",
-                    "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
-                ),
-                &["result"],
-            )
-            .map_err(metric_error)?,
+            "oipgate_config_reloads_total",
+            "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
+            &["result"],
         )?;
         let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
             duration: request_duration.with_label_values(&[protocol.label()]),
