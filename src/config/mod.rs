@@ -124,6 +124,258 @@ fn check_name(problems: &mut Problems, path: &str, what: &str, name: &str) {
     }
 }
 
+/// One backend's settings, checked (its name is checked by the caller, which sees the others).
+fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBackend, base: &Path) -> Backend {
+    let protocol = match backend.protocol.as_str() {
+        "rest" => BackendProtocol::Rest,
+        "grpc" => BackendProtocol::Grpc,
+        other => {
+            problems.add(
+                format!("{path}.protocol"),
+                format!("\"{other}\" is not \"rest\" or \"grpc\""),
+            );
+            BackendProtocol::Rest
+        }
+    };
+    if backend.binary_data && protocol == BackendProtocol::Grpc {
+        problems.add(format!("{path}.binary_data"), "applies to REST backends only");
+    }
+    let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
+        (None, true) => {
+            problems.add(
+                format!("{path}.endpoints"),
+                "a backend needs at least one endpoint, or `dns`",
+            );
+            Discovery::Static
+        }
+        (None, false) => Discovery::Static,
+        (Some(_), false) => {
+            problems.add(format!("{path}.dns"), "give either endpoints or dns, not both");
+            Discovery::Static
+        }
+        (Some(name), true) => match Endpoint::parse(name) {
+            Ok(Endpoint { host, port }) => Discovery::Dns {
+                host,
+                port,
+                interval: Duration::from_millis(match backend.dns_interval_ms {
+                    Some(0) => {
+                        problems.add(format!("{path}.dns_interval_ms"), "must be at least 1");
+                        DEFAULT_DNS_INTERVAL_MS
+                    }
+                    value => value.unwrap_or(DEFAULT_DNS_INTERVAL_MS),
+                }),
+                server: backend
+                    .dns_server
+                    .as_deref()
+                    .and_then(|server| address(problems, &format!("{path}.dns_server"), Some(server), None)),
+            },
+            Err(message) => {
+                problems.add(format!("{path}.dns"), message);
+                Discovery::Static
+            }
+        },
+    };
+    if backend.dns.is_none() {
+        for key in [
+            ("dns_interval_ms", backend.dns_interval_ms.is_some()),
+            ("dns_server", backend.dns_server.is_some()),
+        ]
+        .iter()
+        .filter(|(_, set)| *set)
+        {
+            problems.add(format!("{path}.{}", key.0), "applies only with `dns`");
+        }
+    }
+    let tls = backend.tls.as_ref().map(|tls| {
+        let client_cert = match (&tls.cert, &tls.key) {
+            (Some(cert), Some(key)) => Some((
+                file(problems, &format!("{path}.tls.cert"), cert, base),
+                file(problems, &format!("{path}.tls.key"), key, base),
+            )),
+            (None, None) => None,
+            (Some(_), None) => {
+                problems.add(format!("{path}.tls.key"), "a client certificate needs its key");
+                None
+            }
+            (None, Some(_)) => {
+                problems.add(format!("{path}.tls.cert"), "a client key needs its certificate");
+                None
+            }
+        };
+        if let Some(name) = &tls.server_name
+            && rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
+        {
+            problems.add(
+                format!("{path}.tls.server_name"),
+                format!("\"{name}\" is not a DNS name or IP address"),
+            );
+        }
+        BackendTls {
+            ca: tls
+                .ca
+                .as_ref()
+                .map(|ca| file(problems, &format!("{path}.tls.ca"), ca, base)),
+            client_cert,
+            server_name: tls.server_name.clone(),
+        }
+    });
+    let mut endpoints = Vec::with_capacity(backend.endpoints.len());
+    for (j, text) in backend.endpoints.iter().enumerate() {
+        match Endpoint::parse(text) {
+            Ok(endpoint) if endpoints.contains(&endpoint) => {
+                problems.add(format!("{path}.endpoints[{j}]"), format!("{endpoint} is listed twice"));
+            }
+            Ok(endpoint) => endpoints.push(endpoint),
+            Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
+        }
+    }
+    let policy = backend_policy(problems, path, backend);
+    Backend {
+        name: backend.name.clone(),
+        protocol,
+        endpoints,
+        discovery,
+        binary_data: backend.binary_data,
+        policy,
+        tls,
+    }
+}
+
+/// One model's versions, mirror and stickiness, checked against the backends (its name is checked by the caller).
+fn validate_model(
+    problems: &mut Problems,
+    path: &str,
+    model: &raw::RawModel,
+    backend_index: &HashMap<&str, usize>,
+) -> ModelConfig {
+    if model.versions.is_empty() {
+        problems.add(format!("{path}.versions"), "a model needs at least one version");
+    }
+    let mut versions: Vec<VersionConfig> = Vec::with_capacity(model.versions.len());
+    for (j, version) in model.versions.iter().enumerate() {
+        let vpath = format!("{path}.versions[{j}]");
+        check_name(problems, &format!("{vpath}.version"), "version", &version.version);
+        if versions.iter().any(|v| v.version == version.version) {
+            problems.add(
+                format!("{vpath}.version"),
+                format!("version \"{}\" is listed twice", version.version),
+            );
+        }
+        let backend = match backend_index.get(version.backend.as_str()) {
+            Some(&index) => index,
+            None => {
+                problems.add(
+                    format!("{vpath}.backend"),
+                    format!("no backend named \"{}\"", version.backend),
+                );
+                0
+            }
+        };
+        let upstream_name = version.upstream_name.clone().unwrap_or_else(|| model.name.clone());
+        let upstream_version = version
+            .upstream_version
+            .clone()
+            .unwrap_or_else(|| version.version.clone());
+        check_name(
+            problems,
+            &format!("{vpath}.upstream_name"),
+            "upstream name",
+            &upstream_name,
+        );
+        // An empty upstream version calls the backend's model without one: its default version.
+        if !upstream_version.is_empty() {
+            check_name(
+                problems,
+                &format!("{vpath}.upstream_version"),
+                "upstream version",
+                &upstream_version,
+            );
+        }
+        versions.push(VersionConfig {
+            version: version.version.clone(),
+            backend,
+            upstream_name,
+            upstream_version,
+            weight: version.weight.unwrap_or(0),
+        });
+    }
+    let weighted = model.versions.iter().any(|v| v.weight.is_some());
+    let known: Vec<String> = versions.iter().map(|v| v.version.clone()).collect();
+    match (&model.default_version, weighted) {
+        (Some(_), true) => problems.add(
+            format!("{path}.default_version"),
+            "give either default_version or weights on the versions, not both",
+        ),
+        (Some(default), false) => match versions.iter_mut().find(|v| &v.version == default) {
+            Some(version) => version.weight = 100,
+            None => problems.add(
+                format!("{path}.default_version"),
+                format!("\"{default}\" is not one of the model's versions {known:?}"),
+            ),
+        },
+        (None, false) => {
+            let latest = latest(&versions);
+            if let Some(version) = versions.iter_mut().find(|v| Some(&v.version) == latest.as_ref()) {
+                version.weight = 100;
+            }
+        }
+        (None, true) => {
+            let total: u64 = versions.iter().map(|v| u64::from(v.weight)).sum();
+            if total == 0 && !versions.is_empty() {
+                problems.add(
+                    format!("{path}.versions"),
+                    "every weight is 0: requests that name no version would have nowhere to go",
+                );
+            }
+        }
+    }
+    let default_version = versions
+        .iter()
+        .fold(None::<&VersionConfig>, |best, v| match best {
+            Some(b) if b.weight >= v.weight => Some(b),
+            _ => Some(v),
+        })
+        .map(|v| v.version.clone())
+        .unwrap_or_default();
+    let sticky_header = model.sticky_header.as_ref().and_then(|name| {
+        match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
+            Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
+            _ => {
+                problems.add(
+                    format!("{path}.sticky_header"),
+                    format!("\"{name}\" is not a header name a client can send end to end"),
+                );
+                None
+            }
+        }
+    });
+    let mirror = model.mirror.as_ref().and_then(|mirror| {
+        let index = versions.iter().position(|v| v.version == mirror.version);
+        if index.is_none() {
+            problems.add(
+                format!("{path}.mirror.version"),
+                format!("\"{}\" is not one of the model's versions {known:?}", mirror.version),
+            );
+        }
+        if !(mirror.percent > 0.0 && mirror.percent <= 100.0) {
+            problems.add(
+                format!("{path}.mirror.percent"),
+                format!("{} is not above 0 and at most 100", mirror.percent),
+            );
+            return None;
+        }
+        let per_million = per_million(mirror.percent);
+        index.map(|version| MirrorConfig { version, per_million })
+    });
+    ModelConfig {
+        name: model.name.clone(),
+        versions,
+        default_version,
+        sticky_header,
+        mirror,
+    }
+}
+
 /// Turns a raw configuration into a valid one, or every problem with it; relative paths stay as written.
 pub fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     validate_in(raw, Path::new(""))
@@ -186,119 +438,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
                 format!("duplicate backend name \"{}\" (also backends[{first}])", backend.name),
             );
         }
-        let protocol = match backend.protocol.as_str() {
-            "rest" => BackendProtocol::Rest,
-            "grpc" => BackendProtocol::Grpc,
-            other => {
-                problems.add(
-                    format!("{path}.protocol"),
-                    format!("\"{other}\" is not \"rest\" or \"grpc\""),
-                );
-                BackendProtocol::Rest
-            }
-        };
-        if backend.binary_data && protocol == BackendProtocol::Grpc {
-            problems.add(format!("{path}.binary_data"), "applies to REST backends only");
-        }
-        let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
-            (None, true) => {
-                problems.add(
-                    format!("{path}.endpoints"),
-                    "a backend needs at least one endpoint, or `dns`",
-                );
-                Discovery::Static
-            }
-            (None, false) => Discovery::Static,
-            (Some(_), false) => {
-                problems.add(format!("{path}.dns"), "give either endpoints or dns, not both");
-                Discovery::Static
-            }
-            (Some(name), true) => match Endpoint::parse(name) {
-                Ok(Endpoint { host, port }) => Discovery::Dns {
-                    host,
-                    port,
-                    interval: Duration::from_millis(match backend.dns_interval_ms {
-                        Some(0) => {
-                            problems.add(format!("{path}.dns_interval_ms"), "must be at least 1");
-                            DEFAULT_DNS_INTERVAL_MS
-                        }
-                        value => value.unwrap_or(DEFAULT_DNS_INTERVAL_MS),
-                    }),
-                    server: backend
-                        .dns_server
-                        .as_deref()
-                        .and_then(|server| address(&mut problems, &format!("{path}.dns_server"), Some(server), None)),
-                },
-                Err(message) => {
-                    problems.add(format!("{path}.dns"), message);
-                    Discovery::Static
-                }
-            },
-        };
-        if backend.dns.is_none() {
-            for key in [
-                ("dns_interval_ms", backend.dns_interval_ms.is_some()),
-                ("dns_server", backend.dns_server.is_some()),
-            ]
-            .iter()
-            .filter(|(_, set)| *set)
-            {
-                problems.add(format!("{path}.{}", key.0), "applies only with `dns`");
-            }
-        }
-        let tls = backend.tls.as_ref().map(|tls| {
-            let client_cert = match (&tls.cert, &tls.key) {
-                (Some(cert), Some(key)) => Some((
-                    file(&mut problems, &format!("{path}.tls.cert"), cert, base),
-                    file(&mut problems, &format!("{path}.tls.key"), key, base),
-                )),
-                (None, None) => None,
-                (Some(_), None) => {
-                    problems.add(format!("{path}.tls.key"), "a client certificate needs its key");
-                    None
-                }
-                (None, Some(_)) => {
-                    problems.add(format!("{path}.tls.cert"), "a client key needs its certificate");
-                    None
-                }
-            };
-            if let Some(name) = &tls.server_name
-                && rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
-            {
-                problems.add(
-                    format!("{path}.tls.server_name"),
-                    format!("\"{name}\" is not a DNS name or IP address"),
-                );
-            }
-            BackendTls {
-                ca: tls
-                    .ca
-                    .as_ref()
-                    .map(|ca| file(&mut problems, &format!("{path}.tls.ca"), ca, base)),
-                client_cert,
-                server_name: tls.server_name.clone(),
-            }
-        });
-        let mut endpoints = Vec::with_capacity(backend.endpoints.len());
-        for (j, text) in backend.endpoints.iter().enumerate() {
-            match Endpoint::parse(text) {
-                Ok(endpoint) if endpoints.contains(&endpoint) => {
-                    problems.add(format!("{path}.endpoints[{j}]"), format!("{endpoint} is listed twice"));
-                }
-                Ok(endpoint) => endpoints.push(endpoint),
-                Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
-            }
-        }
-        let policy = backend_policy(&mut problems, &path, backend);
-        backends.push(Backend {
-            name: backend.name.clone(),
-            protocol,
-            endpoints,
-            discovery,
-            binary_data: backend.binary_data,
-            policy,
-            tls,
-        });
+        backends.push(validate_backend(&mut problems, &path, backend, base));
     }
 
     if raw.models.is_empty() {
@@ -315,132 +455,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
                 format!("duplicate model name \"{}\" (also models[{first}])", model.name),
             );
         }
-        if model.versions.is_empty() {
-            problems.add(format!("{path}.versions"), "a model needs at least one version");
-        }
-        let mut versions: Vec<VersionConfig> = Vec::with_capacity(model.versions.len());
-        for (j, version) in model.versions.iter().enumerate() {
-            let vpath = format!("{path}.versions[{j}]");
-            check_name(&mut problems, &format!("{vpath}.version"), "version", &version.version);
-            if versions.iter().any(|v| v.version == version.version) {
-                problems.add(
-                    format!("{vpath}.version"),
-                    format!("version \"{}\" is listed twice", version.version),
-                );
-            }
-            let backend = match backend_index.get(version.backend.as_str()) {
-                Some(&index) => index,
-                None => {
-                    problems.add(
-                        format!("{vpath}.backend"),
-                        format!("no backend named \"{}\"", version.backend),
-                    );
-                    0
-                }
-            };
-            let upstream_name = version.upstream_name.clone().unwrap_or_else(|| model.name.clone());
-            let upstream_version = version
-                .upstream_version
-                .clone()
-                .unwrap_or_else(|| version.version.clone());
-            check_name(
-                &mut problems,
-                &format!("{vpath}.upstream_name"),
-                "upstream name",
-                &upstream_name,
-            );
-            // An empty upstream version calls the backend's model without one: its default version.
-            if !upstream_version.is_empty() {
-                check_name(
-                    &mut problems,
-                    &format!("{vpath}.upstream_version"),
-                    "upstream version",
-                    &upstream_version,
-                );
-            }
-            versions.push(VersionConfig {
-                version: version.version.clone(),
-                backend,
-                upstream_name,
-                upstream_version,
-                weight: version.weight.unwrap_or(0),
-            });
-        }
-        let weighted = model.versions.iter().any(|v| v.weight.is_some());
-        let known: Vec<String> = versions.iter().map(|v| v.version.clone()).collect();
-        match (&model.default_version, weighted) {
-            (Some(_), true) => problems.add(
-                format!("{path}.default_version"),
-                "give either default_version or weights on the versions, not both",
-            ),
-            (Some(default), false) => match versions.iter_mut().find(|v| &v.version == default) {
-                Some(version) => version.weight = 100,
-                None => problems.add(
-                    format!("{path}.default_version"),
-                    format!("\"{default}\" is not one of the model's versions {known:?}"),
-                ),
-            },
-            (None, false) => {
-                let latest = latest(&versions);
-                if let Some(version) = versions.iter_mut().find(|v| Some(&v.version) == latest.as_ref()) {
-                    version.weight = 100;
-                }
-            }
-            (None, true) => {
-                let total: u64 = versions.iter().map(|v| u64::from(v.weight)).sum();
-                if total == 0 && !versions.is_empty() {
-                    problems.add(
-                        format!("{path}.versions"),
-                        "every weight is 0: requests that name no version would have nowhere to go",
-                    );
-                }
-            }
-        }
-        let default_version = versions
-            .iter()
-            .fold(None::<&VersionConfig>, |best, v| match best {
-                Some(b) if b.weight >= v.weight => Some(b),
-                _ => Some(v),
-            })
-            .map(|v| v.version.clone())
-            .unwrap_or_default();
-        let sticky_header = model.sticky_header.as_ref().and_then(|name| {
-            match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
-                Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
-                _ => {
-                    problems.add(
-                        format!("{path}.sticky_header"),
-                        format!("\"{name}\" is not a header name a client can send end to end"),
-                    );
-                    None
-                }
-            }
-        });
-        let mirror = model.mirror.as_ref().and_then(|mirror| {
-            let index = versions.iter().position(|v| v.version == mirror.version);
-            if index.is_none() {
-                problems.add(
-                    format!("{path}.mirror.version"),
-                    format!("\"{}\" is not one of the model's versions {known:?}", mirror.version),
-                );
-            }
-            if !(mirror.percent > 0.0 && mirror.percent <= 100.0) {
-                problems.add(
-                    format!("{path}.mirror.percent"),
-                    format!("{} is not above 0 and at most 100", mirror.percent),
-                );
-                return None;
-            }
-            let per_million = per_million(mirror.percent);
-            index.map(|version| MirrorConfig { version, per_million })
-        });
-        models.push(ModelConfig {
-            name: model.name.clone(),
-            versions,
-            default_version,
-            sticky_header,
-            mirror,
-        });
+        models.push(validate_model(&mut problems, &path, model, &backend_index));
     }
 
     let tls = raw.tls.as_ref().map(|tls| ServerTls {
