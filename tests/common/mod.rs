@@ -403,15 +403,21 @@ pub fn grpc_int32_request(model: &str, version: &str) -> oipgate::proto::ModelIn
 }
 
 /// Requests sent over and over by background workers until stopped, counting what was served and what failed.
+/// A call that takes longer than [`Load::CALL_LIMIT`] is a failure, a failing worker yields before its next call
+/// (so a gateway that refuses at once cannot starve the test of its thread), only the first failures are kept, and
+/// dropping the load (a test that panicked) stops its workers.
 #[derive(Default)]
 pub struct Load {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    failures: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    failures: std::sync::Arc<std::sync::Mutex<(usize, Vec<String>)>>,
     served: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     workers: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Load {
+    pub const CALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+    const KEPT_FAILURES: usize = 20;
+
     /// A worker that awaits `call` again and again until the load stops: `Ok` is a request served, `Err` a failure
     /// described.
     pub fn worker<F, Fut>(&mut self, mut call: F)
@@ -422,11 +428,23 @@ impl Load {
         let (stop, failures, served) = (self.stop.clone(), self.failures.clone(), self.served.clone());
         self.workers.push(tokio::spawn(async move {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                match call().await {
+                let outcome = tokio::time::timeout(Self::CALL_LIMIT, call())
+                    .await
+                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", Self::CALL_LIMIT)));
+                match outcome {
                     Ok(()) => {
                         served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
-                    Err(failure) => failures.lock().unwrap().push(failure),
+                    Err(failure) => {
+                        {
+                            let mut failures = failures.lock().unwrap();
+                            failures.0 += 1;
+                            if failures.1.len() < Self::KEPT_FAILURES {
+                                failures.1.push(failure);
+                            }
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
                 }
             }
         }));
@@ -438,18 +456,26 @@ impl Load {
     }
 
     /// Stops the workers, waits for them, and asserts that none of their requests failed.
-    pub async fn stop(self) {
+    pub async fn stop(mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        for worker in self.workers {
+        for worker in std::mem::take(&mut self.workers) {
             worker.await.unwrap();
         }
-        let failures = self.failures.lock().unwrap().clone();
+        let (failed, failures) = self.failures.lock().unwrap().clone();
         assert!(
-            failures.is_empty(),
-            "{} requests failed: {:?}",
-            failures.len(),
+            failed == 0,
+            "{failed} requests failed, the first ones: {:?}",
             &failures[..failures.len().min(5)]
         );
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for worker in &self.workers {
+            worker.abort();
+        }
     }
 }
 
