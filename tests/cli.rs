@@ -1,7 +1,11 @@
 //! The built binary, run as a user would.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Stdio};
+
+use common::ports::hold_port;
 
 fn oipgate(args: &[&str], stdin: &[u8]) -> (bool, Vec<u8>, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
@@ -24,18 +28,10 @@ fn oipgate(args: &[&str], stdin: &[u8]) -> (bool, Vec<u8>, String) {
 #[test]
 fn demo_runs_and_its_printed_curl_examples_work() {
     use std::io::BufRead;
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let (rest, grpc, metrics) = (
-        format!("127.0.0.1:{}", port()),
-        format!("127.0.0.1:{}", port()),
-        format!("127.0.0.1:{}", port()),
-    );
+    // The examples name the addresses the demo is given, so they are chosen here; they stay held for the whole test,
+    // and the demo's listeners bind them all the same (with SO_REUSEADDR).
+    let held = [hold_port(), hold_port(), hold_port()];
+    let [rest, grpc, metrics] = held.each_ref().map(ToString::to_string);
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
         .args(["demo", "--rest", &rest, "--grpc", &grpc, "--metrics", &metrics])
         .stdout(Stdio::piped())

@@ -8,13 +8,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{GatewayProcess, Load, ModelServerProcess, answered_ok, eventually, free_port, http_client, send};
+use common::config::{dns_backend, model};
+use common::ports::hold_port_on;
+use common::{
+    GatewayProcess, INT32_BODY as BODY, Load, ModelServerProcess, answered_ok, eventually, http_client, post, send,
+};
 use hickory_proto::op::{Message, MessageType, ResponseCode};
 use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{Name, RData, Record, RecordType};
 use hickory_proto::serialize::binary::BinEncodable;
-
-const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
 /// Answers A queries for `name` with the IPv4 addresses currently in `records` and AAAA queries with the IPv6 ones;
 /// NXDOMAIN for other names.
@@ -65,30 +67,27 @@ async fn dns_server(name: &str, records: Arc<Mutex<Vec<IpAddr>>>) -> SocketAddr 
     address
 }
 
-fn replica_at(ip: &str, port: u16, name: &str) -> ModelServerProcess {
-    ModelServerProcess::start(&["--rest", &format!("{ip}:{port}"), "--name", name])
+fn two_ip() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))
+}
+
+fn three_ip() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
-    let port = free_port();
-    let mut two = Some(replica_at("127.0.0.2", port, "two"));
-    let _three = replica_at("127.0.0.3", port, "three");
-    let records = Arc::new(Mutex::new(vec![IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))]));
+    // One port on both addresses, held for the two replicas.
+    let held = hold_port_on(&[two_ip(), three_ip()]);
+    let port = held.port();
+    let mut two = Some(ModelServerProcess::named_at("two", (two_ip(), port).into(), None));
+    let _three = ModelServerProcess::named_at("three", (three_ip(), port).into(), None);
+    let records = Arc::new(Mutex::new(vec![two_ip()]));
     let dns = dns_server("models.test.", records.clone()).await;
     let gateway = GatewayProcess::start(&format!(
-        r#"
-        [[backends]]
-        name = "fleet"
-        protocol = "rest"
-        dns = "models.test:{port}"
-        dns_server = "{dns}"
-        dns_interval_ms = 100
-        lb = "round_robin"
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "fleet" }} ]
-        "#
+        "{}dns_server = \"{dns}\"\ndns_interval_ms = 100\nlb = \"round_robin\"\n{}",
+        dns_backend("fleet", "rest", &format!("models.test:{port}")),
+        model("identity", "fleet")
     ));
     let gauge = |ip: &str| format!("oipgate_endpoint_healthy{{backend=\"fleet\",endpoint=\"{ip}:{port}\"}}");
     let exposed = |ip: &'static str| {
@@ -123,7 +122,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     assert_eq!(by_three.load(Ordering::Relaxed), 0);
 
     // A second record: a second endpoint, sharing the traffic.
-    records.lock().unwrap().push(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)));
+    records.lock().unwrap().push(three_ip());
     eventually(Duration::from_secs(5), "the second endpoint", || exposed("127.0.0.3")).await;
     let before = by_three.load(Ordering::Relaxed);
     eventually(Duration::from_secs(5), "traffic on the second endpoint", || {
@@ -132,10 +131,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
     .await;
 
     // The first record goes: its endpoint is dropped (series too); then its server can stop with nothing lost.
-    records
-        .lock()
-        .unwrap()
-        .retain(|ip| *ip != IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)));
+    records.lock().unwrap().retain(|ip| *ip != two_ip());
     eventually(Duration::from_secs(5), "the first endpoint to go", || async {
         !exposed("127.0.0.2").await
     })
@@ -159,52 +155,30 @@ async fn the_system_resolver_serves_names_without_a_dns_server() {
     let replica = ModelServerProcess::both();
     let port = replica.rest.unwrap().port();
     let gateway = GatewayProcess::start(&format!(
-        r#"
-        [[backends]]
-        name = "local"
-        protocol = "rest"
-        dns = "localhost:{port}"
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "local" }} ]
-        "#
+        "{}{}",
+        dns_backend("local", "rest", &format!("localhost:{port}")),
+        model("identity", "local")
     ));
     let series = format!("oipgate_endpoint_healthy{{backend=\"local\",endpoint=\"127.0.0.1:{port}\"}}");
     eventually(Duration::from_secs(5), "localhost resolved", || async {
         gateway.metrics().await.contains(&series)
     })
     .await;
-    let answer = send(
-        &http_client(false),
-        "POST",
-        &gateway.rest_url("/v2/models/identity/infer"),
-        &[],
-        BODY,
-    )
-    .await;
+    let answer = post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await;
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
 }
 
 #[tokio::test]
 async fn every_a_and_aaaa_record_is_an_endpoint() {
-    let port = free_port();
-    let records = Arc::new(Mutex::new(vec![
-        IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2)),
-        IpAddr::V4(Ipv4Addr::new(127, 0, 0, 3)),
-        IpAddr::V6(Ipv6Addr::LOCALHOST),
-    ]));
+    // A port that refuses on both IPv4 addresses, held while the test runs (the gateway only has to list them).
+    let held = hold_port_on(&[two_ip(), three_ip()]);
+    let port = held.port();
+    let records = Arc::new(Mutex::new(vec![two_ip(), three_ip(), IpAddr::V6(Ipv6Addr::LOCALHOST)]));
     let dns = dns_server("both.test.", records).await;
     let gateway = GatewayProcess::start(&format!(
-        r#"
-        [[backends]]
-        name = "both"
-        protocol = "grpc"
-        dns = "both.test:{port}"
-        dns_server = "{dns}"
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "both" }} ]
-        "#
+        "{}dns_server = \"{dns}\"\n{}",
+        dns_backend("both", "grpc", &format!("both.test:{port}")),
+        model("identity", "both")
     ));
     for endpoint in [
         format!("127.0.0.2:{port}"),

@@ -6,6 +6,9 @@ mod common;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::config::{ADD_SUB_ON_BOTH, backend, fleet_backends, model};
+use common::int32s;
+use common::ports::{DeadEndpoint, dead_endpoint};
 use oipgate::codec::protobuf;
 use oipgate::config::{Config, raw, validate};
 use oipgate::dispatch::{CallContext, Dispatcher};
@@ -19,70 +22,51 @@ use tonic::Code;
 struct Fleet {
     rest: RunningModelServer,
     grpc: RunningModelServer,
+    _down: DeadEndpoint,
     dispatcher: Dispatcher,
 }
 
 async fn fleet() -> Fleet {
     let (rest, grpc) = common::in_process_backends().await;
-    let down = common::dead_address();
+    let down = dead_endpoint();
+    let (rest_address, grpc_address) = (rest.rest_addr.unwrap(), grpc.grpc_addr.unwrap());
     let text = format!(
         r#"
-        [[backends]]
-        name = "rest-binary"
-        protocol = "rest"
-        endpoints = ["{rest}"]
-        binary_data = true
-        [[backends]]
-        name = "rest-json"
-        protocol = "rest"
-        endpoints = ["{rest}"]
-        [[backends]]
-        name = "grpc"
-        protocol = "grpc"
-        endpoints = ["{grpc}"]
-        [[backends]]
-        name = "down"
-        protocol = "grpc"
-        endpoints = ["{down}"]
-
-        [[models]]
-        name = "add_sub"
-        versions = [ {{ version = "1", backend = "rest-binary" }}, {{ version = "2", backend = "grpc" }} ]
-        default_version = "1"
+        {}
+        {}
+        {}
+        {ADD_SUB_ON_BOTH}
         [[models]]
         name = "classifier"
-        versions = [ {{ version = "3", backend = "grpc", upstream_name = "add_sub", upstream_version = "1" }},
+        versions = [ {{ version = "3", backend = "fleet-b", upstream_name = "add_sub", upstream_version = "1" }},
                      {{ version = "4", backend = "rest-json", upstream_name = "add_sub", upstream_version = "1" }} ]
         [[models]]
         name = "identity"
-        versions = [ {{ version = "binary", backend = "rest-binary", upstream_version = "1" }},
+        versions = [ {{ version = "binary", backend = "fleet-a", upstream_version = "1" }},
                      {{ version = "json", backend = "rest-json", upstream_version = "1" }},
-                     {{ version = "grpc", backend = "grpc", upstream_version = "1" }} ]
+                     {{ version = "grpc", backend = "fleet-b", upstream_version = "1" }} ]
         default_version = "grpc"
         [[models]]
         name = "flaky"
-        versions = [ {{ version = "1", backend = "rest-json" }}, {{ version = "2", backend = "grpc", upstream_version = "1" }} ]
+        versions = [ {{ version = "1", backend = "rest-json" }}, {{ version = "2", backend = "fleet-b", upstream_version = "1" }} ]
         [[models]]
         name = "slow"
-        versions = [ {{ version = "1", backend = "rest-json" }}, {{ version = "2", backend = "grpc", upstream_version = "1" }} ]
-        [[models]]
-        name = "gone"
-        versions = [ {{ version = "1", backend = "down" }} ]
+        versions = [ {{ version = "1", backend = "rest-json" }}, {{ version = "2", backend = "fleet-b", upstream_version = "1" }} ]
+        {}
         "#,
-        rest = rest.rest_addr.unwrap(),
-        grpc = grpc.grpc_addr.unwrap(),
+        fleet_backends(rest_address, grpc_address),
+        backend("rest-json", "rest", [rest_address]),
+        backend("down", "grpc", [&down]),
+        model("gone", "down"),
     );
     let config: Config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
     let dispatcher = Dispatcher::new(&config, "gateway-under-test").unwrap();
-    Fleet { rest, grpc, dispatcher }
-}
-
-fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
-    values
-        .into_iter()
-        .flat_map(i32::to_le_bytes)
-        .collect::<Vec<u8>>()
-        .into()
+    Fleet {
+        rest,
+        grpc,
+        _down: down,
+        dispatcher,
+    }
 }
 
 fn add_sub() -> InferRequest {

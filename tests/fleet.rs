@@ -6,23 +6,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, ModelServerProcess, free_port, http_client, send};
+use common::config::{backend, model};
+use common::ports::{dead_endpoint, hold_port};
+use common::{GatewayProcess, INT32_BODY as BODY, ModelServerProcess, get, http_client, post, send};
 use futures_util::StreamExt;
-use oipgate::proto::model_infer_request::InferInputTensor;
-use oipgate::proto::{InferTensorContents, ModelInferRequest, RepositoryIndexRequest};
-
-const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
-
-fn replica(name: &str, rest: u16, grpc: u16) -> ModelServerProcess {
-    ModelServerProcess::start(&[
-        "--rest",
-        &format!("127.0.0.1:{rest}"),
-        "--grpc",
-        &format!("127.0.0.1:{grpc}"),
-        "--name",
-        name,
-    ])
-}
+use oipgate::proto::RepositoryIndexRequest;
 
 /// Sends `count` identity requests, 8 at a time, over `path`; gives how many each replica answered (by name), with
 /// `failed` for those that did not get a 200.
@@ -53,31 +41,27 @@ async fn spread(gateway: &GatewayProcess, path: &str, count: usize) -> HashMap<S
 
 #[tokio::test]
 async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
-    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
-    let a = replica("a", ports[0], ports[1]);
-    let mut b = Some(replica("b", ports[2], ports[3]));
+    // Replica b is stopped and started again on the same ports, which are held for it meanwhile.
+    let (b_rest, b_grpc) = (hold_port(), hold_port());
+    let start_b = || ModelServerProcess::named_at("b", b_rest.address(), Some(b_grpc.address()));
+    let a = ModelServerProcess::named("a");
+    let mut b = Some(start_b());
+    let (a_rest, a_grpc) = (a.rest.unwrap(), a.grpc.unwrap());
+    let health = "health = { interval_ms = 100, timeout_ms = 300, unhealthy_after = 1, healthy_after = 1 }\n";
     let gateway = GatewayProcess::start(&format!(
         r#"
-        [[backends]]
-        name = "rest-fleet"
-        protocol = "rest"
-        endpoints = ["127.0.0.1:{}", "127.0.0.1:{}"]
-        health = {{ interval_ms = 100, timeout_ms = 300, unhealthy_after = 1, healthy_after = 1 }}
-        [[backends]]
-        name = "grpc-fleet"
-        protocol = "grpc"
-        endpoints = ["127.0.0.1:{}", "127.0.0.1:{}"]
-        health = {{ interval_ms = 100, timeout_ms = 300, unhealthy_after = 1, healthy_after = 1 }}
+        {}{health}
+        {}{health}
         [[models]]
         name = "identity"
         versions = [ {{ version = "1", backend = "rest-fleet" }},
                      {{ version = "2", backend = "grpc-fleet", upstream_version = "1" }} ]
         default_version = "1"
-        [[models]]
-        name = "flaky"
-        versions = [ {{ version = "1", backend = "rest-fleet" }} ]
+        {}
         "#,
-        ports[0], ports[2], ports[1], ports[3]
+        backend("rest-fleet", "rest", [a_rest, b_rest.address()]),
+        backend("grpc-fleet", "grpc", [a_grpc, b_grpc.address()]),
+        model("flaky", "rest-fleet"),
     ));
     let paths = [
         "/v2/models/identity/versions/1/infer",
@@ -130,18 +114,18 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
         );
     }
 
-    let healthy = |backend: &str, port: u16| {
-        format!("oipgate_endpoint_healthy{{backend=\"{backend}\",endpoint=\"127.0.0.1:{port}\"}}")
+    let healthy = |backend: &str, endpoint: std::net::SocketAddr| {
+        format!("oipgate_endpoint_healthy{{backend=\"{backend}\",endpoint=\"{endpoint}\"}}")
     };
-    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[2])).await, 0.0);
-    assert_eq!(gateway.metric(&healthy("grpc-fleet", ports[3])).await, 0.0);
-    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[0])).await, 1.0);
+    assert_eq!(gateway.metric(&healthy("rest-fleet", b_rest.address())).await, 0.0);
+    assert_eq!(gateway.metric(&healthy("grpc-fleet", b_grpc.address())).await, 0.0);
+    assert_eq!(gateway.metric(&healthy("rest-fleet", a_rest)).await, 1.0);
 
     // Restarted on the same ports, it is probed healthy and gets traffic again.
-    let _b = replica("b", ports[2], ports[3]);
+    let _b = start_b();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(gateway.metric(&healthy("rest-fleet", ports[2])).await, 1.0);
-    assert_eq!(gateway.metric(&healthy("grpc-fleet", ports[3])).await, 1.0);
+    assert_eq!(gateway.metric(&healthy("rest-fleet", b_rest.address())).await, 1.0);
+    assert_eq!(gateway.metric(&healthy("grpc-fleet", b_grpc.address())).await, 1.0);
     for path in paths {
         let counts = spread(&gateway, path, 40).await;
         assert!(counts.get("b").is_some_and(|&n| n >= 10), "{path}: {counts:?}");
@@ -149,14 +133,7 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
     }
 
     // A replica whose model is unloaded stops getting that model's traffic.
-    let unload = send(
-        &http_client(false),
-        "POST",
-        &a.rest_url("/v2/repository/models/identity/unload"),
-        &[],
-        "",
-    )
-    .await;
+    let unload = post(&a.rest_url("/v2/repository/models/identity/unload"), "").await;
     assert_eq!(unload.status, 200);
     tokio::time::sleep(Duration::from_millis(400)).await;
     let counts = spread(&gateway, paths[0], 30).await;
@@ -167,11 +144,8 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
     assert_eq!(index(&gateway).await[0], entry("identity", "1", "READY", ""));
 
     // Unloaded on both replicas, the repository index says so, with the reason, on both front doors.
-    let unload = send(
-        &http_client(false),
-        "POST",
-        &format!("http://127.0.0.1:{}/v2/repository/models/identity/unload", ports[2]),
-        &[],
+    let unload = post(
+        &format!("http://{}/v2/repository/models/identity/unload", b_rest.address()),
         "",
     )
     .await;
@@ -221,14 +195,7 @@ async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
         .into_inner();
     assert_eq!(ready_only.models.len(), 1, "{ready_only:?}");
     assert_eq!(ready_only.models[0].name, "flaky");
-    let ready = send(
-        &http_client(false),
-        "GET",
-        &gateway.rest_url("/v2/health/ready"),
-        &[],
-        "",
-    )
-    .await;
+    let ready = get(&gateway.rest_url("/v2/health/ready")).await;
     assert_eq!(ready.status, 503);
 }
 
@@ -240,14 +207,7 @@ fn entry(name: &str, version: &str, state: &str, reason: &str) -> IndexEntry {
 
 /// The gateway's repository index as (name, version, state, reason).
 async fn index(gateway: &GatewayProcess) -> Vec<IndexEntry> {
-    let answer = send(
-        &http_client(false),
-        "POST",
-        &gateway.rest_url("/v2/repository/index"),
-        &[],
-        "",
-    )
-    .await;
+    let answer = post(&gateway.rest_url("/v2/repository/index"), "").await;
     assert_eq!(answer.status, 200);
     let text = |value: &serde_json::Value| value.as_str().unwrap().to_owned();
     answer
@@ -269,26 +229,20 @@ async fn index(gateway: &GatewayProcess) -> Vec<IndexEntry> {
 #[tokio::test]
 async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted() {
     let live = ModelServerProcess::both();
-    let (dead_rest, dead_grpc) = (common::dead_address(), common::dead_address());
+    let (dead_rest, dead_grpc) = (dead_endpoint(), dead_endpoint());
     // No health checks: only the calls themselves find the dead endpoints.
     let gateway = GatewayProcess::start(&format!(
         r#"
-        [[backends]]
-        name = "rest-pair"
-        protocol = "rest"
-        endpoints = ["{dead_rest}", "{}"]
-        [[backends]]
-        name = "grpc-pair"
-        protocol = "grpc"
-        endpoints = ["{dead_grpc}", "{}"]
+        {}
+        {}
         [[models]]
         name = "identity"
         versions = [ {{ version = "1", backend = "rest-pair" }},
                      {{ version = "2", backend = "grpc-pair", upstream_version = "1" }} ]
         default_version = "1"
         "#,
-        live.rest.unwrap(),
-        live.grpc.unwrap()
+        backend("rest-pair", "rest", [dead_rest.address(), live.rest.unwrap()]),
+        backend("grpc-pair", "grpc", [dead_grpc.address(), live.grpc.unwrap()]),
     ));
     let retries = |backend: &str| format!("oipgate_retries_total{{backend=\"{backend}\"}}");
     assert_eq!(gateway.metric(&retries("rest-pair")).await, 0.0);
@@ -296,11 +250,8 @@ async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted(
     // each to the dead endpoint, which refuses the connection before anything is sent, so it is retried.
     for version in ["1", "2"] {
         for _ in 0..4 {
-            let answer = send(
-                &http_client(false),
-                "POST",
+            let answer = post(
                 &gateway.rest_url(&format!("/v2/models/identity/versions/{version}/infer")),
-                &[],
                 BODY,
             )
             .await;
@@ -310,21 +261,7 @@ async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted(
     let mut client = gateway.grpc_client().await;
     for _ in 0..4 {
         client
-            .model_infer(ModelInferRequest {
-                model_name: "identity".into(),
-                model_version: "2".into(),
-                inputs: vec![InferInputTensor {
-                    name: "x".into(),
-                    datatype: "INT32".into(),
-                    shape: vec![1],
-                    contents: Some(InferTensorContents {
-                        int_contents: vec![1],
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })
+            .model_infer(common::grpc_int32_request("identity", "2"))
             .await
             .unwrap();
     }
@@ -336,8 +273,8 @@ async fn a_call_that_cannot_reach_an_endpoint_is_retried_on_another_and_counted(
 
 #[tokio::test]
 async fn least_request_sends_less_to_a_slow_replica_than_round_robin() {
-    let fast = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "fast"]);
-    let slow = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "slow", "--slow-delay-ms", "40"]);
+    let fast = ModelServerProcess::grpc_only(&["--name", "fast"]);
+    let slow = ModelServerProcess::grpc_only(&["--name", "slow", "--slow-delay-ms", "40"]);
     let endpoints = format!(r#"["{}", "{}"]"#, fast.grpc.unwrap(), slow.grpc.unwrap());
     let gateway = GatewayProcess::start(&format!(
         r#"
@@ -375,29 +312,22 @@ async fn least_request_sends_less_to_a_slow_replica_than_round_robin() {
 
 #[tokio::test]
 async fn a_full_endpoint_refuses_after_a_bounded_wait_and_nothing_to_serve_is_refused_at_once() {
-    let backend = ModelServerProcess::both();
+    let narrow = ModelServerProcess::both();
+    let dead = dead_endpoint();
     let gateway = GatewayProcess::start(&format!(
         r#"
-        [[backends]]
-        name = "narrow"
-        protocol = "grpc"
-        endpoints = ["{}"]
+        {}
         max_in_flight = 1
         queue_timeout_ms = 50
-        [[backends]]
-        name = "dead"
-        protocol = "rest"
-        endpoints = ["127.0.0.1:{}"]
+        {}
         health = {{ interval_ms = 100, timeout_ms = 200, unhealthy_after = 1, healthy_after = 1 }}
-        [[models]]
-        name = "slow"
-        versions = [ {{ version = "1", backend = "narrow" }} ]
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "dead" }} ]
+        {}
+        {}
         "#,
-        backend.grpc.unwrap(),
-        free_port()
+        backend("narrow", "grpc", [narrow.grpc.unwrap()]),
+        backend("dead", "rest", [&dead]),
+        model("slow", "narrow"),
+        model("identity", "dead"),
     ));
     let slow = r#"{"parameters":{"delay_ms":800},"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
     let client = http_client(false);

@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
+use common::config::{ADD_SUB_ON_BOTH, fleet_backends, model};
+use common::{grpc_client, grpc_live, grpc_model_ready, grpc_ready, http_client, int32s};
 use oipgate::config::{raw, validate};
 use oipgate::frontend::grpc;
 use oipgate::modelserver::RunningModelServer;
-use oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use oipgate::proto::model_infer_request::InferInputTensor;
 use oipgate::proto::{
-    ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, RepositoryIndexRequest, RepositoryModelLoadRequest,
-    ServerLiveRequest, ServerMetadataRequest, ServerReadyRequest,
+    ModelInferRequest, ModelMetadataRequest, RepositoryIndexRequest, RepositoryModelLoadRequest, ServerMetadataRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -31,28 +31,15 @@ async fn gateway() -> Gateway {
         r#"
         [limits]
         max_request_bytes = 67108864
-        [[backends]]
-        name = "a"
-        protocol = "rest"
-        endpoints = ["{}"]
-        binary_data = true
-        [[backends]]
-        name = "b"
-        protocol = "grpc"
-        endpoints = ["{}"]
-        [[models]]
-        name = "add_sub"
-        versions = [ {{ version = "1", backend = "a" }}, {{ version = "2", backend = "b" }} ]
-        default_version = "1"
+        {}
+        {ADD_SUB_ON_BOTH}
         [[models]]
         name = "classifier"
-        versions = [ {{ version = "3", backend = "b", upstream_name = "add_sub", upstream_version = "1" }} ]
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "b" }} ]
+        versions = [ {{ version = "3", backend = "fleet-b", upstream_name = "add_sub", upstream_version = "1" }} ]
+        {}
         "#,
-        rest.rest_addr.unwrap(),
-        grpc_backend.grpc_addr.unwrap()
+        fleet_backends(rest.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap()),
+        model("identity", "fleet-b"),
     );
     let config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
     let live = oipgate::process::live::Gateway::new(
@@ -75,22 +62,6 @@ async fn gateway() -> Gateway {
     }
 }
 
-async fn client(addr: SocketAddr) -> GrpcInferenceServiceClient<Channel> {
-    GrpcInferenceServiceClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap()
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX)
-}
-
-fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
-    values
-        .into_iter()
-        .flat_map(i32::to_le_bytes)
-        .collect::<Vec<u8>>()
-        .into()
-}
-
 fn add_sub(model: &str, version: &str) -> ModelInferRequest {
     let tensor = |name: &str| InferInputTensor {
         name: name.into(),
@@ -111,7 +82,7 @@ fn add_sub(model: &str, version: &str) -> ModelInferRequest {
 #[tokio::test]
 async fn inference_through_both_paths() {
     let gateway = gateway().await;
-    let mut client = client(gateway.addr).await;
+    let mut client = grpc_client(gateway.addr).await;
     for (model, version, public) in [
         ("add_sub", "2", "2"),
         ("add_sub", "1", "1"),
@@ -151,8 +122,6 @@ async fn raw_model_infer(
     compressed: bool,
 ) -> (http::response::Parts, Bytes, Option<http::HeaderMap>) {
     use http_body_util::BodyExt;
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
     use prost::Message;
 
     let encoded = message.encode_to_vec();
@@ -166,9 +135,7 @@ async fn raw_model_infer(
         request = request.header("grpc-encoding", "gzip");
     }
     let request = request.body(http_body_util::Full::new(Bytes::from(framed))).unwrap();
-    let client: Client<_, http_body_util::Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).http2_only(true).build_http();
-    let (parts, body) = client.request(request).await.unwrap().into_parts();
+    let (parts, body) = http_client(true).request(request).await.unwrap().into_parts();
     let collected = body.collect().await.unwrap();
     let trailers = collected.trailers().cloned();
     (parts, collected.to_bytes(), trailers)
@@ -203,23 +170,9 @@ async fn model_infer_answers_one_framed_message_and_refuses_compressed_requests(
 #[tokio::test]
 async fn typed_rpcs_and_errors() {
     let gateway = gateway().await;
-    let mut client = client(gateway.addr).await;
-    assert!(
-        client
-            .server_live(ServerLiveRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .live
-    );
-    assert!(
-        client
-            .server_ready(ServerReadyRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
+    let mut client = grpc_client(gateway.addr).await;
+    assert!(grpc_live(&mut client).await);
+    assert!(grpc_ready(&mut client).await);
     assert_eq!(
         client
             .server_metadata(ServerMetadataRequest {})
@@ -241,17 +194,7 @@ async fn typed_rpcs_and_errors() {
         (metadata.name.as_str(), metadata.versions.clone()),
         ("classifier", vec!["3".to_owned()])
     );
-    assert!(
-        client
-            .model_ready(ModelReadyRequest {
-                name: "add_sub".into(),
-                version: "1".into()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
+    assert!(grpc_model_ready(&mut client, "add_sub", "1").await.unwrap());
     let unknown = client.model_infer(add_sub("nope", "")).await.unwrap_err();
     assert_eq!(
         (unknown.code(), unknown.message()),
@@ -292,7 +235,7 @@ async fn typed_rpcs_and_errors() {
 #[tokio::test]
 async fn messages_beyond_four_mebibytes_pass() {
     let gateway = gateway().await;
-    let mut client = client(gateway.addr).await;
+    let mut client = grpc_client(gateway.addr).await;
     let payload = Bytes::from(vec![5u8; 20 << 20]);
     let request = ModelInferRequest {
         model_name: "identity".into(),

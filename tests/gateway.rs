@@ -6,46 +6,39 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{GatewayProcess, ModelServerProcess, add_sub_json, free_port, get, http_client, post, send};
+use common::config::{ADD_SUB_ON_BOTH, backend, fleet_backends, model};
+use common::ports::{DeadEndpoint, dead_endpoint};
+use common::{
+    GatewayProcess, ModelServerProcess, add_sub_json, binary_request, get, grpc_model_ready, grpc_ready, http_client,
+    int32s, post, post_with_headers, send,
+};
 use oipgate::codec::decthings;
 use oipgate::codec::rest::{self};
 use oipgate::proto::model_infer_request::InferInputTensor;
-use oipgate::proto::{ModelInferRequest, ModelMetadataRequest, ModelReadyRequest, ServerReadyRequest};
-use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
+use oipgate::proto::{ModelInferRequest, ModelMetadataRequest};
+use oipgate::protocol::{DataType, InferRequest, Tensor};
 use serde_json::json;
 use tonic::Code;
 
 struct Setup {
     rest_backend: ModelServerProcess,
     grpc_backend: ModelServerProcess,
+    _down: DeadEndpoint,
     gateway: GatewayProcess,
 }
 
 fn setup(extra: &str) -> Setup {
-    let rest_backend = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
-    let grpc_backend = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let rest_backend = ModelServerProcess::rest_only(&[]);
+    let grpc_backend = ModelServerProcess::grpc_only(&[]);
+    let down = dead_endpoint();
     let config = format!(
         r#"
         [limits]
         max_request_bytes = 1048576
         {extra}
-        [[backends]]
-        name = "fleet-a"
-        protocol = "rest"
-        endpoints = ["{}"]
-        binary_data = true
-        [[backends]]
-        name = "fleet-b"
-        protocol = "grpc"
-        endpoints = ["{}"]
-        [[backends]]
-        name = "down"
-        protocol = "rest"
-        endpoints = ["{}"]
-        [[models]]
-        name = "add_sub"
-        versions = [ {{ version = "1", backend = "fleet-a" }}, {{ version = "2", backend = "fleet-b" }} ]
-        default_version = "1"
+        {}
+        {}
+        {ADD_SUB_ON_BOTH}
         [[models]]
         name = "classifier"
         versions = [ {{ version = "3", backend = "fleet-b", upstream_name = "add_sub", upstream_version = "1" }},
@@ -61,18 +54,17 @@ fn setup(extra: &str) -> Setup {
         versions = [ {{ version = "rest", backend = "fleet-a", upstream_version = "1" }},
                      {{ version = "grpc", backend = "fleet-b", upstream_version = "1" }} ]
         default_version = "rest"
-        [[models]]
-        name = "gone"
-        versions = [ {{ version = "1", backend = "down" }} ]
+        {}
         "#,
-        rest_backend.rest.unwrap(),
-        grpc_backend.grpc.unwrap(),
-        common::dead_address()
+        fleet_backends(rest_backend.rest.unwrap(), grpc_backend.grpc.unwrap()),
+        backend("down", "rest", [&down]),
+        model("gone", "down"),
     );
     let gateway = GatewayProcess::start(&config);
     Setup {
         rest_backend,
         grpc_backend,
+        _down: down,
         gateway,
     }
 }
@@ -81,21 +73,6 @@ fn setup(extra: &str) -> Setup {
 fn outputs(body: &[u8]) -> serde_json::Value {
     let value: serde_json::Value = serde_json::from_slice(body).unwrap();
     value["outputs"].clone()
-}
-
-/// A binary-extension request body carrying `inputs` and asking for binary outputs, with the header that says where
-/// its JSON part ends.
-fn binary_request(inputs: Vec<Tensor>) -> (rest::EncodedBody, [(&'static str, String); 1]) {
-    let mut request = InferRequest {
-        inputs,
-        ..InferRequest::default()
-    };
-    request
-        .parameters
-        .insert("binary_data_output".into(), ParamValue::Bool(true));
-    let body = rest::encode_request(&request, true).unwrap();
-    let length = body.header_length.unwrap().to_string();
-    (body, [("inference-header-content-length", length)])
 }
 
 #[tokio::test]
@@ -260,9 +237,7 @@ async fn every_rest_path_equals_the_direct_answer() {
     .await
     .json();
     assert_eq!(v2["outputs"][0], outputs(&direct.body)[0]);
-    let mine = send(
-        &http_client(false),
-        "POST",
+    let mine = post_with_headers(
         &setup.gateway.rest_url("/v2/models/add_sub/infer"),
         &[("x-request-id", "abc-1".into())],
         add_sub_json("INT32"),
@@ -293,7 +268,7 @@ async fn binary_extension_and_every_datatype_on_both_rest_paths() {
         let url = setup
             .gateway
             .rest_url(&format!("/v2/models/identity/versions/{version}/infer"));
-        let answer = send(&http_client(false), "POST", &url, &headers, body.to_bytes()).await;
+        let answer = post_with_headers(&url, &headers, body.to_bytes()).await;
         assert_eq!(answer.status, 200, "{version}: {:?}", answer.body);
         let length = answer
             .header("inference-header-content-length")
@@ -307,13 +282,6 @@ async fn binary_extension_and_every_datatype_on_both_rest_paths() {
 #[tokio::test]
 async fn grpc_paths_equal_the_direct_answer() {
     let setup = setup("");
-    let int32s = |values: Vec<i32>| -> Bytes {
-        values
-            .into_iter()
-            .flat_map(i32::to_le_bytes)
-            .collect::<Vec<u8>>()
-            .into()
-    };
     let request = |model: &str, version: &str| ModelInferRequest {
         model_name: model.into(),
         model_version: version.into(),
@@ -326,7 +294,7 @@ async fn grpc_paths_equal_the_direct_answer() {
                 ..Default::default()
             })
             .to_vec(),
-        raw_input_contents: vec![int32s((0..16).collect()), int32s(vec![7; 16])],
+        raw_input_contents: vec![int32s(0..16), int32s([7; 16])],
         ..Default::default()
     };
     let mut direct_client = setup.grpc_backend.grpc_client().await;
@@ -358,25 +326,8 @@ async fn grpc_paths_equal_the_direct_answer() {
             "{model} {version}"
         );
     }
-    assert!(
-        !client
-            .server_ready(ServerReadyRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
-    assert!(
-        client
-            .model_ready(ModelReadyRequest {
-                name: "add_sub".into(),
-                version: "1".into()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
+    assert!(!grpc_ready(&mut client).await);
+    assert!(grpc_model_ready(&mut client, "add_sub", "1").await.unwrap());
     let metadata = client
         .model_metadata(ModelMetadataRequest {
             name: "classifier".into(),
@@ -445,30 +396,12 @@ async fn every_datatype_through_the_grpc_door_on_both_paths() {
 async fn decthings_bodies_in_and_out() {
     let setup = setup("");
     let inputs = vec![
-        Tensor::new(
-            "INPUT0",
-            DataType::Int32,
-            vec![1, 16],
-            (0..16i32).flat_map(i32::to_le_bytes).collect::<Vec<u8>>().into(),
-        )
-        .unwrap(),
-        Tensor::new(
-            "INPUT1",
-            DataType::Int32,
-            vec![1, 16],
-            [2i32; 16]
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>()
-                .into(),
-        )
-        .unwrap(),
+        Tensor::new("INPUT0", DataType::Int32, vec![1, 16], int32s(0..16)).unwrap(),
+        Tensor::new("INPUT1", DataType::Int32, vec![1, 16], int32s([2; 16])).unwrap(),
     ];
     let body = decthings::encode_entries(&inputs).unwrap();
     let content_type = ("content-type", "application/x-decthings-tensors".to_owned());
-    let json_answer = send(
-        &http_client(false),
-        "POST",
+    let json_answer = post_with_headers(
         &setup.gateway.rest_url("/v2/models/add_sub/infer"),
         std::slice::from_ref(&content_type),
         body.clone(),
@@ -477,9 +410,7 @@ async fn decthings_bodies_in_and_out() {
     assert_eq!(json_answer.status, 200, "{:?}", json_answer.body);
     assert_eq!(json_answer.json()["outputs"][0]["data"][0], 2);
     let headers = [content_type, ("accept", "application/x-decthings-tensors".to_owned())];
-    let answer = send(
-        &http_client(false),
-        "POST",
+    let answer = post_with_headers(
         &setup.gateway.rest_url("/v2/models/add_sub/versions/2/infer"),
         &headers,
         body,
@@ -496,9 +427,7 @@ async fn decthings_bodies_in_and_out() {
         outputs.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
         ["OUTPUT0", "OUTPUT1", "VERSION"]
     );
-    let bad = send(
-        &http_client(false),
-        "POST",
+    let bad = post_with_headers(
         &setup.gateway.rest_url("/v2/models/add_sub/infer"),
         &[("content-type", "application/x-decthings-tensors".into())],
         Bytes::from_static(b"\x05ab"),
@@ -547,38 +476,27 @@ async fn grpc_messages_over_the_limit_are_resource_exhausted() {
 
 #[tokio::test]
 async fn startup_problems_are_clear() {
-    let dir = std::env::temp_dir().join(format!("oipgate-bad-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = common::unique_temp_dir("oipgate-bad");
     let bad = dir.join("bad.toml");
-    std::fs::write(
-        &bad,
-        "[[models]]\nname = \"m\"\nversions = [ { version = \"1\", backend = \"x\" } ]\n",
-    )
-    .unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args(["serve", "--config"])
-        .arg(&bad)
-        .output()
-        .unwrap();
+    std::fs::write(&bad, model("m", "x")).unwrap();
+    let output = common::serve_once(&bad);
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("models[0].versions[0].backend: no backend named \"x\""));
+    // REST on a port another socket listens on (kept until the end), the others on any port.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let good = dir.join("busy.toml");
     std::fs::write(
         &good,
         format!(
-            "[listen]\nrest = \"{}\"\ngrpc = \"127.0.0.1:{}\"\n[[backends]]\nname = \"b\"\nprotocol = \"rest\"\nendpoints = [\"127.0.0.1:1\"]\n[[models]]\nname = \"m\"\nversions = [ {{ version = \"1\", backend = \"b\" }} ]\n",
+            "[listen]\nrest = \"{}\"\ngrpc = \"127.0.0.1:0\"\n{}{}",
             busy.local_addr().unwrap(),
-            free_port()
+            backend("b", "rest", ["127.0.0.1:1"]),
+            model("m", "b")
         ),
     )
     .unwrap();
     let started = Instant::now();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args(["serve", "--config"])
-        .arg(&good)
-        .output()
-        .unwrap();
+    let output = common::serve_once(&good);
     assert!(!output.status.success());
     assert!(
         String::from_utf8_lossy(&output.stderr).contains("cannot listen for REST"),
@@ -586,6 +504,7 @@ async fn startup_problems_are_clear() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(started.elapsed() < Duration::from_secs(10));
+    drop(busy);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -620,14 +539,7 @@ async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
         "/v2/models/add_sub/versions/2/infer",
         "/v2/models/classifier/versions/3/infer",
     ] {
-        let answer = send(
-            &http_client(false),
-            "POST",
-            &setup.gateway.rest_url(path),
-            &sent,
-            add_sub_json("INT32"),
-        )
-        .await;
+        let answer = post_with_headers(&setup.gateway.rest_url(path), &sent, add_sub_json("INT32")).await;
         assert_eq!(answer.status, 200, "{path}: {:?}", answer.body);
         assert_eq!(answer.header("x-request-id"), Some("rid-7"), "{path}");
         assert_eq!(answer.header("x-echo-tenant"), Some("blue"), "{path}");
@@ -655,18 +567,8 @@ async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
     // gRPC metadata: to the REST backend (translated) and the gRPC backend (passed through).
     let mut client = setup.gateway.grpc_client().await;
     for version in ["1", "2"] {
-        let mut request = tonic::Request::new(ModelInferRequest {
-            model_name: "identity".into(),
-            model_version: if version == "1" { "rest".into() } else { "grpc".into() },
-            inputs: vec![InferInputTensor {
-                name: "x".into(),
-                datatype: "INT32".into(),
-                shape: vec![1],
-                ..Default::default()
-            }],
-            raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
-            ..Default::default()
-        });
+        let upstream_version = if version == "1" { "rest" } else { "grpc" };
+        let mut request = tonic::Request::new(one_int32_grpc_request("identity", upstream_version));
         let metadata = request.metadata_mut();
         metadata.insert("x-echo-tenant", "green".parse().unwrap());
         metadata.insert("authorization", "Bearer xyz".parse().unwrap());
@@ -699,10 +601,26 @@ async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
 
 const SLOW_MS: u64 = 4000;
 
+/// A gRPC request for `model` at `version` with one INT32 input, x = [1], in raw contents.
+fn one_int32_grpc_request(model: &str, version: &str) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([1])],
+        ..Default::default()
+    }
+}
+
 /// A gRPC request for the `slow` model at `version`, asking it to take `SLOW_MS`.
 fn slow_grpc_request(version: &str) -> ModelInferRequest {
-    let mut parameters = std::collections::HashMap::new();
-    parameters.insert(
+    let mut request = one_int32_grpc_request("slow", version);
+    request.parameters.insert(
         "delay_ms".to_owned(),
         oipgate::proto::InferParameter {
             parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(
@@ -710,19 +628,7 @@ fn slow_grpc_request(version: &str) -> ModelInferRequest {
             )),
         },
     );
-    ModelInferRequest {
-        model_name: "slow".into(),
-        model_version: version.into(),
-        parameters: parameters.into_iter().collect(),
-        inputs: vec![InferInputTensor {
-            name: "x".into(),
-            datatype: "INT32".into(),
-            shape: vec![1],
-            ..Default::default()
-        }],
-        raw_input_contents: vec![Bytes::from_static(&[1, 0, 0, 0])],
-        ..Default::default()
-    }
+    request
 }
 
 /// Waits until `series` reads `value`, for at most `limit`; gives how long it took.
@@ -823,9 +729,7 @@ async fn a_client_deadline_bounds_the_backend_call_on_every_path() {
         r#"{{"parameters":{{"delay_ms":{SLOW_MS}}},"inputs":[{{"name":"x","datatype":"INT32","shape":[1],"data":[1]}}]}}"#
     );
     let start = Instant::now();
-    let answer = send(
-        &http_client(false),
-        "POST",
+    let answer = post_with_headers(
         &gateway.rest_url("/v2/models/slow/versions/grpc/infer"),
         &[("grpc-timeout", "300m".to_owned())],
         body,
@@ -862,7 +766,7 @@ async fn proxied_bodies_of_every_length_and_framing_arrive_whole_and_renamed() {
         let (body, headers) = binary_request(inputs.clone());
         // Version "rest" is an alias of the backend's version 1: the answer's version is put back on both paths.
         let url = setup.gateway.rest_url("/v2/models/identity/versions/rest/infer");
-        let answer = send(&http_client(false), "POST", &url, &headers, body.to_bytes()).await;
+        let answer = post_with_headers(&url, &headers, body.to_bytes()).await;
         assert_eq!(answer.status, 200, "{elements}: {:?}", answer.body);
         assert_eq!(answer.header("oip-model-version"), Some("rest"));
         let length = answer

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{GatewayProcess, ModelServerProcess, http_client, send};
+use common::config::{backend, model};
+use common::{GatewayProcess, ModelServerProcess, post};
 
 /// A REST "backend" on a bound listener that counts the inference requests it receives and answers every request
 /// with `answer`.
@@ -59,47 +60,47 @@ inference-header-content-length: 999\r\ncontent-length: 10\r\nconnection: close\
 const HEADER_NEAR_USIZE_MAX: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
 inference-header-content-length: 18446744073709551610\r\nconnection: close\r\n\r\n0123456789";
 
-fn config(liar: &LyingBackend, huge: &LyingBackend, real: &ModelServerProcess) -> String {
-    format!(
+/// A gateway in front of two lying backends (one whose JSON header is longer than its body, one whose header length
+/// is near the top of a 64-bit number) and a real model server serving `identity`.
+struct Setup {
+    liar: LyingBackend,
+    huge: LyingBackend,
+    _real: ModelServerProcess,
+    gateway: GatewayProcess,
+}
+
+fn setup() -> Setup {
+    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
+    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
+    let real = ModelServerProcess::rest_only(&["--models", "identity"]);
+    let gateway = GatewayProcess::start(&format!(
         r#"
         [limits]
         header_read_timeout_ms = 500
-
-        [[backends]]
-        name = "liar"
-        protocol = "rest"
-        endpoints = ["{}"]
-
-        [[backends]]
-        name = "huge"
-        protocol = "rest"
-        endpoints = ["{}"]
-
-        [[backends]]
-        name = "real"
-        protocol = "rest"
-        endpoints = ["{}"]
-
-        [[models]]
-        name = "liar"
-        versions = [ {{ version = "1", backend = "liar" }} ]
-
+        {}
+        {}
+        {}
+        {}
         [[models]]
         name = "liar_alias"
         versions = [ {{ version = "1", backend = "liar", upstream_name = "other" }} ]
-
         [[models]]
         name = "huge_alias"
         versions = [ {{ version = "1", backend = "huge", upstream_name = "other" }} ]
-
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "real" }} ]
+        {}
         "#,
-        liar.address,
-        huge.address,
-        real.rest.unwrap()
-    )
+        backend("liar", "rest", [liar.address]),
+        backend("huge", "rest", [huge.address]),
+        backend("real", "rest", [real.rest.unwrap()]),
+        model("liar", "liar"),
+        model("identity", "real"),
+    ));
+    Setup {
+        liar,
+        huge,
+        _real: real,
+        gateway,
+    }
 }
 
 /// Sends `parts` (pausing `pause` between them) on one connection while reading what comes back, until the gateway
@@ -131,42 +132,23 @@ const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"dat
 
 #[tokio::test]
 async fn a_backend_answer_whose_lengths_do_not_add_up_is_a_bad_gateway_naming_it() {
-    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
-    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
-    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
-    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
-    for (model, backend) in [("liar", &liar), ("liar_alias", &liar), ("huge_alias", &huge)] {
-        let answer = send(
-            &http_client(false),
-            "POST",
-            &gateway.rest_url(&format!("/v2/models/{model}/infer")),
-            &[],
-            BODY,
-        )
-        .await;
+    let setup = setup();
+    let (liar, huge, gateway) = (&setup.liar, &setup.huge, &setup.gateway);
+    for (model, backend) in [("liar", liar), ("liar_alias", liar), ("huge_alias", huge)] {
+        let answer = post(&gateway.rest_url(&format!("/v2/models/{model}/infer")), BODY).await;
         assert_eq!(answer.status, 502, "{model}: {}", String::from_utf8_lossy(&answer.body));
         let message = answer.json()["error"].as_str().unwrap().to_owned();
         assert!(message.contains(&backend.address.to_string()), "{model}: {message}");
     }
     // The gateway is unharmed: a well-behaved backend is still served.
-    let answer = send(
-        &http_client(false),
-        "POST",
-        &gateway.rest_url("/v2/models/identity/infer"),
-        &[],
-        BODY,
-    )
-    .await;
+    let answer = post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await;
     assert_eq!(answer.status, 200);
 }
 
 #[tokio::test]
 async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
-    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
-    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
-    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
-    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
-    let address = gateway.rest;
+    let setup = setup();
+    let address = setup.gateway.rest;
     let infer = "POST /v2/models/liar/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         (
@@ -211,7 +193,7 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
         assert_eq!(status(&answer), expected, "{what}: {answer}");
     }
     assert_eq!(
-        liar.requests.load(Ordering::SeqCst),
+        setup.liar.requests.load(Ordering::SeqCst),
         0,
         "a refused request reached the backend"
     );
@@ -219,11 +201,8 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
 
 #[tokio::test]
 async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
-    let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
-    let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
-    let real = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
-    let gateway = GatewayProcess::start(&config(&liar, &huge, &real));
-    let address = gateway.rest;
+    let setup = setup();
+    let address = setup.gateway.rest;
     let head = b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-slow: abcdefghijklmnopqrstuvwxyz\r\n\r\n";
     let started = std::time::Instant::now();
     let answer = tokio::task::spawn_blocking(move || {

@@ -5,23 +5,14 @@ mod common;
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use common::ModelServerProcess;
+use common::{ModelServerProcess, grpc_live, grpc_model_ready, grpc_ready, int32s};
 use oipgate::proto::infer_parameter::ParameterChoice;
 use oipgate::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use oipgate::proto::{
-    InferParameter, InferTensorContents, ModelInferRequest, ModelMetadataRequest, ModelReadyRequest,
-    RepositoryIndexRequest, RepositoryModelLoadRequest, RepositoryModelUnloadRequest, ServerLiveRequest,
-    ServerMetadataRequest, ServerReadyRequest,
+    InferParameter, InferTensorContents, ModelInferRequest, ModelMetadataRequest, RepositoryIndexRequest,
+    RepositoryModelLoadRequest, RepositoryModelUnloadRequest, ServerMetadataRequest,
 };
 use tonic::Code;
-
-fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
-    values
-        .into_iter()
-        .flat_map(i32::to_le_bytes)
-        .collect::<Vec<u8>>()
-        .into()
-}
 
 fn add_sub_request(version: &str, raw: bool) -> ModelInferRequest {
     let tensor = |name: &str, values: Vec<i32>| InferInputTensor {
@@ -57,25 +48,11 @@ fn decode_int32s(bytes: &[u8]) -> Vec<i32> {
 
 #[tokio::test]
 async fn health_and_metadata() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--name", "grpc-unit"]);
+    let server = ModelServerProcess::grpc_only(&["--name", "grpc-unit"]);
     assert!(server.rest.is_none(), "only gRPC was asked for");
     let mut client = server.grpc_client().await;
-    assert!(
-        client
-            .server_live(ServerLiveRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .live
-    );
-    assert!(
-        client
-            .server_ready(ServerReadyRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
+    assert!(grpc_live(&mut client).await);
+    assert!(grpc_ready(&mut client).await);
     let metadata = client
         .server_metadata(ServerMetadataRequest {})
         .await
@@ -92,19 +69,8 @@ async fn health_and_metadata() {
         .into_inner();
     assert_eq!(model.versions, ["1", "2"]);
     assert_eq!(model.inputs[0].shape, [-1, 16]);
-    let ready = client
-        .model_ready(ModelReadyRequest {
-            name: "identity".into(),
-            version: String::new(),
-        })
-        .await;
-    assert!(ready.unwrap().into_inner().ready);
-    let unknown = client
-        .model_ready(ModelReadyRequest {
-            name: "nope".into(),
-            version: String::new(),
-        })
-        .await;
+    assert!(grpc_model_ready(&mut client, "identity", "").await.unwrap());
+    let unknown = grpc_model_ready(&mut client, "nope", "").await;
     assert_eq!(unknown.unwrap_err().code(), Code::NotFound);
     let unknown = client
         .model_metadata(ModelMetadataRequest {
@@ -117,7 +83,7 @@ async fn health_and_metadata() {
 
 #[tokio::test]
 async fn add_sub_with_raw_and_typed_inputs_answers_raw() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
     for (version, raw) in [("1", true), ("2", false), ("", true)] {
         let response = client
@@ -158,7 +124,7 @@ async fn add_sub_with_raw_and_typed_inputs_answers_raw() {
 
 #[tokio::test]
 async fn errors_carry_their_grpc_codes() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
     let mut unknown = add_sub_request("1", true);
     unknown.model_name = "nope".into();
@@ -221,21 +187,8 @@ async fn readiness_flips_with_repository_rpcs() {
         })
         .await
         .unwrap();
-    let ready = client
-        .model_ready(ModelReadyRequest {
-            name: "add_sub".into(),
-            version: "1".into(),
-        })
-        .await;
-    assert!(!ready.unwrap().into_inner().ready);
-    assert!(
-        !client
-            .server_ready(ServerReadyRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .ready
-    );
+    assert!(!grpc_model_ready(&mut client, "add_sub", "1").await.unwrap());
+    assert!(!grpc_ready(&mut client).await);
     assert_eq!(
         client.model_infer(add_sub_request("1", true)).await.unwrap_err().code(),
         Code::Unavailable
@@ -271,7 +224,7 @@ async fn readiness_flips_with_repository_rpcs() {
 
 #[tokio::test]
 async fn large_messages_pass_the_default_size_limit() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0", "--models", "identity"]);
+    let server = ModelServerProcess::grpc_only(&["--models", "identity"]);
     let mut client = server.grpc_client().await;
     let payload = Bytes::from(vec![7u8; 16 << 20]);
     let request = ModelInferRequest {
@@ -291,7 +244,7 @@ async fn large_messages_pass_the_default_size_limit() {
 
 #[tokio::test]
 async fn simple_string_with_typed_bytes_and_slow() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
+    let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
     let strings = ModelInferRequest {
         model_name: "simple_string".into(),

@@ -5,14 +5,14 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{ModelServerProcess, add_sub_json, get, http_client, post, send};
+use common::{ModelServerProcess, add_sub_json, binary_request, get, http_client, post, post_with_headers, send};
 use oipgate::codec::rest;
 use oipgate::protocol::{DataType, InferRequest, ParamValue, RequestedOutput, Tensor};
 use serde_json::json;
 
 #[tokio::test]
 async fn health_and_metadata() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--name", "unit"]);
+    let server = ModelServerProcess::rest_only(&["--name", "unit"]);
     let metadata = get(&server.rest_url("/v2")).await;
     assert_eq!(metadata.status, 200);
     assert_eq!(metadata.json()["name"], "unit");
@@ -50,7 +50,7 @@ async fn health_and_metadata() {
 
 #[tokio::test]
 async fn unknown_things_and_wrong_methods() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     for path in [
         "/v2/models/nope",
         "/v2/models/add_sub/versions/3",
@@ -86,7 +86,7 @@ async fn unknown_things_and_wrong_methods() {
 
 #[tokio::test]
 async fn add_sub_over_json_every_version() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     for (path, version) in [
         ("/v2/models/add_sub/infer", "2"),
         ("/v2/models/add_sub/versions/1/infer", "1"),
@@ -124,7 +124,7 @@ async fn add_sub_over_json_every_version() {
 
 #[tokio::test]
 async fn binary_extension_both_ways_and_h2c() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     let a: Vec<u8> = (0..16i32).flat_map(|v| v.to_le_bytes()).collect();
     let b: Vec<u8> = (0..16i32).flat_map(|v| (v * 10).to_le_bytes()).collect();
     let mut request = InferRequest {
@@ -181,7 +181,7 @@ async fn binary_extension_both_ways_and_h2c() {
 
 #[tokio::test]
 async fn identity_returns_every_datatype_unchanged() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--models", "identity"]);
+    let server = ModelServerProcess::rest_only(&["--models", "identity"]);
     let mut inputs = Vec::new();
     for (i, datatype) in DataType::ALL.into_iter().enumerate() {
         let mut tensor = match datatype.element_size() {
@@ -202,33 +202,15 @@ async fn identity_returns_every_datatype_unchanged() {
         tensor.parameters.insert("tag".into(), ParamValue::Int64(i as i64));
         inputs.push(tensor);
     }
-    let mut request = InferRequest {
-        inputs,
-        ..InferRequest::default()
-    };
-    request
-        .parameters
-        .insert("binary_data_output".into(), ParamValue::Bool(true));
-    let body = rest::encode_request(&request, true).unwrap();
-    let header = [(
-        "inference-header-content-length",
-        body.header_length.unwrap().to_string(),
-    )];
-    let answer = send(
-        &http_client(false),
-        "POST",
-        &server.rest_url("/v2/models/identity/infer"),
-        &header,
-        body.to_bytes(),
-    )
-    .await;
+    let (body, header) = binary_request(inputs.clone());
+    let answer = post_with_headers(&server.rest_url("/v2/models/identity/infer"), &header, body.to_bytes()).await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     let length = answer
         .header("inference-header-content-length")
         .map(|l| l.parse().unwrap());
     let response = rest::decode_response(answer.body, length).unwrap();
     assert_eq!(
-        response.outputs, request.inputs,
+        response.outputs, inputs,
         "outputs are the inputs, bit for bit, parameters included"
     );
     // The server holds no add_sub.
@@ -242,7 +224,7 @@ async fn identity_returns_every_datatype_unchanged() {
 
 #[tokio::test]
 async fn simple_string_slow_and_flaky() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     let strings = r#"{"inputs":[{"name":"INPUT0","datatype":"BYTES","shape":[2],"parameters":{"content_type":"str"},"data":["héllo","ab"]}]}"#;
     let answer = post(&server.rest_url("/v2/models/simple_string/infer"), strings)
         .await
@@ -285,7 +267,7 @@ async fn simple_string_slow_and_flaky() {
 
 #[tokio::test]
 async fn inputs_are_checked_like_a_real_server() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--max-request-bytes", "4096"]);
+    let server = ModelServerProcess::rest_only(&["--max-request-bytes", "4096"]);
     let url = server.rest_url("/v2/models/add_sub/infer");
     let cases = [
         (add_sub_json("INT32").replace("INPUT1", "INPUT9"), "unknown input 'INPUT9'"),
@@ -309,37 +291,21 @@ async fn inputs_are_checked_like_a_real_server() {
     }
     let too_big = post(&url, vec![b' '; 5000]).await;
     assert_eq!(too_big.status, 413);
-    let bad_header = send(
-        &http_client(false),
-        "POST",
-        &url,
-        &[("inference-header-content-length", "x".into())],
-        "{}",
-    )
-    .await;
+    let bad_header = post_with_headers(&url, &[("inference-header-content-length", "x".into())], "{}").await;
     assert_eq!(bad_header.status, 400);
     // A raw binary request needs a model with exactly one input.
-    let raw = send(
-        &http_client(false),
-        "POST",
-        &url,
-        &[("inference-header-content-length", "0".into())],
-        vec![0u8; 64],
-    )
-    .await;
+    let raw = post_with_headers(&url, &[("inference-header-content-length", "0".into())], vec![0u8; 64]).await;
     assert_eq!(raw.status, 400);
     assert!(raw.json()["error"].as_str().unwrap().contains("exactly one input"));
 }
 
 #[tokio::test]
 async fn raw_binary_request_to_a_one_input_model() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     let body = Tensor::from_bytes_elements("x", vec![2], [&b"abc"[..], b"de"])
         .unwrap()
         .data;
-    let answer = send(
-        &http_client(false),
-        "POST",
+    let answer = post_with_headers(
         &server.rest_url("/v2/models/simple_string/infer"),
         &[("inference-header-content-length", "0".into())],
         body,
@@ -359,7 +325,7 @@ async fn raw_binary_request_to_a_one_input_model() {
 
 #[tokio::test]
 async fn readiness_flips_with_the_repository_extension() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     let index = post(&server.rest_url("/v2/repository/index"), "").await.json();
     assert!(
         index
@@ -405,7 +371,7 @@ async fn readiness_flips_with_the_repository_extension() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_are_not_serialised() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let server = ModelServerProcess::rest_only(&[]);
     let url = server.rest_url("/v2/models/slow/infer");
     let body = r#"{"parameters":{"delay_ms":500},"inputs":[{"name":"x","datatype":"INT8","shape":[1],"data":[1]}]}"#;
     let started = Instant::now();

@@ -7,13 +7,11 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{GatewayProcess, Load, ModelServerProcess, answered_ok, eventually, get, http_client, send};
-
-const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
-
-fn replica(name: &str) -> ModelServerProcess {
-    ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--name", name])
-}
+use common::config::{backend, model};
+use common::ports::dead_endpoint;
+use common::{
+    GatewayProcess, INT32_BODY as BODY, Load, ModelServerProcess, eventually, get, grpc_ready, http_client, post, send,
+};
 
 /// The configuration of step `step` of the rewrite sequence: weights that move, a model added and removed, a backend
 /// removed and brought back.
@@ -22,27 +20,11 @@ fn step_config(a: &ModelServerProcess, b: &ModelServerProcess, step: usize) -> S
     let with_b = step % 7 != 3;
     let with_echo = step % 4 >= 2;
     let mut config = format!(
-        r#"
-        [reload]
-        watch_interval_ms = 50
-        [[backends]]
-        name = "a"
-        protocol = "rest"
-        binary_data = true
-        endpoints = ["{}"]
-        "#,
-        a.rest.unwrap()
+        "[reload]\nwatch_interval_ms = 50\n{}binary_data = true\n",
+        backend("a", "rest", [a.rest.unwrap()])
     );
     if with_b {
-        config += &format!(
-            r#"
-        [[backends]]
-        name = "b"
-        protocol = "grpc"
-        endpoints = ["{}"]
-        "#,
-            b.grpc.unwrap()
-        );
+        config += &backend("b", "grpc", [b.grpc.unwrap()]);
     }
     config += "[[models]]\nname = \"identity\"\n";
     if with_b {
@@ -61,29 +43,19 @@ fn step_config(a: &ModelServerProcess, b: &ModelServerProcess, step: usize) -> S
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_rewrites_under_steady_load_fail_no_request() {
-    let a = replica("a");
-    let b = replica("b");
+    let a = ModelServerProcess::named("a");
+    let b = ModelServerProcess::named("b");
     let gateway = GatewayProcess::start(&step_config(&a, &b, 0));
     let mut load = Load::default();
     for worker in 0..4 {
         if worker < 2 {
-            let client = http_client(worker % 2 == 0);
-            let url = gateway.rest_url("/v2/models/identity/infer");
-            load.worker(move || {
-                let (client, url) = (client.clone(), url.clone());
-                async move { answered_ok(&send(&client, "POST", &url, &[], BODY).await) }
-            });
+            load.rest_worker(
+                http_client(worker % 2 == 0),
+                gateway.rest_url("/v2/models/identity/infer"),
+                BODY,
+            );
         } else {
-            let grpc = gateway.grpc_client().await;
-            load.worker(move || {
-                let mut grpc = grpc.clone();
-                async move {
-                    grpc.model_infer(common::grpc_int32_request("identity", ""))
-                        .await
-                        .map(drop)
-                        .map_err(|status| format!("gRPC {status:?}"))
-                }
-            });
+            load.grpc_identity_worker(gateway.grpc_client().await);
         }
     }
     let reloads = |result: &'static str| {
@@ -122,14 +94,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
         let with_echo = step != 11 && step % 4 >= 2 || step == 11 && 10 % 4 >= 2;
         let expected = if with_echo { 200 } else { 404 };
         eventually(Duration::from_secs(5), &format!("step {step} to be served"), || async {
-            let answer = send(
-                &http_client(false),
-                "POST",
-                &gateway.rest_url("/v2/models/echo/infer"),
-                &[],
-                BODY,
-            )
-            .await;
+            let answer = post(&gateway.rest_url("/v2/models/echo/infer"), BODY).await;
             answer.status == expected
         })
         .await;
@@ -144,25 +109,21 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
 
 #[tokio::test]
 async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_file_as_check_config_does() {
-    let a = replica("a");
-    let dead = common::dead_address();
+    let a = ModelServerProcess::named("a");
+    let dead = dead_endpoint();
     let config = |weight_note: &str| {
         format!(
             r#"
             [reload]
             watch = false
-            [[backends]]
-            name = "pair"
-            protocol = "rest"
-            endpoints = ["{}", "{dead}"]
+            {}
             retries = 1
             outlier = {{ consecutive_failures = 1, base_ejection_ms = 60000 }}
-            [[models]]
-            name = "identity"
-            versions = [ {{ version = "1", backend = "pair" }} ]
+            {}
             # {weight_note}
             "#,
-            a.rest.unwrap()
+            backend("pair", "rest", [a.rest.unwrap().to_string(), dead.to_string()]),
+            model("identity", "pair"),
         )
     };
     let gateway = GatewayProcess::start_with(&config("first"), &[], true);
@@ -191,11 +152,7 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
     // An invalid file: refused with check-config's own message, counted, and the running configuration serves on.
     let invalid = config("third").replace("backend = \"pair\"", "backend = \"missing\"");
     gateway.rewrite(&invalid);
-    let check = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .arg("check-config")
-        .arg(gateway.config_path())
-        .output()
-        .unwrap();
+    let check = common::check_config(&gateway.config_path());
     assert!(!check.status.success());
     let message = "models[0].versions[0].backend: no backend named \"missing\"";
     assert!(String::from_utf8_lossy(&check.stderr).contains(message));
@@ -213,28 +170,18 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
 
 #[tokio::test]
 async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero() {
-    let a = replica("a");
+    let a = ModelServerProcess::named("a");
     let mut gateway = GatewayProcess::start(&format!(
-        r#"
-        [shutdown]
-        grace_period_ms = 10000
-        drain_delay_ms = 600
-        [[backends]]
-        name = "a"
-        protocol = "rest"
-        endpoints = ["{}"]
-        [[models]]
-        name = "slow"
-        versions = [ {{ version = "1", backend = "a" }} ]
-        "#,
-        a.rest.unwrap()
+        "[shutdown]\ngrace_period_ms = 10000\ndrain_delay_ms = 600\n{}{}",
+        backend("a", "rest", [a.rest.unwrap()]),
+        model("slow", "a")
     ));
     assert_eq!(get(&gateway.rest_url("/v2/health/ready")).await.status, 200);
     let url = gateway.rest_url("/v2/models/slow/infer");
     let slow = tokio::spawn(async move {
         let body =
             r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":{"delay_ms":1500}}"#;
-        send(&http_client(false), "POST", &url, &[], body).await
+        post(&url, body).await
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let signalled = Instant::now();
@@ -244,13 +191,7 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
     let ready = get(&gateway.rest_url("/v2/health/ready")).await;
     assert_eq!(ready.status, 503);
     assert_eq!(get(&gateway.rest_url("/v2/health/live")).await.status, 200);
-    let mut grpc = gateway.grpc_client().await;
-    let ready = grpc
-        .server_ready(oipgate::proto::ServerReadyRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(!ready.ready);
+    assert!(!grpc_ready(&mut gateway.grpc_client().await).await);
     // After it the listeners are closed.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert!(
@@ -269,18 +210,11 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
 
 #[tokio::test]
 async fn sigint_with_nothing_under_way_exits_zero_at_once() {
-    let a = replica("a");
+    let a = ModelServerProcess::named("a");
     let mut gateway = GatewayProcess::start(&format!(
-        r#"
-        [[backends]]
-        name = "a"
-        protocol = "rest"
-        endpoints = ["{}"]
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "a" }} ]
-        "#,
-        a.rest.unwrap()
+        "{}{}",
+        backend("a", "rest", [a.rest.unwrap()]),
+        model("identity", "a")
     ));
     gateway.signal("INT");
     let status = gateway.wait_exit(Duration::from_secs(3)).expect("exits");
@@ -289,26 +223,20 @@ async fn sigint_with_nothing_under_way_exits_zero_at_once() {
 
 #[tokio::test]
 async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() {
-    let a = replica("a");
-    let b = replica("b");
+    let a = ModelServerProcess::named("a");
+    let b = ModelServerProcess::named("b");
     let gateway = GatewayProcess::start_with(
         &format!(
             r#"
-            [[backends]]
-            name = "rest-a"
-            protocol = "rest"
-            endpoints = ["{}"]
-            [[backends]]
-            name = "grpc-b"
-            protocol = "grpc"
-            endpoints = ["{}"]
+            {}
+            {}
             [[models]]
             name = "identity"
             versions = [ {{ version = "1", backend = "rest-a" }}, {{ version = "2", backend = "grpc-b", upstream_version = "1" }} ]
             default_version = "1"
             "#,
-            a.rest.unwrap(),
-            b.grpc.unwrap()
+            backend("rest-a", "rest", [a.rest.unwrap()]),
+            backend("grpc-b", "grpc", [b.grpc.unwrap()]),
         ),
         &["--log-format", "json"],
         true,

@@ -11,15 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{GatewayProcess, ModelServerProcess, http_client, send};
+use common::config::{backend, model};
+use common::{GatewayProcess, INT32_BODY as BODY, ModelServerProcess, http_client, send};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-
-const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
 /// A CA and what it signs, written as PEM files in a directory of their own.
 struct Pki {
@@ -30,8 +29,7 @@ struct Pki {
 
 impl Pki {
     fn new() -> Pki {
-        let dir = std::env::temp_dir().join(format!("oipgate-tls-{}-{}", std::process::id(), common::free_port()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = common::unique_temp_dir("oipgate-tls");
         let ca_key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -101,19 +99,15 @@ fn front_config(pki: &Pki, replica: &ModelServerProcess) -> String {
         client_ca = "{}"
         [reload]
         watch_interval_ms = 50
-        [[backends]]
-        name = "plain-rest"
-        protocol = "rest"
+        {}
         binary_data = true
-        endpoints = ["{}"]
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "plain-rest" }} ]
+        {}
         "#,
         p(&pki.path("server.pem")),
         p(&pki.path("server.key")),
         p(&pki.path("ca.pem")),
-        replica.rest.unwrap()
+        backend("plain-rest", "rest", [replica.rest.unwrap()]),
+        model("identity", "plain-rest"),
     )
 }
 
@@ -239,21 +233,12 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
     };
     let back = GatewayProcess::start(&format!(
         r#"
-        [[backends]]
-        name = "tls-rest"
-        protocol = "rest"
+        {}
         binary_data = true
-        endpoints = ["{}"]
         {}
-        [[backends]]
-        name = "tls-grpc"
-        protocol = "grpc"
-        endpoints = ["{}"]
         {}
-        [[backends]]
-        name = "no-client-cert"
-        protocol = "grpc"
-        endpoints = ["{}"]
+        {}
+        {}
         {}
         [[models]]
         name = "identity"
@@ -261,11 +246,11 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
                      {{ version = "3", backend = "no-client-cert", upstream_version = "1" }} ]
         default_version = "1"
         "#,
-        front.rest,
+        backend("tls-rest", "rest", [front.rest]),
         tls(true),
-        front.grpc,
+        backend("tls-grpc", "grpc", [front.grpc]),
         tls(true),
-        front.grpc,
+        backend("no-client-cert", "grpc", [front.grpc]),
         tls(false),
     ));
     let client = http_client(false);
@@ -336,17 +321,9 @@ async fn a_renewed_certificate_is_served_after_reload_and_an_expired_one_is_refu
         .replace(&p(&pki.path("server.pem")), &p(&pki.path("expired.pem")))
         .replace(&p(&pki.path("server.key")), &p(&pki.path("expired.key")));
     let file = pki.path("expired.toml");
-    let listen = format!(
-        "[listen]\nrest = \"127.0.0.1:{}\"\ngrpc = \"127.0.0.1:{}\"\n",
-        common::free_port(),
-        common::free_port()
-    );
+    let listen = "[listen]\nrest = \"127.0.0.1:0\"\ngrpc = \"127.0.0.1:0\"\n";
     std::fs::write(&file, format!("{listen}{expired_config}")).unwrap();
-    let check = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .arg("check-config")
-        .arg(&file)
-        .output()
-        .unwrap();
+    let check = common::check_config(&file);
     assert!(!check.status.success());
     let stderr = String::from_utf8_lossy(&check.stderr);
     assert!(
@@ -361,11 +338,7 @@ async fn a_renewed_certificate_is_served_after_reload_and_an_expired_one_is_refu
     }
     assert_eq!(presented(&pki, front.rest, true).await.unwrap(), "renewed");
     // A gateway cannot start on it either.
-    let start = std::process::Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args(["serve", "--config"])
-        .arg(&file)
-        .output()
-        .unwrap();
+    let start = common::serve_once(&file);
     assert!(!start.status.success());
     assert!(String::from_utf8_lossy(&start.stderr).contains("the certificate expired on"));
 }

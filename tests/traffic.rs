@@ -7,34 +7,27 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, send};
+use common::config::{self, fleet_backends};
+use common::ports::{DeadEndpoint, dead_endpoint};
+use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, post, send};
 use futures_util::StreamExt;
 use oipgate::proto::ModelInferRequest;
 use oipgate::proto::model_infer_request::InferInputTensor;
 
 struct Fleet {
     backend: ModelServerProcess,
+    _down: DeadEndpoint,
     gateway: GatewayProcess,
 }
 
 /// A gateway over one model server (REST and gRPC), with add_sub split `v1`/`v2` and sticky on `x-session-id`.
 fn fleet(v1: u32, v2: u32) -> Fleet {
     let backend = ModelServerProcess::both();
+    let down = dead_endpoint();
     let config = format!(
         r#"
-        [[backends]]
-        name = "fleet-a"
-        protocol = "rest"
-        endpoints = ["{rest}"]
-        binary_data = true
-        [[backends]]
-        name = "fleet-b"
-        protocol = "grpc"
-        endpoints = ["{grpc}"]
-        [[backends]]
-        name = "down"
-        protocol = "grpc"
-        endpoints = ["{down}"]
+        {}
+        {}
         [[models]]
         name = "add_sub"
         versions = [ {{ version = "1", backend = "fleet-a", weight = {v1} }},
@@ -58,12 +51,15 @@ fn fleet(v1: u32, v2: u32) -> Fleet {
         default_version = "1"
         mirror = {{ version = "2", percent = 100 }}
         "#,
-        rest = backend.rest.unwrap(),
-        grpc = backend.grpc.unwrap(),
-        down = common::dead_address(),
+        fleet_backends(backend.rest.unwrap(), backend.grpc.unwrap()),
+        config::backend("down", "grpc", [&down]),
     );
     let gateway = GatewayProcess::start(&config);
-    Fleet { backend, gateway }
+    Fleet {
+        backend,
+        _down: down,
+        gateway,
+    }
 }
 
 /// POSTs `body` to `path` `count` times, `concurrency` at a time; gives each answer's `oip-model-version` with the
@@ -124,11 +120,8 @@ async fn unversioned_requests_split_by_weight() {
     )
     .await;
     assert!(named.iter().all(|v| v == "2"));
-    let unknown = send(
-        &http_client(false),
-        "POST",
+    let unknown = post(
         &fleet.gateway.rest_url("/v2/models/add_sub/versions/3/infer"),
-        &[],
         add_sub_json("INT32"),
     )
     .await;

@@ -6,7 +6,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{GatewayProcess, Load, ModelServerProcess, add_sub_json, answered_ok, http_client, send};
+use common::config::{backend, model};
+use common::{GatewayProcess, Load, ModelServerProcess, add_sub_json, http_client, post};
 
 /// A gRPC client that, as gRPC's own clients do (transparent retry, gRFC A6), sends a call again on a new
 /// connection when its connection closed before the call was sent (as after an HTTP/2 GOAWAY); tonic's channel
@@ -25,35 +26,15 @@ fn retrying_grpc_client(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
-    let backend = ModelServerProcess::both();
+    let backend_server = ModelServerProcess::both();
     let socket = std::env::temp_dir().join(format!("oipgate-upgrade-{}.sock", std::process::id()));
     let socket_arg = socket.to_string_lossy().into_owned();
     let config = format!(
-        r#"
-        [shutdown]
-        drain_delay_ms = 0
-        grace_period_ms = 10000
-
-        [[backends]]
-        name = "rest"
-        protocol = "rest"
-        endpoints = ["{}"]
-
-        [[backends]]
-        name = "grpc"
-        protocol = "grpc"
-        endpoints = ["{}"]
-
-        [[models]]
-        name = "add_sub"
-        versions = [ {{ version = "1", backend = "rest" }} ]
-
-        [[models]]
-        name = "identity"
-        versions = [ {{ version = "1", backend = "grpc" }} ]
-        "#,
-        backend.rest.unwrap(),
-        backend.grpc.unwrap()
+        "[shutdown]\ndrain_delay_ms = 0\ngrace_period_ms = 10000\n{}{}{}{}",
+        backend("rest", "rest", [backend_server.rest.unwrap()]),
+        backend("grpc", "grpc", [backend_server.grpc.unwrap()]),
+        model("add_sub", "rest"),
+        model("identity", "grpc"),
     );
     let mut old = GatewayProcess::start_with(&config, &["--upgrade-socket", &socket_arg], false);
 
@@ -61,23 +42,13 @@ async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
     for worker in 0..4 {
         if worker < 2 {
             // Each REST worker keeps its keep-alive connections for the whole run.
-            let client = http_client(false);
-            let url = old.rest_url("/v2/models/add_sub/infer");
-            load.worker(move || {
-                let (client, url) = (client.clone(), url.clone());
-                async move { answered_ok(&send(&client, "POST", &url, &[], add_sub_json("INT32")).await) }
-            });
+            load.rest_worker(
+                http_client(false),
+                old.rest_url("/v2/models/add_sub/infer"),
+                add_sub_json("INT32"),
+            );
         } else {
-            let grpc = retrying_grpc_client(old.grpc);
-            load.worker(move || {
-                let mut grpc = grpc.clone();
-                async move {
-                    grpc.model_infer(common::grpc_int32_request("identity", ""))
-                        .await
-                        .map(drop)
-                        .map_err(|status| format!("gRPC {status:?}"))
-                }
-            });
+            load.grpc_identity_worker(retrying_grpc_client(old.grpc));
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -101,14 +72,7 @@ async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
     );
 
     // The new process answers on the same ports, and its own access log shows the requests it served.
-    let answer = send(
-        &http_client(false),
-        "POST",
-        &new.rest_url("/v2/models/add_sub/infer"),
-        &[],
-        add_sub_json("INT32"),
-    )
-    .await;
+    let answer = post(&new.rest_url("/v2/models/add_sub/infer"), add_sub_json("INT32")).await;
     assert_eq!(answer.status, 200);
     let mut grpc = new.grpc_client().await;
     grpc.model_infer(common::grpc_int32_request("identity", ""))

@@ -6,12 +6,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::ModelServerProcess;
+use common::ports::dead_endpoint;
+use common::{ModelServerProcess, int32s};
 use http::HeaderMap;
 use oipgate::codec::protobuf;
-use oipgate::config::Endpoint;
 use oipgate::proto::ModelInferResponse;
-use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
+use oipgate::protocol::{DataType, InferRequest, InferResponse, ParamValue, Tensor};
 use oipgate::upstream::GrpcUpstream;
 use oipgate::{ErrorKind, Origin};
 use prost::Message;
@@ -19,13 +19,23 @@ use tonic::Code;
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 
-fn upstream(server: &ModelServerProcess, max_response_bytes: usize) -> GrpcUpstream {
-    let addr = server.grpc.unwrap();
-    let endpoint = Endpoint {
-        host: addr.ip().to_string(),
-        port: addr.port(),
-    };
-    GrpcUpstream::new(&endpoint, Duration::from_secs(2), max_response_bytes, None)
+/// A gRPC-only model server and an upstream client of it.
+fn upstream(max_response_bytes: usize) -> (ModelServerProcess, GrpcUpstream) {
+    let server = ModelServerProcess::grpc_only(&[]);
+    let endpoint = common::endpoint(server.grpc.unwrap());
+    let client = GrpcUpstream::new(&endpoint, Duration::from_secs(2), max_response_bytes, None);
+    (server, client)
+}
+
+/// `request` sent as a ModelInfer call, within `deadline` when given.
+async fn model_infer(
+    client: &GrpcUpstream,
+    request: InferRequest,
+    deadline: Option<Duration>,
+) -> oipgate::Result<InferResponse> {
+    let chunks = protobuf::encode_request(request).chunks;
+    let answer = client.unary(MODEL_INFER, chunks, deadline, &HeaderMap::new()).await?;
+    Ok(protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap())
 }
 
 fn request(model: &str, inputs: Vec<Tensor>) -> InferRequest {
@@ -37,18 +47,9 @@ fn request(model: &str, inputs: Vec<Tensor>) -> InferRequest {
     }
 }
 
-fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
-    values
-        .into_iter()
-        .flat_map(i32::to_le_bytes)
-        .collect::<Vec<u8>>()
-        .into()
-}
-
 #[tokio::test]
 async fn infer_with_chunks_and_large_tensors() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
-    let client = upstream(&server, 1 << 30);
+    let (_server, client) = upstream(1 << 30);
     let add_sub = request(
         "add_sub",
         vec![
@@ -56,16 +57,7 @@ async fn infer_with_chunks_and_large_tensors() {
             Tensor::new("INPUT1", DataType::Int32, vec![1, 16], int32s([2; 16])).unwrap(),
         ],
     );
-    let answer = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(add_sub).chunks,
-            None,
-            &HeaderMap::new(),
-        )
-        .await
-        .unwrap();
-    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap();
+    let response = model_infer(&client, add_sub, None).await.unwrap();
     assert_eq!(response.id.as_deref(), Some("u1"));
     assert_eq!(response.outputs[0].data, int32s(2..18));
 
@@ -74,33 +66,15 @@ async fn infer_with_chunks_and_large_tensors() {
         "identity",
         vec![Tensor::new("big", DataType::Uint8, vec![48 << 20], big.clone()).unwrap()],
     );
-    let answer = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(identity).chunks,
-            None,
-            &HeaderMap::new(),
-        )
-        .await
-        .unwrap();
-    let response = protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap();
+    let response = model_infer(&client, identity, None).await.unwrap();
     assert_eq!(response.outputs[0].data, big);
 }
 
 #[tokio::test]
 async fn backend_errors_keep_their_codes_and_messages() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
-    let client = upstream(&server, 1 << 20);
+    let (_server, client) = upstream(1 << 20);
     let unknown = request("nope", vec![]);
-    let error = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(unknown).chunks,
-            None,
-            &HeaderMap::new(),
-        )
-        .await
-        .unwrap_err();
+    let error = model_infer(&client, unknown, None).await.unwrap_err();
     assert_eq!((error.grpc_code(), error.http_status().as_u16()), (Code::NotFound, 404));
     assert_eq!(error.message(), "unknown model 'nope'");
     assert_eq!(error.origin(), Origin::Upstream);
@@ -110,36 +84,21 @@ async fn backend_errors_keep_their_codes_and_messages() {
         vec![Tensor::new("x", DataType::Int8, vec![1], Bytes::from_static(&[1])).unwrap()],
     );
     flaky.parameters.insert("fail".into(), ParamValue::Bool(true));
-    let error = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(flaky).chunks,
-            None,
-            &HeaderMap::new(),
-        )
-        .await
-        .unwrap_err();
+    let error = model_infer(&client, flaky, None).await.unwrap_err();
     assert_eq!(error.grpc_code(), Code::Internal);
     assert!(error.message().contains("fail=true"), "{}", error.message());
 }
 
 #[tokio::test]
 async fn a_deadline_cuts_the_call() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
-    let client = upstream(&server, 1 << 20);
+    let (_server, client) = upstream(1 << 20);
     let mut slow = request(
         "slow",
         vec![Tensor::new("x", DataType::Int8, vec![1], Bytes::from_static(&[1])).unwrap()],
     );
     slow.parameters.insert("delay_ms".into(), ParamValue::Int64(5_000));
     let started = Instant::now();
-    let error = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(slow).chunks,
-            Some(Duration::from_millis(200)),
-            &HeaderMap::new(),
-        )
+    let error = model_infer(&client, slow, Some(Duration::from_millis(200)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Timeout);
@@ -152,8 +111,8 @@ async fn a_deadline_cuts_the_call() {
 
 #[tokio::test]
 async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
-    let (host, port) = common::dead_endpoint();
-    let client = GrpcUpstream::new(&Endpoint { host, port }, Duration::from_secs(1), 1024, None);
+    let down = dead_endpoint();
+    let client = GrpcUpstream::new(&down.endpoint(), Duration::from_secs(1), 1024, None);
     let started = Instant::now();
     let error = client
         .unary(
@@ -172,21 +131,12 @@ async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
 
 #[tokio::test]
 async fn answers_beyond_the_limit_are_refused() {
-    let server = ModelServerProcess::start(&["--grpc", "127.0.0.1:0"]);
-    let client = upstream(&server, 1000);
+    let (_server, client) = upstream(1000);
     let identity = request(
         "identity",
         vec![Tensor::new("x", DataType::Uint8, vec![4096], Bytes::from(vec![0u8; 4096])).unwrap()],
     );
-    let error = client
-        .unary(
-            MODEL_INFER,
-            protobuf::encode_request(identity).chunks,
-            None,
-            &HeaderMap::new(),
-        )
-        .await
-        .unwrap_err();
+    let error = model_infer(&client, identity, None).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::BadGateway);
     assert!(
         error.message().contains("more than the limit of 1000 bytes"),

@@ -6,33 +6,20 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::ModelServerProcess;
+use common::ports::dead_endpoint;
+use common::{ModelServerProcess, int32s};
 use http::{HeaderMap, Method};
 use oipgate::codec::rest::{self, BINARY_DATA_OUTPUT};
-use oipgate::config::Endpoint;
 use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
 use oipgate::upstream::RestUpstream;
 use oipgate::{ErrorKind, Origin};
 
-fn upstream(server: &ModelServerProcess) -> RestUpstream {
-    let addr = server.rest.unwrap();
-    RestUpstream::new(
-        &Endpoint {
-            host: addr.ip().to_string(),
-            port: addr.port(),
-        },
-        Duration::from_secs(2),
-        1 << 30,
-        None,
-    )
-}
-
-fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
-    values
-        .into_iter()
-        .flat_map(i32::to_le_bytes)
-        .collect::<Vec<u8>>()
-        .into()
+/// A REST-only model server started with `more` arguments, and an upstream client of it.
+fn upstream(more: &[&str]) -> (ModelServerProcess, RestUpstream) {
+    let server = ModelServerProcess::rest_only(more);
+    let endpoint = common::endpoint(server.rest.unwrap());
+    let client = RestUpstream::new(&endpoint, Duration::from_secs(2), 1 << 30, None);
+    (server, client)
 }
 
 fn add_sub() -> InferRequest {
@@ -48,8 +35,7 @@ fn add_sub() -> InferRequest {
 
 #[tokio::test]
 async fn inference_as_json_and_as_binary() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
-    let client = upstream(&server);
+    let (_server, client) = upstream(&[]);
     let json = client
         .infer(
             "add_sub",
@@ -86,8 +72,7 @@ async fn inference_as_json_and_as_binary() {
 
 #[tokio::test]
 async fn errors_keep_status_and_message() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
-    let client = upstream(&server);
+    let (_server, client) = upstream(&[]);
     let error = client
         .infer(
             "nope",
@@ -121,8 +106,7 @@ async fn errors_keep_status_and_message() {
 
 #[tokio::test]
 async fn metadata_and_readiness() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--name", "backend-x"]);
-    let client = upstream(&server);
+    let (_server, client) = upstream(&["--name", "backend-x"]);
     assert_eq!(client.server_metadata(None).await.unwrap().name, "backend-x");
     let metadata = client.model_metadata("add_sub", Some("1"), None).await.unwrap();
     assert_eq!(metadata.versions, ["1", "2"]);
@@ -149,8 +133,7 @@ async fn metadata_and_readiness() {
 
 #[tokio::test]
 async fn deadline_and_a_backend_that_is_down() {
-    let server = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
-    let client = upstream(&server);
+    let (_server, client) = upstream(&[]);
     let mut slow = InferRequest {
         inputs: vec![Tensor::new("x", DataType::Int8, vec![1], Bytes::from_static(&[1])).unwrap()],
         ..InferRequest::default()
@@ -170,8 +153,8 @@ async fn deadline_and_a_backend_that_is_down() {
     assert_eq!((error.kind(), error.http_status().as_u16()), (ErrorKind::Timeout, 504));
     assert!(started.elapsed() < Duration::from_secs(3));
 
-    let (host, port) = common::dead_endpoint();
-    let down = RestUpstream::new(&Endpoint { host, port }, Duration::from_secs(1), 1024, None);
+    let dead = dead_endpoint();
+    let down = RestUpstream::new(&dead.endpoint(), Duration::from_secs(1), 1024, None);
     let error = down.server_ready(Some(Duration::from_secs(5))).await.unwrap_err();
     assert_eq!(
         (error.kind(), error.http_status().as_u16()),

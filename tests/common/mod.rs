@@ -1,9 +1,13 @@
 //! Helpers shared by the black-box tests: start the built binary on port 0, and talk to it over REST and gRPC.
 #![allow(dead_code)]
 
+pub mod config;
+pub mod ports;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -37,6 +41,7 @@ pub struct ModelServerProcess {
 }
 
 impl ModelServerProcess {
+    /// Started with `args`; returns once it has printed the addresses it listens on.
     pub fn start(args: &[&str]) -> ModelServerProcess {
         let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
             .arg("model-server")
@@ -59,20 +64,46 @@ impl ModelServerProcess {
         ModelServerProcess { child, rest, grpc }
     }
 
+    /// Serving REST and gRPC, each on a port of its own.
     pub fn both() -> ModelServerProcess {
         ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
     }
 
+    /// Serving REST only, started with `more` arguments.
+    pub fn rest_only(more: &[&str]) -> ModelServerProcess {
+        ModelServerProcess::start(&[&["--rest", "127.0.0.1:0"][..], more].concat())
+    }
+
+    /// Serving gRPC only, started with `more` arguments.
+    pub fn grpc_only(more: &[&str]) -> ModelServerProcess {
+        ModelServerProcess::start(&[&["--grpc", "127.0.0.1:0"][..], more].concat())
+    }
+
+    /// Serving REST and gRPC, each on a port of its own, under the server name `name` (which it puts in an
+    /// `x-echo-server` answer header when asked with `x-echo-probe`).
+    pub fn named(name: &str) -> ModelServerProcess {
+        ModelServerProcess::start(&["--rest", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "--name", name])
+    }
+
+    /// Named `name` (see [`Self::named`]), serving REST at `rest` and, when given, gRPC at `grpc`: addresses known
+    /// beforehand, kept for it by a [`ports::HeldPort`].
+    pub fn named_at(name: &str, rest: SocketAddr, grpc: Option<SocketAddr>) -> ModelServerProcess {
+        let (rest, grpc) = (rest.to_string(), grpc.map(|grpc| grpc.to_string()));
+        let mut args: Vec<&str> = vec!["--rest", &rest, "--name", name];
+        if let Some(grpc) = &grpc {
+            args.extend(["--grpc", grpc.as_str()]);
+        }
+        ModelServerProcess::start(&args)
+    }
+
+    /// The URL of `path` on its REST listener.
     pub fn rest_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.rest.expect("a REST address"))
     }
 
+    /// A [`grpc_client`] of its gRPC listener.
     pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<Channel> {
-        GrpcInferenceServiceClient::connect(format!("http://{}", self.grpc.expect("a gRPC address")))
-            .await
-            .expect("gRPC connects")
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX)
+        grpc_client(self.grpc.expect("a gRPC address")).await
     }
 }
 
@@ -92,21 +123,25 @@ pub struct HttpAnswer {
 }
 
 impl HttpAnswer {
+    /// The body as JSON (panics, showing the body, when it is not).
     pub fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
     }
 
+    /// The value of header `name`, when present and text.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
 }
 
+/// A plain HTTP client: HTTP/1.1, or with `h2c` HTTP/2 without TLS.
 pub fn http_client(h2c: bool) -> Client<HttpConnector, Full<Bytes>> {
     let mut builder = Client::builder(TokioExecutor::new());
     builder.http2_only(h2c);
     builder.build_http()
 }
 
+/// One request through `client`, with `headers`; its whole answer.
 pub async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     method: &str,
@@ -128,13 +163,92 @@ pub async fn send(
     HttpAnswer { status, headers, body }
 }
 
+/// A GET on a client of its own.
 pub async fn get(url: &str) -> HttpAnswer {
     send(&http_client(false), "GET", url, &[], Bytes::new()).await
 }
 
+/// A POST of `body` on a client of its own.
 pub async fn post(url: &str, body: impl Into<Bytes>) -> HttpAnswer {
-    send(&http_client(false), "POST", url, &[], body).await
+    post_with_headers(url, &[], body).await
 }
+
+/// A POST of `body` with `headers`, on a client of its own.
+pub async fn post_with_headers(url: &str, headers: &[(&str, String)], body: impl Into<Bytes>) -> HttpAnswer {
+    send(&http_client(false), "POST", url, headers, body).await
+}
+
+/// A gRPC inference client of `address`, with no limit on message sizes.
+pub async fn grpc_client(address: SocketAddr) -> GrpcInferenceServiceClient<Channel> {
+    GrpcInferenceServiceClient::connect(format!("http://{address}"))
+        .await
+        .expect("gRPC connects")
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX)
+}
+
+/// What the ServerLive RPC answers.
+pub async fn grpc_live(client: &mut GrpcInferenceServiceClient<Channel>) -> bool {
+    let request = oipgate::proto::ServerLiveRequest {};
+    client.server_live(request).await.unwrap().into_inner().live
+}
+
+/// What the ServerReady RPC answers.
+pub async fn grpc_ready(client: &mut GrpcInferenceServiceClient<Channel>) -> bool {
+    let request = oipgate::proto::ServerReadyRequest {};
+    client.server_ready(request).await.unwrap().into_inner().ready
+}
+
+/// What the ModelReady RPC answers for `name` at `version` ("" for the default).
+pub async fn grpc_model_ready(
+    client: &mut GrpcInferenceServiceClient<Channel>,
+    name: &str,
+    version: &str,
+) -> Result<bool, tonic::Status> {
+    let request = oipgate::proto::ModelReadyRequest {
+        name: name.into(),
+        version: version.into(),
+    };
+    Ok(client.model_ready(request).await?.into_inner().ready)
+}
+
+/// An upstream client's endpoint for `address`.
+pub fn endpoint(address: SocketAddr) -> oipgate::config::Endpoint {
+    oipgate::config::Endpoint {
+        host: address.ip().to_string(),
+        port: address.port(),
+    }
+}
+
+/// INT32 values as a tensor's little-endian bytes.
+pub fn int32s(values: impl IntoIterator<Item = i32>) -> Bytes {
+    values
+        .into_iter()
+        .flat_map(i32::to_le_bytes)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// A binary-extension request body carrying `inputs` and asking for binary outputs, with the header that says where
+/// its JSON part ends.
+pub fn binary_request(
+    inputs: Vec<oipgate::protocol::Tensor>,
+) -> (oipgate::codec::rest::EncodedBody, [(&'static str, String); 1]) {
+    let mut request = oipgate::protocol::InferRequest {
+        inputs,
+        ..Default::default()
+    };
+    request
+        .parameters
+        .insert("binary_data_output".into(), oipgate::protocol::ParamValue::Bool(true));
+    let body = oipgate::codec::rest::encode_request(&request, true).unwrap();
+    let length = body.header_length.unwrap().to_string();
+    (body, [("inference-header-content-length", length)])
+}
+
+/// A REST request body for `identity` (or any one-input INT32 model): the input x = [7, 8], as
+/// [`grpc_int32_request`] has it.
+pub const INT32_BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
 /// An add_sub request body with INPUT0 = 0..16 and INPUT1 = 1s, in `datatype`.
 pub fn add_sub_json(datatype: &str) -> String {
@@ -146,25 +260,34 @@ pub fn add_sub_json(datatype: &str) -> String {
     )
 }
 
-/// A free port on 127.0.0.1 (bound, then released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A directory of its own under the system's temporary one, made now, named after `prefix`, this process and a count.
+pub fn unique_temp_dir(prefix: &str) -> PathBuf {
+    static MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
-/// An address nothing listens on, which refuses connections at once: on 127.255.0.1, where no test binds, so no
-/// other test's server can take the port meanwhile (as a released port on 127.0.0.1 can be taken).
-pub fn dead_address() -> String {
-    let (host, port) = dead_endpoint();
-    format!("{host}:{port}")
+/// `oipgate check-config` on the file at `path`, run to its end.
+pub fn check_config(path: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .arg("check-config")
+        .arg(path)
+        .output()
+        .unwrap()
 }
 
-/// [`dead_address`] as host and port.
-pub fn dead_endpoint() -> (String, u16) {
-    ("127.255.0.1".to_owned(), free_port())
+/// `oipgate serve` on the configuration file at `path`, run to its end: for a configuration it must refuse.
+pub fn serve_once(path: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .args(["serve", "--config"])
+        .arg(path)
+        .output()
+        .unwrap()
 }
 
 /// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
@@ -173,7 +296,7 @@ pub struct GatewayProcess {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
-    pub dir: std::path::PathBuf,
+    pub dir: PathBuf,
     /// The `[listen]` table written ahead of every configuration.
     listen: String,
     /// Its log lines (stderr), when captured.
@@ -190,12 +313,7 @@ impl GatewayProcess {
     /// [`Self::log_lines`].
     pub fn start_with(config: &str, args: &[&str], capture_log: bool) -> GatewayProcess {
         // Port 0 everywhere: the gateway binds and prints the ports it got, so no port is released and retaken.
-        let dir = std::env::temp_dir().join(format!(
-            "oipgate-gw-{}-{}",
-            std::process::id(),
-            GATEWAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = unique_temp_dir("oipgate-gw");
         let path = dir.join("gateway.toml");
         let listen = "[listen]\nrest = \"127.0.0.1:0\"\ngrpc = \"127.0.0.1:0\"\nmetrics = \"127.0.0.1:0\"\n".to_owned();
         std::fs::write(&path, format!("{listen}{config}")).unwrap();
@@ -238,12 +356,13 @@ impl GatewayProcess {
         }
     }
 
+    /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// The configuration file the gateway reads.
-    pub fn config_path(&self) -> std::path::PathBuf {
+    pub fn config_path(&self) -> PathBuf {
         self.dir.join("gateway.toml")
     }
 
@@ -286,6 +405,7 @@ impl GatewayProcess {
         self.log.as_ref().map(|l| l.lock().unwrap().clone()).unwrap_or_default()
     }
 
+    /// The URL of `path` on the REST front door.
     pub fn rest_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.rest)
     }
@@ -305,12 +425,9 @@ impl GatewayProcess {
             .unwrap_or(0.0)
     }
 
+    /// A [`grpc_client`] of the gRPC front door.
     pub async fn grpc_client(&self) -> GrpcInferenceServiceClient<Channel> {
-        GrpcInferenceServiceClient::connect(format!("http://{}", self.grpc))
-            .await
-            .expect("gRPC connects")
-            .max_decoding_message_size(usize::MAX)
-            .max_encoding_message_size(usize::MAX)
+        grpc_client(self.grpc).await
     }
 }
 
@@ -325,13 +442,10 @@ impl Drop for GatewayProcess {
 /// A gateway's captured log lines.
 type Log = Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>;
 
-/// Gateways started by this test binary, each with a directory of its own.
-static GATEWAYS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// Starts `oipgate serve` on the configuration at `path` with `args`, and waits for its first line, which it prints
 /// once its listening sockets are bound (or taken over); gives its REST, gRPC and metrics addresses from that line.
 /// Its stderr is kept when `capture_log`.
-fn spawn_gateway(path: &std::path::Path, args: &[&str], capture_log: bool) -> (Child, Log, [SocketAddr; 3]) {
+fn spawn_gateway(path: &Path, args: &[&str], capture_log: bool) -> (Child, Log, [SocketAddr; 3]) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
         .arg("serve")
         .arg("--config")
@@ -415,6 +529,7 @@ pub struct Load {
 }
 
 impl Load {
+    /// How long one call may take before it counts as a failure.
     pub const CALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
     const KEPT_FAILURES: usize = 20;
 
@@ -448,6 +563,36 @@ impl Load {
                 }
             }
         }));
+    }
+
+    /// A worker POSTing `body` to `url` through `client` (which keeps its connections), each answer to be a 200.
+    pub fn rest_worker(&mut self, client: Client<HttpConnector, Full<Bytes>>, url: String, body: impl Into<Bytes>) {
+        let body = body.into();
+        self.worker(move || {
+            let (client, url, body) = (client.clone(), url.clone(), body.clone());
+            async move { answered_ok(&send(&client, "POST", &url, &[], body).await) }
+        });
+    }
+
+    /// A worker sending [`grpc_int32_request`]s for `identity` through `client`, each to be answered.
+    pub fn grpc_identity_worker<T>(&mut self, client: GrpcInferenceServiceClient<T>)
+    where
+        T: tonic::client::GrpcService<tonic::body::Body> + Clone + Send + 'static,
+        T::Future: Send,
+        T::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        T::ResponseBody: http_body::Body<Data = Bytes> + Send + 'static,
+        <T::ResponseBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send,
+    {
+        self.worker(move || {
+            let mut client = client.clone();
+            async move {
+                client
+                    .model_infer(grpc_int32_request("identity", ""))
+                    .await
+                    .map(drop)
+                    .map_err(|status| format!("gRPC {status:?}"))
+            }
+        });
     }
 
     /// Requests served so far.
