@@ -105,14 +105,20 @@ impl RestConnections {
     /// Serves one accepted connection until it closes.
     pub async fn serve(self, tcp: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
         let _ = tcp.set_nodelay(true);
-        let Some(acceptor) = &self.tls else {
-            match first_bytes(&tcp, &shutdown).await {
-                Arrival::Closed => {}
-                Arrival::Http2 => self.serve_http2(tcp, shutdown).await,
-                Arrival::Http1 => self.serve_http1(tcp, shutdown).await,
-            }
-            return;
-        };
+        // A connection's task lives as long as the connection, idle or not, and a future is as large as its largest
+        // state: HTTP/2 and TLS (large states of their own) are boxed so an idle plain HTTP/1.1 connection stays small.
+        if self.tls.is_some() {
+            return Box::pin(self.serve_tls(tcp, peer, shutdown)).await;
+        }
+        match first_bytes(&tcp, &shutdown).await {
+            Arrival::Closed => {}
+            Arrival::Http2 => Box::pin(self.serve_http2(tcp, shutdown)).await,
+            Arrival::Http1 => self.serve_http1(tcp, shutdown).await,
+        }
+    }
+
+    async fn serve_tls(self, tcp: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
+        let Some(acceptor) = &self.tls else { return };
         let tls = match tokio::time::timeout(HANDSHAKE, acceptor.accept(tcp)).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(error)) => return tracing::debug!(%error, %peer, "TLS handshake failed"),
@@ -145,52 +151,60 @@ impl RestConnections {
         builder.max_header_size(MAX_HEAD_BYTES);
         let mut unread = Bytes::new();
         loop {
-            let io = Http1Io {
-                inner: stream,
-                unread,
-                state: state.clone(),
-                timer: None,
-                timing_head: false,
-                requests_seen: state.begun.load(Ordering::Relaxed),
-                header_timeout: self.header_timeout,
-                head: HeadScan::default(),
-                hands_off: S::CAN_PEEK,
-                handed_off: false,
-            };
-            // Boxed, so hyper's state is freed when the connection is handed off, not kept in the task for its life.
-            let mut connection = Box::pin(
-                builder
-                    .serve_connection(TokioIo::new(io), service.clone())
-                    .without_shutdown(),
-            );
-            let served = tokio::select! {
-                served = connection.as_mut() => served,
-                () = stopping(&mut shutdown) => {
-                    // From now on each answer closes its connection; a request already on its way to an idle one
-                    // still gets one, for a moment.
-                    state.closing.store(true, Ordering::Relaxed);
-                    loop {
-                        tokio::select! {
-                            served = connection.as_mut() => break served,
-                            () = tokio::time::sleep(CLOSE_LINGER) => if !state.busy() {
-                                return;
-                            },
+            // hyper's part runs in a future of its own, boxed: everything it holds is freed once it ends, and the
+            // connection's task, which lives as long as the connection, keeps only what waiting needs.
+            let served = Box::pin(async {
+                let io = Http1Io {
+                    inner: stream,
+                    unread,
+                    state: state.clone(),
+                    timer: None,
+                    timing_head: false,
+                    requests_seen: state.begun.load(Ordering::Relaxed),
+                    header_timeout: self.header_timeout,
+                    head: HeadScan::default(),
+                    hands_off: S::CAN_PEEK,
+                    handed_off: false,
+                };
+                let mut connection = std::pin::pin!(
+                    builder
+                        .serve_connection(TokioIo::new(io), service.clone())
+                        .without_shutdown()
+                );
+                let served = tokio::select! {
+                    served = connection.as_mut() => served,
+                    () = stopping(&mut shutdown) => {
+                        // From now on each answer closes its connection; a request already on its way to an idle one
+                        // still gets one, for a moment.
+                        state.closing.store(true, Ordering::Relaxed);
+                        loop {
+                            tokio::select! {
+                                served = connection.as_mut() => break served,
+                                () = tokio::time::sleep(CLOSE_LINGER) => if !state.busy() {
+                                    return None;
+                                },
+                            }
                         }
                     }
+                };
+                let Ok(parts) = served else { return None };
+                let io = parts.io.into_inner();
+                if !io.handed_off || state.is_closing() {
+                    return None;
                 }
-            };
-            let Ok(parts) = served else { return };
-            let io = parts.io.into_inner();
-            if !io.handed_off || state.is_closing() {
-                return;
-            }
-            // What hyper had read and not used, then what it had not read of the last hand-off's bytes.
-            unread = match (parts.read_buf.is_empty(), io.unread.is_empty()) {
-                (_, true) => parts.read_buf,
-                (true, false) => io.unread,
-                (false, false) => Bytes::from([parts.read_buf, io.unread].concat()),
-            };
-            stream = io.inner;
+                // What hyper had read and not used, then what it had not read of the last hand-off's bytes.
+                // An empty view still holds hyper's whole read buffer, so it is not kept.
+                let unread = match (parts.read_buf.is_empty(), io.unread.is_empty()) {
+                    (true, true) => Bytes::new(),
+                    (false, true) => parts.read_buf,
+                    (true, false) => io.unread,
+                    (false, false) => Bytes::from([parts.read_buf, io.unread].concat()),
+                };
+                Some((io.inner, unread))
+            })
+            .await;
+            let Some(served) = served else { return };
+            (stream, unread) = served;
             if unread.is_empty() && !next_request(&stream, &shutdown).await {
                 return;
             }
