@@ -1,6 +1,7 @@
 //! Hostile input at the REST door, from both sides: clients that send malformed or oversized heads, ambiguous or
 //! broken framing, or dribble their headers; and a backend whose answer claims lengths it does not have. Each is
-//! refused with the right status, and nothing a client sends that way reaches a backend.
+//! refused with the right status, and nothing a client sends that way reaches a backend. A client that reads its
+//! answer slowly still gets all of it.
 
 mod common;
 
@@ -232,4 +233,66 @@ async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
     .await
     .unwrap();
     assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer}");
+}
+
+/// A client that reads a large answer slowly gets all of it, and its connection stays open for the next request:
+/// the answer's last bytes wait in the gateway long after its body was produced, and the idle clock must not cut them
+/// off (it did: a 64 MiB answer was cut short about once in fifty).
+#[test]
+fn a_slow_reader_gets_a_large_answer_whole_and_keeps_its_connection() {
+    let grpc = ModelServerProcess::grpc_only(&["--models", "identity"]);
+    let gateway = GatewayProcess::start(&format!(
+        "{}\n{}",
+        backend("grpc", "grpc", [grpc.grpc.unwrap()]),
+        model("identity", "grpc")
+    ));
+    let values = vec!["7"; 3_000_000].join(",");
+    let body = format!(r#"{{"inputs":[{{"name":"x","datatype":"INT32","shape":[3000000],"data":[{values}]}}]}}"#);
+    let request = format!(
+        "POST /v2/models/identity/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(&gateway.rest.into()).unwrap();
+    let mut stream: std::net::TcpStream = socket.into();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for round in 0..2 {
+        stream.write_all(request.as_bytes()).unwrap();
+        // The answer (6 MB) is more than the kernel buffers on both sides hold, so its last bytes wait in the
+        // gateway while the client reads nothing for longer than the gateway's idle hand-off (200 ms).
+        std::thread::sleep(Duration::from_millis(700));
+        let mut received = Vec::new();
+        let mut buffer = [0u8; 65536];
+        let expected = loop {
+            let n = stream.read(&mut buffer).unwrap();
+            assert!(
+                n > 0,
+                "round {round}: the gateway closed the connection after {} bytes",
+                received.len()
+            );
+            received.extend_from_slice(&buffer[..n]);
+            if let Some(end) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&received[..end]).to_lowercase();
+                assert!(head.starts_with("http/1.1 200"), "round {round}: {head}");
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .map(|value| value.trim().parse().unwrap())
+                    .expect("a content-length");
+                if received.len() >= end + 4 + length {
+                    assert_eq!(
+                        received.len(),
+                        end + 4 + length,
+                        "round {round}: bytes after the answer"
+                    );
+                    break length;
+                }
+            }
+        };
+        assert!(
+            expected > 6_000_000,
+            "round {round}: the answer carries the 3,000,000 values"
+        );
+    }
 }

@@ -165,6 +165,7 @@ impl RestConnections {
                     head: HeadScan::default(),
                     hands_off: S::CAN_PEEK,
                     handed_off: false,
+                    blocked_since: None,
                 };
                 let mut connection = std::pin::pin!(
                     builder
@@ -327,6 +328,9 @@ struct Http1Io<S> {
     hands_off: bool,
     /// It was.
     handed_off: bool,
+    /// Since when the answer's bytes have waited for the client to read (hyper keeps writing after the answer's body
+    /// has ended, so an answer "sent" may still be on its way): an idle clock must not cut it short.
+    blocked_since: Option<std::time::Instant>,
 }
 
 /// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
@@ -400,6 +404,19 @@ impl HeadScan {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Http1Io<S> {
+    /// Keeps [`Self::blocked_since`]: set when a write must wait for the client, cleared when one goes through (hyper
+    /// writes until its queue is empty or the socket is full, so after its last write it has nothing left).
+    fn note_write(&mut self, written: &Poll<std::io::Result<usize>>) {
+        match written {
+            Poll::Pending => {
+                if self.blocked_since.is_none() {
+                    self.blocked_since = Some(std::time::Instant::now());
+                }
+            }
+            Poll::Ready(_) => self.blocked_since = None,
+        }
+    }
+
     fn set_timer(&mut self, head: bool) {
         let wait = match (head, self.hands_off) {
             (true, _) => self.header_timeout,
@@ -473,6 +490,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
                 if !expired {
                     return Poll::Pending;
                 }
+                if !this.timing_head
+                    && let Some(since) = this.blocked_since
+                {
+                    // Not idle: the last answer is still being written. The client is given as long to take its
+                    // next bytes as an idle connection is kept (nginx's send_timeout).
+                    if since.elapsed() >= KEEPALIVE {
+                        return Poll::Ready(Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the client did not read the answer in time",
+                        )));
+                    }
+                    this.set_timer(false);
+                    let _ = this.timer.as_mut().map(|timer| timer.as_mut().poll(cx));
+                    return Poll::Pending;
+                }
                 if !this.timing_head {
                     // Idle: hyper takes the end of the stream quietly, and lets the connection go (to wait in a
                     // smaller future, when it can be peeked at) or closes it.
@@ -492,9 +524,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.note_write(&written);
+        written
     }
 
     fn poll_write_vectored(
@@ -502,7 +537,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
         cx: &mut Context<'_>,
         bufs: &[IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let written = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.note_write(&written);
+        written
     }
 
     fn is_write_vectored(&self) -> bool {
