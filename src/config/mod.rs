@@ -253,54 +253,95 @@ fn validate_model(
     }
     let mut versions: Vec<VersionConfig> = Vec::with_capacity(model.versions.len());
     for (j, version) in model.versions.iter().enumerate() {
-        let vpath = format!("{path}.versions[{j}]");
-        check_name(problems, &format!("{vpath}.version"), "version", &version.version);
-        if versions.iter().any(|v| v.version == version.version) {
+        let checked = validate_version(
+            problems,
+            &format!("{path}.versions[{j}]"),
+            model,
+            version,
+            backend_index,
+        );
+        if versions.iter().any(|v| v.version == checked.version) {
             problems.add(
-                format!("{vpath}.version"),
+                format!("{path}.versions[{j}].version"),
                 format!("version \"{}\" is listed twice", version.version),
             );
         }
-        let backend = match backend_index.get(version.backend.as_str()) {
-            Some(&index) => index,
-            None => {
-                problems.add(
-                    format!("{vpath}.backend"),
-                    format!("no backend named \"{}\"", version.backend),
-                );
-                0
-            }
-        };
-        let upstream_name = version.upstream_name.clone().unwrap_or_else(|| model.name.clone());
-        let upstream_version = version
-            .upstream_version
-            .clone()
-            .unwrap_or_else(|| version.version.clone());
+        versions.push(checked);
+    }
+    let known: Vec<String> = versions.iter().map(|v| v.version.clone()).collect();
+    settle_weights(problems, path, model, &mut versions, &known);
+    let default_version = versions
+        .iter()
+        .fold(None::<&VersionConfig>, |best, v| match best {
+            Some(b) if b.weight >= v.weight => Some(b),
+            _ => Some(v),
+        })
+        .map(|v| v.version.clone())
+        .unwrap_or_default();
+    ModelConfig {
+        name: model.name.clone(),
+        default_version,
+        sticky_header: sticky_header(problems, path, model),
+        mirror: mirror(problems, path, model, &versions, &known),
+        versions,
+    }
+}
+
+/// One version of a model: its names and its backend.
+fn validate_version(
+    problems: &mut Problems,
+    vpath: &str,
+    model: &raw::RawModel,
+    version: &raw::RawVersion,
+    backend_index: &HashMap<&str, usize>,
+) -> VersionConfig {
+    check_name(problems, &format!("{vpath}.version"), "version", &version.version);
+    let backend = backend_index.get(version.backend.as_str()).copied().unwrap_or_else(|| {
+        problems.add(
+            format!("{vpath}.backend"),
+            format!("no backend named \"{}\"", version.backend),
+        );
+        0
+    });
+    let upstream_name = version.upstream_name.clone().unwrap_or_else(|| model.name.clone());
+    let upstream_version = version
+        .upstream_version
+        .clone()
+        .unwrap_or_else(|| version.version.clone());
+    check_name(
+        problems,
+        &format!("{vpath}.upstream_name"),
+        "upstream name",
+        &upstream_name,
+    );
+    // An empty upstream version calls the backend's model without one: its default version.
+    if !upstream_version.is_empty() {
         check_name(
             problems,
-            &format!("{vpath}.upstream_name"),
-            "upstream name",
-            &upstream_name,
+            &format!("{vpath}.upstream_version"),
+            "upstream version",
+            &upstream_version,
         );
-        // An empty upstream version calls the backend's model without one: its default version.
-        if !upstream_version.is_empty() {
-            check_name(
-                problems,
-                &format!("{vpath}.upstream_version"),
-                "upstream version",
-                &upstream_version,
-            );
-        }
-        versions.push(VersionConfig {
-            version: version.version.clone(),
-            backend,
-            upstream_name,
-            upstream_version,
-            weight: version.weight.unwrap_or(0),
-        });
     }
+    VersionConfig {
+        version: version.version.clone(),
+        backend,
+        upstream_name,
+        upstream_version,
+        weight: version.weight.unwrap_or(0),
+    }
+}
+
+/// Where requests that name no version go: the weights given, else all to `default_version`, else all to the
+/// latest version.
+fn settle_weights(
+    problems: &mut Problems,
+    path: &str,
+    model: &raw::RawModel,
+    versions: &mut [VersionConfig],
+    known: &[String],
+) {
     let weighted = model.versions.iter().any(|v| v.weight.is_some());
-    let known: Vec<String> = versions.iter().map(|v| v.version.clone()).collect();
     match (&model.default_version, weighted) {
         (Some(_), true) => problems.add(
             format!("{path}.default_version"),
@@ -314,7 +355,7 @@ fn validate_model(
             ),
         },
         (None, false) => {
-            let latest = latest(&versions);
+            let latest = latest(versions);
             if let Some(version) = versions.iter_mut().find(|v| Some(&v.version) == latest.as_ref()) {
                 version.weight = 100;
             }
@@ -329,51 +370,48 @@ fn validate_model(
             }
         }
     }
-    let default_version = versions
-        .iter()
-        .fold(None::<&VersionConfig>, |best, v| match best {
-            Some(b) if b.weight >= v.weight => Some(b),
-            _ => Some(v),
-        })
-        .map(|v| v.version.clone())
-        .unwrap_or_default();
-    let sticky_header = model.sticky_header.as_ref().and_then(|name| {
-        match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
-            Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
-            _ => {
-                problems.add(
-                    format!("{path}.sticky_header"),
-                    format!("\"{name}\" is not a header name a client can send end to end"),
-                );
-                None
-            }
-        }
-    });
-    let mirror = model.mirror.as_ref().and_then(|mirror| {
-        let index = versions.iter().position(|v| v.version == mirror.version);
-        if index.is_none() {
+}
+
+/// The header whose value keeps a client on one version, when it is one a client can send end to end.
+fn sticky_header(problems: &mut Problems, path: &str, model: &raw::RawModel) -> Option<http::HeaderName> {
+    let name = model.sticky_header.as_ref()?;
+    match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
+        Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
+        _ => {
             problems.add(
-                format!("{path}.mirror.version"),
-                format!("\"{}\" is not one of the model's versions {known:?}", mirror.version),
+                format!("{path}.sticky_header"),
+                format!("\"{name}\" is not a header name a client can send end to end"),
             );
+            None
         }
-        if !(mirror.percent > 0.0 && mirror.percent <= 100.0) {
-            problems.add(
-                format!("{path}.mirror.percent"),
-                format!("{} is not above 0 and at most 100", mirror.percent),
-            );
-            return None;
-        }
-        let per_million = per_million(mirror.percent);
-        index.map(|version| MirrorConfig { version, per_million })
-    });
-    ModelConfig {
-        name: model.name.clone(),
-        versions,
-        default_version,
-        sticky_header,
-        mirror,
     }
+}
+
+/// The version requests are copied to, and how many of them.
+fn mirror(
+    problems: &mut Problems,
+    path: &str,
+    model: &raw::RawModel,
+    versions: &[VersionConfig],
+    known: &[String],
+) -> Option<MirrorConfig> {
+    let mirror = model.mirror.as_ref()?;
+    let index = versions.iter().position(|v| v.version == mirror.version);
+    if index.is_none() {
+        problems.add(
+            format!("{path}.mirror.version"),
+            format!("\"{}\" is not one of the model's versions {known:?}", mirror.version),
+        );
+    }
+    if !(mirror.percent > 0.0 && mirror.percent <= 100.0) {
+        problems.add(
+            format!("{path}.mirror.percent"),
+            format!("{} is not above 0 and at most 100", mirror.percent),
+        );
+        return None;
+    }
+    let per_million = per_million(mirror.percent);
+    index.map(|version| MirrorConfig { version, per_million })
 }
 
 /// Turns a raw configuration into a valid one, or every problem with it; relative paths stay as written.
@@ -392,72 +430,10 @@ fn file(problems: &mut Problems, path: &str, value: &str, base: &Path) -> PathBu
 /// Turns a raw configuration into a valid one, or every problem with it; relative paths are taken from `base`.
 pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> {
     let mut problems = Problems::default();
-    let rest = address(
-        &mut problems,
-        "listen.rest",
-        raw.listen.rest.as_deref(),
-        Some(DEFAULT_REST),
-    );
-    let grpc = address(
-        &mut problems,
-        "listen.grpc",
-        raw.listen.grpc.as_deref(),
-        Some(DEFAULT_GRPC),
-    );
-    let metrics = address(&mut problems, "listen.metrics", raw.listen.metrics.as_deref(), None);
-    if rest.is_some() && rest == grpc && rest.is_some_and(|a| a.port() != 0) {
-        problems.add("listen.grpc", "the gRPC address is the same as the REST address");
-    }
-    let max_request_bytes = raw.limits.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
-    if max_request_bytes == 0 || max_request_bytes > u64::from(u32::MAX) {
-        problems.add(
-            "limits.max_request_bytes",
-            format!("{max_request_bytes} is outside 1 to {} bytes", u32::MAX),
-        );
-    }
-    let timeout_ms = raw.limits.request_timeout_ms.unwrap_or(DEFAULT_REQUEST_TIMEOUT_MS);
-    if timeout_ms == 0 {
-        problems.add("limits.request_timeout_ms", "must be at least 1");
-    }
-    let header_timeout_ms = raw
-        .limits
-        .header_read_timeout_ms
-        .unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS);
-    if header_timeout_ms == 0 {
-        problems.add("limits.header_read_timeout_ms", "must be at least 1");
-    }
-
-    let mut backend_index: HashMap<&str, usize> = HashMap::new();
-    let mut backends = Vec::with_capacity(raw.backends.len());
-    for (i, backend) in raw.backends.iter().enumerate() {
-        let path = format!("backends[{i}]");
-        check_name(&mut problems, &format!("{path}.name"), "backend name", &backend.name);
-        if let Some(first) = backend_index.insert(&backend.name, i) {
-            problems.add(
-                format!("{path}.name"),
-                format!("duplicate backend name \"{}\" (also backends[{first}])", backend.name),
-            );
-        }
-        backends.push(validate_backend(&mut problems, &path, backend, base));
-    }
-
-    if raw.models.is_empty() {
-        problems.add("models", "no models are configured");
-    }
-    let mut model_index: HashMap<&str, usize> = HashMap::new();
-    let mut models = Vec::with_capacity(raw.models.len());
-    for (i, model) in raw.models.iter().enumerate() {
-        let path = format!("models[{i}]");
-        check_name(&mut problems, &format!("{path}.name"), "model name", &model.name);
-        if let Some(first) = model_index.insert(&model.name, i) {
-            problems.add(
-                format!("{path}.name"),
-                format!("duplicate model name \"{}\" (also models[{first}])", model.name),
-            );
-        }
-        models.push(validate_model(&mut problems, &path, model, &backend_index));
-    }
-
+    let (rest, grpc, metrics) = validate_listen(&mut problems, &raw.listen);
+    let limits = validate_limits(&mut problems, &raw.limits);
+    let (backends, backend_index) = validate_backends(&mut problems, &raw.backends, base);
+    let models = validate_models(&mut problems, &raw.models, &backend_index);
     let tls = raw.tls.as_ref().map(|tls| ServerTls {
         cert: file(&mut problems, "tls.cert", &tls.cert, base),
         key: file(&mut problems, "tls.key", &tls.key, base),
@@ -468,16 +444,11 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
         rest: tls.rest.unwrap_or(true),
         grpc: tls.grpc.unwrap_or(true),
     });
-    let grace_period = Duration::from_millis(raw.shutdown.grace_period_ms.unwrap_or(DEFAULT_GRACE_PERIOD_MS));
-    let drain_delay = Duration::from_millis(raw.shutdown.drain_delay_ms.unwrap_or(0));
-    let watch_interval = match raw.reload.watch_interval_ms {
-        Some(0) => {
-            problems.add("reload.watch_interval_ms", "must be at least 1");
-            DEFAULT_WATCH_INTERVAL_MS
-        }
-        value => value.unwrap_or(DEFAULT_WATCH_INTERVAL_MS),
+    let shutdown = Shutdown {
+        grace_period: Duration::from_millis(raw.shutdown.grace_period_ms.unwrap_or(DEFAULT_GRACE_PERIOD_MS)),
+        drain_delay: Duration::from_millis(raw.shutdown.drain_delay_ms.unwrap_or(0)),
     };
-
+    let reload = validate_reload(&mut problems, &raw.reload);
     let threads = match raw.runtime.threads {
         Some(0) => {
             problems.add("runtime.threads", "must be at least 1");
@@ -486,18 +457,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
         Some(n) => n,
         None => std::thread::available_parallelism().map_or(2, usize::from),
     };
-
-    let ready_policy = match raw.ready_policy.as_deref() {
-        None | Some("all_models") => ReadyPolicy::AllModels,
-        Some("any_model") => ReadyPolicy::AnyModel,
-        Some(other) => {
-            problems.add(
-                "ready_policy",
-                format!("\"{other}\" is not \"all_models\" or \"any_model\""),
-            );
-            ReadyPolicy::AllModels
-        }
-    };
+    let ready_policy = validate_ready_policy(&mut problems, raw.ready_policy.as_deref());
     if !problems.0.is_empty() {
         return Err(problems.0);
     }
@@ -510,24 +470,128 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     Ok(Config {
         ready_policy,
         listen: Listen { rest, grpc, metrics },
-        limits: Limits {
-            max_request_bytes,
-            request_timeout: Duration::from_millis(timeout_ms),
-            header_read_timeout: Duration::from_millis(header_timeout_ms),
-        },
+        limits,
         tls,
-        shutdown: Shutdown {
-            grace_period,
-            drain_delay,
-        },
-        reload: Reload {
-            watch: raw.reload.watch.unwrap_or(true),
-            interval: Duration::from_millis(watch_interval),
-        },
+        shutdown,
+        reload,
         threads,
         backends,
         models,
     })
+}
+
+/// The three listening addresses (REST and gRPC have defaults; they may not be the same).
+fn validate_listen(
+    problems: &mut Problems,
+    listen: &raw::RawListen,
+) -> (Option<SocketAddr>, Option<SocketAddr>, Option<SocketAddr>) {
+    let rest = address(problems, "listen.rest", listen.rest.as_deref(), Some(DEFAULT_REST));
+    let grpc = address(problems, "listen.grpc", listen.grpc.as_deref(), Some(DEFAULT_GRPC));
+    let metrics = address(problems, "listen.metrics", listen.metrics.as_deref(), None);
+    if rest.is_some() && rest == grpc && rest.is_some_and(|a| a.port() != 0) {
+        problems.add("listen.grpc", "the gRPC address is the same as the REST address");
+    }
+    (rest, grpc, metrics)
+}
+
+/// The request size and time limits.
+fn validate_limits(problems: &mut Problems, limits: &raw::RawLimits) -> Limits {
+    let max_request_bytes = limits.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
+    if max_request_bytes == 0 || max_request_bytes > u64::from(u32::MAX) {
+        problems.add(
+            "limits.max_request_bytes",
+            format!("{max_request_bytes} is outside 1 to {} bytes", u32::MAX),
+        );
+    }
+    let timeout_ms = limits.request_timeout_ms.unwrap_or(DEFAULT_REQUEST_TIMEOUT_MS);
+    if timeout_ms == 0 {
+        problems.add("limits.request_timeout_ms", "must be at least 1");
+    }
+    let header_timeout_ms = limits.header_read_timeout_ms.unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS);
+    if header_timeout_ms == 0 {
+        problems.add("limits.header_read_timeout_ms", "must be at least 1");
+    }
+    Limits {
+        max_request_bytes,
+        request_timeout: Duration::from_millis(timeout_ms),
+        header_read_timeout: Duration::from_millis(header_timeout_ms),
+    }
+}
+
+/// Every backend, and where each name stands in the list (names must be unique).
+fn validate_backends<'a>(
+    problems: &mut Problems,
+    raw_backends: &'a [raw::RawBackend],
+    base: &Path,
+) -> (Vec<Backend>, HashMap<&'a str, usize>) {
+    let mut backend_index: HashMap<&str, usize> = HashMap::new();
+    let mut backends = Vec::with_capacity(raw_backends.len());
+    for (i, backend) in raw_backends.iter().enumerate() {
+        let path = format!("backends[{i}]");
+        check_name(problems, &format!("{path}.name"), "backend name", &backend.name);
+        if let Some(first) = backend_index.insert(&backend.name, i) {
+            problems.add(
+                format!("{path}.name"),
+                format!("duplicate backend name \"{}\" (also backends[{first}])", backend.name),
+            );
+        }
+        backends.push(validate_backend(problems, &path, backend, base));
+    }
+    (backends, backend_index)
+}
+
+/// Every model (at least one; names must be unique), checked against the backends.
+fn validate_models(
+    problems: &mut Problems,
+    raw_models: &[raw::RawModel],
+    backend_index: &HashMap<&str, usize>,
+) -> Vec<ModelConfig> {
+    if raw_models.is_empty() {
+        problems.add("models", "no models are configured");
+    }
+    let mut model_index: HashMap<&str, usize> = HashMap::new();
+    let mut models = Vec::with_capacity(raw_models.len());
+    for (i, model) in raw_models.iter().enumerate() {
+        let path = format!("models[{i}]");
+        check_name(problems, &format!("{path}.name"), "model name", &model.name);
+        if let Some(first) = model_index.insert(&model.name, i) {
+            problems.add(
+                format!("{path}.name"),
+                format!("duplicate model name \"{}\" (also models[{first}])", model.name),
+            );
+        }
+        models.push(validate_model(problems, &path, model, backend_index));
+    }
+    models
+}
+
+/// The configuration file's watch.
+fn validate_reload(problems: &mut Problems, reload: &raw::RawReload) -> Reload {
+    let interval = match reload.watch_interval_ms {
+        Some(0) => {
+            problems.add("reload.watch_interval_ms", "must be at least 1");
+            DEFAULT_WATCH_INTERVAL_MS
+        }
+        value => value.unwrap_or(DEFAULT_WATCH_INTERVAL_MS),
+    };
+    Reload {
+        watch: reload.watch.unwrap_or(true),
+        interval: Duration::from_millis(interval),
+    }
+}
+
+fn validate_ready_policy(problems: &mut Problems, policy: Option<&str>) -> ReadyPolicy {
+    match policy {
+        None | Some("all_models") => ReadyPolicy::AllModels,
+        Some("any_model") => ReadyPolicy::AnyModel,
+        Some(other) => {
+            problems.add(
+                "ready_policy",
+                format!("\"{other}\" is not \"all_models\" or \"any_model\""),
+            );
+            ReadyPolicy::AllModels
+        }
+    }
 }
 
 fn backend_policy(problems: &mut Problems, path: &str, backend: &raw::RawBackend) -> BackendPolicy {
