@@ -404,9 +404,10 @@ impl HeadScan {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Http1Io<S> {
-    /// Keeps [`Self::blocked_since`]: set when a write must wait for the client, cleared when one goes through (hyper
-    /// writes until its queue is empty or the socket is full, so after its last write it has nothing left).
-    fn note_write(&mut self, written: &Poll<std::io::Result<usize>>) {
+    /// Keeps [`Self::blocked_since`]: set when a write or flush must wait for the client, cleared when one goes
+    /// through (hyper writes until its queue is empty or the socket is full, so after its last write it has nothing
+    /// left; a TLS stream may still hold bytes, which its flush reports).
+    fn note_write<T>(&mut self, written: &Poll<std::io::Result<T>>) {
         match written {
             Poll::Pending => {
                 if self.blocked_since.is_none() {
@@ -548,7 +549,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let flushed = Pin::new(&mut this.inner).poll_flush(cx);
+        this.note_write(&flushed);
+        flushed
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
