@@ -80,6 +80,10 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         answers[1]
     );
     assert!(answers[2].contains(r#"["olleh","yawetag"]"#), "{}", answers[2]);
+    // The sequence's steps reach the replica holding its sum, though the backend balances round robin.
+    for (answer, sum) in answers[3..6].iter().zip([10, 15, 22]) {
+        assert!(answer.contains(&format!(r#""data":[{sum}]"#)), "{answer}");
+    }
     assert!(answers.iter().any(|a| a.contains(r#""versions":["1","2"]"#)));
     assert!(answers.iter().any(|a| a == r#"{"ready":true}"#), "{answers:?}");
     let exposition = answers.last().unwrap();

@@ -147,6 +147,24 @@ async fn sticky_versions(gateway: &GatewayProcess, keys: &[String], times: usize
     chosen
 }
 
+#[tokio::test]
+async fn a_sequence_keeps_the_version_the_weights_gave_it() {
+    let fleet = fleet(50, 50);
+    let mut chosen = HashMap::new();
+    for id in 1..=60 {
+        // The request's sequence, not a header, is the key; add_sub itself takes no notice of it.
+        let body = add_sub_json("INT32").replacen('{', &format!(r#"{{"parameters":{{"sequence_id":{id}}},"#), 1);
+        let served = versions_served(&fleet.gateway, "/v2/models/add_sub/infer", &body, Vec::new(), 4).await;
+        assert!(served.iter().all(|v| *v == served[0]), "sequence {id} got {served:?}");
+        chosen.insert(id, served[0].clone());
+    }
+    let on_v2 = chosen.values().filter(|v| *v == "2").count();
+    assert!(
+        (10..=50).contains(&on_v2),
+        "{on_v2} of 60 sequences on version 2 at 50/50"
+    );
+}
+
 fn add_sub_grpc(version: &str) -> ModelInferRequest {
     ModelInferRequest {
         model_name: "add_sub".into(),

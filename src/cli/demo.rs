@@ -27,27 +27,29 @@ pub fn run(options: DemoOptions) -> Result<()> {
         .build()
         .map_err(|e| Error::internal(format!("cannot start a runtime: {e}")))?;
     let any: SocketAddr = "127.0.0.1:0".parse().map_err(|_| Error::internal("address"))?;
-    let (rest_backend, grpc_backend) = runtime.block_on(async {
-        let rest = modelserver::start(ModelServerConfig {
-            rest: Some(any),
-            name: "demo-rest-backend".into(),
-            ..Default::default()
-        })
-        .await?;
-        let grpc = modelserver::start(ModelServerConfig {
-            grpc: Some(any),
-            name: "demo-grpc-backend".into(),
-            ..Default::default()
-        })
-        .await?;
-        Ok::<_, Error>((rest, grpc))
+    let replicas = runtime.block_on(async {
+        let mut replicas = Vec::new();
+        for name in ["demo-replica-1", "demo-replica-2"] {
+            replicas.push(
+                modelserver::start(ModelServerConfig {
+                    rest: Some(any),
+                    grpc: Some(any),
+                    name: name.into(),
+                    ..Default::default()
+                })
+                .await?,
+            );
+        }
+        Ok::<_, Error>(replicas)
     })?;
-    let rest_backend_addr = rest_backend
-        .rest_addr
-        .ok_or_else(|| Error::internal("REST model server has no address"))?;
-    let grpc_backend_addr = grpc_backend
-        .grpc_addr
-        .ok_or_else(|| Error::internal("gRPC model server has no address"))?;
+    let addresses = |protocol: fn(&modelserver::RunningModelServer) -> Option<SocketAddr>| {
+        replicas
+            .iter()
+            .map(|replica| protocol(replica).ok_or_else(|| Error::internal("a model server has no address")))
+            .collect::<Result<Vec<SocketAddr>>>()
+    };
+    let rest_backends = addresses(|replica| replica.rest_addr)?;
+    let grpc_backends = addresses(|replica| replica.grpc_addr)?;
 
     let mut raw =
         raw::parse(DEMO_CONFIG, &config::environment_overrides()).map_err(|p| Error::internal(p.to_string()))?;
@@ -55,26 +57,42 @@ pub fn run(options: DemoOptions) -> Result<()> {
     raw.listen.grpc = Some(options.grpc.to_string());
     raw.listen.metrics = Some(options.metrics.to_string());
     for backend in &mut raw.backends {
-        let address = if backend.protocol == "grpc" {
-            grpc_backend_addr
+        let addresses = if backend.protocol == "grpc" {
+            &grpc_backends
         } else {
-            rest_backend_addr
+            &rest_backends
         };
-        backend.endpoints = vec![address.to_string()];
+        backend.endpoints = addresses.iter().map(ToString::to_string).collect();
     }
     let config = config::validate(raw)
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
-    println!("{}", examples(options, rest_backend_addr, grpc_backend_addr));
+    println!("{}", examples(options, &rest_backends, &grpc_backends));
     let served = crate::process::app::serve(config, "oipgate-demo", None, &crate::process::app::Process::default());
     runtime.block_on(async {
-        rest_backend.shutdown().await;
-        grpc_backend.shutdown().await;
+        for replica in replicas {
+            replica.shutdown().await;
+        }
     });
     served
 }
 
 /// The text printed at start: where things are and what to try.
-pub fn examples(options: DemoOptions, rest_backend: SocketAddr, grpc_backend: SocketAddr) -> String {
+pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backends: &[SocketAddr]) -> String {
+    let list = |addresses: &[SocketAddr]| {
+        addresses
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(" and ")
+    };
+    let (rest_backends, grpc_backends) = (list(rest_backends), list(grpc_backends));
+    let step = |start: bool, value: i32| {
+        let start = if start { r#","sequence_start":true"# } else { "" };
+        format!(
+            r#"{{"parameters":{{"sequence_id":42{start}}},"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1],"data":[{value}]}}]}}"#
+        )
+    };
+    let (first, second, third) = (step(true, 10), step(false, 5), step(false, 7));
     let rest = options.rest;
     let grpc = options.grpc;
     let metrics = options.metrics;
@@ -85,13 +103,20 @@ pub fn examples(options: DemoOptions, rest_backend: SocketAddr, grpc_backend: So
     );
     format!(
         r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}, metrics at http://{metrics}/metrics
-  backends: built-in model servers, REST at {rest_backend} (add_sub v1, identity v1, simple_string v1)
-            and gRPC at {grpc_backend} (add_sub v2, identity v2, simple_string v2); Ctrl-C stops everything.
+  backends: two built-in model servers, balanced round robin: version 1 of each model on their REST listeners
+            ({rest_backends}), version 2 on their gRPC ones ({grpc_backends}); Ctrl-C stops everything.
 
 REST (version 1 is proxied to the REST backend as it is; version 2 is translated to gRPC):
   curl -s http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
   curl -s http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
   curl -s http://{rest}/v2/models/simple_string/versions/2/infer -d '{{"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[2],"data":["hello","gateway"]}}]}}'
+
+A stateful sequence (sequence_id 42): every step reaches the replica that holds its running sum (10, 15, 22):
+  curl -s http://{rest}/v2/models/accumulate/infer -d '{first}'
+  curl -s http://{rest}/v2/models/accumulate/infer -d '{second}'
+  curl -s http://{rest}/v2/models/accumulate/infer -d '{third}'
+
+Health, metadata and metrics:
   curl -s http://{rest}/v2/models/add_sub
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics

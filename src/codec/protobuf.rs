@@ -30,17 +30,19 @@ type ProtoParameters = BTreeMap<String, InferParameter>;
 pub fn parameters_from_proto(parameters: ProtoParameters) -> Parameters {
     parameters
         .into_iter()
-        .filter_map(|(name, value)| {
-            let value = match value.parameter_choice? {
-                ParameterChoice::BoolParam(v) => ParamValue::Bool(v),
-                ParameterChoice::Int64Param(v) => ParamValue::Int64(v),
-                ParameterChoice::StringParam(v) => ParamValue::String(v),
-                ParameterChoice::DoubleParam(v) => ParamValue::Double(v),
-                ParameterChoice::Uint64Param(v) => ParamValue::Uint64(v),
-            };
-            Some((name, value))
-        })
+        .filter_map(|(name, value)| Some((name, value_from_proto(value.parameter_choice?))))
         .collect()
+}
+
+/// One parameter's value.
+pub fn value_from_proto(choice: ParameterChoice) -> ParamValue {
+    match choice {
+        ParameterChoice::BoolParam(v) => ParamValue::Bool(v),
+        ParameterChoice::Int64Param(v) => ParamValue::Int64(v),
+        ParameterChoice::StringParam(v) => ParamValue::String(v),
+        ParameterChoice::DoubleParam(v) => ParamValue::Double(v),
+        ParameterChoice::Uint64Param(v) => ParamValue::Uint64(v),
+    }
 }
 
 /// Writes parameters, leaving out the binary extension's HTTP-only ones named in `http_only`.

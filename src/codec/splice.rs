@@ -5,9 +5,20 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::{Error, Result};
+use crate::protocol::Parameters;
 
 const MODEL_NAME: u64 = 1;
 const MODEL_VERSION: u64 = 2;
+const PARAMETERS: u64 = 4;
+
+/// One entry of the request's `parameters` map, as protobuf encodes a map entry.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ParameterEntry {
+    #[prost(string, tag = "1")]
+    key: String,
+    #[prost(message, optional, tag = "2")]
+    value: Option<crate::proto::InferParameter>,
+}
 
 /// The model name and version of an encoded message. Protobuf lets a field repeat; the last occurrence wins.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -111,6 +122,32 @@ pub fn model_fields(message: &[u8]) -> Result<ModelFields<'_>> {
         }
     }
     Ok(found)
+}
+
+/// The request-level parameters of an encoded `ModelInferRequest`, decoding nothing else (tensors stay bytes).
+pub fn parameters(message: &[u8]) -> Result<Parameters> {
+    let mut parameters = Parameters::new();
+    for field in fields(message) {
+        let field = field?;
+        if field.number != PARAMETERS {
+            continue;
+        }
+        if field.wire_type != 2 {
+            return Err(Error::invalid("parameters is not encoded as a map"));
+        }
+        let entry = <ParameterEntry as prost::Message>::decode(&message[field.value_start..field.end])
+            .map_err(|e| Error::invalid(format!("invalid request parameter: {e}")))?;
+        // A map entry given twice keeps its last value, as protobuf decoders do; one with no value set is dropped.
+        match entry.value.and_then(|value| value.parameter_choice) {
+            Some(choice) => {
+                parameters.insert(entry.key, super::protobuf::value_from_proto(choice));
+            }
+            None => {
+                parameters.shift_remove(&entry.key);
+            }
+        }
+    }
+    Ok(parameters)
 }
 
 fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::CONNECT_TIMEOUT;
 use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
-use crate::dispatch::fleet::{EndpointState, Endpoints};
+use crate::dispatch::fleet::{Affinity, EndpointState, Endpoints};
 use crate::error::{Error, Result};
 use crate::process::metrics::{BackendMetrics, Metrics};
 use crate::tls::BackendMaterial;
@@ -125,7 +125,7 @@ impl BackendClients {
     pub(super) async fn attempt<T, F, Fut>(
         &self,
         upstream: (&str, &str),
-        sticky: Option<u64>,
+        affinity: &Affinity,
         deadline: Duration,
         mut call: F,
     ) -> Result<T>
@@ -139,7 +139,7 @@ impl BackendClients {
         loop {
             let lease = match self
                 .fleet
-                .lease(&self.name, upstream.0, upstream.1, sticky, &tried)
+                .lease(&self.name, upstream.0, upstream.1, affinity, &tried)
                 .await
             {
                 Ok(lease) => lease,

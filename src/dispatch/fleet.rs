@@ -10,6 +10,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::protocol::Sequence;
 use prometheus::IntGauge;
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
@@ -157,6 +158,18 @@ impl EndpointState {
     }
 }
 
+/// What ties a call to an endpoint.
+#[derive(Debug, Clone, Default)]
+pub enum Affinity {
+    /// Nothing: the backend's load balancing spreads calls.
+    #[default]
+    None,
+    /// The hash of the model's sticky header: the key of a backend balanced by consistent hashing.
+    Sticky(u64),
+    /// A request of a stateful sequence: it goes to the sequence's own endpoint, whatever the load balancing.
+    Sequence(Arc<Sequence>),
+}
+
 /// A call holding its place at an endpoint: counted in flight (and holding a slot when limited) until dropped.
 #[derive(Debug)]
 pub struct Lease {
@@ -254,23 +267,14 @@ impl Endpoints {
         backend: &str,
         model: &str,
         version: &str,
-        sticky: Option<u64>,
+        affinity: &Affinity,
         tried: &[usize],
     ) -> Result<Lease> {
-        let eligible = self.eligible(model, version, tried);
-        if eligible.is_empty() {
-            let why = if tried.is_empty() {
-                self.why_unavailable(model, version)
-            } else {
-                format!("the {} tried could not be reached", tried.len())
-            };
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                Origin::Gateway,
-                format!("backend {backend} has no endpoint that can serve model '{model}' version '{version}': {why}"),
-            ));
-        }
-        let index = self.choose(&eligible, sticky);
+        let index = match affinity {
+            Affinity::Sequence(sequence) => self.sequence_endpoint(backend, model, version, sequence, tried)?,
+            Affinity::Sticky(key) => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, Some(*key)),
+            Affinity::None => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, None),
+        };
         let state = self.states[index].clone();
         self.calls.fetch_add(1, Ordering::Relaxed);
         let permit = match &state.slots {
@@ -298,6 +302,82 @@ impl Endpoints {
             state,
             _permit: permit,
         })
+    }
+
+    /// The endpoints that may take a call now, or the refusal saying why there are none.
+    fn eligible_or_refuse(&self, backend: &str, model: &str, version: &str, tried: &[usize]) -> Result<Vec<usize>> {
+        let eligible = self.eligible(model, version, tried);
+        if !eligible.is_empty() {
+            return Ok(eligible);
+        }
+        let why = if tried.is_empty() {
+            self.why_unavailable(model, version)
+        } else {
+            format!("the {} tried could not be reached", tried.len())
+        };
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            Origin::Gateway,
+            format!("backend {backend} has no endpoint that can serve model '{model}' version '{version}': {why}"),
+        ))
+    }
+
+    /// The endpoint of a sequence: the first of the backend's endpoints in the sequence's rendezvous order, chosen
+    /// alike by every gateway with this configuration. While it cannot take calls the sequence's requests are
+    /// refused, not sent to an endpoint that has none of its state; only a sequence's first request starts it over
+    /// on the next endpoint in its order that can.
+    fn sequence_endpoint(
+        &self,
+        backend: &str,
+        model: &str,
+        version: &str,
+        sequence: &Sequence,
+        tried: &[usize],
+    ) -> Result<usize> {
+        let key = sequence.endpoint_key(model, version);
+        let mut ranked: Vec<usize> = (0..self.states.len()).collect();
+        ranked.sort_by_cached_key(|&i| {
+            std::cmp::Reverse(xxhash_rust::xxh3::xxh3_64_with_seed(
+                self.states[i].authority.as_bytes(),
+                key,
+            ))
+        });
+        let usable =
+            |i: usize| !tried.contains(&i) && self.states[i].is_available() && self.states[i].serves(model, version);
+        let Some(&owner) = ranked.first() else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                Origin::Gateway,
+                format!("backend {backend} has no endpoints"),
+            ));
+        };
+        if usable(owner) {
+            return Ok(owner);
+        }
+        if sequence.start
+            && let Some(&next) = ranked.iter().find(|&&i| usable(i))
+        {
+            return Ok(next);
+        }
+        let state = &self.states[owner];
+        let why = if tried.contains(&owner) {
+            "could not be reached"
+        } else if !state.serves(model, version) {
+            "does not have the model ready"
+        } else if !state.probe_healthy.load(Ordering::Relaxed) {
+            "is failing its health checks"
+        } else {
+            "is ejected after failed calls"
+        };
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            Origin::Gateway,
+            format!(
+                "sequence {} of model '{model}' version '{version}' is served by endpoint {} of backend {backend}, \
+                 which {why}; the sequence's state is there, so its requests are not sent to another endpoint",
+                sequence.id, state.authority
+            ),
+        ))
     }
 
     fn choose(&self, eligible: &[usize], sticky: Option<u64>) -> usize {

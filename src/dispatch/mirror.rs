@@ -4,7 +4,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use std::time::Duration;
 
-use super::{BackendClients, MODEL_INFER, Replicas, call_infer, decode_grpc_request};
+use super::{Affinity, BackendClients, MODEL_INFER, Replicas, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
 use crate::protocol::InferRequest;
@@ -30,6 +30,7 @@ pub(super) async fn mirror_call(
     route: &VersionRoute,
     payload: MirrorPayload,
     forward: &HeaderMap,
+    affinity: &Affinity,
     timeout: Duration,
 ) -> Result<()> {
     let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
@@ -37,7 +38,7 @@ pub(super) async fn mirror_call(
         (MirrorPayload::Grpc(message), Replicas::Grpc { endpoints }) => {
             let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
             backend
-                .attempt(upstream, None, timeout, |index, left| {
+                .attempt(upstream, affinity, timeout, |index, left| {
                     endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward)
                 })
                 .await?;
@@ -60,7 +61,7 @@ pub(super) async fn mirror_call(
             }
             let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
             let answer = backend
-                .attempt(upstream, None, timeout, |index, left| {
+                .attempt(upstream, affinity, timeout, |index, left| {
                     endpoints[index].send(http::Method::POST, &path, &headers, body.clone(), Some(left))
                 })
                 .await?;
@@ -87,7 +88,7 @@ pub(super) async fn mirror_call(
             }
         }
     };
-    call_infer(backend, route, request, forward, timeout, None)
+    call_infer(backend, route, request, forward, timeout, affinity)
         .await
         .map(drop)
 }

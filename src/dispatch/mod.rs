@@ -17,7 +17,7 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
-    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, ServerMetadata,
+    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, Sequence, ServerMetadata,
 };
 use crate::routing::{RouteTable, Routed, VersionRoute};
 use crate::tls::Prepared;
@@ -30,6 +30,7 @@ mod passthrough;
 mod probe;
 
 use backend::{BackendClients, Replicas};
+pub use fleet::Affinity;
 
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
@@ -213,8 +214,9 @@ impl Dispatcher {
         model: &str,
         version: Option<&str>,
         headers: &HeaderMap,
+        sequence: Option<Sequence>,
     ) -> (Result<Routed>, Arc<RouteMetrics>) {
-        let routed = self.routes.route(model, version, headers);
+        let routed = self.routes.route(model, version, headers, sequence);
         let metrics = routed
             .as_ref()
             .ok()
@@ -249,7 +251,8 @@ impl Dispatcher {
         request: InferRequest,
         context: &CallContext,
     ) -> Result<Replied<InferResponse>> {
-        let routed = self.route(model, version, &context.forward).0?;
+        let sequence = Sequence::from_parameters(&request.parameters)?;
+        let routed = self.route(model, version, &context.forward, sequence).0?;
         self.infer_routed(&routed, request, context).await
     }
 
@@ -263,7 +266,12 @@ impl Dispatcher {
         context: &CallContext,
     ) -> Result<Replied<InferResponse>> {
         if let Some(mirror) = &routed.mirror {
-            self.mirror(mirror, MirrorPayload::Decoded(request.clone()), &context.forward);
+            self.mirror(
+                mirror,
+                MirrorPayload::Decoded(request.clone()),
+                &context.forward,
+                &routed.affinity,
+            );
         }
         let route = &routed.route;
         let backend = self.backend(route)?;
@@ -273,7 +281,7 @@ impl Dispatcher {
             request,
             &context.forward,
             self.deadline(context),
-            routed.sticky,
+            &routed.affinity,
         )
         .await?;
         served_version(&mut replied.headers, route);
@@ -283,7 +291,10 @@ impl Dispatcher {
     /// The gRPC front door's inference, routed here: the convenience form of [`Self::infer_grpc_routed`].
     pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<Replied<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
-        let routed = self.route(fields.name, Some(fields.version), &context.forward).0?;
+        let sequence = Sequence::from_parameters(&splice::parameters(&message)?)?;
+        let routed = self
+            .route(fields.name, Some(fields.version), &context.forward, sequence)
+            .0?;
         self.infer_grpc_routed(&routed, message, context).await
     }
 
@@ -296,7 +307,12 @@ impl Dispatcher {
         context: &CallContext,
     ) -> Result<Replied<Vec<Bytes>>> {
         if let Some(mirror) = &routed.mirror {
-            self.mirror(mirror, MirrorPayload::Grpc(message.clone()), &context.forward);
+            self.mirror(
+                mirror,
+                MirrorPayload::Grpc(message.clone()),
+                &context.forward,
+                &routed.affinity,
+            );
         }
         let route = &routed.route;
         let backend = self.backend(route)?;
@@ -306,7 +322,7 @@ impl Dispatcher {
                 let answer = backend
                     .attempt(
                         (&route.upstream_name, &route.upstream_version),
-                        routed.sticky,
+                        &routed.affinity,
                         self.deadline(context),
                         |index, left| {
                             endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward)
@@ -330,7 +346,7 @@ impl Dispatcher {
                     request,
                     &context.forward,
                     self.deadline(context),
-                    routed.sticky,
+                    &routed.affinity,
                 )
                 .await?;
                 let started = Instant::now();
@@ -348,8 +364,9 @@ impl Dispatcher {
     }
 
     /// Sends a copy of a request to the mirror version, fire and forget: the answer is dropped, a failure is only
-    /// counted, and when too many mirrored calls are already under way the copy is not sent at all.
-    pub fn mirror(&self, route: &Arc<VersionRoute>, payload: MirrorPayload, forward: &HeaderMap) {
+    /// counted, and when too many mirrored calls are already under way the copy is not sent at all. A sequence's
+    /// copies keep to one endpoint of the mirror, as the originals do.
+    pub fn mirror(&self, route: &Arc<VersionRoute>, payload: MirrorPayload, forward: &HeaderMap, affinity: &Affinity) {
         let Some(metrics) = self.route_metrics.get(route.id).cloned() else {
             return;
         };
@@ -362,9 +379,10 @@ impl Dispatcher {
         };
         let route = route.clone();
         let forward = forward.clone();
+        let affinity = affinity.clone();
         let timeout = self.request_timeout;
         tokio::spawn(async move {
-            let outcome = mirror_call(&backend, &route, payload, &forward, timeout).await;
+            let outcome = mirror_call(&backend, &route, payload, &forward, &affinity, timeout).await;
             drop(permit);
             metrics.mirrored(if outcome.is_ok() {
                 MirrorResult::Ok
@@ -388,7 +406,7 @@ impl Dispatcher {
         let mut metadata = backend
             .attempt(
                 (&route.upstream_name, &route.upstream_version),
-                None,
+                &Affinity::None,
                 self.request_timeout,
                 |index, left| endpoint_model_metadata(backend, index, route, left),
             )
@@ -559,7 +577,7 @@ async fn call_infer(
     mut request: InferRequest,
     forward: &HeaderMap,
     deadline: Duration,
-    sticky: Option<u64>,
+    affinity: &Affinity,
 ) -> Result<Replied<InferResponse>> {
     request.model_name = route.upstream_name.clone();
     request.model_version = route.backend_version().map(str::to_owned);
@@ -580,7 +598,7 @@ async fn call_infer(
             let body = rest::encode_request(&request, *binary_data)?;
             let version = request.model_version.as_deref();
             backend
-                .attempt(upstream, sticky, deadline, |index, left| {
+                .attempt(upstream, affinity, deadline, |index, left| {
                     endpoints[index].infer(&route.upstream_name, version, body.clone(), forward, Some(left))
                 })
                 .await?
@@ -588,7 +606,7 @@ async fn call_infer(
         Replicas::Grpc { endpoints } => {
             let message = protobuf::encode_request(request);
             let answer = backend
-                .attempt(upstream, sticky, deadline, |index, left| {
+                .attempt(upstream, affinity, deadline, |index, left| {
                     endpoints[index].unary(MODEL_INFER, message.chunks.clone(), Some(left), forward)
                 })
                 .await?;

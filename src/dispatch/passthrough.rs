@@ -10,7 +10,7 @@ use http::HeaderMap;
 use super::Dispatcher;
 use super::backend::Replicas;
 use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
-use crate::dispatch::fleet::Lease;
+use crate::dispatch::fleet::{Affinity, Lease};
 use crate::error::{Error, Result};
 use crate::process::metrics::BackendMetrics;
 use crate::routing::{Routed, VersionRoute};
@@ -20,7 +20,7 @@ use crate::routing::{Routed, VersionRoute};
 pub struct Passthrough {
     /// The route: the public model and version, the backend, and the backend's own names.
     pub route: Arc<VersionRoute>,
-    sticky: Option<u64>,
+    affinity: Affinity,
     /// The backend's path for the model and version.
     pub path: Arc<str>,
     /// Bound on the backend's answer.
@@ -74,7 +74,7 @@ impl Dispatcher {
             .ok_or_else(|| Error::internal("no REST path for a route"))?;
         Ok(Some(Passthrough {
             route: route.clone(),
-            sticky: routed.sticky,
+            affinity: routed.affinity.clone(),
             path,
             timeout: self.request_timeout,
             aliased: route.upstream_name != route.model || route.upstream_version != route.version,
@@ -102,7 +102,7 @@ impl Dispatcher {
         loop {
             let lease = match backend
                 .fleet
-                .lease(&backend.name, model, version, target.sticky, &tried)
+                .lease(&backend.name, model, version, &target.affinity, &tried)
                 .await
             {
                 Ok(lease) => lease,

@@ -95,8 +95,18 @@ impl UnaryService<Bytes> for InferRaw {
             let context = context(&request);
             let request_id = context.forward.get(super::REQUEST_ID).cloned();
             let message = request.into_inner();
+            let sequence = splice::parameters(&message).and_then(|p| crate::protocol::Sequence::from_parameters(&p));
             let (routed, route) = match splice::model_fields(&message) {
-                Ok(fields) => dispatcher.route(fields.name, Some(fields.version), &context.forward),
+                Ok(fields) => match sequence {
+                    Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
+                    // Counted under the model it named.
+                    Err(error) => (
+                        Err(error),
+                        dispatcher
+                            .route(fields.name, Some(fields.version), &context.forward, None)
+                            .1,
+                    ),
+                },
                 Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
             };
             let mut timer = RequestTimer::start(

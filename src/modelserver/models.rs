@@ -6,7 +6,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::{
-    CONTENT_TYPE, DataType, InferRequest, ModelMetadata, ParamValue, Parameters, Tensor, TensorMetadata,
+    CONTENT_TYPE, DataType, InferRequest, ModelMetadata, ParamValue, Parameters, Sequence, SequenceId, Tensor,
+    TensorMetadata,
 };
 
 /// Longest `delay_ms` the `slow` model accepts: ten minutes.
@@ -26,10 +27,15 @@ pub enum Model {
     Slow,
     /// Identity, but fails with INTERNAL when request parameter `fail` is true.
     Flaky,
+    /// A stateful sequence model, as Triton's sequence batcher runs one: `OUTPUT0` (INT32 [1]) is the running sum of
+    /// `INPUT0` (INT32 [1]) over the requests of one sequence (parameter `sequence_id`), started over by
+    /// `sequence_start`, forgotten after `sequence_end`. A request of a sequence this server never saw start fails,
+    /// as Triton's does.
+    Accumulate,
 }
 
 impl Model {
-    pub const NAMES: [&'static str; 5] = ["add_sub", "identity", "simple_string", "slow", "flaky"];
+    pub const NAMES: [&'static str; 6] = ["add_sub", "identity", "simple_string", "slow", "flaky", "accumulate"];
 
     /// The model called `name` at `version`, if it exists.
     pub fn find(name: &str, version: u32) -> Option<Model> {
@@ -39,6 +45,7 @@ impl Model {
             ("simple_string", 1) => Some(Model::SimpleString),
             ("slow", 1) => Some(Model::Slow),
             ("flaky", 1) => Some(Model::Flaky),
+            ("accumulate", 1) => Some(Model::Accumulate),
             _ => None,
         }
     }
@@ -47,7 +54,7 @@ impl Model {
     pub fn versions(name: &str) -> &'static [u32] {
         match name {
             "add_sub" => &[1, 2],
-            "identity" | "simple_string" | "slow" | "flaky" => &[1],
+            "identity" | "simple_string" | "slow" | "flaky" | "accumulate" => &[1],
             _ => &[],
         }
     }
@@ -56,6 +63,7 @@ impl Model {
         match self {
             Model::AddSub { .. } => vec![add_sub_tensor("INPUT0"), add_sub_tensor("INPUT1")],
             Model::SimpleString => vec![string_tensor("INPUT0")],
+            Model::Accumulate => vec![scalar_tensor("INPUT0")],
             Model::Identity | Model::Slow | Model::Flaky => Vec::new(),
         }
     }
@@ -74,6 +82,7 @@ impl Model {
                 outputs
             }
             Model::SimpleString => vec![string_tensor("OUTPUT0")],
+            Model::Accumulate => vec![scalar_tensor("OUTPUT0")],
             Model::Identity | Model::Slow | Model::Flaky => Vec::new(),
         }
     }
@@ -89,9 +98,10 @@ impl Model {
     }
 
     /// Runs the model on a request whose inputs have been checked by [`Model::check_inputs`]; `slow_delay` is the
-    /// `slow` model's delay when the request sets none.
-    pub async fn run(self, request: &InferRequest, slow_delay: Duration) -> Result<Vec<Tensor>> {
+    /// `slow` model's delay when the request sets none; `sequences` is the state of the sequences under way.
+    pub async fn run(self, request: &InferRequest, slow_delay: Duration, sequences: &Sequences) -> Result<Vec<Tensor>> {
         match self {
+            Model::Accumulate => sequences.accumulate(request),
             Model::AddSub { version } => add_sub(request, version),
             Model::Identity => Ok(request.inputs.clone()),
             Model::SimpleString => simple_string(request),
@@ -139,6 +149,7 @@ impl Model {
             };
             let allowed: &[DataType] = match self {
                 Model::AddSub { .. } => &[DataType::Int32, DataType::Fp32],
+                Model::Accumulate => &[DataType::Int32],
                 _ => &[DataType::Bytes],
             };
             if !allowed.contains(&input.datatype) {
@@ -180,6 +191,14 @@ fn add_sub_tensor(name: &str) -> TensorMetadata {
         name: name.into(),
         datatype: "INT32".into(),
         shape: vec![-1, 16],
+    }
+}
+
+fn scalar_tensor(name: &str) -> TensorMetadata {
+    TensorMetadata {
+        name: name.into(),
+        datatype: "INT32".into(),
+        shape: vec![1],
     }
 }
 
@@ -265,4 +284,55 @@ fn simple_string(request: &InferRequest) -> Result<Vec<Tensor>> {
         output.parameters.insert(CONTENT_TYPE.to_owned(), content_type.clone());
     }
     Ok(vec![output])
+}
+
+/// Most sequences one server keeps under way; a start beyond it is refused until others end.
+const MAX_SEQUENCES: usize = 65_536;
+
+/// The running sums of the `accumulate` model's sequences under way, by sequence id.
+#[derive(Debug, Default)]
+pub struct Sequences {
+    sums: std::sync::Mutex<std::collections::HashMap<SequenceId, i32>>,
+}
+
+impl Sequences {
+    fn accumulate(&self, request: &InferRequest) -> Result<Vec<Tensor>> {
+        let sequence = Sequence::from_parameters(&request.parameters)?.ok_or_else(|| {
+            Error::invalid("model 'accumulate' is stateful: each request needs a non-zero sequence_id parameter")
+        })?;
+        let value = input(request, "INPUT0")?;
+        let value = i32::from_le_bytes(word(value.data.get(..4).unwrap_or_default()));
+        let mut sums = self.sums.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sum = if sequence.start {
+            if sums.len() >= MAX_SEQUENCES && !sums.contains_key(&sequence.id) {
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    Origin::Upstream,
+                    format!("model 'accumulate' has {MAX_SEQUENCES} sequences under way; end some first"),
+                ));
+            }
+            value
+        } else {
+            let Some(sum) = sums.get(&sequence.id) else {
+                return Err(Error::invalid(format!(
+                    "inference request for sequence {} to model 'accumulate' must specify the START flag on the \
+                     first request of the sequence",
+                    sequence.id
+                )));
+            };
+            sum.wrapping_add(value)
+        };
+        if sequence.end {
+            sums.remove(&sequence.id);
+        } else {
+            sums.insert(sequence.id, sum);
+        }
+        Ok(vec![Tensor {
+            name: "OUTPUT0".into(),
+            datatype: DataType::Int32,
+            shape: vec![1],
+            parameters: Parameters::new(),
+            data: Bytes::copy_from_slice(&sum.to_le_bytes()),
+        }])
+    }
 }

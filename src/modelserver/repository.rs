@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::models::Model;
+use super::models::{Model, Sequences};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState};
 
@@ -23,6 +23,8 @@ pub struct Repository {
     models: BTreeMap<String, Served>,
     /// The `slow` model's delay when a request sets none.
     slow_delay: Duration,
+    /// The stateful model's sequences under way.
+    sequences: Sequences,
 }
 
 impl Repository {
@@ -81,6 +83,7 @@ impl Repository {
         Ok(Repository {
             models,
             slow_delay: Duration::ZERO,
+            sequences: Sequences::default(),
         })
     }
 
@@ -172,7 +175,7 @@ impl Repository {
             ));
         }
         model.check_inputs(name, &request)?;
-        let mut outputs = model.run(&request, self.slow_delay).await?;
+        let mut outputs = model.run(&request, self.slow_delay, &self.sequences).await?;
         if !request.outputs.is_empty() {
             for wanted in &request.outputs {
                 if !outputs.iter().any(|o| o.name == wanted.name) {

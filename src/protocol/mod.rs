@@ -3,6 +3,7 @@
 pub mod datatype;
 pub mod messages;
 pub mod parameters;
+pub mod sequence;
 pub mod tensor;
 
 pub use datatype::{DataType, element_count};
@@ -11,4 +12,5 @@ pub use messages::{
     ServerMetadata, ServerReady, TensorMetadata,
 };
 pub use parameters::{CONTENT_TYPE, ParamValue, Parameters};
+pub use sequence::{Sequence, SequenceId};
 pub use tensor::{BytesElements, Tensor};

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::config::{Config, ModelConfig};
+use crate::dispatch::fleet::Affinity;
 use crate::error::{Error, Result};
+use crate::protocol::Sequence;
 
 /// Where one public model version goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,8 +48,9 @@ struct ModelRoutes {
 pub struct Routed {
     pub route: Arc<VersionRoute>,
     pub mirror: Option<Arc<VersionRoute>>,
-    /// The hash of the model's sticky header, when the request carries it: also the consistent-hash key.
-    pub sticky: Option<u64>,
+    /// What ties the request to an endpoint: its sequence, or the hash of the model's sticky header when the request
+    /// carries it (the consistent-hash key).
+    pub affinity: Affinity,
 }
 
 /// Every model's routes.
@@ -86,25 +89,42 @@ impl RouteTable {
     }
 
     /// Routes one request: a named version is that version; otherwise the weights split requests, by the
-    /// sticky header's value when the model has one and the request carries it, at random otherwise. The mirror is
-    /// chosen at random with the model's mirror share.
-    pub fn route(&self, model: &str, version: Option<&str>, headers: &http::HeaderMap) -> Result<Routed> {
+    /// request's sequence when it is in one (so a sequence keeps its version), else by the sticky header's value
+    /// when the model has one and the request carries it, at random otherwise. The mirror is chosen at random with
+    /// the model's mirror share.
+    pub fn route(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        headers: &http::HeaderMap,
+        sequence: Option<Sequence>,
+    ) -> Result<Routed> {
         let routes = self.model(model)?;
         let sticky = routes
             .sticky_header
             .as_ref()
             .and_then(|name| headers.get(name))
             .map(|value| xxhash_rust::xxh3::xxh3_64(value.as_bytes()));
+        let split_key = sequence.as_ref().map(|s| s.version_key(model)).or(sticky);
         let route = match version.filter(|v| !v.is_empty()) {
             Some(version) => routes.named(model, version)?.clone(),
-            None => routes.split_point(sticky.unwrap_or_else(|| fastrand::u64(..))),
+            None => routes.split_point(split_key.unwrap_or_else(|| fastrand::u64(..))),
         };
         let mirror = routes
             .mirror
             .as_ref()
             .filter(|(_, per_million)| fastrand::u32(..1_000_000) < *per_million)
             .map(|(mirror, _)| mirror.clone());
-        Ok(Routed { route, mirror, sticky })
+        let affinity = match (sequence, sticky) {
+            (Some(sequence), _) => Affinity::Sequence(Arc::new(sequence)),
+            (None, Some(key)) => Affinity::Sticky(key),
+            (None, None) => Affinity::None,
+        };
+        Ok(Routed {
+            route,
+            mirror,
+            affinity,
+        })
     }
 
     /// The public versions of `model`, in configured order.

@@ -21,7 +21,10 @@ pub use metadata::{
     decode_server_metadata, decode_server_ready, encode_error, encode_model_metadata, encode_model_ready,
     encode_repository_index, encode_server_live, encode_server_metadata, encode_server_ready,
 };
-pub use request::{BINARY_DATA, BINARY_DATA_OUTPUT, RestRequest, decode_request, encode_request, raw_binary_request};
+pub use request::{
+    BINARY_DATA, BINARY_DATA_OUTPUT, RestRequest, decode_request, encode_request, raw_binary_request,
+    sequence_parameters,
+};
 pub use response::{decode_response, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;
 

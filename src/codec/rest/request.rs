@@ -29,6 +29,31 @@ pub enum RestRequest {
     RawBinary(Bytes),
 }
 
+/// The request-level `parameters` of a JSON request header that names a sequence, read without decoding the rest
+/// (a proxied body is forwarded as it came): `None` when the text does not mention `sequence_id` (most requests,
+/// found by one search), when it has no `parameters` member, or when `whole` is false (only the start of the header
+/// is at hand) and `parameters` is not within it. A header that is at hand whole and is not a JSON object is refused.
+pub fn sequence_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
+    if memchr::memmem::find(json, crate::protocol::sequence::SEQUENCE_ID.as_bytes()).is_none() {
+        return Ok(None);
+    }
+    let mut reader = Reader::new(json);
+    let scanned = (|| {
+        let mut members = reader.object()?;
+        while let Some(key) = members.next(&mut reader)? {
+            if key == "parameters" {
+                return read_parameters(&mut reader).map(Some);
+            }
+            reader.skip_value()?;
+        }
+        Ok(None)
+    })();
+    match scanned {
+        Err(_) if !whole => Ok(None),
+        scanned => scanned,
+    }
+}
+
 /// Decodes a REST inference request body. `header_length` is the `Inference-Header-Content-Length` header, if any.
 /// Binary input data is sliced from `body`, never copied.
 pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestRequest> {

@@ -15,12 +15,12 @@ use crate::body::{RelayError, RelaySource, Tap};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
+use crate::dispatch::{Affinity, CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
 use crate::error::{Error, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
-use crate::protocol::InferRequest;
+use crate::protocol::{InferRequest, Sequence};
 use crate::routing::{Routed, VersionRoute};
 
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
@@ -71,19 +71,32 @@ impl RestDoor {
         };
         record.request_id = asked.forward.get(REQUEST_ID).cloned();
         let dispatcher = record.dispatcher().clone();
-        let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward);
+        // The body's start is read before the request is routed: the sequence its parameters name decides where it
+        // goes.
+        let start = match self.body_start(body, &asked).await {
+            Ok(start) => request_sequence(&start, &asked).map(|sequence| (start, sequence)),
+            Err(error) => Err(error),
+        };
+        let sequence = start.as_ref().ok().and_then(|(_, sequence)| sequence.clone());
+        let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward, sequence);
         record.route = Some(route_metrics);
         let routed = routed?;
+        let (start, _) = start?;
         if !asked.decthings_in
             && !asked.decthings_out
             && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
         {
-            return self.pass_through(headers, body, record, target, routed, asked).await;
+            return self
+                .pass_through(headers, body, record, target, routed, asked, start)
+                .await;
         }
         record.translated = true;
         let deadline = text(http::header::HeaderName::from_static("grpc-timeout"))
             .and_then(crate::frontend::grpc::parse_grpc_timeout);
-        let payload = self.read_body(body, headers).await?;
+        let payload = match start {
+            BodyStart::Whole(whole) => whole,
+            BodyStart::Partial(read) => self.read_body(body, asked.declared, read).await?,
+        };
         record.request_bytes = payload.len() as u64;
         // Only a crossing to a gRPC backend is a translation between the protocols; the rest is re-encoding.
         let crossing = dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Grpc);
@@ -173,6 +186,7 @@ impl RestDoor {
 
     /// Proxies the request to the backend as it came but for its path: a small body whole, a large one relayed as
     /// it arrives; the answer streams back, renamed for an aliased model.
+    #[allow(clippy::too_many_arguments)]
     async fn pass_through(
         &self,
         headers: &HeaderMap,
@@ -181,6 +195,7 @@ impl RestDoor {
         target: Passthrough,
         routed: Routed,
         asked: Asked,
+        start: BodyStart,
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
         let dispatcher = record.dispatcher().clone();
@@ -190,8 +205,9 @@ impl RestDoor {
             header_length: asked.header_length,
             content_type: send.get(http::header::CONTENT_TYPE).cloned(),
             forward: asked.forward,
+            affinity: routed.affinity,
         });
-        let outgoing = self.outgoing(headers, body, record, asked.declared, mirror).await?;
+        let outgoing = self.outgoing(start, body, record, mirror)?;
         let until = Instant::now() + target.timeout;
         let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
             Ok(sent) => sent,
@@ -205,63 +221,72 @@ impl RestDoor {
         Ok(Reply::Proxied(Box::new(head), answer, rename, until))
     }
 
-    /// The body to send: whole when it is small (a body of unknown length is read up to that size first, so a
-    /// small one is checked to its end before any of it leaves), else relayed as it arrives after what was read.
-    /// The mirror gets the same chunks.
-    async fn outgoing(
-        &self,
-        headers: &HeaderMap,
-        body: &mut Option<Incoming>,
-        record: &mut Record,
-        declared: Option<u64>,
-        mirror: Option<Mirror>,
-    ) -> Result<Outgoing> {
+    /// Reads the start of the body: all of it when it is small (a body of unknown length is read up to that size,
+    /// so a small one is checked to its end before any of it leaves), else enough to hold the start of its JSON
+    /// header (the binary extension's whole header, or the first `WHOLE_BODY_LIMIT` bytes of a JSON body), where a
+    /// request names its sequence.
+    async fn body_start(&self, body: &mut Option<Incoming>, asked: &Asked) -> Result<BodyStart> {
+        if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
+            return Ok(BodyStart::Whole(
+                self.read_body(body, asked.declared, Vec::new()).await?,
+            ));
+        }
+        let wanted = match asked.header_length {
+            _ if asked.decthings_in => 0,
+            Some(length) => length,
+            None => WHOLE_BODY_LIMIT,
+        };
+        let Some(incoming) = body.as_mut() else {
+            return Ok(BodyStart::Whole(Bytes::new()));
+        };
         let mut read = Vec::new();
-        if declared.is_none()
-            && let Some(incoming) = body.as_mut()
-        {
-            let mut length = 0;
-            loop {
-                match incoming.frame().await {
-                    Some(Ok(frame)) => {
-                        let Ok(chunk) = frame.into_data() else { continue };
-                        length += chunk.len() as u64;
-                        read.push(chunk);
-                        if length > WHOLE_BODY_LIMIT {
-                            break;
-                        }
-                    }
-                    Some(Err(error)) => {
-                        let message = format!("could not read the request body: {error}");
-                        return Err(Error::invalid(message).caused_by(error));
-                    }
-                    None => {
-                        *body = None;
-                        break;
+        let mut length = 0;
+        // A body of unknown length is read until it ends or passes the limit of a whole one.
+        while length < wanted || (asked.declared.is_none() && length <= WHOLE_BODY_LIMIT) {
+            match incoming.frame().await {
+                Some(Ok(frame)) => {
+                    let Ok(chunk) = frame.into_data() else { continue };
+                    length += chunk.len() as u64;
+                    read.push(chunk);
+                    if length > self.max_request_bytes {
+                        return Err(self.too_large());
                     }
                 }
-            }
-            if length > self.max_request_bytes {
-                return Err(self.too_large());
+                Some(Err(error)) => {
+                    let message = format!("could not read the request body: {error}");
+                    return Err(Error::invalid(message).caused_by(error));
+                }
+                None => {
+                    *body = None;
+                    return Ok(BodyStart::Whole(match read.len() {
+                        1 => read.pop().unwrap_or_default(),
+                        _ => Bytes::from(read.concat()),
+                    }));
+                }
             }
         }
-        let whole = if body.is_none() {
-            Some(match read.len() {
-                1 => read.pop().unwrap_or_default(),
-                _ => Bytes::from(read.concat()),
-            })
-        } else if declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
-            Some(self.read_body(body, headers).await?)
-        } else {
-            None
+        Ok(BodyStart::Partial(read))
+    }
+
+    /// The body to send: whole when all of it is at hand, else relayed as it arrives after what was read. The
+    /// mirror gets the same chunks.
+    fn outgoing(
+        &self,
+        start: BodyStart,
+        body: &mut Option<Incoming>,
+        record: &mut Record,
+        mirror: Option<Mirror>,
+    ) -> Result<Outgoing> {
+        let read = match start {
+            BodyStart::Whole(whole) => {
+                record.request_bytes = whole.len() as u64;
+                if let Some(mirror) = mirror {
+                    mirror.send(record.dispatcher(), vec![whole.clone()]);
+                }
+                return Ok(Outgoing::Whole(whole));
+            }
+            BodyStart::Partial(read) => read,
         };
-        if let Some(whole) = whole {
-            record.request_bytes = whole.len() as u64;
-            if let Some(mirror) = mirror {
-                mirror.send(record.dispatcher(), vec![whole.clone()]);
-            }
-            return Ok(Outgoing::Whole(whole));
-        }
         let Some(incoming) = body.take() else {
             return Err(Error::internal("the request body was already read"));
         };
@@ -286,12 +311,51 @@ impl RestDoor {
     }
 }
 
+/// The start of a request's body, read before the request is routed.
+enum BodyStart {
+    /// All of it.
+    Whole(Bytes),
+    /// Its first chunks; the rest is still to come from the client.
+    Partial(Vec<Bytes>),
+}
+
+/// The sequence a request belongs to, from the parameters in the start of its JSON header (a Decthings or raw binary
+/// body has none). In a JSON body too long to be read whole before it is sent, `parameters` counts only when it is
+/// in the first `WHOLE_BODY_LIMIT` bytes, as the clients that send sequences write it (ahead of the inputs).
+fn request_sequence(start: &BodyStart, asked: &Asked) -> Result<Option<Sequence>> {
+    if asked.decthings_in || asked.header_length == Some(0) {
+        return Ok(None);
+    }
+    let joined;
+    let (bytes, whole): (&[u8], bool) = match start {
+        BodyStart::Whole(whole) => (whole, true),
+        BodyStart::Partial(read) if read.len() == 1 => (&read[0], false),
+        BodyStart::Partial(read) => {
+            joined = read.concat();
+            (&joined, false)
+        }
+    };
+    let (json, whole) = match asked
+        .header_length
+        .map(|length| usize::try_from(length).unwrap_or(usize::MAX))
+    {
+        Some(length) if length <= bytes.len() => (&bytes[..length], true),
+        Some(_) => (bytes, false),
+        None => (bytes, whole),
+    };
+    match rest::sequence_parameters(json, whole)? {
+        Some(parameters) => Sequence::from_parameters(&parameters),
+        None => Ok(None),
+    }
+}
+
 /// A copy of a proxied request for the mirror version, sent once its body is at hand.
 struct Mirror {
     route: Arc<VersionRoute>,
     header_length: Option<u64>,
     content_type: Option<HeaderValue>,
     forward: HeaderMap,
+    affinity: Affinity,
 }
 
 impl Mirror {
@@ -301,7 +365,7 @@ impl Mirror {
             header_length: self.header_length,
             content_type: self.content_type,
         };
-        dispatcher.mirror(&self.route, payload, &self.forward);
+        dispatcher.mirror(&self.route, payload, &self.forward, &self.affinity);
     }
 }
 

@@ -158,7 +158,8 @@ impl RestDoor {
                 Reply::Json(answer::health_status(ready), body)
             }
             Route::RepositoryIndex => {
-                let body = self.read_body(body, &parts.headers).await?;
+                let declared = self.declared_length(&parts.headers)?;
+                let body = self.read_body(body, declared, Vec::new()).await?;
                 let ready_only = rest::decode_repository_index_request(&body)?;
                 let entries = dispatcher.repository_index(ready_only).await;
                 Reply::Json(StatusCode::OK, rest::encode_repository_index(&entries))
@@ -197,37 +198,67 @@ impl RestDoor {
         Ok(declared)
     }
 
-    /// Reads the whole body, refusing it as soon as it passes the limit. One chunk is kept as it is; a body in
-    /// several is joined into one buffer of its declared length (no growth by doubling, which would copy a large
-    /// tensor several times over).
+    /// Reads the rest of the body after the chunks `read` so far, refusing it as soon as it passes the limit. One
+    /// chunk is kept as it is; a body in several is joined into one buffer of its `declared` length as they arrive
+    /// (no growth by doubling, which would copy a large tensor several times over, and no chunk kept once copied).
     /// A body refused for its size is left in `body`, partly read, for the caller to discard.
-    async fn read_body(&self, body: &mut Option<Incoming>, headers: &HeaderMap) -> Result<Bytes> {
-        let declared = self.declared_length(headers)?;
+    async fn read_body(&self, body: &mut Option<Incoming>, declared: Option<u64>, read: Vec<Bytes>) -> Result<Bytes> {
+        let mut joined = Joined::new(declared);
+        for chunk in read {
+            joined.push(chunk);
+        }
         let Some(reading) = body.as_mut() else {
-            return Ok(Bytes::new());
+            return Ok(joined.finish());
         };
-        let mut joined = BytesMut::new();
-        let mut first: Option<Bytes> = None;
         while let Some(frame) = reading.frame().await {
             let frame =
                 frame.map_err(|e| Error::invalid(format!("could not read the request body: {e}")).caused_by(e))?;
             let Ok(chunk) = frame.into_data() else { continue };
-            if (joined.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len()) as u64 > self.max_request_bytes {
+            if (joined.len() + chunk.len()) as u64 > self.max_request_bytes {
                 return Err(self.too_large());
             }
-            match first.take() {
-                None if joined.is_empty() => first = Some(chunk),
-                Some(previous) => {
-                    let declared = declared.and_then(|length| usize::try_from(length).ok()).unwrap_or(0);
-                    joined.reserve(declared.max(previous.len() + chunk.len()));
-                    joined.extend_from_slice(&previous);
-                    joined.extend_from_slice(&chunk);
-                }
-                None => joined.extend_from_slice(&chunk),
-            }
+            joined.push(chunk);
         }
         *body = None;
-        Ok(first.unwrap_or_else(|| joined.freeze()))
+        Ok(joined.finish())
+    }
+}
+
+/// A body's chunks joined into one buffer as they arrive: the first kept as it is until a second comes, then one
+/// buffer of the declared length.
+struct Joined {
+    declared: usize,
+    first: Option<Bytes>,
+    joined: BytesMut,
+}
+
+impl Joined {
+    fn new(declared: Option<u64>) -> Joined {
+        Joined {
+            declared: declared.and_then(|length| usize::try_from(length).ok()).unwrap_or(0),
+            first: None,
+            joined: BytesMut::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.joined.len() + self.first.as_ref().map_or(0, Bytes::len)
+    }
+
+    fn push(&mut self, chunk: Bytes) {
+        match self.first.take() {
+            None if self.joined.is_empty() => self.first = Some(chunk),
+            Some(previous) => {
+                self.joined.reserve(self.declared.max(previous.len() + chunk.len()));
+                self.joined.extend_from_slice(&previous);
+                self.joined.extend_from_slice(&chunk);
+            }
+            None => self.joined.extend_from_slice(&chunk),
+        }
+    }
+
+    fn finish(self) -> Bytes {
+        self.first.unwrap_or_else(|| self.joined.freeze())
     }
 }
 
