@@ -5,11 +5,18 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::{Error, Result};
-use crate::protocol::Parameters;
+use crate::protocol::{Parameters, reserved};
 
 const MODEL_NAME: u64 = 1;
 const MODEL_VERSION: u64 = 2;
 const PARAMETERS: u64 = 4;
+const INPUTS: u64 = 5;
+const OUTPUTS: u64 = 6;
+/// The parameters field of an input tensor and of a requested output.
+const INPUT_PARAMETERS: u64 = 4;
+const OUTPUT_PARAMETERS: u64 = 2;
+/// The name field of either.
+const TENSOR_NAME: u64 = 1;
 
 /// One entry of the request's `parameters` map, as protobuf encodes a map entry.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -148,6 +155,41 @@ pub fn parameters(message: &[u8]) -> Result<Parameters> {
         }
     }
     Ok(parameters)
+}
+
+/// Refuses a request whose inputs or requested outputs point at shared memory, reading only their names and the
+/// names of their parameters (tensor contents are skipped).
+pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
+    for field in fields(message) {
+        let field = field?;
+        let (kind, parameters_field) = match field.number {
+            INPUTS => ("input", INPUT_PARAMETERS),
+            OUTPUTS => ("output", OUTPUT_PARAMETERS),
+            _ => continue,
+        };
+        if field.wire_type != 2 {
+            return Err(Error::invalid(format!("an {kind} is not encoded as a message")));
+        }
+        let tensor = &message[field.value_start..field.end];
+        let mut name = "";
+        let mut shared = None;
+        for inner in fields(tensor) {
+            let inner = inner?;
+            if inner.number == TENSOR_NAME {
+                name = text_of(tensor, &inner, "a tensor name")?;
+            } else if inner.number == parameters_field && inner.wire_type == 2 {
+                let entry = <ParameterEntry as prost::Message>::decode(&tensor[inner.value_start..inner.end])
+                    .map_err(|e| Error::invalid(format!("invalid {kind} parameter: {e}")))?;
+                if reserved::SHARED_MEMORY.contains(&entry.key.as_str()) {
+                    shared = Some(entry.key);
+                }
+            }
+        }
+        if let Some(parameter) = shared {
+            return Err(reserved::shared_memory_error(kind, name, &parameter));
+        }
+    }
+    Ok(())
 }
 
 fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {

@@ -30,6 +30,7 @@ use crate::proto::{
     RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
     ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
+use crate::protocol::Reserved;
 
 const SERVICE: &str = "inference.GRPCInferenceService";
 const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
@@ -79,6 +80,12 @@ fn context<T>(request: &Request<T>) -> CallContext {
     }
 }
 
+/// What an encoded request's reserved parameters ask; a tensor in shared memory is refused.
+fn reserved(message: &[u8]) -> Result<Reserved> {
+    splice::refuse_shared_memory(message)?;
+    Reserved::from_parameters(&splice::parameters(message)?)
+}
+
 /// `ModelInfer` on raw bytes.
 #[derive(Debug, Clone)]
 struct InferRaw {
@@ -92,10 +99,17 @@ impl UnaryService<Bytes> for InferRaw {
     fn call(&mut self, request: Request<Bytes>) -> Self::Future {
         let dispatcher = self.gateway.dispatcher();
         Box::pin(async move {
-            let context = context(&request);
+            let mut context = context(&request);
             let request_id = context.forward.get(super::REQUEST_ID).cloned();
             let message = request.into_inner();
-            let sequence = splice::parameters(&message).and_then(|p| crate::protocol::Sequence::from_parameters(&p));
+            let reserved = reserved(&message);
+            if let Ok(Reserved {
+                timeout: Some(limit), ..
+            }) = &reserved
+            {
+                context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
+            }
+            let sequence = reserved.map(|reserved| reserved.sequence);
             let (routed, route) = match splice::model_fields(&message) {
                 Ok(fields) => match sequence {
                     Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),

@@ -3,6 +3,7 @@
 pub mod datatype;
 pub mod messages;
 pub mod parameters;
+pub mod reserved;
 pub mod sequence;
 pub mod tensor;
 
@@ -12,5 +13,6 @@ pub use messages::{
     ServerMetadata, ServerReady, TensorMetadata,
 };
 pub use parameters::{CONTENT_TYPE, ParamValue, Parameters};
+pub use reserved::Reserved;
 pub use sequence::{Sequence, SequenceId};
 pub use tensor::{BytesElements, Tensor};

@@ -23,7 +23,7 @@ pub use metadata::{
 };
 pub use request::{
     BINARY_DATA, BINARY_DATA_OUTPUT, RestRequest, decode_request, encode_request, raw_binary_request,
-    sequence_parameters,
+    reserved_parameters,
 };
 pub use response::{decode_response, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;

@@ -7,6 +7,8 @@ use super::reader::Reader;
 use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
 use super::{BinaryOutputs, EncodedBody, split_body};
 use crate::error::{Error, Result};
+use crate::protocol::reserved;
+use crate::protocol::sequence::SEQUENCE_ID;
 use crate::protocol::{DataType, InferRequest, ParamValue, Parameters, RequestedOutput, Tensor, TensorMetadata};
 use bytes::Bytes;
 
@@ -29,29 +31,66 @@ pub enum RestRequest {
     RawBinary(Bytes),
 }
 
-/// The request-level `parameters` of a JSON request header that names a sequence, read without decoding the rest
-/// (a proxied body is forwarded as it came): `None` when the text does not mention `sequence_id` (most requests,
-/// found by one search), when it has no `parameters` member, or when `whole` is false (only the start of the header
-/// is at hand) and `parameters` is not within it. A header that is at hand whole and is not a JSON object is refused.
-pub fn sequence_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
-    if memchr::memmem::find(json, crate::protocol::sequence::SEQUENCE_ID.as_bytes()).is_none() {
+/// The request-level `parameters` of a JSON request header, read without decoding the rest (a proxied body goes on
+/// as it came), with its tensors refused when they point at shared memory. Looked at only when the text mentions
+/// `sequence_id`, `"timeout"` or `shared_memory_` (a search for each; most requests mention none): else, and when the
+/// header has no `parameters`, `None`. When `whole` is false only the start of the header is at hand, and what lies
+/// beyond it is not seen; a header at hand whole that is not a JSON object is refused.
+pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
+    let mentions = |text: &str| memchr::memmem::find(json, text.as_bytes()).is_some();
+    let shared_memory = mentions(reserved::SHARED_MEMORY_PREFIX);
+    if !shared_memory && !mentions(SEQUENCE_ID) && !mentions("\"timeout\"") {
         return Ok(None);
     }
     let mut reader = Reader::new(json);
+    let mut found = None;
+    // A refusal is the answer; a syntax error is one only in a header at hand whole.
     let scanned = (|| {
         let mut members = reader.object()?;
         while let Some(key) = members.next(&mut reader)? {
-            if key == "parameters" {
-                return read_parameters(&mut reader).map(Some);
+            let refusal = match key.as_ref() {
+                "parameters" => {
+                    found = Some(read_parameters(&mut reader)?);
+                    None
+                }
+                "inputs" if shared_memory => shared_memory_refusal(&mut reader, "input")?,
+                "outputs" if shared_memory => shared_memory_refusal(&mut reader, "output")?,
+                _ => {
+                    reader.skip_value()?;
+                    None
+                }
+            };
+            if refusal.is_some() {
+                return Ok(refusal);
             }
-            reader.skip_value()?;
         }
         Ok(None)
     })();
     match scanned {
-        Err(_) if !whole => Ok(None),
-        scanned => scanned,
+        Ok(Some(refusal)) => Err(refusal),
+        Err(error) if whole => Err(error),
+        Ok(None) | Err(_) => Ok(found),
     }
+}
+
+/// Reads a tensor list: the refusal of the first tensor whose parameters point at shared memory, if any.
+fn shared_memory_refusal(reader: &mut Reader<'_>, kind: &str) -> Result<Option<Error>> {
+    let mut elements = reader.array()?;
+    while elements.next(reader)? {
+        let (mut name, mut parameters) = (String::new(), Parameters::new());
+        let mut members = reader.object()?;
+        while let Some(key) = members.next(reader)? {
+            match key.as_ref() {
+                "name" => name = reader.string()?.into_owned(),
+                "parameters" => parameters = read_parameters(reader)?,
+                _ => reader.skip_value()?,
+            }
+        }
+        if let Err(refusal) = reserved::refuse_shared_memory(kind, &name, parameters.keys().map(String::as_str)) {
+            return Ok(Some(refusal));
+        }
+    }
+    Ok(None)
 }
 
 /// Decodes a REST inference request body. `header_length` is the `Inference-Header-Content-Length` header, if any.

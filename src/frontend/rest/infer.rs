@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
-use crate::protocol::{InferRequest, Sequence};
+use crate::protocol::{InferRequest, Reserved};
 use crate::routing::{Routed, VersionRoute};
 
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
@@ -74,18 +74,23 @@ impl RestDoor {
         // The body's start is read before the request is routed: the sequence its parameters name decides where it
         // goes.
         let start = match self.body_start(body, &asked).await {
-            Ok(start) => request_sequence(&start, &asked).map(|sequence| (start, sequence)),
+            Ok(start) => request_reserved(&start, &asked).map(|reserved| (start, reserved)),
             Err(error) => Err(error),
         };
-        let sequence = start.as_ref().ok().and_then(|(_, sequence)| sequence.clone());
+        let sequence = start.as_ref().ok().and_then(|(_, reserved)| reserved.sequence.clone());
         let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward, sequence);
         record.route = Some(route_metrics);
         let routed = routed?;
-        let (start, _) = start?;
+        let (start, reserved) = start?;
         if !asked.decthings_in
             && !asked.decthings_out
             && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
         {
+            // The request's own `timeout` shortens the backend's time to answer.
+            let mut target = target;
+            target.timeout = reserved
+                .timeout
+                .map_or(target.timeout, |limit| limit.min(target.timeout));
             return self
                 .pass_through(headers, body, record, target, routed, asked, start)
                 .await;
@@ -93,6 +98,10 @@ impl RestDoor {
         record.translated = true;
         let deadline = text(http::header::HeaderName::from_static("grpc-timeout"))
             .and_then(crate::frontend::grpc::parse_grpc_timeout);
+        let deadline = match (deadline, reserved.timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let payload = match start {
             BodyStart::Whole(whole) => whole,
             BodyStart::Partial(read) => self.read_body(body, asked.declared, read).await?,
@@ -319,12 +328,13 @@ enum BodyStart {
     Partial(Vec<Bytes>),
 }
 
-/// The sequence a request belongs to, from the parameters in the start of its JSON header (a Decthings or raw binary
-/// body has none). In a JSON body too long to be read whole before it is sent, `parameters` counts only when it is
-/// in the first `WHOLE_BODY_LIMIT` bytes, as the clients that send sequences write it (ahead of the inputs).
-fn request_sequence(start: &BodyStart, asked: &Asked) -> Result<Option<Sequence>> {
+/// What a request's reserved parameters ask (its sequence, its timeout), from the start of its JSON header; a
+/// Decthings or raw binary body has none. In a JSON body too long to be read whole before it is sent, `parameters`
+/// counts only when it is in the first `WHOLE_BODY_LIMIT` bytes, where the clients that send sequences write it
+/// (ahead of the inputs).
+fn request_reserved(start: &BodyStart, asked: &Asked) -> Result<Reserved> {
     if asked.decthings_in || asked.header_length == Some(0) {
-        return Ok(None);
+        return Ok(Reserved::default());
     }
     let joined;
     let (bytes, whole): (&[u8], bool) = match start {
@@ -343,9 +353,9 @@ fn request_sequence(start: &BodyStart, asked: &Asked) -> Result<Option<Sequence>
         Some(_) => (bytes, false),
         None => (bytes, whole),
     };
-    match rest::sequence_parameters(json, whole)? {
-        Some(parameters) => Sequence::from_parameters(&parameters),
-        None => Ok(None),
+    match rest::reserved_parameters(json, whole)? {
+        Some(parameters) => Reserved::from_parameters(&parameters),
+        None => Ok(Reserved::default()),
     }
 }
 
