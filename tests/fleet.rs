@@ -358,3 +358,95 @@ async fn a_full_endpoint_refuses_after_a_bounded_wait_and_nothing_to_serve_is_re
     let ready = send(&client, "GET", &gateway.rest_url("/v2/health/ready"), &[], "").await;
     assert_eq!(ready.status, 503);
 }
+
+#[tokio::test]
+async fn repository_load_and_unload_reach_every_replica_and_name_those_that_failed() {
+    let (a, b) = (ModelServerProcess::named("a"), ModelServerProcess::named("b"));
+    let down = dead_endpoint();
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        {}
+        {}
+        {}
+        [[models]]
+        name = "identity"
+        versions = [ {{ version = "1", backend = "rest-pair" }},
+                     {{ version = "2", backend = "grpc-pair", upstream_version = "1" }} ]
+        default_version = "1"
+        [[models]]
+        name = "echo"
+        versions = [ {{ version = "1", backend = "rest-pair", upstream_name = "identity" }},
+                     {{ version = "2", backend = "down", upstream_name = "identity" }} ]
+        default_version = "1"
+        "#,
+        backend("rest-pair", "rest", [a.rest.unwrap(), b.rest.unwrap()]),
+        backend("grpc-pair", "grpc", [a.grpc.unwrap(), b.grpc.unwrap()]),
+        backend("down", "grpc", [down.address()]),
+    ));
+    let ready_on = |server: &ModelServerProcess| {
+        let url = server.rest_url("/v2/models/identity/ready");
+        async move { get(&url).await.status == 200 }
+    };
+    // Over REST, to both replicas of both backends (as the backends name the model).
+    let answer = post(&gateway.rest_url("/v2/repository/models/identity/unload"), "").await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert!(!ready_on(&a).await && !ready_on(&b).await);
+    // Over gRPC, with a parameter, the same.
+    let mut grpc = gateway.grpc_client().await;
+    let load = oipgate::proto::RepositoryModelLoadRequest {
+        model_name: "identity".into(),
+        parameters: [(
+            "config".to_owned(),
+            oipgate::proto::ModelRepositoryParameter {
+                parameter_choice: Some(
+                    oipgate::proto::model_repository_parameter::ParameterChoice::StringParam("{}".into()),
+                ),
+            },
+        )]
+        .into_iter()
+        .collect(),
+        ..Default::default()
+    };
+    grpc.repository_model_load(load).await.unwrap();
+    assert!(ready_on(&a).await && ready_on(&b).await);
+
+    // One endpoint that cannot be reached fails the call, named; the others did it all the same.
+    let answer = post(
+        &gateway.rest_url("/v2/repository/models/echo/unload"),
+        r#"{"parameters":{"unload_dependents":false}}"#,
+    )
+    .await;
+    let message = answer.json()["error"].as_str().unwrap().to_owned();
+    assert_eq!(answer.status, 502, "{message}");
+    assert!(
+        message.contains("unload of model 'echo' failed at 1 of 3 endpoints")
+            && message.contains(&format!("{} of backend down", down.address())),
+        "{message}"
+    );
+    assert!(!ready_on(&a).await && !ready_on(&b).await);
+    let refused = grpc
+        .repository_model_load(oipgate::proto::RepositoryModelLoadRequest {
+            model_name: "echo".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(ready_on(&a).await && ready_on(&b).await);
+
+    // A model the gateway does not route is not found; a malformed body is refused before any backend sees it.
+    let answer = post(&gateway.rest_url("/v2/repository/models/nothing/load"), "").await;
+    assert_eq!(answer.status, 404);
+    let answer = post(
+        &gateway.rest_url("/v2/repository/models/identity/load"),
+        r#"{"parameters":{"config":[1]}}"#,
+    )
+    .await;
+    assert_eq!(answer.status, 400);
+    assert!(
+        answer.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("repository parameter \"config\"")
+    );
+}

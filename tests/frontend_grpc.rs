@@ -222,14 +222,22 @@ async fn typed_rpcs_and_errors() {
             ("identity", "1", "READY", ""),
         ]
     );
-    let load = client
+    // Loading goes to the backends serving the model; a model the gateway does not route is not found.
+    client
         .repository_model_load(RepositoryModelLoadRequest {
             model_name: "add_sub".into(),
             ..Default::default()
         })
         .await
+        .unwrap();
+    let load = client
+        .repository_model_load(RepositoryModelLoadRequest {
+            model_name: "nope".into(),
+            ..Default::default()
+        })
+        .await
         .unwrap_err();
-    assert_eq!(load.code(), Code::Unimplemented);
+    assert_eq!(load.code(), Code::NotFound);
 }
 
 #[tokio::test]

@@ -109,7 +109,7 @@ async fn rest_endpoints_and_errors() {
         ("/v2/models/nope", 404),
         ("/v2/models/add_sub/versions/9", 404),
         ("/v2/nowhere", 404),
-        ("/v2/repository/models/add_sub/load", 501),
+        ("/v2/repository/models/nope/load", 404),
     ] {
         let method = if path.contains("repository") { "POST" } else { "GET" };
         let answer = send(&http_client(false), method, &gateway.rest_url(path), &[], Bytes::new()).await;

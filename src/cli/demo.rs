@@ -116,6 +116,10 @@ A stateful sequence (sequence_id 42): every step reaches the replica that holds 
   curl -s http://{rest}/v2/models/accumulate/infer -d '{second}'
   curl -s http://{rest}/v2/models/accumulate/infer -d '{third}'
 
+Repository calls reach every replica (identity unloaded on both, then loaded on both):
+  curl -s -X POST http://{rest}/v2/repository/models/identity/unload
+  curl -s -X POST http://{rest}/v2/repository/models/identity/load
+
 Health, metadata and metrics:
   curl -s http://{rest}/v2/models/add_sub
   curl -s http://{rest}/v2/health/ready

@@ -537,3 +537,46 @@ pub fn server_metadata_from_proto(message: ServerMetadataResponse) -> ServerMeta
         extensions: message.extensions,
     }
 }
+
+/// A repository load or unload request's parameters, from protobuf.
+pub fn repository_parameters_from_proto(
+    parameters: BTreeMap<String, crate::proto::ModelRepositoryParameter>,
+) -> crate::protocol::RepositoryParameters {
+    use crate::proto::model_repository_parameter::ParameterChoice as Choice;
+    use crate::protocol::RepositoryValue;
+    parameters
+        .into_iter()
+        .filter_map(|(name, value)| {
+            let value = match value.parameter_choice? {
+                Choice::BoolParam(v) => RepositoryValue::Bool(v),
+                Choice::Int64Param(v) => RepositoryValue::Int64(v),
+                Choice::StringParam(v) => RepositoryValue::String(v),
+                Choice::BytesParam(v) => RepositoryValue::Bytes(v),
+            };
+            Some((name, value))
+        })
+        .collect()
+}
+
+/// A repository load or unload request's parameters, to protobuf.
+pub fn repository_parameters_to_proto(
+    parameters: &crate::protocol::RepositoryParameters,
+) -> BTreeMap<String, crate::proto::ModelRepositoryParameter> {
+    use crate::proto::model_repository_parameter::ParameterChoice as Choice;
+    use crate::protocol::RepositoryValue;
+    parameters
+        .iter()
+        .map(|(name, value)| {
+            let choice = match value {
+                RepositoryValue::Bool(v) => Choice::BoolParam(*v),
+                RepositoryValue::Int64(v) => Choice::Int64Param(*v),
+                RepositoryValue::String(v) => Choice::StringParam(v.clone()),
+                RepositoryValue::Bytes(v) => Choice::BytesParam(v.clone()),
+            };
+            let parameter = crate::proto::ModelRepositoryParameter {
+                parameter_choice: Some(choice),
+            };
+            (name.clone(), parameter)
+        })
+        .collect()
+}

@@ -28,6 +28,7 @@ pub mod fleet;
 mod mirror;
 mod passthrough;
 mod probe;
+mod repository;
 
 use backend::{BackendClients, Replicas};
 pub use fleet::Affinity;
@@ -36,6 +37,7 @@ pub use mirror::MirrorPayload;
 use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
 use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
+pub use repository::RepositoryAction;
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";

@@ -18,7 +18,7 @@ use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
 use crate::codec::{protobuf, splice};
-use crate::dispatch::CallContext;
+use crate::dispatch::{CallContext, RepositoryAction};
 use crate::error::{Error, Result};
 use crate::headers;
 use crate::process::live::Gateway;
@@ -253,20 +253,30 @@ impl GrpcInferenceService for Typed {
 
     async fn repository_model_load(
         &self,
-        _: Request<RepositoryModelLoadRequest>,
+        request: Request<RepositoryModelLoadRequest>,
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
-        Err(Status::unimplemented(
-            "the gateway does not load models; ask the backends",
-        ))
+        let forward = context(&request).forward;
+        let request = request.into_inner();
+        let parameters = protobuf::repository_parameters_from_proto(request.parameters);
+        self.gateway
+            .dispatcher()
+            .repository_change(&request.model_name, RepositoryAction::Load, &parameters, &forward)
+            .await?;
+        Ok(Response::new(RepositoryModelLoadResponse {}))
     }
 
     async fn repository_model_unload(
         &self,
-        _: Request<RepositoryModelUnloadRequest>,
+        request: Request<RepositoryModelUnloadRequest>,
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
-        Err(Status::unimplemented(
-            "the gateway does not unload models; ask the backends",
-        ))
+        let forward = context(&request).forward;
+        let request = request.into_inner();
+        let parameters = protobuf::repository_parameters_from_proto(request.parameters);
+        self.gateway
+            .dispatcher()
+            .repository_change(&request.model_name, RepositoryAction::Unload, &parameters, &forward)
+            .await?;
+        Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
 }
 

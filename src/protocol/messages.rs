@@ -112,3 +112,16 @@ pub struct ModelIndexEntry {
     /// Why the model is not ready; empty when it is.
     pub reason: String,
 }
+
+/// A value of a model-repository load or unload parameter: Triton's `config` (a JSON model configuration),
+/// `file:<path>` (a file's bytes) and others.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RepositoryValue {
+    Bool(bool),
+    Int64(i64),
+    String(String),
+    Bytes(bytes::Bytes),
+}
+
+/// A model-repository load or unload request's parameters, in the order given.
+pub type RepositoryParameters = indexmap::IndexMap<String, RepositoryValue>;

@@ -9,8 +9,8 @@ pub mod tensor;
 
 pub use datatype::{DataType, element_count};
 pub use messages::{
-    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelReady, ModelState, RequestedOutput, ServerLive,
-    ServerMetadata, ServerReady, TensorMetadata,
+    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelReady, ModelState, RepositoryParameters,
+    RepositoryValue, RequestedOutput, ServerLive, ServerMetadata, ServerReady, TensorMetadata,
 };
 pub use parameters::{CONTENT_TYPE, ParamValue, Parameters};
 pub use reserved::Reserved;

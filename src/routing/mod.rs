@@ -127,6 +127,16 @@ impl RouteTable {
         })
     }
 
+    /// Every version route of `model`, in configured order.
+    pub fn model_routes(&self, model: &str) -> Result<Vec<Arc<VersionRoute>>> {
+        let routes = self.model(model)?;
+        Ok(routes
+            .names
+            .iter()
+            .filter_map(|name| routes.versions.get(name).cloned())
+            .collect())
+    }
+
     /// The public versions of `model`, in configured order.
     pub fn versions(&self, model: &str) -> Option<&[String]> {
         self.models.get(model).map(|routes| routes.names.as_slice())

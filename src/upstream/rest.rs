@@ -165,7 +165,7 @@ impl RestUpstream {
     }
 
     /// The backend's error, when the answer is not a success.
-    fn check(&self, answer: &RestAnswer) -> Result<()> {
+    pub fn check(&self, answer: &RestAnswer) -> Result<()> {
         if answer.status.is_success() {
             return Ok(());
         }

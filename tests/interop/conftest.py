@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 
 # Each run drives one client family (see clients.py): the other family's files are not collected.
+# The Triton server run (scripts/interop's third) collects only its own file.
 collect_ignore = {
-    "triton": ["test_kserve_endpoints.py", "test_content_types.py"],
-    "kserve": ["test_endpoints.py", "test_errors.py"],
+    "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py"],
+    "kserve": ["test_endpoints.py", "test_errors.py", "test_triton.py"],
+    "triton-server": [
+        "test_kserve_endpoints.py",
+        "test_content_types.py",
+        "test_endpoints.py",
+        "test_errors.py",
+        "test_infer.py",
+    ],
 }.get(os.environ.get("INTEROP_CLIENTS", ""), [])
 
 HERE = Path(__file__).resolve().parent

@@ -6,7 +6,8 @@ use super::json_error;
 use crate::error::Error;
 use crate::error::Result;
 use crate::protocol::{
-    ModelIndexEntry, ModelMetadata, ModelReady, ServerLive, ServerMetadata, ServerReady, TensorMetadata,
+    ModelIndexEntry, ModelMetadata, ModelReady, RepositoryParameters, RepositoryValue, ServerLive, ServerMetadata,
+    ServerReady, TensorMetadata,
 };
 
 #[derive(Serialize, Deserialize)]
@@ -253,6 +254,69 @@ pub fn decode_error(body: &[u8]) -> String {
         },
         Err(_) => text(),
     }
+}
+
+/// Triton's prefix of a load parameter that carries a file's contents, in base64 over REST.
+const FILE_PARAMETER: &str = "file:";
+
+/// Reads a repository load or unload request body: empty, or `{"parameters": {...}}` whose values are strings,
+/// booleans or integers (a `file:<path>` value is the file's contents in base64).
+pub fn decode_repository_request(body: &[u8]) -> Result<RepositoryParameters> {
+    use base64::Engine as _;
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(RepositoryParameters::new());
+    }
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Doc {
+        #[serde(default)]
+        parameters: serde_json::Map<String, serde_json::Value>,
+    }
+    let doc: Doc =
+        serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid repository request: {e}")))?;
+    let mut parameters = RepositoryParameters::new();
+    for (name, value) in doc.parameters {
+        let value = match value {
+            serde_json::Value::String(text) if name.starts_with(FILE_PARAMETER) => RepositoryValue::Bytes(
+                base64::engine::general_purpose::STANDARD
+                    .decode(text.as_bytes())
+                    .map_err(|e| Error::invalid(format!("repository parameter \"{name}\" is not base64: {e}")))?
+                    .into(),
+            ),
+            serde_json::Value::String(text) => RepositoryValue::String(text),
+            serde_json::Value::Bool(flag) => RepositoryValue::Bool(flag),
+            serde_json::Value::Number(number) if number.is_i64() => {
+                RepositoryValue::Int64(number.as_i64().unwrap_or_default())
+            }
+            _ => {
+                return Err(Error::invalid(format!(
+                    "repository parameter \"{name}\" must be a string, a bool or an integer"
+                )));
+            }
+        };
+        parameters.insert(name, value);
+    }
+    Ok(parameters)
+}
+
+/// Writes a repository load or unload request body (bytes values in base64).
+pub fn encode_repository_request(parameters: &RepositoryParameters) -> Vec<u8> {
+    use base64::Engine as _;
+    let values: serde_json::Map<String, serde_json::Value> = parameters
+        .iter()
+        .map(|(name, value)| {
+            let value = match value {
+                RepositoryValue::Bool(flag) => serde_json::Value::Bool(*flag),
+                RepositoryValue::Int64(number) => serde_json::Value::from(*number),
+                RepositoryValue::String(text) => serde_json::Value::String(text.clone()),
+                RepositoryValue::Bytes(bytes) => {
+                    serde_json::Value::String(base64::engine::general_purpose::STANDARD.encode(bytes))
+                }
+            };
+            (name.clone(), value)
+        })
+        .collect();
+    serde_json::to_vec(&serde_json::json!({ "parameters": values })).unwrap_or_default()
 }
 
 #[cfg(test)]

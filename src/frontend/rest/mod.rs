@@ -22,6 +22,7 @@ pub use connection::ConnState;
 
 use super::paths::{Route, route};
 use crate::codec::rest::{self, EncodedBody};
+use crate::dispatch::RepositoryAction;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::live::Gateway;
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
@@ -164,12 +165,19 @@ impl RestDoor {
                 let entries = dispatcher.repository_index(ready_only).await;
                 Reply::Json(StatusCode::OK, rest::encode_repository_index(&entries))
             }
-            Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
-                return Err(Error::new(
-                    ErrorKind::Unimplemented,
-                    Origin::Gateway,
-                    "the gateway does not load or unload models; ask the backends' own repository endpoints",
-                ));
+            Route::RepositoryLoad(model) | Route::RepositoryUnload(model) => {
+                let action = match route {
+                    Route::RepositoryLoad(_) => RepositoryAction::Load,
+                    _ => RepositoryAction::Unload,
+                };
+                let declared = self.declared_length(&parts.headers)?;
+                let body = self.read_body(body, declared, Vec::new()).await?;
+                let parameters = rest::decode_repository_request(&body)?;
+                let forward = crate::headers::for_backend(&parts.headers);
+                dispatcher
+                    .repository_change(model, action, &parameters, &forward)
+                    .await?;
+                Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
             Route::Infer(model, version) => return self.infer(parts, body, record, model, version).await,
         })

@@ -1,0 +1,96 @@
+"""Real Triton Inference Server replicas behind oipgate, driven by tritonclient: a stateful sequence model keeps
+every request of a sequence on the replica holding its state (over REST and gRPC, as they are and translated, and
+through either of two gateway processes), and each answer equals Triton's own."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+
+from triton_server import triton  # noqa: F401  (the fixture)
+
+SEQUENCES = 8
+STEPS = 6
+
+
+def client(protocol: str, address: str):
+    module = triton_grpc if protocol == "grpc" else triton_http
+    return module.InferenceServerClient(url=address)
+
+
+def step(client, protocol: str, model: str, sequence_id, value: int, start: bool, end: bool) -> int:
+    module = triton_grpc if protocol == "grpc" else triton_http
+    tensor = module.InferInput("INPUT0", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([value], dtype=np.int32))
+    result = client.infer(model, [tensor], sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    return int(result.as_numpy("OUTPUT0")[0])
+
+
+def run_sequence(addresses: list, protocol: str, model: str, sequence_id) -> list:
+    """One sequence's answers, its steps sent to `addresses` in turn (one client per address)."""
+    clients = [client(protocol, address) for address in addresses]
+    answers = []
+    for index in range(STEPS):
+        answers.append(
+            step(clients[index % len(clients)], protocol, model, sequence_id, 10 * index + 1, index == 0,
+                 index == STEPS - 1)
+        )
+    return answers
+
+
+def sequence_ids(first: int, text: bool) -> list:
+    return [f"s{first + n}" if text else first + n for n in range(SEQUENCES)]
+
+
+# (client protocol, public model): the REST and gRPC doors, each to a backend of its own protocol and of the other.
+PATHS = [
+    ("http", "accumulate"),
+    ("http", "accumulate_grpc"),
+    ("grpc", "accumulate_grpc"),
+    ("grpc", "accumulate"),
+]
+
+
+@pytest.mark.parametrize("gateways", [1, 2], ids=["one-gateway", "two-gateways"])
+@pytest.mark.parametrize("text", [False, True], ids=["numeric-ids", "string-ids"])
+@pytest.mark.parametrize("protocol,model", PATHS, ids=[f"{p}-to-{m}" for p, m in PATHS])
+def test_sequences_through_two_replicas_equal_triton_alone(triton, protocol, model, text, gateways):  # noqa: F811
+    case = PATHS.index((protocol, model)) * 4 + int(text) * 2 + gateways
+    through = sequence_ids(1000 * case, text)
+    direct = sequence_ids(1000 * case + 500, text)
+    door = "grpc" if protocol == "grpc" else "rest"
+    addresses = [getattr(g, door) for g in triton.gateways[:gateways]]
+    replica = getattr(triton.replicas[0], door)
+    with ThreadPoolExecutor(max_workers=SEQUENCES) as pool:
+        answers = list(pool.map(lambda s: run_sequence(addresses, protocol, model, s), through))
+        expected = list(pool.map(lambda s: run_sequence([replica], protocol, "accumulate", s), direct))
+    # Round robin over two replicas would send every other step to the one without the sequence's state.
+    assert answers == expected
+    assert expected[0] == [sum(10 * i + 1 for i in range(n + 1)) for n in range(STEPS)]
+
+
+def test_a_stateless_model_answers_as_triton_alone(triton):  # noqa: F811
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), 3, dtype=np.int32)
+    for protocol, door in (("http", "rest"), ("grpc", "grpc")):
+        module = triton_grpc if protocol == "grpc" else triton_http
+        inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        direct = client(protocol, getattr(triton.replicas[1], door)).infer("add_sub", inputs)
+        for model in ("add_sub", "add_sub_grpc"):
+            through = client(protocol, getattr(triton.gateways[0], door)).infer(model, inputs)
+            for output in ("OUTPUT0", "OUTPUT1"):
+                assert np.array_equal(through.as_numpy(output), direct.as_numpy(output)), (protocol, model, output)
+
+
+def test_repository_unload_and_load_reach_both_replicas(triton):  # noqa: F811
+    for protocol, door in (("http", "rest"), ("grpc", "grpc")):
+        through = client(protocol, getattr(triton.gateways[0], door))
+        replicas = [client(protocol, getattr(replica, door)) for replica in triton.replicas]
+        through.unload_model("add_sub")
+        assert not any(replica.is_model_ready("add_sub") for replica in replicas), protocol
+        through.load_model("add_sub")
+        assert all(replica.is_model_ready("add_sub") for replica in replicas), protocol
