@@ -15,6 +15,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".inference")
         // Ordered maps make encoding deterministic: the same request always gives the same bytes.
         .btree_map(".inference")
+        // Statistics cross the REST door as JSON with the messages' own field names, as Triton writes them.
+        .type_attribute(
+            ".inference.ModelStatisticsResponse",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.ModelStatistics",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.InferStatistics",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.InferResponseStatistics",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.InferBatchStatistics",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.StatisticDuration",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
+        .type_attribute(
+            ".inference.MemoryUsage",
+            "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
+        )
         .build_client(true)
         .build_server(true)
         .compile_fds(descriptors)?;

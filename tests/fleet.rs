@@ -450,3 +450,102 @@ async fn repository_load_and_unload_reach_every_replica_and_name_those_that_fail
             .contains("repository parameter \"config\"")
     );
 }
+
+#[tokio::test]
+async fn model_statistics_are_the_sum_over_replicas_under_the_public_names() {
+    let (a, b) = (ModelServerProcess::named("a"), ModelServerProcess::named("b"));
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        {}
+        {}
+        [[models]]
+        name = "echo"
+        versions = [ {{ version = "7", backend = "rest-pair", upstream_name = "identity", upstream_version = "1" }},
+                     {{ version = "8", backend = "grpc-pair", upstream_name = "identity", upstream_version = "1" }} ]
+        default_version = "7"
+        "#,
+        backend("rest-pair", "rest", [a.rest.unwrap(), b.rest.unwrap()]),
+        backend("grpc-pair", "grpc", [a.grpc.unwrap(), b.grpc.unwrap()]),
+    ));
+    let client = http_client(false);
+    for version in ["7", "8"] {
+        let url = gateway.rest_url(&format!("/v2/models/echo/versions/{version}/infer"));
+        for _ in 0..5 {
+            assert_eq!(send(&client, "POST", &url, &[], BODY).await.status, 200);
+        }
+    }
+    // What the replicas report themselves (both protocols of one replica share a model server).
+    let direct = |server: &ModelServerProcess| {
+        let url = server.rest_url("/v2/models/identity/versions/1/stats");
+        async move { get(&url).await.json()["model_stats"][0].clone() }
+    };
+    let (on_a, on_b) = (direct(&a).await, direct(&b).await);
+    let count = |stats: &serde_json::Value, field: &str| stats["inference_stats"][field]["count"].as_u64().unwrap();
+    assert_eq!(count(&on_a, "success") + count(&on_b, "success"), 10);
+    assert!(
+        count(&on_a, "success") > 0 && count(&on_b, "success") > 0,
+        "round robin reaches both"
+    );
+
+    let through = get(&gateway.rest_url("/v2/models/echo/versions/7/stats")).await;
+    assert_eq!(through.status, 200, "{:?}", through.body);
+    let entries = through.json()["model_stats"].as_array().unwrap().clone();
+    assert_eq!(entries.len(), 1);
+    let summed = &entries[0];
+    assert_eq!(
+        (summed["name"].as_str(), summed["version"].as_str()),
+        (Some("echo"), Some("7"))
+    );
+    // Every request reached one replica; both versions share the replicas' one identity model.
+    for field in ["success", "compute_infer"] {
+        assert_eq!(
+            count(summed, field),
+            count(&on_a, field) + count(&on_b, field),
+            "{field}"
+        );
+        let ns = |s: &serde_json::Value| s["inference_stats"][field]["ns"].as_u64().unwrap();
+        assert_eq!(ns(summed), ns(&on_a) + ns(&on_b), "{field}");
+    }
+    assert_eq!(
+        summed["inference_count"].as_u64(),
+        Some(on_a["inference_count"].as_u64().unwrap() + on_b["inference_count"].as_u64().unwrap())
+    );
+    assert_eq!(
+        summed["last_inference"].as_u64(),
+        on_a["last_inference"].as_u64().max(on_b["last_inference"].as_u64())
+    );
+    // Every version of the model, every model, and the same over gRPC from the gRPC backend.
+    let versions: Vec<String> = get(&gateway.rest_url("/v2/models/echo/stats")).await.json()["model_stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["version"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(versions, ["7", "8"]);
+    assert_eq!(
+        get(&gateway.rest_url("/v2/models/stats")).await.json()["model_stats"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    let mut grpc = gateway.grpc_client().await;
+    let answer = grpc
+        .model_statistics(oipgate::proto::ModelStatisticsRequest {
+            name: "echo".into(),
+            version: "8".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let entry = &answer.model_stats[0];
+    assert_eq!((entry.name.as_str(), entry.version.as_str()), ("echo", "8"));
+    let success = entry.inference_stats.as_ref().unwrap().success.as_ref().unwrap();
+    assert_eq!(success.count, count(&on_a, "success") + count(&on_b, "success"));
+    // A model or version the gateway does not route is not found.
+    assert_eq!(get(&gateway.rest_url("/v2/models/nope/stats")).await.status, 404);
+    assert_eq!(
+        get(&gateway.rest_url("/v2/models/echo/versions/9/stats")).await.status,
+        404
+    );
+}

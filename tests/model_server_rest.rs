@@ -18,7 +18,7 @@ async fn health_and_metadata() {
     assert_eq!(metadata.json()["name"], "unit");
     assert_eq!(
         metadata.json()["extensions"],
-        json!(["binary_tensor_data", "model_repository"])
+        json!(["binary_tensor_data", "model_repository", "statistics"])
     );
     assert_eq!(
         get(&server.rest_url("/v2/health/live")).await.json(),

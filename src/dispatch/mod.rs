@@ -29,6 +29,7 @@ mod mirror;
 mod passthrough;
 mod probe;
 mod repository;
+pub(crate) mod statistics;
 
 use backend::{BackendClients, Replicas};
 pub use fleet::Affinity;
@@ -85,7 +86,7 @@ pub struct Dispatcher {
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
-pub const EXTENSIONS: [&str; 2] = ["binary_tensor_data", "model_repository"];
+pub const EXTENSIONS: [&str; 3] = ["binary_tensor_data", "model_repository", "statistics"];
 
 impl Dispatcher {
     /// A dispatcher with metrics of its own (TLS files read now; backends found through DNS start with none).

@@ -26,9 +26,10 @@ use crate::process::metrics::{ClientProtocol, Finished, RequestTimer};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
-    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
-    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse, RepositoryIndexRequest,
+    RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse, RepositoryModelUnloadRequest,
+    RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest,
+    ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 use crate::protocol::Reserved;
 
@@ -249,6 +250,20 @@ impl GrpcInferenceService for Typed {
             .repository_index(request.into_inner().ready)
             .await;
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
+    }
+
+    async fn model_statistics(
+        &self,
+        request: Request<ModelStatisticsRequest>,
+    ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        let request = request.into_inner();
+        let model = Some(request.name.as_str()).filter(|name| !name.is_empty());
+        let model_stats = self
+            .gateway
+            .dispatcher()
+            .model_statistics(model, version(&request.version))
+            .await?;
+        Ok(Response::new(ModelStatisticsResponse { model_stats }))
     }
 
     async fn repository_model_load(

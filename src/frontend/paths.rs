@@ -11,6 +11,8 @@ pub enum Route<'a> {
     ModelMetadata(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    /// Triton's statistics of one model (at one version) or, without a model, of every model.
+    ModelStatistics(Option<&'a str>, Option<&'a str>),
     RepositoryIndex,
     RepositoryLoad(&'a str),
     RepositoryUnload(&'a str),
@@ -20,9 +22,12 @@ impl Route<'_> {
     /// The one method each endpoint answers.
     pub fn method(&self) -> Method {
         match self {
-            Route::ServerMetadata | Route::Live | Route::Ready | Route::ModelMetadata(..) | Route::ModelReady(..) => {
-                Method::GET
-            }
+            Route::ServerMetadata
+            | Route::Live
+            | Route::Ready
+            | Route::ModelMetadata(..)
+            | Route::ModelReady(..)
+            | Route::ModelStatistics(..) => Method::GET,
             Route::Infer(..) | Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
                 Method::POST
             }
@@ -43,7 +48,11 @@ pub fn route(path: &str) -> Option<Route<'_>> {
         ["repository", "index"] => Route::RepositoryIndex,
         ["repository", "models", model, "load"] => Route::RepositoryLoad(model),
         ["repository", "models", model, "unload"] => Route::RepositoryUnload(model),
+        // As Triton reads it: statistics of every model, not the metadata of a model called "stats".
+        ["models", "stats"] => Route::ModelStatistics(None, None),
         ["models", model] => Route::ModelMetadata(model, None),
+        ["models", model, "stats"] => Route::ModelStatistics(Some(model), None),
+        ["models", model, "versions", version, "stats"] => Route::ModelStatistics(Some(model), Some(version)),
         ["models", model, "ready"] => Route::ModelReady(model, None),
         ["models", model, "infer"] => Route::Infer(model, None),
         ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
@@ -69,6 +78,11 @@ mod tests {
         assert_eq!(
             route("/v2/repository/models/m/unload"),
             Some(Route::RepositoryUnload("m"))
+        );
+        assert_eq!(route("/v2/models/stats"), Some(Route::ModelStatistics(None, None)));
+        assert_eq!(
+            route("/v2/models/m/versions/3/stats"),
+            Some(Route::ModelStatistics(Some("m"), Some("3")))
         );
         assert_eq!(route("/v2/models/m/versions"), None);
         assert_eq!(route("/v1/models/m"), None);

@@ -9,9 +9,10 @@ use crate::codec::protobuf;
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{
     ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
-    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
-    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse, RepositoryIndexRequest,
+    RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse, RepositoryModelUnloadRequest,
+    RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest,
+    ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -89,6 +90,18 @@ impl GrpcInferenceService for GrpcModelServer {
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
         let entries = self.state.repository.index(request.into_inner().ready);
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
+    }
+
+    async fn model_statistics(
+        &self,
+        request: Request<ModelStatisticsRequest>,
+    ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        let request = request.into_inner();
+        let model_stats = self.state.repository.statistics(
+            Some(request.name.as_str()).filter(|name| !name.is_empty()),
+            Some(request.version.as_str()).filter(|version| !version.is_empty()),
+        )?;
+        Ok(Response::new(ModelStatisticsResponse { model_stats }))
     }
 
     async fn repository_model_load(

@@ -24,7 +24,7 @@ use crate::protocol::ServerMetadata;
 use repository::Repository;
 
 /// Extensions the model server implements, as server metadata reports them.
-pub const EXTENSIONS: [&str; 2] = ["binary_tensor_data", "model_repository"];
+pub const EXTENSIONS: [&str; 3] = ["binary_tensor_data", "model_repository", "statistics"];
 
 /// How long in-flight requests get to finish after shutdown is asked for.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,11 +1,14 @@
 //! The models a model server serves, their versions and readiness, and the inference entry point both protocols use.
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::models::{Model, Sequences};
+use crate::dispatch::statistics;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::proto::{InferStatistics, ModelStatistics, StatisticDuration};
 use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState};
 
 /// One served model: its versions and whether it is loaded (ready).
@@ -25,6 +28,8 @@ pub struct Repository {
     slow_delay: Duration,
     /// The stateful model's sequences under way.
     sequences: Sequences,
+    /// What each model version has done: Triton's statistics, by model name and version.
+    statistics: Mutex<BTreeMap<(String, u32), ModelStatistics>>,
 }
 
 impl Repository {
@@ -84,6 +89,7 @@ impl Repository {
             models,
             slow_delay: Duration::ZERO,
             sequences: Sequences::default(),
+            statistics: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -164,9 +170,96 @@ impl Repository {
         entries
     }
 
-    /// Checks and runs an inference request for model `name`, `version` (or the latest).
+    /// Checks and runs an inference request for model `name`, `version` (or the latest), counted in the model
+    /// version's statistics.
     pub async fn infer(&self, name: &str, version: Option<&str>, request: InferRequest) -> Result<InferResponse> {
         let (served, number, model) = self.resolve(name, version)?;
+        let started = Instant::now();
+        let answered = self.run(name, served, number, model, request).await;
+        self.count(name, number, started.elapsed(), answered.is_ok());
+        answered
+    }
+
+    /// Adds one inference to a model version's statistics: Triton counts each request as one inference and one
+    /// execution, and times it whole (the built-in models have no queue or separate input and output stages).
+    fn count(&self, name: &str, version: u32, took: Duration, succeeded: bool) {
+        let took = StatisticDuration {
+            count: 1,
+            ns: u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
+        };
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let one = ModelStatistics {
+            last_inference: now,
+            inference_count: u64::from(succeeded),
+            execution_count: u64::from(succeeded),
+            inference_stats: Some(if succeeded {
+                InferStatistics {
+                    success: Some(took),
+                    compute_infer: Some(took),
+                    ..Default::default()
+                }
+            } else {
+                InferStatistics {
+                    fail: Some(took),
+                    ..Default::default()
+                }
+            }),
+            ..Default::default()
+        };
+        let mut statistics = self
+            .statistics
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = statistics
+            .entry((name.to_owned(), version))
+            .or_insert_with(statistics::empty);
+        statistics::add(entry, &one);
+    }
+
+    /// The statistics of model `name` at `version` (every version when `None`), or of every model when `name` is
+    /// `None`; zeros for a model version that has served nothing.
+    pub fn statistics(&self, name: Option<&str>, version: Option<&str>) -> Result<Vec<ModelStatistics>> {
+        let chosen: Vec<(&String, &Served)> = match name {
+            Some(name) => vec![
+                self.models
+                    .get_key_value(name)
+                    .ok_or_else(|| Error::not_found(format!("unknown model '{name}'")))?,
+            ],
+            None => self.models.iter().collect(),
+        };
+        let recorded = self
+            .statistics
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut entries = Vec::new();
+        for (model, served) in chosen {
+            let versions: Vec<u32> = match (name, version) {
+                (Some(name), Some(_)) => vec![self.resolve(name, version)?.1],
+                _ => served.versions.keys().copied().collect(),
+            };
+            for number in versions {
+                let mut entry = recorded
+                    .get(&(model.clone(), number))
+                    .cloned()
+                    .unwrap_or_else(statistics::empty);
+                entry.name = model.clone();
+                entry.version = number.to_string();
+                entries.push(entry);
+            }
+        }
+        Ok(entries)
+    }
+
+    async fn run(
+        &self,
+        name: &str,
+        served: &Served,
+        number: u32,
+        model: Model,
+        request: InferRequest,
+    ) -> Result<InferResponse> {
         if !served.ready.load(Ordering::Acquire) {
             return Err(Error::new(
                 ErrorKind::Unavailable,

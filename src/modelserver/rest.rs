@@ -97,6 +97,10 @@ where
             )
         }
         Route::Infer(model, version) => infer(state, model, version, request).await?,
+        Route::ModelStatistics(model, version) => json_response(
+            StatusCode::OK,
+            rest::encode_model_statistics(repository.statistics(model, version)?),
+        ),
         Route::RepositoryIndex => {
             let body = read_body(request, state.max_request_bytes).await?;
             let ready_only = rest::decode_repository_index_request(&body)?;

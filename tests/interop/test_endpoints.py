@@ -69,3 +69,27 @@ def test_repository_index_lists_the_fleet(fleet, client_protocol):
     assert states["down"] == "UNAVAILABLE"
     reason = next(e.get("reason", "") for e in entries if e["name"] == "down")
     assert reason.startswith("backend down:"), reason
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("kind", ["mlserver", "kserve"])
+def test_statistics_of_a_backend_without_them_are_a_clear_501(fleet, kind, protocol, client_protocol):
+    from tritonclient.utils import InferenceServerException
+
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_inference_statistics(public_name(kind, protocol, "echo"))
+    status = str(refused.value.status())
+    assert status in ("501", "StatusCode.UNIMPLEMENTED"), status
+    assert f"backend {kind}-{protocol} keeps no model statistics" in refused.value.message()
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+def test_statistics_of_every_model_leave_out_backends_without_them(fleet, client_protocol):
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    answer = client.get_inference_statistics(as_json=True) if client_protocol == "grpc" else (
+        client.get_inference_statistics()
+    )
+    names = {entry["name"] for entry in answer.get("model_stats", [])}
+    assert names == {public_name("oipgate", p, r) for p in PROTOCOLS for r in UPSTREAM["oipgate"]}

@@ -94,3 +94,46 @@ def test_repository_unload_and_load_reach_both_replicas(triton):  # noqa: F811
         assert not any(replica.is_model_ready("add_sub") for replica in replicas), protocol
         through.load_model("add_sub")
         assert all(replica.is_model_ready("add_sub") for replica in replicas), protocol
+
+
+STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
+
+
+def statistics(protocol: str, address: str, model: str) -> dict:
+    """A model's statistics as plain numbers (tritonclient's gRPC JSON writes 64-bit numbers as strings and leaves
+    zeros out)."""
+    answer = client(protocol, address)
+    entry = (
+        answer.get_inference_statistics(model, as_json=True)
+        if protocol == "grpc"
+        else answer.get_inference_statistics(model)
+    )["model_stats"][0]
+    numbers = {key: int(entry.get(key, 0)) for key in ("last_inference", "inference_count", "execution_count")}
+    stages = entry.get("inference_stats", {})
+    for stage in STAGES:
+        numbers[stage] = (int(stages.get(stage, {}).get("count", 0)), int(stages.get(stage, {}).get("ns", 0)))
+    numbers["name"] = entry["name"]
+    return numbers
+
+
+def test_statistics_through_the_gateway_are_the_sum_over_both_replicas(triton):  # noqa: F811
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [triton_http.InferInput("INPUT0", [1, 16], "INT32"), triton_http.InferInput("INPUT1", [1, 16], "INT32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    through = client("http", triton.gateways[0].rest)
+    for _ in range(6):
+        through.infer("add_sub", inputs)
+    for protocol, door in (("http", "rest"), ("grpc", "grpc")):
+        replicas = [statistics(protocol, getattr(r, door), "add_sub") for r in triton.replicas]
+        assert all(replica["success"][0] > 0 for replica in replicas), replicas
+        # Both doors, from the backend of their own protocol and of the other.
+        for model in ("add_sub", "add_sub_grpc"):
+            summed = statistics(protocol, getattr(triton.gateways[0], door), model)
+            assert summed["name"] == model
+            assert summed["last_inference"] == max(r["last_inference"] for r in replicas)
+            for key in ("inference_count", "execution_count"):
+                assert summed[key] == sum(r[key] for r in replicas), (protocol, model, key)
+            for stage in STAGES:
+                expected = tuple(sum(r[stage][i] for r in replicas) for i in (0, 1))
+                assert summed[stage] == expected, (protocol, model, stage)

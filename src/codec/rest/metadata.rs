@@ -319,6 +319,20 @@ pub fn encode_repository_request(parameters: &RepositoryParameters) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "parameters": values })).unwrap_or_default()
 }
 
+/// The body of a statistics answer: `{"model_stats": [...]}` with the protobuf messages' field names, as Triton
+/// writes it.
+pub fn encode_model_statistics(statistics: Vec<crate::proto::ModelStatistics>) -> Vec<u8> {
+    let response = crate::proto::ModelStatisticsResponse {
+        model_stats: statistics,
+    };
+    serde_json::to_vec(&response).unwrap_or_default()
+}
+
+/// Reads a statistics answer.
+pub fn decode_model_statistics(body: &[u8]) -> Result<crate::proto::ModelStatisticsResponse> {
+    serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid model statistics: {e}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

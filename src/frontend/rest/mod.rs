@@ -158,6 +158,10 @@ impl RestDoor {
                 });
                 Reply::Json(answer::health_status(ready), body)
             }
+            Route::ModelStatistics(model, version) => Reply::Json(
+                StatusCode::OK,
+                rest::encode_model_statistics(dispatcher.model_statistics(model, version).await?),
+            ),
             Route::RepositoryIndex => {
                 let declared = self.declared_length(&parts.headers)?;
                 let body = self.read_body(body, declared, Vec::new()).await?;
