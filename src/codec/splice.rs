@@ -192,6 +192,20 @@ pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// An encoded Triton `ModelConfig` with its name (field 1) replaced and every other field kept as it came, whatever
+/// it holds.
+pub fn rename_model_config(config: &[u8], name: &str) -> Result<Bytes> {
+    let mut out = BytesMut::with_capacity(config.len() + name.len() + 8);
+    put_string_field(&mut out, MODEL_NAME, name);
+    for field in fields(config) {
+        let field = field?;
+        if field.number != MODEL_NAME {
+            out.put_slice(&config[field.start..field.end]);
+        }
+    }
+    Ok(out.freeze())
+}
+
 fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {
     if value.is_empty() {
         return;

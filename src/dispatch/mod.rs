@@ -24,6 +24,7 @@ use crate::tls::Prepared;
 use crate::upstream::Replied;
 
 mod backend;
+mod config;
 pub mod fleet;
 mod mirror;
 mod passthrough;
@@ -34,6 +35,7 @@ pub(crate) mod statistics;
 use backend::{BackendClients, Replicas};
 pub use fleet::Affinity;
 
+pub use config::{ConfigForm, ModelConfigAnswer};
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};

@@ -18,18 +18,18 @@ use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
 use crate::codec::{protobuf, splice};
-use crate::dispatch::{CallContext, RepositoryAction};
+use crate::dispatch::{CallContext, ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
 use crate::headers;
 use crate::process::live::Gateway;
 use crate::process::metrics::{ClientProtocol, Finished, RequestTimer};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
-    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse, RepositoryIndexRequest,
-    RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse, RepositoryModelUnloadRequest,
-    RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest,
-    ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
+    ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
+    RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse,
+    RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
+    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 use crate::protocol::Reserved;
 
@@ -250,6 +250,22 @@ impl GrpcInferenceService for Typed {
             .repository_index(request.into_inner().ready)
             .await;
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<ModelConfigRequest>,
+    ) -> Result<Response<ModelConfigResponse>, Status> {
+        let request = request.into_inner();
+        let config = self
+            .gateway
+            .dispatcher()
+            .model_config(&request.name, version(&request.version), ConfigForm::Protobuf)
+            .await?;
+        match config {
+            ModelConfigAnswer::Protobuf(config) => Ok(Response::new(ModelConfigResponse { config })),
+            ModelConfigAnswer::Json(_) => Err(Status::internal("a model configuration in JSON form")),
+        }
     }
 
     async fn model_statistics(

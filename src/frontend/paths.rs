@@ -11,6 +11,8 @@ pub enum Route<'a> {
     ModelMetadata(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    /// Triton's configuration of a model.
+    ModelConfig(&'a str, Option<&'a str>),
     /// Triton's statistics of one model (at one version) or, without a model, of every model.
     ModelStatistics(Option<&'a str>, Option<&'a str>),
     RepositoryIndex,
@@ -27,6 +29,7 @@ impl Route<'_> {
             | Route::Ready
             | Route::ModelMetadata(..)
             | Route::ModelReady(..)
+            | Route::ModelConfig(..)
             | Route::ModelStatistics(..) => Method::GET,
             Route::Infer(..) | Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
                 Method::POST
@@ -52,6 +55,8 @@ pub fn route(path: &str) -> Option<Route<'_>> {
         ["models", "stats"] => Route::ModelStatistics(None, None),
         ["models", model] => Route::ModelMetadata(model, None),
         ["models", model, "stats"] => Route::ModelStatistics(Some(model), None),
+        ["models", model, "config"] => Route::ModelConfig(model, None),
+        ["models", model, "versions", version, "config"] => Route::ModelConfig(model, Some(version)),
         ["models", model, "versions", version, "stats"] => Route::ModelStatistics(Some(model), Some(version)),
         ["models", model, "ready"] => Route::ModelReady(model, None),
         ["models", model, "infer"] => Route::Infer(model, None),

@@ -8,11 +8,11 @@ use super::ModelServerState;
 use crate::codec::protobuf;
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{
-    ModelInferRequest, ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
-    ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse, RepositoryIndexRequest,
-    RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse, RepositoryModelUnloadRequest,
-    RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest,
-    ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
+    ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
+    RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse,
+    RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
+    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -90,6 +90,20 @@ impl GrpcInferenceService for GrpcModelServer {
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
         let entries = self.state.repository.index(request.into_inner().ready);
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<ModelConfigRequest>,
+    ) -> Result<Response<ModelConfigResponse>, Status> {
+        let request = request.into_inner();
+        let config = self
+            .state
+            .repository
+            .model_config(&request.name, Some(request.version.as_str()))?;
+        Ok(Response::new(ModelConfigResponse {
+            config: prost::Message::encode_to_vec(&config).into(),
+        }))
     }
 
     async fn model_statistics(

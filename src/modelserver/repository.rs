@@ -218,6 +218,45 @@ impl Repository {
         statistics::add(entry, &one);
     }
 
+    /// The configuration of model `name` at `version` (the latest when `None`), in Triton's terms: the built-in
+    /// models take no batch dimension of their own (`max_batch_size` 0), so their shapes are the whole shapes.
+    pub fn model_config(&self, name: &str, version: Option<&str>) -> Result<crate::proto::ModelConfig> {
+        let (_, _, model) = self.resolve(name, version)?;
+        let metadata = model.metadata(name, &[]);
+        let datatype = |name: &str| {
+            let config_name = if name == "BYTES" {
+                "TYPE_STRING".to_owned()
+            } else {
+                format!("TYPE_{name}")
+            };
+            crate::proto::DataType::from_str_name(&config_name).unwrap_or(crate::proto::DataType::TypeInvalid) as i32
+        };
+        Ok(crate::proto::ModelConfig {
+            name: name.to_owned(),
+            platform: metadata.platform.clone(),
+            backend: metadata.platform,
+            max_batch_size: 0,
+            input: metadata
+                .inputs
+                .iter()
+                .map(|t| crate::proto::ModelInput {
+                    name: t.name.clone(),
+                    data_type: datatype(&t.datatype),
+                    dims: t.shape.clone(),
+                })
+                .collect(),
+            output: metadata
+                .outputs
+                .iter()
+                .map(|t| crate::proto::ModelOutput {
+                    name: t.name.clone(),
+                    data_type: datatype(&t.datatype),
+                    dims: t.shape.clone(),
+                })
+                .collect(),
+        })
+    }
+
     /// The statistics of model `name` at `version` (every version when `None`), or of every model when `name` is
     /// `None`; zeros for a model version that has served nothing.
     pub fn statistics(&self, name: Option<&str>, version: Option<&str>) -> Result<Vec<ModelStatistics>> {

@@ -93,3 +93,16 @@ def test_statistics_of_every_model_leave_out_backends_without_them(fleet, client
     )
     names = {entry["name"] for entry in answer.get("model_stats", [])}
     assert names == {public_name("oipgate", p, r) for p in PROTOCOLS for r in UPSTREAM["oipgate"]}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("kind", ["mlserver", "kserve"])
+def test_model_configuration_of_a_backend_without_it_is_a_clear_501(fleet, kind, protocol):
+    from tritonclient.utils import InferenceServerException
+
+    client = triton(protocol, address(fleet.gateway, protocol))
+    with pytest.raises(InferenceServerException) as refused:
+        client.get_model_config(public_name(kind, protocol, "echo"))
+    status = str(refused.value.status())
+    assert status in ("501", "StatusCode.UNIMPLEMENTED"), status
+    assert f"backend {kind}-{protocol} keeps no model configuration" in refused.value.message()

@@ -137,3 +137,20 @@ def test_statistics_through_the_gateway_are_the_sum_over_both_replicas(triton): 
             for stage in STAGES:
                 expected = tuple(sum(r[stage][i] for r in replicas) for i in (0, 1))
                 assert summed[stage] == expected, (protocol, model, stage)
+
+
+def test_model_configuration_through_the_gateway_is_triton_own_under_the_public_name(triton):  # noqa: F811
+    for protocol, door, model in (("http", "rest", "accumulate"), ("grpc", "grpc", "accumulate_grpc")):
+        def config(address, name):
+            answer = client(protocol, address)
+            if protocol == "grpc":
+                return answer.get_model_config(name, as_json=True)["config"]
+            return answer.get_model_config(name)
+
+        direct = config(getattr(triton.replicas[0], door), "accumulate")
+        through = config(getattr(triton.gateways[0], door), model)
+        # Every field as Triton wrote it (sequence batching, its control inputs, instance groups...), named publicly.
+        assert through.pop("name") == model
+        direct.pop("name")
+        assert through == direct, protocol
+        assert "sequence_batching" in through

@@ -22,7 +22,7 @@ pub use connection::ConnState;
 
 use super::paths::{Route, route};
 use crate::codec::rest::{self, EncodedBody};
-use crate::dispatch::RepositoryAction;
+use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::live::Gateway;
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
@@ -157,6 +157,14 @@ impl RestDoor {
                     ready,
                 });
                 Reply::Json(answer::health_status(ready), body)
+            }
+            Route::ModelConfig(model, version) => {
+                match dispatcher.model_config(model, version, ConfigForm::Json).await? {
+                    ModelConfigAnswer::Json(config) => Reply::Json(StatusCode::OK, config),
+                    ModelConfigAnswer::Protobuf(_) => {
+                        return Err(Error::internal("a model configuration in protobuf form"));
+                    }
+                }
             }
             Route::ModelStatistics(model, version) => Reply::Json(
                 StatusCode::OK,
