@@ -19,6 +19,8 @@ pub enum ErrorKind {
     PayloadTooLarge,
     /// Request target longer than the limit: 414 / INVALID_ARGUMENT.
     UriTooLong,
+    /// A request body in a content coding the gateway does not read: 415 / UNIMPLEMENTED.
+    UnsupportedEncoding,
     /// Overloaded or concurrency limit reached: 429 / RESOURCE_EXHAUSTED.
     Overloaded,
     /// Not implemented: 501 / UNIMPLEMENTED.
@@ -55,6 +57,7 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => (405, Code::Unimplemented),
             ErrorKind::PayloadTooLarge => (413, Code::ResourceExhausted),
             ErrorKind::UriTooLong => (414, Code::InvalidArgument),
+            ErrorKind::UnsupportedEncoding => (415, Code::Unimplemented),
             ErrorKind::Overloaded => (429, Code::ResourceExhausted),
             ErrorKind::Unimplemented => (501, Code::Unimplemented),
             ErrorKind::BadGateway => (502, Code::Unavailable),
@@ -78,6 +81,7 @@ impl ErrorKind {
             | ErrorKind::MethodNotAllowed
             | ErrorKind::PayloadTooLarge
             | ErrorKind::UriTooLong
+            | ErrorKind::UnsupportedEncoding
             | ErrorKind::Unimplemented
             | ErrorKind::Timeout
             | ErrorKind::Internal
@@ -100,6 +104,7 @@ impl ErrorKind {
             409 => ErrorKind::Conflict,
             413 => ErrorKind::PayloadTooLarge,
             414 => ErrorKind::UriTooLong,
+            415 => ErrorKind::UnsupportedEncoding,
             429 => ErrorKind::Overloaded,
             CLIENT_CLOSED_REQUEST => ErrorKind::Cancelled,
             501 => ErrorKind::Unimplemented,

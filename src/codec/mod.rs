@@ -1,5 +1,6 @@
 //! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
 
+pub mod compression;
 pub mod decthings;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;

@@ -123,6 +123,10 @@ pub struct RawBackend {
     /// A REST backend that speaks the binary tensor data extension.
     #[serde(default)]
     pub binary_data: bool,
+    /// A REST backend that reads gzip and deflate request bodies (Triton does): a compressed body is proxied to it
+    /// compressed instead of decompressed.
+    #[serde(default)]
+    pub compression: bool,
     /// "round_robin" (default), "least_request" or "consistent_hash".
     pub lb: Option<String>,
     /// Calls one endpoint may have under way; more wait briefly, then are refused.

@@ -156,6 +156,8 @@ pub struct Backend {
     pub discovery: Discovery,
     /// REST backends only: it speaks the binary tensor data extension.
     pub binary_data: bool,
+    /// REST backends only: it reads compressed request bodies.
+    pub compression: bool,
     pub policy: BackendPolicy,
     pub tls: Option<BackendTls>,
 }

@@ -27,6 +27,8 @@ pub struct Passthrough {
     pub timeout: Duration,
     /// Whether the backend's model name or version differs from the public one (to be put back in the answer).
     pub aliased: bool,
+    /// Whether the backend reads compressed request bodies (a compressed one goes to it as it came).
+    pub compression: bool,
     /// The backend's metric handles, for the proxied call's in-flight count and latency.
     pub backend_metrics: BackendMetrics,
 }
@@ -78,6 +80,7 @@ impl Dispatcher {
             path,
             timeout: self.request_timeout,
             aliased: route.upstream_name != route.model || route.upstream_version != route.version,
+            compression: backend.config.compression,
             backend_metrics: backend.metrics.clone(),
         }))
     }

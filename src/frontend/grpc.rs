@@ -13,7 +13,7 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tonic::codec::{DecodeBuf, Decoder};
+use tonic::codec::{CompressionEncoding, DecodeBuf, Decoder};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
@@ -325,6 +325,8 @@ impl InferenceService {
         let typed = GrpcInferenceServiceServer::new(Typed {
             gateway: gateway.clone(),
         })
+        .accept_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Deflate)
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(usize::MAX);
         InferenceService {
@@ -446,16 +448,20 @@ where
     B: http_body::Body + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
-    if let Some(encoding) = request.headers().get("grpc-encoding")
-        && encoding.as_bytes() != b"identity"
-    {
-        return Err(Status::unimplemented(format!(
-            "Content is compressed with `{}` which isn't supported",
-            String::from_utf8_lossy(encoding.as_bytes())
-        )));
-    }
+    // A compressed message is decompressed within the same limit as a plain one (tonic stops at it).
+    let encoding = match request.headers().get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+        None | Some(b"identity") => None,
+        Some(b"gzip") => Some(CompressionEncoding::Gzip),
+        Some(b"deflate") => Some(CompressionEncoding::Deflate),
+        Some(other) => {
+            return Err(Status::unimplemented(format!(
+                "messages compressed with `{}` are not supported; gzip, deflate or identity are",
+                String::from_utf8_lossy(other)
+            )));
+        }
+    };
     let (mut parts, body) = request.into_parts();
-    let mut stream = tonic::codec::Streaming::new_request(RawDecoder, body, None, Some(limit));
+    let mut stream = tonic::codec::Streaming::new_request(RawDecoder, body, encoding, Some(limit));
     let message = stream
         .message()
         .await?

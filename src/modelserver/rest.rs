@@ -12,6 +12,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::ModelServerState;
 use crate::body::ChunksBody;
+use crate::codec::compression;
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::paths::{Route, route};
@@ -157,7 +158,13 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let header_length = rest::inference_header_length(request.headers())?;
+    let coding = compression::request_coding(request.headers())?;
     let body = read_body(request, state.max_request_bytes).await?;
+    // Compressed bodies are read as Triton reads them: gzip or deflate, bounded by the same limit once expanded.
+    let body = match coding {
+        Some(coding) => compression::decompress(coding, &body, state.max_request_bytes as u64)?,
+        None => body,
+    };
     let (infer_request, binary_outputs) = match rest::decode_request(body, header_length)? {
         RestRequest::Request {
             request,

@@ -154,3 +154,33 @@ def test_model_configuration_through_the_gateway_is_triton_own_under_the_public_
         direct.pop("name")
         assert through == direct, protocol
         assert "sequence_batching" in through
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_answers_equal_triton_alone(triton, algorithm):  # noqa: F811
+    a = np.arange(8 * 16, dtype=np.int32).reshape(8, 16) % 97
+    b = np.full((8, 16), 5, dtype=np.int32)
+
+    def infer(protocol, address, model):
+        module = triton_grpc if protocol == "grpc" else triton_http
+        inputs = [module.InferInput("INPUT0", [8, 16], "INT32"), module.InferInput("INPUT1", [8, 16], "INT32")]
+        # JSON bodies (binary_data=False) compress; they also reach both backend protocols.
+        if protocol == "grpc":
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            return client(protocol, address).infer(model, inputs, compression_algorithm=algorithm)
+        inputs[0].set_data_from_numpy(a, binary_data=False)
+        inputs[1].set_data_from_numpy(b, binary_data=False)
+        return client(protocol, address).infer(
+            model,
+            inputs,
+            request_compression_algorithm=algorithm,
+            response_compression_algorithm=algorithm,
+        )
+
+    for protocol, door in (("http", "rest"), ("grpc", "grpc")):
+        direct = infer(protocol, getattr(triton.replicas[0], door), "add_sub")
+        for model in ("add_sub", "add_sub_grpc"):
+            through = infer(protocol, getattr(triton.gateways[0], door), model)
+            for output in ("OUTPUT0", "OUTPUT1"):
+                assert np.array_equal(through.as_numpy(output), direct.as_numpy(output)), (protocol, model, output)

@@ -73,6 +73,8 @@ def gateway_config(replicas: list) -> str:
         'name = "triton-rest"',
         'protocol = "rest"',
         "binary_data = true",
+        # Triton reads compressed bodies: they are proxied to it as they came.
+        "compression = true",
         f"endpoints = [{endpoints('rest')}]",
         "[[backends]]",
         'name = "triton-grpc"',

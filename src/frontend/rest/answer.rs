@@ -13,6 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 
 use super::connection::ConnState;
 use crate::body::{ChunksBody, RelaySource};
+use crate::codec::compression::{self, Coding, Compressor, MIN_COMPRESSED_BYTES};
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::dispatch::Dispatcher;
 use crate::dispatch::fleet::Lease;
@@ -47,6 +48,8 @@ pub(super) struct Record {
     response_bytes: u64,
     /// The HTTP/1.1 connection to tell when the answer is sent.
     connection: Option<Arc<ConnState>>,
+    /// The coding the client accepts its answer in, if any.
+    pub(super) answer_coding: Option<Coding>,
 }
 
 impl Record {
@@ -72,6 +75,7 @@ impl Record {
             relayed: None,
             response_bytes: 0,
             connection,
+            answer_coding: None,
         }
     }
 
@@ -132,6 +136,8 @@ struct Proxied {
     authority: Arc<str>,
     /// The renamed header is out and the body ended: nothing more to send.
     finished: bool,
+    /// Compresses the answer for the client, when the backend did not.
+    compressor: Option<Compressor>,
 }
 
 impl Body for AnswerBody {
@@ -164,7 +170,7 @@ impl Body for AnswerBody {
     fn is_end_stream(&self) -> bool {
         match &self.source {
             Source::Chunks(chunks) => chunks.is_end_stream(),
-            Source::Proxied(proxied) => proxied.finished,
+            Source::Proxied(proxied) => proxied.finished && proxied.compressor.is_none(),
         }
     }
 
@@ -172,14 +178,40 @@ impl Body for AnswerBody {
         match &self.source {
             Source::Chunks(chunks) => chunks.size_hint(),
             // An aliased answer's length is in its head, renamed.
-            Source::Proxied(proxied) if proxied.rename.is_none() => proxied.body.size_hint(),
+            Source::Proxied(proxied) if proxied.rename.is_none() && proxied.compressor.is_none() => {
+                proxied.body.size_hint()
+            }
             Source::Proxied(_) => SizeHint::default(),
         }
     }
 }
 
 impl Proxied {
+    /// The next chunk for the client: the backend's, renamed, and compressed when the client asked for it.
     fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
+        let Some(mut compressor) = self.compressor.take() else {
+            return self.poll_plain(cx);
+        };
+        loop {
+            match self.poll_plain(cx) {
+                Poll::Pending => {
+                    self.compressor = Some(compressor);
+                    return Poll::Pending;
+                }
+                Poll::Ready(Some(Ok(chunk))) => {
+                    let out = compressor.push(&chunk);
+                    if !out.is_empty() {
+                        self.compressor = Some(compressor);
+                        return Poll::Ready(Some(Ok(out)));
+                    }
+                }
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
+                Poll::Ready(None) => return Poll::Ready(Some(Ok(compressor.finish()))),
+            }
+        }
+    }
+
+    fn poll_plain(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
         if self.finished {
             return Poll::Ready(None);
         }
@@ -249,6 +281,18 @@ pub(super) fn buffered(
         headers.insert(REQUEST_ID, id.clone());
     }
     record.status = Some(status.as_u16());
+    let length: usize = chunks.iter().map(Bytes::len).sum();
+    let chunks = match record.answer_coding {
+        Some(coding) if length >= MIN_COMPRESSED_BYTES && !headers.contains_key(http::header::CONTENT_ENCODING) => {
+            let mut compressor = Compressor::new(coding);
+            let mut compressed: Vec<Bytes> = chunks.iter().map(|chunk| compressor.push(chunk)).collect();
+            compressed.push(compressor.finish());
+            compressed.retain(|chunk| !chunk.is_empty());
+            mark_compressed(&mut headers, coding);
+            compressed
+        }
+        _ => chunks,
+    };
     let mut response = Response::new(AnswerBody {
         source: Source::Chunks(ChunksBody::new(chunks)),
         record: Some(record),
@@ -272,6 +316,22 @@ pub(super) fn proxied(
     }
     record.status = Some(head.status.as_u16());
     let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));
+    // A backend that compressed its answer (it got the client's Accept-Encoding) is passed on as it is; one that
+    // did not is compressed here, unless it is too short to gain.
+    let short = head
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|length| length < MIN_COMPRESSED_BYTES);
+    let compressor = match record.answer_coding {
+        Some(coding) if !short && !head.headers.contains_key(http::header::CONTENT_ENCODING) => {
+            head.headers.remove(http::header::CONTENT_LENGTH);
+            mark_compressed(&mut head.headers, coding);
+            Some(Compressor::new(coding))
+        }
+        _ => None,
+    };
     Response::from_parts(
         head,
         AnswerBody {
@@ -281,10 +341,17 @@ pub(super) fn proxied(
                 deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
                 authority,
                 finished: false,
+                compressor,
             })),
             record: Some(record),
         },
     )
+}
+
+/// Says an answer's coding, and that it depends on the client's Accept-Encoding (for caches).
+fn mark_compressed(headers: &mut HeaderMap, coding: Coding) {
+    headers.insert(http::header::CONTENT_ENCODING, HeaderValue::from_static(coding.name()));
+    headers.append(http::header::VARY, HeaderValue::from_static("accept-encoding"));
 }
 
 pub(super) fn json(status: StatusCode, body: Vec<u8>, record: Record) -> Response<AnswerBody> {
@@ -309,6 +376,12 @@ pub(super) fn encoded(body: EncodedBody, mut headers: HeaderMap, record: Record)
 pub(super) fn error(error: &Error, method: &Method, record: Record) -> Response<AnswerBody> {
     let mut headers = HeaderMap::with_capacity(3);
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if error.kind() == ErrorKind::UnsupportedEncoding {
+        headers.insert(
+            http::header::ACCEPT_ENCODING,
+            HeaderValue::from_static(compression::ACCEPTED),
+        );
+    }
     if error.kind() == ErrorKind::MethodNotAllowed {
         let allow = if method == Method::GET { "POST" } else { "GET" };
         headers.insert(http::header::ALLOW, HeaderValue::from_static(allow));

@@ -12,6 +12,7 @@ use hyper::body::Incoming;
 use super::answer::{Record, Rename};
 use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
 use crate::body::{RelayError, RelaySource, Tap};
+use crate::codec::compression::{self, Coding};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
@@ -45,6 +46,8 @@ const ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
 /// What the request asked for, read from its head.
 struct Asked {
     declared: Option<u64>,
+    /// The body's content coding, when compressed.
+    coding: Option<Coding>,
     header_length: Option<u64>,
     decthings_in: bool,
     decthings_out: bool,
@@ -64,6 +67,7 @@ impl RestDoor {
         let text = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
         let asked = Asked {
             declared: self.declared_length(headers)?,
+            coding: compression::request_coding(headers)?,
             header_length: rest::inference_header_length(headers)?,
             decthings_in: text(http::header::CONTENT_TYPE).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
             decthings_out: text(http::header::ACCEPT).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
@@ -103,7 +107,7 @@ impl RestDoor {
             (a, b) => a.or(b),
         };
         let payload = match start {
-            BodyStart::Whole(whole) => whole,
+            BodyStart::Whole(whole) | BodyStart::Decompressed { body: whole, .. } => whole,
             BodyStart::Partial(read) => self.read_body(body, asked.declared, read).await?,
         };
         record.request_bytes = payload.len() as u64;
@@ -208,7 +212,16 @@ impl RestDoor {
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
         let dispatcher = record.dispatcher().clone();
-        let send = headers_to_send(headers, &asked.forward);
+        // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
+        // for uncompressed, as its name is restored in it (the gateway compresses it for the client).
+        let keep_compressed = asked.coding.is_some() && target.compression;
+        let mut send = headers_to_send(headers, &asked.forward);
+        if asked.coding.is_some() && !keep_compressed {
+            send.remove(http::header::CONTENT_ENCODING);
+        }
+        if target.aliased {
+            send.remove(http::header::ACCEPT_ENCODING);
+        }
         let mirror = routed.mirror.map(|route| Mirror {
             route,
             header_length: asked.header_length,
@@ -216,7 +229,7 @@ impl RestDoor {
             forward: asked.forward,
             affinity: routed.affinity,
         });
-        let outgoing = self.outgoing(start, body, record, mirror)?;
+        let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
         let until = Instant::now() + target.timeout;
         let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
             Ok(sent) => sent,
@@ -235,6 +248,16 @@ impl RestDoor {
     /// header (the binary extension's whole header, or the first `WHOLE_BODY_LIMIT` bytes of a JSON body), where a
     /// request names its sequence.
     async fn body_start(&self, body: &mut Option<Incoming>, asked: &Asked) -> Result<BodyStart> {
+        if let Some(coding) = asked.coding {
+            // A compressed body is read whole and decompressed within the same limit: what it expands to is what
+            // the limit bounds.
+            let compressed = self.read_body(body, asked.declared, Vec::new()).await?;
+            let decompressed = compression::decompress(coding, &compressed, self.max_request_bytes)?;
+            return Ok(BodyStart::Decompressed {
+                body: decompressed,
+                compressed,
+            });
+        }
         if asked.declared.is_some_and(|length| length <= WHOLE_BODY_LIMIT) {
             return Ok(BodyStart::Whole(
                 self.read_body(body, asked.declared, Vec::new()).await?,
@@ -282,6 +305,7 @@ impl RestDoor {
     fn outgoing(
         &self,
         start: BodyStart,
+        keep_compressed: bool,
         body: &mut Option<Incoming>,
         record: &mut Record,
         mirror: Option<Mirror>,
@@ -293,6 +317,13 @@ impl RestDoor {
                     mirror.send(record.dispatcher(), vec![whole.clone()]);
                 }
                 return Ok(Outgoing::Whole(whole));
+            }
+            BodyStart::Decompressed { body, compressed } => {
+                record.request_bytes = compressed.len() as u64;
+                if let Some(mirror) = mirror {
+                    mirror.send(record.dispatcher(), vec![body.clone()]);
+                }
+                return Ok(Outgoing::Whole(if keep_compressed { compressed } else { body }));
             }
             BodyStart::Partial(read) => read,
         };
@@ -324,6 +355,8 @@ impl RestDoor {
 enum BodyStart {
     /// All of it.
     Whole(Bytes),
+    /// All of it, decompressed, with the body as it came.
+    Decompressed { body: Bytes, compressed: Bytes },
     /// Its first chunks; the rest is still to come from the client.
     Partial(Vec<Bytes>),
 }
@@ -338,7 +371,7 @@ fn request_reserved(start: &BodyStart, asked: &Asked) -> Result<Reserved> {
     }
     let joined;
     let (bytes, whole): (&[u8], bool) = match start {
-        BodyStart::Whole(whole) => (whole, true),
+        BodyStart::Whole(whole) | BodyStart::Decompressed { body: whole, .. } => (whole, true),
         BodyStart::Partial(read) if read.len() == 1 => (&read[0], false),
         BodyStart::Partial(read) => {
             joined = read.concat();

@@ -77,6 +77,7 @@ impl RestDoor {
             parts.uri.clone(),
             connection,
         );
+        record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         let mut body = Some(body);
         let reply = if framed_both_ways {
             Err(both_lengths())
