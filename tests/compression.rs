@@ -239,11 +239,25 @@ async fn compressed_grpc_messages_reach_both_backends() {
     let server = ModelServerProcess::both();
     let gateway = gateway(&server, false, 64 << 20);
     for encoding in [CompressionEncoding::Gzip, CompressionEncoding::Deflate] {
-        let mut client = gateway.grpc_client().await.send_compressed(encoding);
+        let mut client = gateway
+            .grpc_client()
+            .await
+            .send_compressed(encoding)
+            .accept_compressed(encoding);
         // Version 1 is translated to the REST backend, version 2 passes through to the gRPC one.
         for version in ["1", "2"] {
             let answer = client.model_infer(add_sub_grpc(version)).await;
             let answer = answer.unwrap_or_else(|status| panic!("{encoding:?} version {version}: {status:?}"));
+            // A client that compressed its request and accepts the same back gets its answer compressed.
+            let coding = answer
+                .metadata()
+                .get("grpc-encoding")
+                .map(|v| v.to_str().unwrap().to_owned());
+            assert_eq!(
+                coding.as_deref(),
+                Some(encoding.to_string().as_str()),
+                "{encoding:?} version {version}"
+            );
             let sums = &answer.into_inner().raw_output_contents[0];
             assert_eq!(sums, &int32s([3; 16]), "{encoding:?} version {version}");
         }

@@ -17,6 +17,7 @@ use tonic::codec::{CompressionEncoding, DecodeBuf, Decoder};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
+use crate::codec::compression::{Coding, Compressor};
 use crate::codec::{protobuf, splice};
 use crate::dispatch::{CallContext, ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
@@ -431,18 +432,36 @@ where
     B: http_body::Body + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
+    let coding = answer_coding(request.headers());
     let request = match read_unary(request, limit).await {
         Ok(request) => request,
         Err(status) => return status.into_http(),
     };
     match raw.call(request).await {
-        Ok(answer) => framed_answer(answer),
+        Ok(answer) => framed_answer(answer, coding),
         Err(status) => status.into_http(),
     }
 }
 
-/// Reads a unary call's one message, as tonic's `Grpc::unary` does: compressed requests are refused (the raw path
-/// accepts no compression), and trailers sent with the request join its metadata.
+/// The compression of an inference's answer: the client's own, when it compressed its request with gzip or deflate
+/// and accepts the same back (many clients list every encoding they can read without wanting tensors compressed).
+fn answer_coding(headers: &http::HeaderMap) -> Option<Coding> {
+    let coding = match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+        Some(b"gzip") => Coding::Gzip,
+        Some(b"deflate") => Coding::Deflate,
+        _ => return None,
+    };
+    let accepted = headers
+        .get_all("grpc-accept-encoding")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|name| name.trim() == coding.name());
+    accepted.then_some(coding)
+}
+
+/// Reads a unary call's one message, as tonic's `Grpc::unary` does: a gzip or deflate message is decompressed
+/// within the limit, other encodings are refused, and trailers sent with the request join its metadata.
 async fn read_unary<B>(request: http::Request<B>, limit: usize) -> Result<Request<Bytes>, Status>
 where
     B: http_body::Body + Send + 'static,
@@ -474,9 +493,18 @@ where
 
 /// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's
 /// own chunks, and `grpc-status: 0` in the trailers.
-fn framed_answer(answer: Response<Vec<Bytes>>) -> http::Response<tonic::body::Body> {
+fn framed_answer(answer: Response<Vec<Bytes>>, coding: Option<Coding>) -> http::Response<tonic::body::Body> {
     let (metadata, chunks, extensions) = answer.into_parts();
-    let frames = match crate::body::grpc_message(chunks) {
+    let chunks = match coding {
+        Some(coding) => {
+            let mut compressor = Compressor::new(coding);
+            let mut compressed: Vec<Bytes> = chunks.iter().map(|chunk| compressor.push(chunk)).collect();
+            compressed.push(compressor.finish());
+            compressed
+        }
+        None => chunks,
+    };
+    let mut frames = match crate::body::grpc_message(chunks) {
         Ok(frames) => frames,
         Err(length) => {
             return Status::resource_exhausted(format!(
@@ -487,10 +515,23 @@ fn framed_answer(answer: Response<Vec<Bytes>>) -> http::Response<tonic::body::Bo
     };
     let mut trailers = http::HeaderMap::with_capacity(1);
     trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    if coding.is_some() {
+        // The length prefix's flag byte: the message is compressed.
+        frames[0] = Bytes::from(
+            std::iter::once(1u8)
+                .chain(frames[0][1..].iter().copied())
+                .collect::<Vec<u8>>(),
+        );
+    }
     let mut response = http::Response::new(tonic::body::Body::new(crate::body::ChunksBody::with_trailers(
         frames, trailers,
     )));
     *response.headers_mut() = metadata.into_headers();
+    if let Some(coding) = coding {
+        response
+            .headers_mut()
+            .insert("grpc-encoding", http::HeaderValue::from_static(coding.name()));
+    }
     response.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/grpc"),
