@@ -37,9 +37,13 @@ pub enum RestRequest {
 /// header has no `parameters`, `None`. When `whole` is false only the start of the header is at hand, and what lies
 /// beyond it is not seen; a header at hand whole that is not a JSON object is refused.
 pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
-    let mentions = |text: &str| memchr::memmem::find(json, text.as_bytes()).is_some();
-    let shared_memory = mentions(reserved::SHARED_MEMORY_PREFIX);
-    if !shared_memory && !mentions(SEQUENCE_ID) && !mentions("\"timeout\"") {
+    // Built once: a searcher's set-up costs more than searching a small body.
+    static SEARCHERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 3]> = std::sync::LazyLock::new(|| {
+        [reserved::SHARED_MEMORY_PREFIX, SEQUENCE_ID, "\"timeout\""].map(memchr::memmem::Finder::new)
+    });
+    let [shared, sequence, timeout] = &*SEARCHERS;
+    let shared_memory = shared.find(json).is_some();
+    if !shared_memory && sequence.find(json).is_none() && timeout.find(json).is_none() {
         return Ok(None);
     }
     let mut reader = Reader::new(json);
