@@ -7,9 +7,7 @@ mod common;
 use std::io::{Read, Write};
 
 use common::config::backend;
-use common::{GatewayProcess, ModelServerProcess, http_client, int32s, send};
-use oipgate::proto::ModelInferRequest;
-use oipgate::proto::model_infer_request::InferInputTensor;
+use common::{GatewayProcess, ModelServerProcess, grpc_add_sub_request, http_client, int32s, send};
 use tonic::codec::CompressionEncoding;
 
 /// The gateway over one model server: `add_sub` version 1 on its REST listener (proxied as it is; `compression`
@@ -21,24 +19,6 @@ fn gateway(server: &ModelServerProcess, compression: bool, max_request_bytes: u6
         backend("fleet-b", "grpc", [server.grpc.unwrap()]),
         common::config::ADD_SUB_ON_BOTH,
     ))
-}
-
-/// An add_sub request over gRPC for `version`.
-fn add_sub_grpc(version: &str) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: "add_sub".into(),
-        model_version: version.into(),
-        inputs: ["INPUT0", "INPUT1"]
-            .map(|name| InferInputTensor {
-                name: name.into(),
-                datatype: "INT32".into(),
-                shape: vec![1, 16],
-                ..Default::default()
-            })
-            .to_vec(),
-        raw_input_contents: vec![int32s([1; 16]), int32s([2; 16])],
-        ..Default::default()
-    }
 }
 
 fn gzip(body: &[u8]) -> Vec<u8> {
@@ -246,7 +226,7 @@ async fn compressed_grpc_messages_reach_both_backends() {
             .accept_compressed(encoding);
         // Version 1 is translated to the REST backend, version 2 passes through to the gRPC one.
         for version in ["1", "2"] {
-            let answer = client.model_infer(add_sub_grpc(version)).await;
+            let answer = client.model_infer(grpc_add_sub_request(version, 1, 2)).await;
             let answer = answer.unwrap_or_else(|status| panic!("{encoding:?} version {version}: {status:?}"));
             // A client that compressed its request and accepts the same back gets its answer compressed.
             let coding = answer

@@ -6,13 +6,10 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::config::{self, fleet_backends};
 use common::ports::{DeadEndpoint, dead_endpoint};
-use common::{GatewayProcess, ModelServerProcess, add_sub_json, http_client, post, send};
+use common::{GatewayProcess, ModelServerProcess, add_sub_json, grpc_add_sub_request, http_client, post, send};
 use futures_util::StreamExt;
-use oipgate::proto::ModelInferRequest;
-use oipgate::proto::model_infer_request::InferInputTensor;
 
 struct Fleet {
     backend: ModelServerProcess,
@@ -165,23 +162,6 @@ async fn a_sequence_keeps_the_version_the_weights_gave_it() {
     );
 }
 
-fn add_sub_grpc(version: &str) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: "add_sub".into(),
-        model_version: version.into(),
-        inputs: ["INPUT0", "INPUT1"]
-            .map(|name| InferInputTensor {
-                name: name.into(),
-                datatype: "INT32".into(),
-                shape: vec![1, 16],
-                ..Default::default()
-            })
-            .to_vec(),
-        raw_input_contents: vec![Bytes::from(vec![0; 64]), Bytes::from(vec![0; 64])],
-        ..Default::default()
-    }
-}
-
 #[tokio::test]
 async fn sticky_keys_keep_their_version_and_a_weight_change_moves_only_what_it_must() {
     let keys: Vec<String> = (0..400).map(|i| format!("session-{i}")).collect();
@@ -191,7 +171,7 @@ async fn sticky_keys_keep_their_version_and_a_weight_change_moves_only_what_it_m
         // gRPC clients carry the key as metadata and get the same version.
         let mut client = fleet.gateway.grpc_client().await;
         for key in keys.iter().take(40) {
-            let mut request = tonic::Request::new(add_sub_grpc(""));
+            let mut request = tonic::Request::new(grpc_add_sub_request("", 0, 0));
             request.metadata_mut().insert("x-session-id", key.parse().unwrap());
             let answer = client.model_infer(request).await.unwrap();
             let header = answer
@@ -265,7 +245,7 @@ async fn mirrored_copies_reach_the_mirror_and_never_the_client() {
     assert!(served.iter().all(|v| v == "1"));
     let mut client = gateway.grpc_client().await;
     for _ in 0..20 {
-        let mut request = add_sub_grpc("");
+        let mut request = grpc_add_sub_request("", 0, 0);
         request.model_name = "identity_b".into();
         let answer = client.model_infer(request).await.unwrap().into_inner();
         assert_eq!(answer.model_version, "1");

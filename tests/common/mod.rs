@@ -516,6 +516,25 @@ pub fn grpc_int32_request(model: &str, version: &str) -> oipgate::proto::ModelIn
     }
 }
 
+/// A gRPC `add_sub` request for `version` ("" for the default): one row of 16, every `INPUT0` element `input0` and
+/// every `INPUT1` element `input1`, as raw contents.
+pub fn grpc_add_sub_request(version: &str, input0: i32, input1: i32) -> oipgate::proto::ModelInferRequest {
+    oipgate::proto::ModelInferRequest {
+        model_name: "add_sub".into(),
+        model_version: version.into(),
+        inputs: ["INPUT0", "INPUT1"]
+            .map(|name| oipgate::proto::model_infer_request::InferInputTensor {
+                name: name.into(),
+                datatype: "INT32".into(),
+                shape: vec![1, 16],
+                ..Default::default()
+            })
+            .to_vec(),
+        raw_input_contents: vec![int32s([input0; 16]), int32s([input1; 16])],
+        ..Default::default()
+    }
+}
+
 /// Requests sent over and over by background workers until stopped, counting what was served and what failed.
 /// A call that takes longer than [`Load::CALL_LIMIT`] is a failure, a failing worker yields before its next call
 /// (so a gateway that refuses at once cannot starve the test of its thread), only the first failures are kept, and
