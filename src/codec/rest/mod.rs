@@ -23,8 +23,8 @@ pub use metadata::{
     encode_repository_request, encode_server_live, encode_server_metadata, encode_server_ready, rename_model_config,
 };
 pub use request::{
-    BINARY_DATA, BINARY_DATA_OUTPUT, RestRequest, decode_request, encode_request, raw_binary_request,
-    reserved_parameters,
+    BINARY_DATA, BINARY_DATA_OUTPUT, LONGEST_RESERVED_NAME, RestRequest, decode_request, encode_request,
+    mentions_reserved, raw_binary_request, reserved_parameters,
 };
 pub use response::{decode_response, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;

@@ -373,6 +373,9 @@ fn request_reserved(start: &BodyStart, asked: &Asked) -> Result<Reserved> {
     let (bytes, whole): (&[u8], bool) = match start {
         BodyStart::Whole(whole) | BodyStart::Decompressed { body: whole, .. } => (whole, true),
         BodyStart::Partial(read) if read.len() == 1 => (&read[0], false),
+        // Joined only when a reserved name is there to read: the chunks and their seams are searched first, so the
+        // start of a large body is not copied for nothing.
+        BodyStart::Partial(read) if !partial_mentions_reserved(read) => return Ok(Reserved::default()),
         BodyStart::Partial(read) => {
             joined = read.concat();
             (&joined, false)
@@ -390,6 +393,30 @@ fn request_reserved(start: &BodyStart, asked: &Asked) -> Result<Reserved> {
         Some(parameters) => Reserved::from_parameters(&parameters),
         None => Ok(Reserved::default()),
     }
+}
+
+/// Whether chunks read in a row mention a reserved parameter's name, within a chunk or across the seams between
+/// them (the last bytes seen, however many chunks they came in, joined to the next chunk's first).
+fn partial_mentions_reserved(read: &[Bytes]) -> bool {
+    let span = rest::LONGEST_RESERVED_NAME;
+    let mut tail: Vec<u8> = Vec::with_capacity(2 * span);
+    for chunk in read {
+        if rest::mentions_reserved(chunk) {
+            return true;
+        }
+        tail.extend_from_slice(&chunk[..chunk.len().min(span)]);
+        if rest::mentions_reserved(&tail) {
+            return true;
+        }
+        if chunk.len() >= span {
+            tail.clear();
+            tail.extend_from_slice(&chunk[chunk.len() - span..]);
+        } else {
+            let keep = tail.len().saturating_sub(span);
+            tail.drain(..keep);
+        }
+    }
+    false
 }
 
 /// A copy of a proxied request for the mirror version, sent once its body is at hand.
@@ -494,4 +521,37 @@ fn missing_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
             "application/json"
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reserved_name_is_found_across_chunk_seams() {
+        let chunks = |parts: &[&'static str]| {
+            parts
+                .iter()
+                .map(|p| Bytes::from_static(p.as_bytes()))
+                .collect::<Vec<_>>()
+        };
+        assert!(!partial_mentions_reserved(&chunks(&[
+            r#"{"inputs":[{"name":"x","#,
+            r#""data":[1,2,3]}]"#
+        ])));
+        assert!(partial_mentions_reserved(&chunks(&[
+            r#"{"parameters":{"seque"#,
+            r#"nce_id":5},"inputs":[]"#
+        ])));
+        // Split over three chunks, the middle one shorter than the name.
+        assert!(partial_mentions_reserved(&chunks(&[
+            r#"{"parameters":{"sequ"#,
+            "enc",
+            r#"e_id":5}}"#
+        ])));
+        assert!(partial_mentions_reserved(&chunks(&[
+            r#"{"inputs":[{"name":"x","parameters":{"shared_"#,
+            "memory_region\":\"r\"}}]"
+        ])));
+    }
 }
