@@ -6,10 +6,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::config::fleet_backends;
-use common::{GatewayProcess, ModelServerProcess, http_client, send};
+use common::{GatewayProcess, ModelServerProcess, grpc_int32_request, http_client, send};
+use oipgate::proto::InferParameter;
 use oipgate::proto::infer_parameter::ParameterChoice;
-use oipgate::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
-use oipgate::proto::{InferParameter, InferTensorContents, ModelInferRequest};
+use oipgate::proto::model_infer_request::InferRequestedOutputTensor;
 
 /// `slow` and `identity` at version 1 on the REST backend (proxied as they are from REST) and version 2 on the gRPC
 /// one (translated from REST), both on one model server.
@@ -35,24 +35,6 @@ fn parameter(choice: ParameterChoice) -> InferParameter {
     }
 }
 
-fn grpc_request(model: &str, version: &str) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: model.into(),
-        model_version: version.into(),
-        inputs: vec![InferInputTensor {
-            name: "x".into(),
-            datatype: "INT32".into(),
-            shape: vec![1],
-            contents: Some(InferTensorContents {
-                int_contents: vec![1],
-                ..Default::default()
-            }),
-            ..Default::default()
-        }],
-        ..Default::default()
-    }
-}
-
 #[tokio::test]
 async fn a_timeout_parameter_bounds_the_backend_call_on_every_path() {
     let server = ModelServerProcess::both();
@@ -73,7 +55,7 @@ async fn a_timeout_parameter_bounds_the_backend_call_on_every_path() {
     }
     let mut grpc = gateway.grpc_client().await;
     for version in ["1", "2"] {
-        let mut request = grpc_request("slow", version);
+        let mut request = grpc_int32_request("slow", version);
         request
             .parameters
             .insert("delay_ms".into(), parameter(ParameterChoice::Int64Param(5000)));
@@ -143,7 +125,7 @@ async fn tensors_in_shared_memory_are_refused_on_both_doors() {
     }
     let mut grpc = gateway.grpc_client().await;
     for version in ["1", "2"] {
-        let mut request = grpc_request("identity", version);
+        let mut request = grpc_int32_request("identity", version);
         request.inputs[0].parameters.insert(
             "shared_memory_region".into(),
             parameter(ParameterChoice::StringParam("r0".into())),
@@ -155,7 +137,7 @@ async fn tensors_in_shared_memory_are_refused_on_both_doors() {
             "{}",
             refused.message()
         );
-        let mut request = grpc_request("identity", version);
+        let mut request = grpc_int32_request("identity", version);
         request.outputs.push(InferRequestedOutputTensor {
             name: "x".into(),
             parameters: [(
