@@ -11,13 +11,13 @@ use std::task::{Context, Poll, ready};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
-/// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (not compressed, then the length); the
-/// message's length when it is more than the prefix can say.
-pub fn grpc_message(message: Vec<Bytes>) -> Result<Vec<Bytes>, usize> {
+/// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (whether the chunks are compressed, then
+/// the length); the message's length when it is more than the prefix can say.
+pub fn grpc_message(message: Vec<Bytes>, compressed: bool) -> Result<Vec<Bytes>, usize> {
     let length: usize = message.iter().map(Bytes::len).sum();
     let prefixed = u32::try_from(length).map_err(|_| length)?;
     let mut prefix = Vec::with_capacity(5);
-    prefix.push(0);
+    prefix.push(u8::from(compressed));
     prefix.extend_from_slice(&prefixed.to_be_bytes());
     let mut chunks = Vec::with_capacity(message.len() + 1);
     chunks.push(Bytes::from(prefix));
@@ -321,7 +321,7 @@ mod tests {
     #[test]
     fn a_grpc_message_is_its_prefix_then_its_own_chunks() {
         let message = vec![Bytes::from_static(b"abc"), Bytes::from_static(b"de")];
-        let framed = grpc_message(message.clone()).unwrap();
+        let framed = grpc_message(message.clone(), false).unwrap();
         assert_eq!(framed[0].as_ref(), [0, 0, 0, 0, 5]);
         assert_eq!(framed[1..], message);
         assert_eq!(
@@ -335,6 +335,6 @@ mod tests {
     fn a_grpc_message_beyond_four_gibibytes_is_refused() {
         static MEBIBYTE: [u8; 1 << 20] = [0; 1 << 20];
         let message = vec![Bytes::from_static(&MEBIBYTE); 4096 + 1];
-        assert_eq!(grpc_message(message).unwrap_err(), (4096 + 1) << 20);
+        assert_eq!(grpc_message(message, false).unwrap_err(), (4096 + 1) << 20);
     }
 }

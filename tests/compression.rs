@@ -10,11 +10,12 @@ use common::config::backend;
 use common::{GatewayProcess, ModelServerProcess, grpc_add_sub_request, http_client, int32s, send};
 use tonic::codec::CompressionEncoding;
 
-/// The gateway over one model server: `add_sub` version 1 on its REST listener (proxied as it is; `compression`
-/// says whether that backend gets compressed bodies as they came), version 2 on its gRPC one (translated).
+/// The gateway over one model server: `add_sub` version 1 on its REST listener (proxied as it is), version 2 on its
+/// gRPC one (translated); `compression` says whether both backends get requests that came compressed compressed.
 fn gateway(server: &ModelServerProcess, compression: bool, max_request_bytes: u64) -> GatewayProcess {
     GatewayProcess::start(&format!(
-        "[limits]\nmax_request_bytes = {max_request_bytes}\n{}binary_data = true\ncompression = {compression}\n{}{}",
+        "[limits]\nmax_request_bytes = {max_request_bytes}\n{}binary_data = true\ncompression = {compression}\n\
+         {}compression = {compression}\n{}",
         backend("fleet-a", "rest", [server.rest.unwrap()]),
         backend("fleet-b", "grpc", [server.grpc.unwrap()]),
         common::config::ADD_SUB_ON_BOTH,
@@ -78,11 +79,19 @@ async fn compressed_bodies_reach_every_path_and_answers_come_compressed_when_ask
                     outputs(&plain.body),
                     "{coding} to version {version}"
                 );
-                if version == "1" {
-                    // Proxied as it is: compressed only to a backend that reads it.
-                    let received = answer.header("x-echo-received").unwrap_or_default();
-                    assert_eq!(received.contains("content-encoding"), compression, "{received}");
-                }
+                // Compressed on only to a backend that reads it: proxied as it is to the REST one, as a compressed
+                // message to the gRPC one.
+                let received = answer.header("x-echo-received").unwrap_or_default();
+                let told = if version == "1" {
+                    "content-encoding"
+                } else {
+                    "grpc-encoding"
+                };
+                assert_eq!(
+                    received.contains(told),
+                    compression,
+                    "{coding} to {version}: {received}"
+                );
             }
             // Asked for gzip, the answer comes compressed and decodes to the same JSON.
             let headers = [("accept-encoding", "deflate;q=0.5, gzip".to_owned())];
@@ -217,8 +226,10 @@ async fn codings_the_gateway_does_not_read_and_broken_bodies_are_refused() {
 #[tokio::test]
 async fn compressed_grpc_messages_reach_both_backends() {
     let server = ModelServerProcess::both();
-    let gateway = gateway(&server, false, 64 << 20);
-    for encoding in [CompressionEncoding::Gzip, CompressionEncoding::Deflate] {
+    for (compression, encoding) in [false, true].into_iter().flat_map(|compression| {
+        [CompressionEncoding::Gzip, CompressionEncoding::Deflate].map(|encoding| (compression, encoding))
+    }) {
+        let gateway = gateway(&server, compression, 64 << 20);
         let mut client = gateway
             .grpc_client()
             .await
@@ -226,8 +237,20 @@ async fn compressed_grpc_messages_reach_both_backends() {
             .accept_compressed(encoding);
         // Version 1 is translated to the REST backend, version 2 passes through to the gRPC one.
         for version in ["1", "2"] {
-            let answer = client.model_infer(grpc_add_sub_request(version, 1, 2)).await;
+            let mut request = tonic::Request::new(grpc_add_sub_request(version, 1, 2));
+            request.metadata_mut().insert("x-echo-probe", "1".parse().unwrap());
+            let answer = client.model_infer(request).await;
             let answer = answer.unwrap_or_else(|status| panic!("{encoding:?} version {version}: {status:?}"));
+            if version == "2" {
+                // Sent on compressed only to a backend configured to take it (whose answer, asked for compressed,
+                // comes compressed and is read).
+                let received = answer.metadata().get("x-echo-received").unwrap().to_str().unwrap();
+                assert_eq!(
+                    received.contains("grpc-encoding"),
+                    compression,
+                    "{encoding:?}: {received}"
+                );
+            }
             // A client that compressed its request and accepts the same back gets its answer compressed.
             let coding = answer
                 .metadata()

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use common::ports::dead_endpoint;
 use common::{ModelServerProcess, int32s};
 use http::HeaderMap;
+use oipgate::codec::compression::Coding;
 use oipgate::codec::protobuf;
 use oipgate::proto::ModelInferResponse;
 use oipgate::protocol::{DataType, InferRequest, InferResponse, ParamValue, Tensor};
@@ -33,8 +34,20 @@ async fn model_infer(
     request: InferRequest,
     deadline: Option<Duration>,
 ) -> oipgate::Result<InferResponse> {
+    compressed_model_infer(client, request, deadline, None).await
+}
+
+/// `request` sent as a ModelInfer call, compressed with `coding` when given.
+async fn compressed_model_infer(
+    client: &GrpcUpstream,
+    request: InferRequest,
+    deadline: Option<Duration>,
+    coding: Option<Coding>,
+) -> oipgate::Result<InferResponse> {
     let chunks = protobuf::encode_request(request).chunks;
-    let answer = client.unary(MODEL_INFER, chunks, deadline, &HeaderMap::new()).await?;
+    let answer = client
+        .unary(MODEL_INFER, chunks, deadline, &HeaderMap::new(), coding)
+        .await?;
     Ok(protobuf::response_from_proto(ModelInferResponse::decode(answer.value).unwrap()).unwrap())
 }
 
@@ -120,6 +133,7 @@ async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
             vec![Bytes::new()],
             Some(Duration::from_secs(5)),
             &HeaderMap::new(),
+            None,
         )
         .await
         .unwrap_err();
@@ -140,6 +154,37 @@ async fn answers_beyond_the_limit_are_refused() {
     assert_eq!(error.kind(), ErrorKind::BadGateway);
     assert!(
         error.message().contains("more than the limit of 1000 bytes"),
+        "{}",
+        error.message()
+    );
+}
+
+#[tokio::test]
+async fn compressed_calls_get_compressed_answers_read_within_the_limit() {
+    let (_server, client) = upstream(1 << 20);
+    // Zeros compress to almost nothing; what arrives is read whole, decompressed.
+    let zeros = Bytes::from(vec![0u8; 512 << 10]);
+    let identity = |data: Bytes| {
+        let length = data.len();
+        request(
+            "identity",
+            vec![Tensor::new("x", DataType::Uint8, vec![length as u64], data).unwrap()],
+        )
+    };
+    for coding in [Coding::Gzip, Coding::Deflate] {
+        let response = compressed_model_infer(&client, identity(zeros.clone()), None, Some(coding))
+            .await
+            .unwrap_or_else(|error| panic!("{coding:?}: {error}"));
+        assert_eq!(response.outputs[0].data, zeros, "{coding:?}");
+    }
+    // The limit is on the answer as decompressed, not as it travelled.
+    let twice = Bytes::from(vec![0u8; 2 << 20]);
+    let error = compressed_model_infer(&client, identity(twice), None, Some(Coding::Gzip))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::BadGateway);
+    assert!(
+        error.message().contains("decompresses to more than the limit"),
         "{}",
         error.message()
     );

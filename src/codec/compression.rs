@@ -66,17 +66,17 @@ fn unsupported(what: &str) -> Error {
     )
 }
 
-/// Decompresses a whole body, refusing it as soon as its decompressed size passes `limit` (so a small body that
+/// Decompresses a whole body (`what` names it in errors: "request body"), refusing it as soon as its decompressed size passes `limit` (so a small body that
 /// expands without bound costs at most `limit` bytes), and naming a body that does not decompress. The output is
 /// written into pieces that never move (a growing buffer's earlier copies would each stay in memory for a while),
 /// one piece sized exactly when a gzip trailer tells the size.
-pub fn decompress(coding: Coding, compressed: &[u8], limit: u64) -> Result<Bytes> {
+pub fn decompress(coding: Coding, compressed: &[u8], limit: u64, what: &str) -> Result<Bytes> {
     let too_large = || {
         Error::new(
             ErrorKind::PayloadTooLarge,
             Origin::Client,
             format!(
-                "request body decompresses to more than the limit of {limit} bytes ({} compressed)",
+                "{what} decompresses to more than the limit of {limit} bytes ({} compressed)",
                 compressed.len()
             ),
         )
@@ -102,12 +102,9 @@ pub fn decompress(coding: Coding, compressed: &[u8], limit: u64) -> Result<Bytes
     let mut total: u64 = 0;
     let mut step = [0u8; 8192];
     loop {
-        let read = bounded.read(&mut step).map_err(|e| {
-            Error::invalid(format!(
-                "the request body does not decompress as {}: {e}",
-                coding.name()
-            ))
-        })?;
+        let read = bounded
+            .read(&mut step)
+            .map_err(|e| Error::invalid(format!("the {what} does not decompress as {}: {e}", coding.name())))?;
         if read == 0 {
             break;
         }
@@ -231,6 +228,15 @@ impl Compressor {
     }
 }
 
+/// A whole message given as chunks, compressed; the chunks are read where they lie, never joined.
+pub fn compress(coding: Coding, chunks: &[Bytes]) -> Vec<Bytes> {
+    let mut compressor = Compressor::new(coding);
+    let mut compressed: Vec<Bytes> = chunks.iter().map(|chunk| compressor.push(chunk)).collect();
+    compressed.push(compressor.finish());
+    compressed.retain(|chunk| !chunk.is_empty());
+    compressed
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,13 +277,16 @@ mod tests {
             let mut compressed = compressor.push(b"hello ").to_vec();
             compressed.extend_from_slice(&compressor.push(b"gateway"));
             compressed.extend_from_slice(&compressor.finish());
-            assert_eq!(&decompress(coding, &compressed, 100).unwrap()[..], b"hello gateway");
+            assert_eq!(
+                &decompress(coding, &compressed, 100, "request body").unwrap()[..],
+                b"hello gateway"
+            );
             let mut bomb = Compressor::new(coding);
             let mut compressed = bomb.push(&vec![0u8; 10 << 20]).to_vec();
             compressed.extend_from_slice(&bomb.finish());
-            let refused = decompress(coding, &compressed, 1 << 20).unwrap_err();
+            let refused = decompress(coding, &compressed, 1 << 20, "request body").unwrap_err();
             assert_eq!(refused.http_status(), 413);
-            let refused = decompress(coding, b"not compressed at all", 100).unwrap_err();
+            let refused = decompress(coding, b"not compressed at all", 100, "request body").unwrap_err();
             assert!(
                 refused.message().contains("does not decompress"),
                 "{}",

@@ -137,13 +137,8 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
             BackendProtocol::Rest
         }
     };
-    for (key, set) in [
-        ("binary_data", backend.binary_data),
-        ("compression", backend.compression),
-    ] {
-        if set && protocol == BackendProtocol::Grpc {
-            problems.add(format!("{path}.{key}"), "applies to REST backends only");
-        }
+    if backend.binary_data && protocol == BackendProtocol::Grpc {
+        problems.add(format!("{path}.binary_data"), "applies to REST backends only");
     }
     let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
         (None, true) => {

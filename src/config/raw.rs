@@ -123,8 +123,9 @@ pub struct RawBackend {
     /// A REST backend that speaks the binary tensor data extension.
     #[serde(default)]
     pub binary_data: bool,
-    /// A REST backend that reads gzip and deflate request bodies (Triton does): a compressed body is proxied to it
-    /// compressed instead of decompressed.
+    /// A backend that reads compressed requests (Triton does). REST: a gzip or deflate body is proxied to it
+    /// compressed instead of decompressed. gRPC: an inference whose request came compressed is sent to it
+    /// compressed the same way, asking for a compressed answer.
     #[serde(default)]
     pub compression: bool,
     /// "round_robin" (default), "least_request" or "consistent_hash".

@@ -156,7 +156,7 @@ pub struct Backend {
     pub discovery: Discovery,
     /// REST backends only: it speaks the binary tensor data extension.
     pub binary_data: bool,
-    /// REST backends only: it reads compressed request bodies.
+    /// It reads compressed requests: REST bodies and gRPC messages that came compressed go to it compressed.
     pub compression: bool,
     pub policy: BackendPolicy,
     pub tls: Option<BackendTls>,

@@ -102,7 +102,7 @@ impl Dispatcher {
                             };
                             let message = vec![request.encode_to_vec().into()];
                             let answer = endpoint
-                                .unary(MODEL_CONFIG, message, Some(left), &HeaderMap::new())
+                                .unary(MODEL_CONFIG, message, Some(left), &HeaderMap::new(), None)
                                 .await
                                 .map_err(|error| match error.kind() {
                                     ErrorKind::Unimplemented => not_kept(format!(

@@ -39,7 +39,7 @@ pub(super) async fn mirror_call(
             let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
             backend
                 .attempt(upstream, affinity, timeout, |index, left| {
-                    endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward)
+                    endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward, None)
                 })
                 .await?;
             return Ok(());
@@ -88,7 +88,7 @@ pub(super) async fn mirror_call(
             }
         }
     };
-    call_infer(backend, route, request, forward, timeout, affinity)
+    call_infer(backend, route, request, forward, None, timeout, affinity)
         .await
         .map(drop)
 }

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use prost::Message;
 
+use crate::codec::compression::Coding;
 use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
@@ -66,6 +67,9 @@ pub struct CallContext {
     /// The end-to-end headers (or gRPC metadata) to pass on to the backend: `x-request-id`, `traceparent`,
     /// `authorization` and whatever else the client sent that is not about one hop (see [`crate::headers`]).
     pub forward: HeaderMap,
+    /// How the client's request came compressed, if it did: a gRPC backend configured with `compression` is sent
+    /// the request compressed the same way (clients that do not compress are not made to pay for it).
+    pub compressed: Option<Coding>,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.
@@ -285,6 +289,7 @@ impl Dispatcher {
             route,
             request,
             &context.forward,
+            context.compressed,
             self.deadline(context),
             &routed.affinity,
         )
@@ -324,13 +329,14 @@ impl Dispatcher {
         let mut replied = match &backend.replicas {
             Replicas::Grpc { endpoints } => {
                 let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
+                let coding = context.compressed.filter(|_| backend.config.compression);
                 let answer = backend
                     .attempt(
                         (&route.upstream_name, &route.upstream_version),
                         &routed.affinity,
                         self.deadline(context),
                         |index, left| {
-                            endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward)
+                            endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward, coding)
                         },
                     )
                     .await?;
@@ -350,6 +356,7 @@ impl Dispatcher {
                     route,
                     request,
                     &context.forward,
+                    context.compressed,
                     self.deadline(context),
                     &routed.affinity,
                 )
@@ -581,6 +588,7 @@ async fn call_infer(
     route: &VersionRoute,
     mut request: InferRequest,
     forward: &HeaderMap,
+    compressed: Option<Coding>,
     deadline: Duration,
     affinity: &Affinity,
 ) -> Result<Replied<InferResponse>> {
@@ -610,9 +618,10 @@ async fn call_infer(
         }
         Replicas::Grpc { endpoints } => {
             let message = protobuf::encode_request(request);
+            let coding = compressed.filter(|_| backend.config.compression);
             let answer = backend
                 .attempt(upstream, affinity, deadline, |index, left| {
-                    endpoints[index].unary(MODEL_INFER, message.chunks.clone(), Some(left), forward)
+                    endpoints[index].unary(MODEL_INFER, message.chunks.clone(), Some(left), forward, coding)
                 })
                 .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;

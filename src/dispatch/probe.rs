@@ -32,6 +32,7 @@ async fn grpc_call<Answer: Message + Default>(
             vec![Bytes::from(request.encode_to_vec())],
             Some(deadline),
             &HeaderMap::new(),
+            None,
         )
         .await?;
     Answer::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))

@@ -150,7 +150,7 @@ impl Dispatcher {
                     ),
                 };
                 endpoint
-                    .unary(method, vec![message.into()], deadline, forward)
+                    .unary(method, vec![message.into()], deadline, forward, None)
                     .await
                     .map(drop)
             }

@@ -129,6 +129,7 @@ impl Dispatcher {
                         vec![request.encode_to_vec().into()],
                         deadline,
                         &HeaderMap::new(),
+                        None,
                     )
                     .await
                     .map_err(|error| match error.kind() {

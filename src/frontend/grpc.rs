@@ -17,7 +17,7 @@ use tonic::codec::{CompressionEncoding, DecodeBuf, Decoder};
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
-use crate::codec::compression::{Coding, Compressor};
+use crate::codec::compression::{self, Coding};
 use crate::codec::{protobuf, splice};
 use crate::dispatch::{CallContext, ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
@@ -79,6 +79,11 @@ fn context<T>(request: &Request<T>) -> CallContext {
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout),
         forward: headers::for_backend(&headers),
+        compressed: match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+            Some(b"gzip") => Some(Coding::Gzip),
+            Some(b"deflate") => Some(Coding::Deflate),
+            _ => None,
+        },
     }
 }
 
@@ -496,15 +501,10 @@ where
 fn framed_answer(answer: Response<Vec<Bytes>>, coding: Option<Coding>) -> http::Response<tonic::body::Body> {
     let (metadata, chunks, extensions) = answer.into_parts();
     let chunks = match coding {
-        Some(coding) => {
-            let mut compressor = Compressor::new(coding);
-            let mut compressed: Vec<Bytes> = chunks.iter().map(|chunk| compressor.push(chunk)).collect();
-            compressed.push(compressor.finish());
-            compressed
-        }
+        Some(coding) => compression::compress(coding, &chunks),
         None => chunks,
     };
-    let mut frames = match crate::body::grpc_message(chunks) {
+    let frames = match crate::body::grpc_message(chunks, coding.is_some()) {
         Ok(frames) => frames,
         Err(length) => {
             return Status::resource_exhausted(format!(
@@ -515,14 +515,6 @@ fn framed_answer(answer: Response<Vec<Bytes>>, coding: Option<Coding>) -> http::
     };
     let mut trailers = http::HeaderMap::with_capacity(1);
     trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    if coding.is_some() {
-        // The length prefix's flag byte: the message is compressed.
-        frames[0] = Bytes::from(
-            std::iter::once(1u8)
-                .chain(frames[0][1..].iter().copied())
-                .collect::<Vec<u8>>(),
-        );
-    }
     let mut response = http::Response::new(tonic::body::Body::new(crate::body::ChunksBody::with_trailers(
         frames, trailers,
     )));

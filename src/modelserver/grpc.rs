@@ -76,12 +76,21 @@ impl GrpcInferenceService for GrpcModelServer {
             .repository
             .infer(&model, version(&model_version), request)
             .await?;
+        // Like Triton, and like the gateway's own door: the answer is compressed only for a request that came
+        // compressed (and accepts it back), not for every client that merely lists codings it reads.
+        let compressed = metadata
+            .get("grpc-encoding")
+            .is_some_and(|coding| coding.as_bytes() != b"identity");
         let echoed = super::echoed_headers(&metadata.into_headers(), &self.state.metadata.name);
-        Ok(Response::from_parts(
+        let mut answer = Response::from_parts(
             tonic::metadata::MetadataMap::from_headers(echoed),
             protobuf::response_to_proto(response),
             tonic::Extensions::default(),
-        ))
+        );
+        if !compressed {
+            answer.disable_compression();
+        }
+        Ok(answer)
     }
 
     async fn repository_index(

@@ -17,6 +17,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tonic::codec::CompressionEncoding;
 
 use crate::error::{Error, Result};
 use crate::proto::grpc_inference_service_server::GrpcInferenceServiceServer;
@@ -159,6 +160,10 @@ pub async fn start(config: ModelServerConfig) -> Result<RunningModelServer> {
         let listener = bind(addr).await?;
         grpc_addr = Some(listener.local_addr().map_err(|e| Error::internal(e.to_string()))?);
         let service = GrpcInferenceServiceServer::new(grpc::GrpcModelServer { state: state.clone() })
+            .accept_compressed(CompressionEncoding::Gzip)
+            .accept_compressed(CompressionEncoding::Deflate)
+            .send_compressed(CompressionEncoding::Gzip)
+            .send_compressed(CompressionEncoding::Deflate)
             .max_decoding_message_size(config.max_request_bytes)
             .max_encoding_message_size(usize::MAX);
         let stop = stopped(shutdown.subscribe());

@@ -162,7 +162,7 @@ where
     let body = read_body(request, state.max_request_bytes).await?;
     // Compressed bodies are read as Triton reads them: gzip or deflate, bounded by the same limit once expanded.
     let body = match coding {
-        Some(coding) => compression::decompress(coding, &body, state.max_request_bytes as u64)?,
+        Some(coding) => compression::decompress(coding, &body, state.max_request_bytes as u64, "request body")?,
         None => body,
     };
     let (infer_request, binary_outputs) = match rest::decode_request(body, header_length)? {

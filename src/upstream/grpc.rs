@@ -12,6 +12,7 @@ use tonic::Code;
 
 use super::Replied;
 use crate::body::ChunksBody;
+use crate::codec::compression::{self, Coding};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
@@ -66,20 +67,23 @@ impl GrpcUpstream {
 
     /// Calls `method` (a full path such as `/inference.GRPCInferenceService/ModelInfer`) with one request message
     /// given as chunks, and gives the response message. `deadline` bounds the whole call and is passed on as
-    /// `grpc-timeout`; `metadata` is added to the request headers. The answer comes with the backend's end-to-end
-    /// metadata, from its headers and trailers.
+    /// `grpc-timeout`; `metadata` is added to the request headers. With a `coding` the message is sent compressed
+    /// and compressed answers are asked for too. The answer comes with the backend's end-to-end metadata, from its
+    /// headers and trailers; a compressed answer is decompressed (within the answer size limit) whether or not it
+    /// was asked for.
     pub async fn unary(
         &self,
         method: &str,
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
+        coding: Option<Coding>,
     ) -> Result<Replied<Bytes>> {
         let started = std::time::Instant::now();
         let answer = super::within(
             deadline,
             &self.authority,
-            self.call(method, message, deadline, metadata),
+            self.call(method, message, deadline, metadata, coding),
         )
         .await;
         match (answer, deadline) {
@@ -108,8 +112,13 @@ impl GrpcUpstream {
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
+        coding: Option<Coding>,
     ) -> Result<Replied<Bytes>> {
-        let chunks = crate::body::grpc_message(message).map_err(|length| {
+        let message = match coding {
+            Some(coding) => compression::compress(coding, &message),
+            None => message,
+        };
+        let chunks = crate::body::grpc_message(message, coding.is_some()).map_err(|length| {
             Error::invalid(format!(
                 "a gRPC message of {length} bytes exceeds the 4 GiB frame limit"
             ))
@@ -130,6 +139,10 @@ impl GrpcUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
+        if let Some(coding) = coding {
+            headers.insert("grpc-encoding", HeaderValue::from_static(coding.name()));
+            headers.insert("grpc-accept-encoding", HeaderValue::from_static(compression::ACCEPTED));
+        }
         if let Some(deadline) = deadline {
             // grpc-timeout allows at most eight digits.
             let millis = deadline.as_millis().clamp(1, 99_999_999);
@@ -162,6 +175,10 @@ impl GrpcUpstream {
             return Err(error);
         }
         let (parts, body) = response.into_parts();
+        let answer_coding = parts
+            .headers
+            .get("grpc-encoding")
+            .map(|value| value.as_bytes().to_vec());
         let mut answer_metadata = headers::end_to_end(&parts.headers);
         let (body, trailers) = super::read_answer(
             body,
@@ -185,8 +202,10 @@ impl GrpcUpstream {
         for (name, value) in &headers::end_to_end(&trailers) {
             answer_metadata.append(name, value.clone());
         }
+        let message = single_message(body, answer_coding.as_deref(), self.max_response_bytes)
+            .map_err(|e| e.into_upstream_protocol_error())?;
         Ok(Replied {
-            value: single_message(body).map_err(|e| e.into_upstream_protocol_error())?,
+            value: message,
             headers: answer_metadata,
 
             endpoint: Some(self.authority.clone()),
@@ -231,17 +250,16 @@ fn percent_decode(text: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The one message of a unary answer, as a slice of the body.
-fn single_message(mut body: Bytes) -> Result<Bytes> {
+/// The one message of a unary answer, as a slice of the body; a compressed one decompressed per the answer's
+/// `grpc-encoding`, within `limit`.
+fn single_message(mut body: Bytes, coding: Option<&[u8]>, limit: usize) -> Result<Bytes> {
     if body.len() < FRAME_HEADER {
         return Err(Error::invalid(format!(
             "answer of {} bytes holds no gRPC message",
             body.len()
         )));
     }
-    if body[0] != 0 {
-        return Err(Error::invalid("answer is compressed, which was not offered"));
-    }
+    let compressed = body[0] != 0;
     let length = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
     if body.len() - FRAME_HEADER != length {
         return Err(Error::invalid(format!(
@@ -249,7 +267,21 @@ fn single_message(mut body: Bytes) -> Result<Bytes> {
             body.len() - FRAME_HEADER
         )));
     }
-    Ok(body.split_off(FRAME_HEADER))
+    let message = body.split_off(FRAME_HEADER);
+    if !compressed {
+        return Ok(message);
+    }
+    let coding = match coding {
+        Some(b"gzip") => Coding::Gzip,
+        Some(b"deflate") => Coding::Deflate,
+        other => {
+            return Err(Error::invalid(format!(
+                "answer is compressed with {}, which is not gzip or deflate",
+                other.map_or("no grpc-encoding".into(), String::from_utf8_lossy)
+            )));
+        }
+    };
+    compression::decompress(coding, &message, limit as u64, "answer message")
 }
 
 #[cfg(test)]
@@ -258,13 +290,25 @@ mod tests {
 
     #[test]
     fn messages_and_statuses() {
+        let message = |body: &'static [u8], coding: Option<&[u8]>| single_message(Bytes::from_static(body), coding, 64);
+        assert_eq!(message(b"\0\0\0\0\x02ab", None).unwrap(), Bytes::from_static(b"ab"));
+        assert!(message(b"\0\0\0\0\x03ab", None).is_err());
+        assert!(message(b"\0\0", None).is_err());
+        let framed = |message: &[u8]| -> &'static [u8] {
+            let chunks = compression::compress(Coding::Gzip, &[Bytes::copy_from_slice(message)]);
+            crate::body::grpc_message(chunks, true).unwrap().concat().leak()
+        };
+        let ab = framed(b"ab");
+        assert_eq!(message(ab, Some(b"gzip")).unwrap(), Bytes::from_static(b"ab"));
+        assert!(message(ab, None).unwrap_err().message().contains("no grpc-encoding"));
+        assert!(message(ab, Some(b"snappy")).unwrap_err().message().contains("snappy"));
+        assert!(message(ab, Some(b"deflate")).is_err(), "gzip bytes are not zlib");
+        let expanding = framed(&[0u8; 1000]);
         assert_eq!(
-            single_message(Bytes::from_static(b"\0\0\0\0\x02ab")).unwrap(),
-            Bytes::from_static(b"ab")
+            message(expanding, Some(b"gzip")).unwrap_err().http_status(),
+            413,
+            "past the limit"
         );
-        assert!(single_message(Bytes::from_static(b"\0\0\0\0\x03ab")).is_err());
-        assert!(single_message(Bytes::from_static(b"\x01\0\0\0\x02ab")).is_err());
-        assert!(single_message(Bytes::from_static(b"\0\0")).is_err());
         assert_eq!(percent_decode(b"model %27x%27 not found%"), "model 'x' not found%");
         let mut headers = HeaderMap::new();
         headers.insert("grpc-status", HeaderValue::from_static("5"));

@@ -79,6 +79,8 @@ def gateway_config(replicas: list) -> str:
         "[[backends]]",
         'name = "triton-grpc"',
         'protocol = "grpc"',
+        # And compressed messages: an inference that came compressed goes to it compressed.
+        "compression = true",
         f"endpoints = [{endpoints('grpc')}]",
     ]
     for model in ("accumulate", "add_sub"):

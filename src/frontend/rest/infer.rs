@@ -124,6 +124,7 @@ impl RestDoor {
         let call = CallContext {
             deadline,
             forward: asked.forward,
+            compressed: asked.coding,
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
@@ -252,7 +253,7 @@ impl RestDoor {
             // A compressed body is read whole and decompressed within the same limit: what it expands to is what
             // the limit bounds.
             let compressed = self.read_body(body, asked.declared, Vec::new()).await?;
-            let decompressed = compression::decompress(coding, &compressed, self.max_request_bytes)?;
+            let decompressed = compression::decompress(coding, &compressed, self.max_request_bytes, "request body")?;
             return Ok(BodyStart::Decompressed {
                 body: decompressed,
                 compressed,
