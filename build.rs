@@ -1,14 +1,31 @@
-//! Compiles proto/grpc_predict_v2.proto with protox (no system protoc) into OUT_DIR.
+//! Compiles proto/grpc_predict_v2.proto and the model_config.proto it imports with protox (no system protoc) into
+//! OUT_DIR.
+
+use prost_types::field_descriptor_proto::Type;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/grpc_predict_v2.proto";
     println!("cargo:rerun-if-changed={proto}");
+    println!("cargo:rerun-if-changed=proto/model_config.proto");
     let descriptors = protox::compile([proto], ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
-    // Served by gRPC server reflection, so grpcurl needs no proto file.
+    // Served by gRPC server reflection, so grpcurl needs no proto file, and read by the model configuration's
+    // translation between its protobuf and JSON forms. The generated code carries a configuration as bytes, so it
+    // passes through unread; described as the message here, grpcurl shows it field by field.
+    let mut described = descriptors.clone();
+    let config = described
+        .file
+        .iter_mut()
+        .flat_map(|file| file.message_type.iter_mut())
+        .filter(|message| message.name() == "ModelConfigResponse")
+        .flat_map(|message| message.field.iter_mut())
+        .find(|field| field.name() == "config")
+        .ok_or("ModelConfigResponse.config is missing from the proto")?;
+    config.set_type(Type::Message);
+    config.type_name = Some(".inference.ModelConfig".to_owned());
     std::fs::write(
         out_dir.join("inference_descriptor.bin"),
-        prost::Message::encode_to_vec(&descriptors),
+        prost::Message::encode_to_vec(&described),
     )?;
     tonic_prost_build::configure()
         // Tensor payloads stay `bytes::Bytes`, so decoding from a received buffer slices instead of copying.

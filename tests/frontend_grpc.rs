@@ -316,4 +316,38 @@ async fn health_checking_and_reflection() {
         "{names:?}"
     );
     assert!(names.contains(&"grpc.health.v1.Health".to_owned()), "{names:?}");
+
+    // A model configuration is described as Triton's message, so reflection-driven tools print it field by field.
+    // Like them, ask for the file that holds the response, then for the file it imports.
+    let requests = [
+        MessageRequest::FileByFilename("model_config.proto".into()),
+        MessageRequest::FileContainingSymbol("inference.ModelConfigResponse".into()),
+    ]
+    .map(|message| ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(message),
+    });
+    let mut answers = reflection
+        .server_reflection_info(tokio_stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut pool = prost_reflect::DescriptorPool::new();
+    while let Some(answer) = answers.message().await.unwrap() {
+        let Some(MessageResponse::FileDescriptorResponse(files)) = answer.message_response else {
+            panic!("no file descriptors: {answer:?}")
+        };
+        for file in &files.file_descriptor_proto {
+            pool.decode_file_descriptor_proto(file.as_slice()).unwrap();
+        }
+    }
+    let config = pool
+        .get_message_by_name("inference.ModelConfigResponse")
+        .and_then(|message| message.get_field_by_name("config"))
+        .unwrap();
+    let prost_reflect::Kind::Message(described) = config.kind() else {
+        panic!("config is described as {:?}", config.kind())
+    };
+    assert_eq!(described.full_name(), "inference.ModelConfig");
+    assert!(described.get_field_by_name("sequence_batching").is_some());
 }

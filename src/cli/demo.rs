@@ -110,6 +110,7 @@ REST (version 1 is proxied to the REST backend as it is; version 2 is translated
   curl -s http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
   curl -s http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
   curl -s http://{rest}/v2/models/simple_string/versions/2/infer -d '{{"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[2],"data":["hello","gateway"]}}]}}'
+  echo '{body}' | gzip | curl -s --compressed -H 'Content-Encoding: gzip' --data-binary @- http://{rest}/v2/models/add_sub/versions/2/infer
 
 A stateful sequence (sequence_id 42): every step reaches the replica that holds its running sum (10, 15, 22):
   curl -s http://{rest}/v2/models/accumulate/infer -d '{first}'
@@ -120,8 +121,11 @@ Repository calls reach every replica (identity unloaded on both, then loaded on 
   curl -s -X POST http://{rest}/v2/repository/models/identity/unload
   curl -s -X POST http://{rest}/v2/repository/models/identity/load
 
-Health, metadata and metrics:
+Health, metadata, Triton's model configuration (version 2's translated from the gRPC backend's), statistics
+summed over both replicas, and metrics:
   curl -s http://{rest}/v2/models/add_sub
+  curl -s http://{rest}/v2/models/add_sub/versions/2/config
+  curl -s http://{rest}/v2/models/add_sub/stats
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics
 

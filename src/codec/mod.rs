@@ -4,6 +4,7 @@ pub mod compression;
 pub mod decthings;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod model_config;
 pub mod protobuf;
 pub mod rest;
 pub mod splice;

@@ -1,5 +1,6 @@
-//! Triton's model configuration through the gateway: asked of an endpoint of the resolved version's backend and
-//! passed on whole, whatever fields it holds, with the public model name in it.
+//! Triton's model configuration through the gateway: asked of an endpoint of the resolved version's backend, with
+//! the public model name in it; passed on whole when the client asks in the form the backend gives (whatever fields
+//! it holds), translated between protobuf and JSON when not.
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode};
@@ -8,7 +9,7 @@ use prost::Message;
 use super::Dispatcher;
 use super::backend::Replicas;
 use super::fleet::Affinity;
-use crate::codec::{rest, splice};
+use crate::codec::{model_config, rest, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::{ModelConfigRequest, ModelConfigResponse};
 
@@ -32,9 +33,7 @@ pub enum ConfigForm {
 
 impl Dispatcher {
     /// The configuration of `model` at `version` (its default version when `None`) from an endpoint of its
-    /// backend, renamed to the public name. It is carried only in the form the backend gives it: Triton's JSON and
-    /// protobuf forms differ in ways only the full schema of every field can translate, so a client asking in the
-    /// other form gets 501 / UNIMPLEMENTED saying which protocol to ask over.
+    /// backend, renamed to the public name, in the client's form.
     pub async fn model_config(
         &self,
         model: &str,
@@ -43,25 +42,6 @@ impl Dispatcher {
     ) -> Result<ModelConfigAnswer> {
         let route = self.routes.resolve(model, version)?.clone();
         let backend = self.backend(&route)?;
-        let speaks = match &backend.replicas {
-            Replicas::Rest { .. } => ConfigForm::Json,
-            Replicas::Grpc { .. } => ConfigForm::Protobuf,
-        };
-        if speaks != form {
-            let (theirs, ask) = match speaks {
-                ConfigForm::Json => ("REST", "REST (GET /v2/models/<m>/config)"),
-                ConfigForm::Protobuf => ("gRPC", "gRPC (ModelConfig)"),
-            };
-            return Err(Error::new(
-                ErrorKind::Unimplemented,
-                Origin::Gateway,
-                format!(
-                    "model '{model}' is served over {theirs} by backend {}, and a model configuration is passed on only \
-                     in the form its backend gives: ask the gateway over {ask}",
-                    backend.name
-                ),
-            ));
-        }
         let not_kept = |why: String| {
             Error::new(
                 ErrorKind::Unimplemented,
@@ -90,9 +70,14 @@ impl Dispatcher {
                                 return Err(not_kept(why));
                             }
                             endpoint.check(&answer)?;
-                            let renamed = rest::rename_model_config(&answer.body, &route.model)
-                                .map_err(Error::into_upstream_protocol_error)?;
-                            Ok(ModelConfigAnswer::Json(renamed))
+                            match form {
+                                ConfigForm::Json => {
+                                    rest::rename_model_config(&answer.body, &route.model).map(ModelConfigAnswer::Json)
+                                }
+                                ConfigForm::Protobuf => model_config::protobuf_from_json(&answer.body, &route.model)
+                                    .map(ModelConfigAnswer::Protobuf),
+                            }
+                            .map_err(Error::into_upstream_protocol_error)
                         }
                         Replicas::Grpc { endpoints } => {
                             let endpoint = &endpoints[index];
@@ -112,11 +97,17 @@ impl Dispatcher {
                                     )),
                                     _ => error,
                                 })?;
-                            let config = ModelConfigResponse::decode(answer.value)
+                            ModelConfigResponse::decode(answer.value)
                                 .map_err(|e| Error::invalid(format!("invalid model configuration: {e}")))
-                                .and_then(|response| splice::rename_model_config(&response.config, &route.model))
-                                .map_err(Error::into_upstream_protocol_error)?;
-                            Ok(ModelConfigAnswer::Protobuf(config))
+                                .and_then(|response| match form {
+                                    ConfigForm::Protobuf => splice::rename_model_config(&response.config, &route.model)
+                                        .map(ModelConfigAnswer::Protobuf),
+                                    ConfigForm::Json => {
+                                        model_config::json_from_protobuf(&response.config, &route.model)
+                                            .map(ModelConfigAnswer::Json)
+                                    }
+                                })
+                                .map_err(Error::into_upstream_protocol_error)
                         }
                     }
                 }

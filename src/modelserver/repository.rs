@@ -243,6 +243,7 @@ impl Repository {
                     name: t.name.clone(),
                     data_type: datatype(&t.datatype),
                     dims: t.shape.clone(),
+                    ..Default::default()
                 })
                 .collect(),
             output: metadata
@@ -252,8 +253,10 @@ impl Repository {
                     name: t.name.clone(),
                     data_type: datatype(&t.datatype),
                     dims: t.shape.clone(),
+                    ..Default::default()
                 })
                 .collect(),
+            ..Default::default()
         })
     }
 

@@ -100,7 +100,7 @@ where
         Route::Infer(model, version) => infer(state, model, version, request).await?,
         Route::ModelConfig(model, version) => json_response(
             StatusCode::OK,
-            rest::encode_model_config(&repository.model_config(model, version)?),
+            crate::codec::model_config::json(&repository.model_config(model, version)?),
         ),
         Route::ModelStatistics(model, version) => json_response(
             StatusCode::OK,

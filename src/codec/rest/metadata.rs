@@ -333,24 +333,6 @@ pub fn decode_model_statistics(body: &[u8]) -> Result<crate::proto::ModelStatist
     serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid model statistics: {e}")))
 }
 
-/// A model configuration as Triton's REST API writes it (the protobuf message's JSON form, field names kept), from
-/// the fields the built-in model server fills.
-pub fn encode_model_config(config: &crate::proto::ModelConfig) -> Vec<u8> {
-    let tensor = |name: &str, datatype: i32, dims: &[i64]| {
-        let datatype = crate::proto::DataType::try_from(datatype).unwrap_or(crate::proto::DataType::TypeInvalid);
-        serde_json::json!({ "name": name, "data_type": datatype.as_str_name(), "dims": dims })
-    };
-    let document = serde_json::json!({
-        "name": config.name,
-        "platform": config.platform,
-        "backend": config.backend,
-        "max_batch_size": config.max_batch_size,
-        "input": config.input.iter().map(|t| tensor(&t.name, t.data_type, &t.dims)).collect::<Vec<_>>(),
-        "output": config.output.iter().map(|t| tensor(&t.name, t.data_type, &t.dims)).collect::<Vec<_>>(),
-    });
-    serde_json::to_vec(&document).unwrap_or_default()
-}
-
 /// A backend's REST model configuration with its `name` replaced; every other member kept as it came.
 pub fn rename_model_config(body: &[u8], name: &str) -> Result<Vec<u8>> {
     let mut document: serde_json::Map<String, serde_json::Value> =

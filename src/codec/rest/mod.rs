@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 pub use metadata::{
     decode_error, decode_model_metadata, decode_model_ready, decode_model_statistics, decode_repository_index_request,
     decode_repository_request, decode_server_live, decode_server_metadata, decode_server_ready, encode_error,
-    encode_model_config, encode_model_metadata, encode_model_ready, encode_model_statistics, encode_repository_index,
+    encode_model_metadata, encode_model_ready, encode_model_statistics, encode_repository_index,
     encode_repository_request, encode_server_live, encode_server_metadata, encode_server_ready, rename_model_config,
 };
 pub use request::{
