@@ -147,17 +147,40 @@ def test_model_configuration_through_the_gateway_is_triton_own_under_the_public_
                 return answer.get_model_config(name, as_json=True)["config"]
             return answer.get_model_config(name)
 
-        direct = config(getattr(triton.replicas[0], door), "accumulate")
-        direct.pop("name")
-        # From the backend of the door's own protocol (as it is) and of the other (translated between Triton's JSON
-        # and protobuf forms).
-        for model in ("accumulate", "accumulate_grpc"):
-            through = config(getattr(triton.gateways[0], door), model)
-            # Every field as Triton wrote it (sequence batching, its control inputs, instance groups...), named
-            # publicly.
-            assert through.pop("name") == model
-            assert through == direct, (protocol, model)
-            assert "sequence_batching" in through
+        # A sequence-batched model and a decoupled one (a streaming client reads that from the configuration).
+        for upstream, shows in (("accumulate", "sequence_batching"), ("count", "model_transaction_policy")):
+            direct = config(getattr(triton.replicas[0], door), upstream)
+            direct.pop("name")
+            # From the backend of the door's own protocol (as it is) and of the other (translated between Triton's
+            # JSON and protobuf forms).
+            for model in (upstream, f"{upstream}_grpc"):
+                through = config(getattr(triton.gateways[0], door), model)
+                # Every field as Triton wrote it (sequence batching, its control inputs, instance groups...), named
+                # publicly.
+                assert through.pop("name") == model
+                assert through == direct, (protocol, model)
+                assert shows in through, (protocol, model)
+            if upstream == "count":
+                assert through["model_transaction_policy"]["decoupled"] is True
+
+
+def test_unary_inference_of_a_decoupled_model_is_refused_as_triton_refuses_it(triton):  # noqa: F811
+    from tritonclient.utils import InferenceServerException
+
+    def refusal(protocol, address, model):
+        module = triton_grpc if protocol == "grpc" else triton_http
+        inputs = [module.InferInput("INPUT0", [1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([3], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as refused:
+            client(protocol, address).infer(model, inputs)
+        return str(refused.value.status()), refused.value.message()
+
+    for protocol, door in (("http", "rest"), ("grpc", "grpc")):
+        direct = refusal(protocol, getattr(triton.replicas[0], door), "count")
+        for model in ("count", "count_grpc"):
+            status, message = refusal(protocol, getattr(triton.gateways[0], door), model)
+            assert status == direct[0], (protocol, model, message)
+            assert "decoupled" in message, (protocol, model, message)
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])

@@ -1,6 +1,7 @@
-"""Two real Triton Inference Server replicas (CPU, Python backend, the models under servers/triton/) and two oipgate processes
-with one configuration in front of both, balanced round robin: `accumulate` and `add_sub` over the replicas' REST
-listeners, `accumulate_grpc` and `add_sub_grpc` over their gRPC ones. Started once per run, always stopped."""
+"""Two real Triton Inference Server replicas (CPU, Python backend, the models under servers/triton/) and two oipgate
+processes with one configuration in front of both, balanced round robin: `accumulate`, `add_sub` and the decoupled
+`count` over the replicas' REST listeners, `accumulate_grpc`, `add_sub_grpc` and `count_grpc` over their gRPC ones.
+Started once per run, always stopped."""
 
 import os
 import subprocess
@@ -83,7 +84,7 @@ def gateway_config(replicas: list) -> str:
         "compression = true",
         f"endpoints = [{endpoints('grpc')}]",
     ]
-    for model in ("accumulate", "add_sub"):
+    for model in ("accumulate", "add_sub", "count"):
         lines += [
             "[[models]]",
             f'name = "{model}"',
