@@ -294,3 +294,150 @@ async fn simple_string_with_typed_bytes_and_slow() {
     assert!(started.elapsed() >= std::time::Duration::from_millis(100));
     assert_eq!(decode_int32s(&response.raw_output_contents[0]), [9]);
 }
+
+/// A request for the decoupled `count` model: `n` responses, `delay_ms` apart when given.
+fn count_request(id: &str, n: i32, parameters: &[(&str, ParameterChoice)]) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: "count".into(),
+        id: id.into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([n])],
+        parameters: parameters
+            .iter()
+            .map(|(name, choice)| {
+                let value = InferParameter {
+                    parameter_choice: Some(choice.clone()),
+                };
+                ((*name).to_owned(), value)
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// One response of a stream as a test compares it: the error message, the final flag, the raw outputs.
+type StreamAnswer = (String, Option<bool>, Vec<Bytes>);
+
+fn final_flag(response: &oipgate::proto::ModelInferResponse) -> Option<bool> {
+    match response.parameters.get("triton_final_response")?.parameter_choice {
+        Some(ParameterChoice::BoolParam(last)) => Some(last),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn a_stream_answers_each_request_as_triton_does() {
+    let server = ModelServerProcess::grpc_only(&[]);
+    let mut client = server.grpc_client().await;
+    let mut unknown = count_request("c", 1, &[]);
+    unknown.model_name = "nope".into();
+    let requests = vec![
+        count_request("a", 3, &[]),
+        count_request(
+            "b",
+            0,
+            &[("triton_enable_empty_final_response", ParameterChoice::BoolParam(true))],
+        ),
+        unknown,
+        add_sub_request("1", true),
+        count_request("e", -1, &[]),
+    ];
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut by_id: BTreeMap<String, Vec<StreamAnswer>> = BTreeMap::new();
+    while let Some(answer) = answers.message().await.unwrap() {
+        let response = answer.infer_response.unwrap();
+        by_id.entry(response.id.clone()).or_default().push((
+            answer.error_message,
+            final_flag(&response),
+            response.raw_output_contents,
+        ));
+    }
+    // A decoupled model: one response per step, none of them final (Triton sends no empty final response unless
+    // asked), in order.
+    let steps: Vec<_> = (0..3)
+        .map(|n| (String::new(), Some(false), vec![int32s([n])]))
+        .collect();
+    assert_eq!(by_id["a"], steps);
+    // Asked for the empty final response: that alone, for zero steps.
+    assert_eq!(by_id["b"], [(String::new(), Some(true), vec![])]);
+    // A failed request is one response with its error and its id, and the stream goes on.
+    assert_eq!(by_id["c"].len(), 1);
+    assert!(by_id["c"][0].0.contains("'nope'"), "{:?}", by_id["c"]);
+    assert!(by_id["e"][0].0.contains("was asked for -1"), "{:?}", by_id["e"]);
+    // Any other model answers once, final.
+    assert_eq!(by_id["g1"].len(), 1);
+    assert_eq!((by_id["g1"][0].0.as_str(), by_id["g1"][0].1), ("", Some(true)));
+    assert_eq!(by_id["g1"][0].2[0], int32s(1..17));
+
+    // Unary inference cannot call a decoupled model.
+    let refused = client.model_infer(count_request("u", 1, &[])).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unimplemented);
+    assert!(refused.message().contains("decoupled"), "{}", refused.message());
+    // Which a client reads in the model's configuration.
+    let config = client
+        .model_config(oipgate::proto::ModelConfigRequest {
+            name: "count".into(),
+            version: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let config = <oipgate::proto::ModelConfig as prost::Message>::decode(config.config).unwrap();
+    assert_eq!(
+        config.model_transaction_policy,
+        Some(oipgate::proto::ModelTransactionPolicy { decoupled: true })
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_stops_its_stream() {
+    let server = ModelServerProcess::grpc_only(&[]);
+    let mut client = server.grpc_client().await;
+    // A thousand responses 10 ms apart: ten seconds, unless the stream is stopped.
+    let long = count_request("long", 1000, &[("delay_ms", ParameterChoice::Int64Param(10))]);
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![long]))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        answers.message().await.unwrap().unwrap();
+    }
+    // Dropped with its requests all sent, the call is cancelled (the HTTP/2 stream reset), as a client that goes
+    // away cancels it.
+    drop(answers);
+    // The request is counted once it has stopped running: as failed, cut short.
+    let started = std::time::Instant::now();
+    loop {
+        let statistics = client
+            .model_statistics(oipgate::proto::ModelStatisticsRequest {
+                name: "count".into(),
+                version: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let failed = statistics.model_stats[0]
+            .inference_stats
+            .as_ref()
+            .and_then(|s| s.fail.as_ref());
+        if failed.is_some_and(|fail| fail.count == 1) {
+            assert_eq!(statistics.model_stats[0].inference_count, 0);
+            break;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "the model went on after its client went away"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

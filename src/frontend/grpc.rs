@@ -227,6 +227,19 @@ impl GrpcInferenceService for Typed {
         Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
     }
 
+    type ModelStreamInferStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<crate::proto::ModelStreamInferResponse, Status>> + Send>>;
+
+    async fn model_stream_infer(
+        &self,
+        _: Request<tonic::Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        Err(Status::unimplemented(
+            "the gateway does not carry inference streams (ModelStreamInfer) yet: decoupled models cannot be reached \
+             through it",
+        ))
+    }
+
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         // Not reached: the router sends ModelInfer to the raw path. Kept correct all the same.
         let context = context(&request);

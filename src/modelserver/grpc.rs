@@ -1,8 +1,12 @@
-//! The model server's gRPC service: the six core RPCs and Triton's repository RPCs.
+//! The model server's gRPC service: the six core RPCs, Triton's repository, statistics and configuration RPCs, and
+//! its inference stream.
 
+use std::pin::Pin;
 use std::sync::Arc;
 
-use tonic::{Request, Response, Status};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
 
 use super::ModelServerState;
 use crate::codec::protobuf;
@@ -10,9 +14,9 @@ use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
     ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ModelStatisticsRequest, ModelStatisticsResponse,
-    RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest, RepositoryModelLoadResponse,
-    RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
-    ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
+    ModelStreamInferResponse, RepositoryIndexRequest, RepositoryIndexResponse, RepositoryModelLoadRequest,
+    RepositoryModelLoadResponse, RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 
 #[derive(Debug, Clone)]
@@ -22,6 +26,84 @@ pub struct GrpcModelServer {
 
 fn version(text: &str) -> Option<&str> {
     Some(text).filter(|v| !v.is_empty())
+}
+
+/// Responses a stream holds for a client that is slow to read them; past this the models wait (flow control).
+const STREAM_BUFFER: usize = 16;
+
+type StreamAnswer = Result<ModelStreamInferResponse, Status>;
+
+/// Reads a stream's requests, running each as it arrives, side by side, its responses sent as they are made. The
+/// stream ends when the client has finished sending and every request is answered; a client that goes away stops
+/// every request still running.
+async fn serve_stream(
+    state: Arc<ModelServerState>,
+    mut requests: Streaming<ModelInferRequest>,
+    answers: mpsc::Sender<StreamAnswer>,
+) {
+    let mut running = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            next = requests.message() => match next {
+                Ok(Some(message)) => {
+                    running.spawn(answer_on_stream(state.clone(), message, answers.clone()));
+                }
+                Ok(None) => break,
+                Err(status) => {
+                    let _ = answers.send(Err(status)).await;
+                    return;
+                }
+            },
+            () = answers.closed() => return,
+        }
+    }
+    tokio::select! {
+        () = async { while running.join_next().await.is_some() {} } => {}
+        () = answers.closed() => {}
+    }
+}
+
+/// One request of a stream: its responses, or one response carrying its error and its id (the stream goes on).
+async fn answer_on_stream(
+    state: Arc<ModelServerState>,
+    message: ModelInferRequest,
+    answers: mpsc::Sender<StreamAnswer>,
+) {
+    let id = message.id.clone();
+    let model = message.model_name.clone();
+    let model_version = message.model_version.clone();
+    let (responses, mut made) = mpsc::channel(1);
+    let run = async {
+        let request = protobuf::request_from_proto(message)?;
+        state
+            .repository
+            .infer_stream(&model, version(&model_version), request, responses)
+            .await
+    };
+    let forwarded = answers.clone();
+    let forward = async move {
+        while let Some(response) = made.recv().await {
+            let response = ModelStreamInferResponse {
+                error_message: String::new(),
+                infer_response: Some(protobuf::response_to_proto(response)),
+            };
+            if forwarded.send(Ok(response)).await.is_err() {
+                // The client is gone: dropping `made` stops the model.
+                return;
+            }
+        }
+    };
+    let (ran, ()) = tokio::join!(run, forward);
+    if let Err(error) = ran {
+        let failed = ModelStreamInferResponse {
+            error_message: error.message().to_owned(),
+            infer_response: Some(ModelInferResponse {
+                id,
+                ..Default::default()
+            }),
+        };
+        let _ = answers.send(Ok(failed)).await;
+    }
 }
 
 #[tonic::async_trait]
@@ -64,6 +146,17 @@ impl GrpcInferenceService for GrpcModelServer {
             .repository
             .metadata(&request.name, version(&request.version))?;
         Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
+    }
+
+    type ModelStreamInferStream = Pin<Box<dyn tokio_stream::Stream<Item = StreamAnswer> + Send>>;
+
+    async fn model_stream_infer(
+        &self,
+        request: Request<Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let (answers, receiver) = mpsc::channel(STREAM_BUFFER);
+        tokio::spawn(serve_stream(self.state.clone(), request.into_inner(), answers));
+        Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
     }
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {

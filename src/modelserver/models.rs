@@ -3,15 +3,18 @@
 use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
+use tokio::sync::mpsc;
 
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::{
-    CONTENT_TYPE, DataType, InferRequest, ModelMetadata, ParamValue, Parameters, Sequence, SequenceId, Tensor,
-    TensorMetadata,
+    CONTENT_TYPE, DataType, InferRequest, InferResponse, ModelMetadata, ParamValue, Parameters, Sequence, SequenceId,
+    Tensor, TensorMetadata,
 };
 
-/// Longest `delay_ms` the `slow` model accepts: ten minutes.
+/// Longest `delay_ms` the `slow` and `count` models accept: ten minutes.
 const MAX_DELAY_MS: i64 = 600_000;
+/// Most responses the `count` model gives one request.
+const MAX_COUNT: i32 = 1_000_000;
 
 /// A built-in model. Each version of a served model is one of these.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,10 +35,22 @@ pub enum Model {
     /// `sequence_start`, forgotten after `sequence_end`. A request of a sequence this server never saw start fails,
     /// as Triton's does.
     Accumulate,
+    /// A decoupled model, as Triton runs one: a request with `INPUT0` (INT32 [1]) = N is answered with N responses,
+    /// `OUTPUT0` (INT32 [1]) = 0, 1, ..., N-1, `delay_ms` (request parameter, default 0) apart. Only a stream can
+    /// call it; unary inference of it is refused, as Triton refuses it.
+    Count,
 }
 
 impl Model {
-    pub const NAMES: [&'static str; 6] = ["add_sub", "identity", "simple_string", "slow", "flaky", "accumulate"];
+    pub const NAMES: [&'static str; 7] = [
+        "add_sub",
+        "identity",
+        "simple_string",
+        "slow",
+        "flaky",
+        "accumulate",
+        "count",
+    ];
 
     /// The model called `name` at `version`, if it exists.
     pub fn find(name: &str, version: u32) -> Option<Model> {
@@ -46,6 +61,7 @@ impl Model {
             ("slow", 1) => Some(Model::Slow),
             ("flaky", 1) => Some(Model::Flaky),
             ("accumulate", 1) => Some(Model::Accumulate),
+            ("count", 1) => Some(Model::Count),
             _ => None,
         }
     }
@@ -54,7 +70,7 @@ impl Model {
     pub fn versions(name: &str) -> &'static [u32] {
         match name {
             "add_sub" => &[1, 2],
-            "identity" | "simple_string" | "slow" | "flaky" | "accumulate" => &[1],
+            "identity" | "simple_string" | "slow" | "flaky" | "accumulate" | "count" => &[1],
             _ => &[],
         }
     }
@@ -63,9 +79,14 @@ impl Model {
         match self {
             Model::AddSub { .. } => vec![add_sub_tensor("INPUT0"), add_sub_tensor("INPUT1")],
             Model::SimpleString => vec![string_tensor("INPUT0")],
-            Model::Accumulate => vec![scalar_tensor("INPUT0")],
+            Model::Accumulate | Model::Count => vec![scalar_tensor("INPUT0")],
             Model::Identity | Model::Slow | Model::Flaky => Vec::new(),
         }
+    }
+
+    /// Whether the model answers a request with any number of responses (Triton's decoupled transaction policy).
+    pub fn decoupled(self) -> bool {
+        self == Model::Count
     }
 
     pub fn outputs(self) -> Vec<TensorMetadata> {
@@ -82,7 +103,7 @@ impl Model {
                 outputs
             }
             Model::SimpleString => vec![string_tensor("OUTPUT0")],
-            Model::Accumulate => vec![scalar_tensor("OUTPUT0")],
+            Model::Accumulate | Model::Count => vec![scalar_tensor("OUTPUT0")],
             Model::Identity | Model::Slow | Model::Flaky => Vec::new(),
         }
     }
@@ -101,23 +122,18 @@ impl Model {
     /// `slow` model's delay when the request sets none; `sequences` is the state of the sequences under way.
     pub async fn run(self, request: &InferRequest, slow_delay: Duration, sequences: &Sequences) -> Result<Vec<Tensor>> {
         match self {
+            Model::Count => Err(Error::new(
+                ErrorKind::Unimplemented,
+                Origin::Upstream,
+                "model 'count' is decoupled (any number of responses per request): call it on a stream \
+                 (ModelStreamInfer)",
+            )),
             Model::Accumulate => sequences.accumulate(request),
             Model::AddSub { version } => add_sub(request, version),
             Model::Identity => Ok(request.inputs.clone()),
             Model::SimpleString => simple_string(request),
             Model::Slow => {
-                let delay = match request.parameters.get("delay_ms") {
-                    None => i64::try_from(slow_delay.as_millis()).unwrap_or(MAX_DELAY_MS),
-                    Some(value) => value
-                        .as_i64()
-                        .filter(|ms| (0..=MAX_DELAY_MS).contains(ms))
-                        .ok_or_else(|| {
-                            Error::invalid(format!(
-                                "parameter delay_ms must be an integer from 0 to {MAX_DELAY_MS}, got {value:?}"
-                            ))
-                        })?,
-                };
-                tokio::time::sleep(Duration::from_millis(delay.unsigned_abs())).await;
+                tokio::time::sleep(delay(request, slow_delay)?).await;
                 Ok(request.inputs.clone())
             }
             Model::Flaky => match request.parameters.get("fail") {
@@ -130,6 +146,41 @@ impl Model {
                 Some(other) => Err(Error::invalid(format!("parameter fail must be a bool, got {other:?}"))),
             },
         }
+    }
+
+    /// Runs a decoupled model on a request whose inputs have been checked, each response (its outputs made into
+    /// one by `response`) sent as it is made; stops early, answering false, when the stream is gone.
+    pub async fn run_decoupled(
+        self,
+        request: &InferRequest,
+        responses: &mpsc::Sender<InferResponse>,
+        response: impl Fn(Vec<Tensor>) -> InferResponse,
+    ) -> Result<bool> {
+        let count = input(request, "INPUT0")?
+            .data
+            .get(..4)
+            .map_or(0, |bytes| i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]));
+        if !(0..=MAX_COUNT).contains(&count) {
+            return Err(Error::invalid(format!(
+                "model 'count' answers 0 to {MAX_COUNT} responses, was asked for {count}"
+            )));
+        }
+        let pause = delay(request, Duration::ZERO)?;
+        for step in 0..count {
+            if step > 0 && !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            let output = Tensor::new(
+                "OUTPUT0",
+                DataType::Int32,
+                vec![1],
+                Bytes::copy_from_slice(&step.to_le_bytes()),
+            )?;
+            if responses.send(response(vec![output])).await.is_err() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Checks the request's inputs against what the model takes, naming the first offending input.
@@ -149,7 +200,7 @@ impl Model {
             };
             let allowed: &[DataType] = match self {
                 Model::AddSub { .. } => &[DataType::Int32, DataType::Fp32],
-                Model::Accumulate => &[DataType::Int32],
+                Model::Accumulate | Model::Count => &[DataType::Int32],
                 _ => &[DataType::Bytes],
             };
             if !allowed.contains(&input.datatype) {
@@ -184,6 +235,22 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// The request's `delay_ms` parameter, or `default`.
+fn delay(request: &InferRequest, default: Duration) -> Result<Duration> {
+    let millis = match request.parameters.get("delay_ms") {
+        None => return Ok(default.min(Duration::from_millis(MAX_DELAY_MS.unsigned_abs()))),
+        Some(value) => value
+            .as_i64()
+            .filter(|ms| (0..=MAX_DELAY_MS).contains(ms))
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "parameter delay_ms must be an integer from 0 to {MAX_DELAY_MS}, got {value:?}"
+                ))
+            })?,
+    };
+    Ok(Duration::from_millis(millis.unsigned_abs()))
 }
 
 fn add_sub_tensor(name: &str) -> TensorMetadata {

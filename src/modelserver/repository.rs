@@ -5,11 +5,14 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tokio::sync::mpsc;
+
 use super::models::{Model, Sequences};
 use crate::dispatch::statistics;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::{InferStatistics, ModelStatistics, StatisticDuration};
-use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState};
+use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
+use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue};
 
 /// One served model: its versions and whether it is loaded (ready).
 #[derive(Debug)]
@@ -180,6 +183,72 @@ impl Repository {
         answered
     }
 
+    /// Runs a request that arrived on a stream (ModelStreamInfer), sending each response as it is made; stops when
+    /// the stream is gone. As Triton does: a decoupled model's responses carry `triton_final_response` false, and an
+    /// empty final one (true) follows only when the request sets `triton_enable_empty_final_response`; any other
+    /// model gives its one response with the parameter true.
+    pub async fn infer_stream(
+        &self,
+        name: &str,
+        version: Option<&str>,
+        request: InferRequest,
+        responses: mpsc::Sender<InferResponse>,
+    ) -> Result<()> {
+        let (served, number, model) = self.resolve(name, version)?;
+        if !model.decoupled() {
+            let mut response = self.infer(name, version, request).await?;
+            response
+                .parameters
+                .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(true));
+            let _ = responses.send(response).await;
+            return Ok(());
+        }
+        // Counted when it ends, however it ends: a stream whose client went away is dropped mid-request, and that
+        // request counts as failed.
+        let mut counted = Counted {
+            repository: self,
+            name,
+            number,
+            started: Instant::now(),
+            succeeded: false,
+        };
+        let ran = self
+            .run_decoupled(name, served, number, model, &request, &responses)
+            .await;
+        counted.succeeded = ran.is_ok();
+        ran
+    }
+
+    async fn run_decoupled(
+        &self,
+        name: &str,
+        served: &Served,
+        number: u32,
+        model: Model,
+        request: &InferRequest,
+        responses: &mpsc::Sender<InferResponse>,
+    ) -> Result<()> {
+        ready(name, served)?;
+        model.check_inputs(name, request)?;
+        let response = |outputs, last: bool| InferResponse {
+            model_name: name.to_owned(),
+            model_version: Some(number.to_string()),
+            id: request.id.clone(),
+            parameters: [(FINAL_RESPONSE.to_owned(), ParamValue::Bool(last))]
+                .into_iter()
+                .collect(),
+            outputs,
+        };
+        let open = model
+            .run_decoupled(request, responses, |outputs| response(outputs, false))
+            .await?;
+        let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
+        if open && empty_final {
+            let _ = responses.send(response(Vec::new(), true)).await;
+        }
+        Ok(())
+    }
+
     /// Adds one inference to a model version's statistics: Triton counts each request as one inference and one
     /// execution, and times it whole (the built-in models have no queue or separate input and output stages).
     fn count(&self, name: &str, version: u32, took: Duration, succeeded: bool) {
@@ -256,6 +325,10 @@ impl Repository {
                     ..Default::default()
                 })
                 .collect(),
+            // How a client learns it must call the model on a stream.
+            model_transaction_policy: model
+                .decoupled()
+                .then_some(crate::proto::ModelTransactionPolicy { decoupled: true }),
             ..Default::default()
         })
     }
@@ -302,13 +375,7 @@ impl Repository {
         model: Model,
         request: InferRequest,
     ) -> Result<InferResponse> {
-        if !served.ready.load(Ordering::Acquire) {
-            return Err(Error::new(
-                ErrorKind::Unavailable,
-                Origin::Upstream,
-                format!("model '{name}' is not ready: it has been unloaded"),
-            ));
-        }
+        ready(name, served)?;
         model.check_inputs(name, &request)?;
         let mut outputs = model.run(&request, self.slow_delay, &self.sequences).await?;
         if !request.outputs.is_empty() {
@@ -330,4 +397,32 @@ impl Repository {
             outputs,
         })
     }
+}
+
+/// One inference that is counted in its model's statistics when dropped.
+struct Counted<'a> {
+    repository: &'a Repository,
+    name: &'a str,
+    number: u32,
+    started: Instant,
+    succeeded: bool,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.repository
+            .count(self.name, self.number, self.started.elapsed(), self.succeeded);
+    }
+}
+
+/// Refuses a model that has been unloaded.
+fn ready(name: &str, served: &Served) -> Result<()> {
+    if served.ready.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Unavailable,
+        Origin::Upstream,
+        format!("model '{name}' is not ready: it has been unloaded"),
+    ))
 }

@@ -18,6 +18,10 @@ pub const SHARED_MEMORY: [&str; 3] = [
 ];
 /// What every shared-memory parameter begins with, for a quick look before any decoding.
 pub const SHARED_MEMORY_PREFIX: &str = "shared_memory_";
+/// The response parameter Triton sets on each response of a stream: whether it is its request's last.
+pub const FINAL_RESPONSE: &str = "triton_final_response";
+/// The request parameter that asks a decoupled model for an empty last response carrying the final flag.
+pub const EMPTY_FINAL_RESPONSE: &str = "triton_enable_empty_final_response";
 
 /// What a request's parameters ask of the gateway.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
