@@ -78,6 +78,21 @@ impl Body for ChunksBody {
 pub enum OutBody {
     Chunks(ChunksBody),
     Relayed(Relayed),
+    /// The requests of a stream, as they come.
+    Channel(ChannelBody),
+}
+
+/// A body sent as its chunks arrive on a bounded channel (a stream's framed messages), ended when the sender is
+/// dropped. The channel's bound is the backpressure: a backend that stops reading stalls the sender.
+#[derive(Debug)]
+pub struct ChannelBody {
+    chunks: tokio::sync::mpsc::Receiver<Bytes>,
+}
+
+impl ChannelBody {
+    pub fn new(chunks: tokio::sync::mpsc::Receiver<Bytes>) -> ChannelBody {
+        ChannelBody { chunks }
+    }
 }
 
 impl From<ChunksBody> for OutBody {
@@ -94,6 +109,7 @@ impl Body for OutBody {
         match self.get_mut() {
             OutBody::Chunks(body) => Pin::new(body).poll_frame(cx).map_err(|never| match never {}),
             OutBody::Relayed(body) => Pin::new(body).poll_frame(cx),
+            OutBody::Channel(body) => body.chunks.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c)))),
         }
     }
 
@@ -101,6 +117,7 @@ impl Body for OutBody {
         match self {
             OutBody::Chunks(body) => body.is_end_stream(),
             OutBody::Relayed(body) => body.is_end_stream(),
+            OutBody::Channel(_) => false,
         }
     }
 
@@ -108,6 +125,7 @@ impl Body for OutBody {
         match self {
             OutBody::Chunks(body) => body.size_hint(),
             OutBody::Relayed(body) => body.size_hint(),
+            OutBody::Channel(_) => SizeHint::default(),
         }
     }
 }

@@ -580,3 +580,17 @@ pub fn repository_parameters_to_proto(
         })
         .collect()
 }
+
+/// A gRPC message as bytes, for tonic's framing and decompression: decoding slices the received buffer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawDecoder;
+
+impl tonic::codec::Decoder for RawDecoder {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn decode(&mut self, buf: &mut tonic::codec::DecodeBuf<'_>) -> std::result::Result<Option<Bytes>, tonic::Status> {
+        let length = bytes::Buf::remaining(buf);
+        Ok(Some(bytes::Buf::copy_to_bytes(buf, length)))
+    }
+}

@@ -9,6 +9,11 @@ use crate::protocol::{Parameters, reserved};
 
 const MODEL_NAME: u64 = 1;
 const MODEL_VERSION: u64 = 2;
+/// `id`, in requests and responses alike.
+const REQUEST_ID: u64 = 3;
+/// `ModelStreamInferResponse`: `error_message`, then the `ModelInferResponse`.
+const STREAM_ERROR_MESSAGE: u64 = 1;
+const STREAM_INFER_RESPONSE: u64 = 2;
 const PARAMETERS: u64 = 4;
 const INPUTS: u64 = 5;
 const OUTPUTS: u64 = 6;
@@ -27,11 +32,13 @@ struct ParameterEntry {
     value: Option<crate::proto::InferParameter>,
 }
 
-/// The model name and version of an encoded message. Protobuf lets a field repeat; the last occurrence wins.
+/// The model name, version and request id of an encoded message. Protobuf lets a field repeat; the last occurrence
+/// wins.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ModelFields<'a> {
     pub name: &'a str,
     pub version: &'a str,
+    pub id: &'a str,
 }
 
 /// Where a top-level field sits in the message.
@@ -125,6 +132,7 @@ pub fn model_fields(message: &[u8]) -> Result<ModelFields<'_>> {
         match field.number {
             MODEL_NAME => found.name = text_of(message, &field, "model_name")?,
             MODEL_VERSION => found.version = text_of(message, &field, "model_version")?,
+            REQUEST_ID => found.id = text_of(message, &field, "id")?,
             _ => {}
         }
     }
@@ -238,6 +246,42 @@ pub fn rename(message: &Bytes, name: &str, version: &str) -> Result<Vec<Bytes>> 
     Ok(chunks)
 }
 
+/// An encoded `ModelStreamInferResponse` of an error message and an encoded `ModelInferResponse` given as chunks,
+/// which stay as they are.
+pub fn stream_response(error_message: &str, infer_response: Vec<Bytes>) -> Vec<Bytes> {
+    let length: usize = infer_response.iter().map(Bytes::len).sum();
+    let mut head = BytesMut::with_capacity(error_message.len() + 16);
+    put_string_field(&mut head, STREAM_ERROR_MESSAGE, error_message);
+    prost::encoding::encode_varint(STREAM_INFER_RESPONSE << 3 | 2, &mut head);
+    prost::encoding::encode_varint(length as u64, &mut head);
+    let mut chunks = Vec::with_capacity(infer_response.len() + 1);
+    chunks.push(head.freeze());
+    chunks.extend(infer_response);
+    chunks
+}
+
+/// An encoded `ModelStreamInferResponse` with its response's model name and version replaced (an empty `version`
+/// leaves the field out); tensors are slices of the original. The error message and anything else stay.
+pub fn rename_stream_response(message: &Bytes, name: &str, version: &str) -> Result<Vec<Bytes>> {
+    let mut error_message = "";
+    let mut renamed = None;
+    for field in fields(message) {
+        let field = field?;
+        match field.number {
+            STREAM_ERROR_MESSAGE => error_message = text_of(message, &field, "error_message")?,
+            STREAM_INFER_RESPONSE if field.wire_type == 2 => {
+                let response = message.slice(field.value_start..field.end);
+                renamed = Some(rename(&response, name, version)?);
+            }
+            _ => {}
+        }
+    }
+    Ok(match renamed {
+        Some(response) => stream_response(error_message, response),
+        None => vec![message.clone()],
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +290,54 @@ mod tests {
 
     fn join(chunks: &[Bytes]) -> Vec<u8> {
         chunks.concat()
+    }
+
+    #[test]
+    fn stream_responses_are_renamed_inside() {
+        use crate::proto::ModelStreamInferResponse;
+        let response = ModelInferResponse {
+            model_name: "upstream".into(),
+            model_version: "3".into(),
+            id: "r".into(),
+            raw_output_contents: vec![Bytes::from(vec![7u8; 300])],
+            ..Default::default()
+        };
+        let wire = Bytes::from(
+            ModelStreamInferResponse {
+                error_message: String::new(),
+                infer_response: Some(response.clone()),
+            }
+            .encode_to_vec(),
+        );
+        let renamed = rename_stream_response(&wire, "public", "1").unwrap();
+        let decoded = ModelStreamInferResponse::decode(&join(&renamed)[..]).unwrap();
+        let expected = ModelInferResponse {
+            model_name: "public".into(),
+            model_version: "1".into(),
+            ..response
+        };
+        assert_eq!(decoded.infer_response, Some(expected));
+        assert!(
+            renamed
+                .iter()
+                .any(|chunk| chunk.len() >= 300 && wire.as_ptr_range().contains(&chunk.as_ptr())),
+            "the tensor is a slice of what came"
+        );
+        // An error keeps its message and its request's id.
+        let failed = stream_response(
+            "no such model",
+            vec![Bytes::from(
+                ModelInferResponse {
+                    id: "q".into(),
+                    ..Default::default()
+                }
+                .encode_to_vec(),
+            )],
+        );
+        let decoded = ModelStreamInferResponse::decode(&join(&failed)[..]).unwrap();
+        assert_eq!(decoded.error_message, "no such model");
+        assert_eq!(decoded.infer_response.unwrap().id, "q");
+        assert!(rename_stream_response(&Bytes::from_static(b"\x12\x05ab"), "m", "").is_err());
     }
 
     #[test]
@@ -262,7 +354,8 @@ mod tests {
             model_fields(&wire).unwrap(),
             ModelFields {
                 name: "public",
-                version: "1"
+                version: "1",
+                id: "r"
             }
         );
         let chunks = rename(&wire, "backend-name", "7").unwrap();

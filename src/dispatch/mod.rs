@@ -32,6 +32,7 @@ mod passthrough;
 mod probe;
 mod repository;
 pub(crate) mod statistics;
+mod stream;
 
 use backend::{BackendClients, Replicas};
 pub use fleet::Affinity;
@@ -42,6 +43,7 @@ use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
 use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
 pub use repository::RepositoryAction;
+pub use stream::{MODEL_STREAM_INFER, StreamAnswer};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";

@@ -8,18 +8,21 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tonic::codec::{CompressionEncoding, DecodeBuf, Decoder};
+use tonic::codec::CompressionEncoding;
 use tonic::server::{NamedService, UnaryService};
 use tonic::{Request, Response, Status};
 
 use crate::codec::compression::{self, Coding};
-use crate::codec::{protobuf, splice};
-use crate::dispatch::{CallContext, ConfigForm, ModelConfigAnswer, RepositoryAction};
+use crate::codec::protobuf::{self, RawDecoder};
+use crate::codec::splice;
+use crate::dispatch::{
+    CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction, StreamAnswer,
+};
 use crate::error::{Error, Result};
 use crate::headers;
 use crate::process::live::Gateway;
@@ -38,20 +41,6 @@ const SERVICE: &str = "inference.GRPCInferenceService";
 const MODEL_INFER_PATH: &str = "/inference.GRPCInferenceService/ModelInfer";
 /// How often the health service's status is refreshed from the backends.
 const HEALTH_REFRESH: Duration = Duration::from_secs(1);
-
-/// A message as bytes: decoding slices the received buffer.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RawDecoder;
-
-impl Decoder for RawDecoder {
-    type Item = Bytes;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
-        let length = buf.remaining();
-        Ok(Some(buf.copy_to_bytes(length)))
-    }
-}
 
 /// Parses a `grpc-timeout` value: up to eight digits and a unit (H, M, S, m, u, n).
 pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
@@ -72,13 +61,16 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
 }
 
 fn context<T>(request: &Request<T>) -> CallContext {
-    let headers = request.metadata().clone().into_headers();
+    context_of(&request.metadata().clone().into_headers())
+}
+
+fn context_of(headers: &http::HeaderMap) -> CallContext {
     CallContext {
         deadline: headers
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout),
-        forward: headers::for_backend(&headers),
+        forward: headers::for_backend(headers),
         compressed: match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
             Some(b"gzip") => Some(Coding::Gzip),
             Some(b"deflate") => Some(Coding::Deflate),
@@ -234,10 +226,8 @@ impl GrpcInferenceService for Typed {
         &self,
         _: Request<tonic::Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
-        Err(Status::unimplemented(
-            "the gateway does not carry inference streams (ModelStreamInfer) yet: decoupled models cannot be reached \
-             through it",
-        ))
+        // Not reached: the router sends ModelStreamInfer to the raw path.
+        Err(Status::internal("ModelStreamInfer is served on the raw path"))
     }
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
@@ -397,6 +387,9 @@ where
         let answer: Self::Future = if !log_here {
             let raw = self.raw.clone();
             Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
+        } else if request.uri().path() == MODEL_STREAM_INFER {
+            let dispatcher = self.gateway.dispatcher();
+            Box::pin(async move { Ok(infer_stream(dispatcher, request, limit)) })
         } else {
             self.typed.call(request)
         };
@@ -461,6 +454,131 @@ where
     }
 }
 
+/// ModelStreamInfer: the client's messages are read as they come (framing, size limit and decompression by tonic's
+/// decoder) and carried by the dispatcher on its own task; its answers are framed onto the response as they come,
+/// compressed like the client's own messages when it accepts that. A client that goes away drops the response, which
+/// stops the dispatcher's task and with it the backends' streams.
+fn infer_stream<B>(
+    dispatcher: Arc<Dispatcher>,
+    request: http::Request<B>,
+    limit: usize,
+) -> http::Response<tonic::body::Body>
+where
+    B: http_body::Body + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    let encoding = match message_encoding(request.headers()) {
+        Ok(encoding) => encoding,
+        Err(status) => return status.into_http(),
+    };
+    let context = context_of(request.headers());
+    let coding = answer_coding(request.headers());
+    let (_, body) = request.into_parts();
+    let requests = futures_util::StreamExt::map(
+        tonic::codec::Streaming::new_request(RawDecoder, body, encoding, Some(limit)),
+        |message| {
+            message.map_err(|status| {
+                Error::new(
+                    crate::error::ErrorKind::from_grpc_code(status.code()),
+                    crate::error::Origin::Client,
+                    status.message(),
+                )
+            })
+        },
+    );
+    let (answers, receiver) = tokio::sync::mpsc::channel(STREAM_ANSWERS);
+    tokio::spawn(dispatcher.infer_stream(requests, context, answers));
+    let mut response = http::Response::new(tonic::body::Body::new(StreamBody {
+        answers: receiver,
+        frames: std::collections::VecDeque::new(),
+        coding,
+        ended: false,
+    }));
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    if let Some(coding) = coding {
+        response
+            .headers_mut()
+            .insert("grpc-encoding", http::HeaderValue::from_static(coding.name()));
+    }
+    response
+}
+
+/// Answers a stream holds for a client that is slow to read them; past this its backends wait.
+const STREAM_ANSWERS: usize = 16;
+
+/// A stream's answers on the wire: each message framed as it comes, then the status in the trailers (OK when the
+/// dispatcher finished, the error that ended the stream otherwise).
+struct StreamBody {
+    answers: tokio::sync::mpsc::Receiver<StreamAnswer>,
+    frames: std::collections::VecDeque<Bytes>,
+    coding: Option<Coding>,
+    ended: bool,
+}
+
+impl http_body::Body for StreamBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        loop {
+            if let Some(frame) = self.frames.pop_front() {
+                return Poll::Ready(Some(Ok(http_body::Frame::data(frame))));
+            }
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            let status = match std::task::ready!(self.answers.poll_recv(cx)) {
+                Some(Ok(chunks)) => {
+                    let chunks = match self.coding {
+                        Some(coding) => compression::compress(coding, &chunks),
+                        None => chunks,
+                    };
+                    match crate::body::grpc_message(chunks, self.coding.is_some()) {
+                        Ok(frames) => {
+                            self.frames.extend(frames);
+                            continue;
+                        }
+                        Err(length) => Status::resource_exhausted(format!(
+                            "an answer of {length} bytes is more than a gRPC message can hold"
+                        )),
+                    }
+                }
+                Some(Err(error)) => error.to_grpc_status(),
+                None => Status::ok(""),
+            };
+            self.ended = true;
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from(status.code() as i32));
+            if !status.message().is_empty() {
+                let message = percent_encode(status.message());
+                if let Ok(value) = http::HeaderValue::from_str(&message) {
+                    trailers.insert("grpc-message", value);
+                }
+            }
+            return Poll::Ready(Some(Ok(http_body::Frame::trailers(trailers))));
+        }
+    }
+}
+
+/// `grpc-message` is percent-encoded: every byte outside printable ASCII, and `%` itself.
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (0x20..0x7f).contains(&byte) && byte != b'%' {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 /// The compression of an inference's answer: the client's own, when it compressed its request with gzip or deflate
 /// and accepts the same back (many clients list every encoding they can read without wanting tensors compressed).
 fn answer_coding(headers: &http::HeaderMap) -> Option<Coding> {
@@ -478,6 +596,19 @@ fn answer_coding(headers: &http::HeaderMap) -> Option<Coding> {
     accepted.then_some(coding)
 }
 
+/// The compression of a client's messages, from `grpc-encoding`; an encoding the gateway does not read is refused.
+fn message_encoding(headers: &http::HeaderMap) -> Result<Option<CompressionEncoding>, Status> {
+    match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+        None | Some(b"identity") => Ok(None),
+        Some(b"gzip") => Ok(Some(CompressionEncoding::Gzip)),
+        Some(b"deflate") => Ok(Some(CompressionEncoding::Deflate)),
+        Some(other) => Err(Status::unimplemented(format!(
+            "messages compressed with `{}` are not supported; gzip, deflate or identity are",
+            String::from_utf8_lossy(other)
+        ))),
+    }
+}
+
 /// Reads a unary call's one message, as tonic's `Grpc::unary` does: a gzip or deflate message is decompressed
 /// within the limit, other encodings are refused, and trailers sent with the request join its metadata.
 async fn read_unary<B>(request: http::Request<B>, limit: usize) -> Result<Request<Bytes>, Status>
@@ -486,17 +617,7 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     // A compressed message is decompressed within the same limit as a plain one (tonic stops at it).
-    let encoding = match request.headers().get("grpc-encoding").map(http::HeaderValue::as_bytes) {
-        None | Some(b"identity") => None,
-        Some(b"gzip") => Some(CompressionEncoding::Gzip),
-        Some(b"deflate") => Some(CompressionEncoding::Deflate),
-        Some(other) => {
-            return Err(Status::unimplemented(format!(
-                "messages compressed with `{}` are not supported; gzip, deflate or identity are",
-                String::from_utf8_lossy(other)
-            )));
-        }
-    };
+    let encoding = message_encoding(request.headers())?;
     let (mut parts, body) = request.into_parts();
     let mut stream = tonic::codec::Streaming::new_request(RawDecoder, body, encoding, Some(limit));
     let message = stream

@@ -211,3 +211,60 @@ def test_compressed_requests_and_answers_equal_triton_alone(triton, algorithm): 
             through = infer(protocol, getattr(triton.gateways[0], door), model)
             for output in ("OUTPUT0", "OUTPUT1"):
                 assert np.array_equal(through.as_numpy(output), direct.as_numpy(output)), (protocol, model, output)
+
+
+def stream(address: str, requests: list) -> tuple:
+    """Sends `requests` ((model, id, INPUT0, enable_empty_final_response)) on one tritonclient stream and gives its
+    responses by request id ([(model, final flag, OUTPUT0)]) and its error messages, once the stream has ended."""
+    import queue
+
+    received = queue.Queue()
+    client = triton_grpc.InferenceServerClient(url=address)
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    for model, request_id, value, empty_final in requests:
+        tensor = triton_grpc.InferInput("INPUT0", [1] if "count" in model else [1, 16], "INT32")
+        shape = (1,) if "count" in model else (1, 16)
+        tensor.set_data_from_numpy(np.full(shape, value, dtype=np.int32))
+        inputs = [tensor]
+        if "add_sub" in model:
+            second = triton_grpc.InferInput("INPUT1", [1, 16], "INT32")
+            second.set_data_from_numpy(np.full(shape, 1, dtype=np.int32))
+            inputs.append(second)
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=empty_final)
+    client.stop_stream()
+    answers, errors = {}, []
+    while not received.empty():
+        result, error = received.get()
+        if error is not None:
+            errors.append(error.message())
+            continue
+        response = result.get_response()
+        output = result.as_numpy("OUTPUT0")
+        final = response.parameters["triton_final_response"].bool_param
+        answers.setdefault(response.id, []).append(
+            (response.model_name, final, None if output is None else output.tolist()))
+    return answers, errors
+
+
+def test_streams_through_the_gateway_equal_triton_alone(triton):  # noqa: F811
+    def requests(count_model, add_sub_model):
+        return [
+            (count_model, "three", 3, False),
+            (count_model, "none", 0, True),
+            (add_sub_model, "sum", 5, False),
+            ("nope", "unknown", 1, False),
+        ]
+
+    direct, direct_errors = stream(triton.replicas[0].grpc, requests("count", "add_sub"))
+    # The decoupled model passed through to a gRPC backend; the other model to both backend protocols.
+    for add_sub_model in ("add_sub_grpc", "add_sub"):
+        through, errors = stream(triton.gateways[0].grpc, requests("count_grpc", add_sub_model))
+        assert through.keys() == direct.keys()
+        for request_id, answers in direct.items():
+            public = [
+                ("count_grpc" if model == "count" else add_sub_model if model else model, final, output)
+                for model, final, output in answers
+            ]
+            assert through[request_id] == public, (request_id, add_sub_model)
+        assert len(errors) == len(direct_errors) == 1
+        assert "'nope'" in errors[0] and "'nope'" in direct_errors[0]

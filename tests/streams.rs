@@ -1,0 +1,250 @@
+//! Triton's inference stream (ModelStreamInfer) through the gateway's gRPC door: passed through to a gRPC backend
+//! under the public names, translated request by request to a REST one, several models on one stream, failed
+//! requests answered on the stream, and a client or backend that goes away.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::config::{ADD_SUB_ON_BOTH, fleet_backends};
+use common::{GatewayProcess, ModelServerProcess, grpc_add_sub_request, int32s};
+use oipgate::proto::infer_parameter::ParameterChoice;
+use oipgate::proto::model_infer_request::InferInputTensor;
+use oipgate::proto::{InferParameter, ModelInferRequest, ModelInferResponse, ModelStatisticsRequest};
+use tonic::Code;
+
+/// The gateway over one model server: `add_sub` version 1 over REST and 2 over gRPC; `counter`, the decoupled
+/// `count` model under a public name of its own, over gRPC; `count_rest`, the same model over REST.
+fn gateway(server: &ModelServerProcess) -> GatewayProcess {
+    GatewayProcess::start(&format!(
+        r#"{}{ADD_SUB_ON_BOTH}
+        [[models]]
+        name = "counter"
+        versions = [ {{ version = "4", backend = "fleet-b", upstream_name = "count", upstream_version = "1" }} ]
+        [[models]]
+        name = "count_rest"
+        versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "count" }} ]
+        "#,
+        fleet_backends(server.rest.unwrap(), server.grpc.unwrap()),
+    ))
+}
+
+fn count_request(model: &str, id: &str, n: i32, parameters: &[(&str, ParameterChoice)]) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: model.into(),
+        id: id.into(),
+        inputs: vec![InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([n])],
+        parameters: parameters
+            .iter()
+            .map(|(name, choice)| {
+                let value = InferParameter {
+                    parameter_choice: Some(choice.clone()),
+                };
+                ((*name).to_owned(), value)
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// One response as the tests compare it: error message, model name and version, final flag, raw outputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Answer {
+    error: String,
+    model: String,
+    version: String,
+    last: Option<bool>,
+    outputs: Vec<Bytes>,
+}
+
+fn answer(error: String, response: ModelInferResponse) -> Answer {
+    let last = match response
+        .parameters
+        .get("triton_final_response")
+        .and_then(|p| p.parameter_choice.clone())
+    {
+        Some(ParameterChoice::BoolParam(last)) => Some(last),
+        _ => None,
+    };
+    Answer {
+        error,
+        model: response.model_name,
+        version: response.model_version,
+        last,
+        outputs: response.raw_output_contents,
+    }
+}
+
+/// Every response of a stream of `requests`, by request id, in the order each request's came.
+async fn stream(gateway: &GatewayProcess, requests: Vec<ModelInferRequest>) -> BTreeMap<String, Vec<Answer>> {
+    let mut client = gateway.grpc_client().await;
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut by_id: BTreeMap<String, Vec<Answer>> = BTreeMap::new();
+    while let Some(message) = answers.message().await.unwrap() {
+        let response = message.infer_response.unwrap();
+        by_id
+            .entry(response.id.clone())
+            .or_default()
+            .push(answer(message.error_message, response));
+    }
+    by_id
+}
+
+#[tokio::test]
+async fn a_stream_reaches_both_backends_under_the_public_names() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let mut add_sub_rest = grpc_add_sub_request("1", 1, 2);
+    add_sub_rest.id = "rest".into();
+    let mut add_sub_grpc = grpc_add_sub_request("2", 1, 2);
+    add_sub_grpc.id = "grpc".into();
+    let by_id = stream(
+        &gateway,
+        vec![
+            count_request("counter", "three", 3, &[]),
+            add_sub_rest,
+            count_request(
+                "counter",
+                "none",
+                0,
+                &[("triton_enable_empty_final_response", ParameterChoice::BoolParam(true))],
+            ),
+            add_sub_grpc,
+            count_request("nope", "unknown", 1, &[]),
+            count_request("count_rest", "unary", 2, &[]),
+        ],
+    )
+    .await;
+
+    // Passed through to the gRPC backend: each response as the model server sent it, under the public name.
+    let step = |n: i32| Answer {
+        error: String::new(),
+        model: "counter".into(),
+        version: "4".into(),
+        last: Some(false),
+        outputs: vec![int32s([n])],
+    };
+    assert_eq!(by_id["three"], [step(0), step(1), step(2)]);
+    let empty = Answer {
+        last: Some(true),
+        outputs: vec![],
+        ..step(0)
+    };
+    assert_eq!(by_id["none"], [empty]);
+    // A model that is not decoupled answers once, flagged final, over either backend protocol.
+    for (id, version) in [("rest", "1"), ("grpc", "2")] {
+        let answers = &by_id[id];
+        assert_eq!(answers.len(), 1, "{id}: {answers:?}");
+        assert_eq!(
+            (answers[0].model.as_str(), answers[0].version.as_str()),
+            ("add_sub", version)
+        );
+        assert_eq!((answers[0].error.as_str(), answers[0].last), ("", Some(true)), "{id}");
+        assert_eq!(answers[0].outputs[0], int32s([3; 16]), "{id}");
+    }
+    // Failed requests are answered on the stream, with their ids, and the stream goes on.
+    assert_eq!(by_id["unknown"].len(), 1);
+    assert!(by_id["unknown"][0].error.contains("'nope'"), "{:?}", by_id["unknown"]);
+    // A decoupled model behind REST cannot answer a unary inference: the backend's refusal is the answer.
+    assert_eq!(by_id["unary"].len(), 1);
+    assert!(by_id["unary"][0].error.contains("decoupled"), "{:?}", by_id["unary"]);
+}
+
+/// The model server's statistics of `count`: (inferences that succeeded, inferences that failed).
+async fn count_statistics(server: &ModelServerProcess) -> (u64, u64) {
+    let statistics = server
+        .grpc_client()
+        .await
+        .model_statistics(ModelStatisticsRequest {
+            name: "count".into(),
+            version: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let stats = &statistics.model_stats[0];
+    let failed = stats
+        .inference_stats
+        .as_ref()
+        .and_then(|s| s.fail.as_ref())
+        .map_or(0, |fail| fail.count);
+    (stats.inference_count, failed)
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_stops_the_backends_stream() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let mut client = gateway.grpc_client().await;
+    // A thousand responses 10 ms apart: ten seconds, unless the stream is stopped.
+    let long = count_request(
+        "counter",
+        "long",
+        1000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![long]))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        answers.message().await.unwrap().unwrap();
+    }
+    drop(answers);
+    let started = Instant::now();
+    // The backend's request stops (counted as failed, cut short) soon after, not ten seconds later.
+    while count_statistics(&server).await != (0, 1) {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the backend's stream went on after the client went away"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_backend_that_goes_away_ends_the_stream_with_an_error() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let mut client = gateway.grpc_client().await;
+    let long = count_request(
+        "counter",
+        "long",
+        1000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![long]))
+        .await
+        .unwrap()
+        .into_inner();
+    answers.message().await.unwrap().unwrap();
+    drop(server);
+    let started = Instant::now();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(5), answers.message()).await {
+            Ok(Ok(Some(_))) => continue,
+            Ok(outcome) => break outcome,
+            Err(_) => panic!("the stream hung after its backend went away"),
+        }
+    };
+    let status = ended.unwrap_err();
+    assert!(
+        matches!(status.code(), Code::Unavailable | Code::Internal | Code::Unknown),
+        "{status:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
