@@ -186,6 +186,8 @@ fn unknown_keys_are_refused_with_their_path() {
     assert_eq!(found.len(), 1);
     let found = problems(&EXAMPLE.replace("request_timeout_ms = 30000", "request_timeout_ms = \"soon\""));
     assert!(found[0].starts_with("limits.request_timeout_ms"), "{found:?}");
+    let found = problems(&EXAMPLE.replace("[limits]", "[limits]\nstream_idle_timeout_ms = 0"));
+    assert_eq!(found, ["limits.stream_idle_timeout_ms: must be at least 1"]);
 }
 
 #[test]

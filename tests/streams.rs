@@ -18,7 +18,11 @@ use tonic::Code;
 /// The gateway over one model server: `add_sub` version 1 over REST and 2 over gRPC; `counter`, the decoupled
 /// `count` model under a public name of its own, over gRPC; `count_rest`, the same model over REST.
 fn gateway(server: &ModelServerProcess) -> GatewayProcess {
-    GatewayProcess::start(&format!(
+    GatewayProcess::start_with(&config(server), &[], true)
+}
+
+fn config(server: &ModelServerProcess) -> String {
+    format!(
         r#"{}{ADD_SUB_ON_BOTH}
         [[models]]
         name = "counter"
@@ -26,9 +30,13 @@ fn gateway(server: &ModelServerProcess) -> GatewayProcess {
         [[models]]
         name = "count_rest"
         versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "count" }} ]
+        [[models]]
+        name = "weighted"
+        versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "add_sub", weight = 50 }},
+                     {{ version = "2", backend = "fleet-b", upstream_name = "add_sub", upstream_version = "2", weight = 50 }} ]
         "#,
         fleet_backends(server.rest.unwrap(), server.grpc.unwrap()),
-    ))
+    )
 }
 
 fn count_request(model: &str, id: &str, n: i32, parameters: &[(&str, ParameterChoice)]) -> ModelInferRequest {
@@ -160,6 +168,49 @@ async fn a_stream_reaches_both_backends_under_the_public_names() {
     // A decoupled model behind REST cannot answer a unary inference: the backend's refusal is the answer.
     assert_eq!(by_id["unary"].len(), 1);
     assert!(by_id["unary"][0].error.contains("decoupled"), "{:?}", by_id["unary"]);
+
+    // The backend stream of `counter`: one, closed cleanly, two requests in, four responses out.
+    // (Labels are exposed in the order of their names.)
+    let streams = "oipgate_streams_total{model=\"counter\",result=\"ok\",version=\"4\"}";
+    assert_eq!(gateway.metric(streams).await, 1.0);
+    let messages = |direction| {
+        format!("oipgate_stream_messages_total{{direction=\"{direction}\",model=\"counter\",version=\"4\"}}")
+    };
+    assert_eq!(gateway.metric(&messages("in")).await, 2.0);
+    assert_eq!(gateway.metric(&messages("out")).await, 4.0);
+    let first = "oipgate_stream_first_response_seconds_count{model=\"counter\",version=\"4\"}";
+    assert_eq!(gateway.metric(first).await, 1.0);
+    // One access-log line for the whole client stream, with its counts.
+    let lines = gateway.log_lines();
+    let line = lines
+        .iter()
+        .find(|line| line.contains("oipgate::access: stream "))
+        .cloned();
+    let line = line.unwrap_or_else(|| panic!("no stream line in {lines:?}"));
+    for field in ["result=\"ok\"", "requests=6", "responses=8", "failed_requests=2"] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    assert_eq!(gateway.metric("oipgate_streams_open").await, 0.0);
+}
+
+#[tokio::test]
+async fn a_stream_keeps_the_version_its_first_request_got() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let requests = (0..24)
+        .map(|n| {
+            let mut request = grpc_add_sub_request("", 1, 2);
+            request.model_name = "weighted".into();
+            request.id = format!("r{n}");
+            request
+        })
+        .collect();
+    let by_id = stream(&gateway, requests).await;
+    let versions: std::collections::BTreeSet<&str> =
+        by_id.values().flatten().map(|answer| answer.version.as_str()).collect();
+    // Each request alone would have been split evenly: 24 on one version by chance is one in eight million.
+    assert_eq!(versions.len(), 1, "{by_id:?}");
+    assert_eq!(by_id.len(), 24);
 }
 
 /// The model server's statistics of `count`: (inferences that succeeded, inferences that failed).
@@ -213,6 +264,8 @@ async fn a_client_that_goes_away_stops_the_backends_stream() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let cancelled = "oipgate_streams_total{model=\"counter\",result=\"cancelled\",version=\"4\"}";
+    assert_eq!(gateway.metric(cancelled).await, 1.0);
 }
 
 #[tokio::test]
@@ -247,4 +300,64 @@ async fn a_backend_that_goes_away_ends_the_stream_with_an_error() {
         "{status:?}"
     );
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
+    let server = ModelServerProcess::both();
+    let gateway = GatewayProcess::start(&format!("[limits]\nstream_idle_timeout_ms = 300\n{}", config(&server)));
+    let mut client = gateway.grpc_client().await;
+    // Responses 100 ms apart keep a stream alive past the idle limit; a second of silence ends it.
+    let steady = count_request(
+        "counter",
+        "steady",
+        6,
+        &[("delay_ms", ParameterChoice::Int64Param(100))],
+    );
+    let silent = count_request(
+        "counter",
+        "silent",
+        2,
+        &[("delay_ms", ParameterChoice::Int64Param(1000))],
+    );
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![steady]))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut steps = 0;
+    while answers.message().await.unwrap().is_some() {
+        steps += 1;
+    }
+    assert_eq!(steps, 6);
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![silent]))
+        .await
+        .unwrap()
+        .into_inner();
+    answers.message().await.unwrap().unwrap();
+    let ended = answers.message().await.unwrap_err();
+    assert_eq!(ended.code(), Code::DeadlineExceeded, "{ended:?}");
+    assert!(ended.message().contains("stream_idle_timeout_ms"), "{ended:?}");
+
+    // The client's grpc-timeout bounds the whole stream.
+    let long = count_request(
+        "counter",
+        "long",
+        1000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
+    let mut request = tonic::Request::new(tokio_stream::iter(vec![long]));
+    request.set_timeout(Duration::from_millis(400));
+    let started = Instant::now();
+    let mut answers = client.model_stream_infer(request).await.unwrap().into_inner();
+    let ended = loop {
+        match answers.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended cleanly past its deadline"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::DeadlineExceeded, "{ended:?}");
+    assert!(started.elapsed() < Duration::from_secs(3));
 }

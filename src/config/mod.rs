@@ -20,6 +20,8 @@ pub const DEFAULT_GRPC: &str = "127.0.0.1:8001";
 pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
 /// Default whole-request deadline.
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// How long an inference stream may be silent both ways: five minutes (a model may think long between tokens).
+pub const DEFAULT_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// Default time in-flight requests get after SIGTERM.
 pub const DEFAULT_GRACE_PERIOD_MS: u64 = 30_000;
@@ -512,10 +514,15 @@ fn validate_limits(problems: &mut Problems, limits: &raw::RawLimits) -> Limits {
     if header_timeout_ms == 0 {
         problems.add("limits.header_read_timeout_ms", "must be at least 1");
     }
+    let stream_idle_ms = limits.stream_idle_timeout_ms.unwrap_or(DEFAULT_STREAM_IDLE_TIMEOUT_MS);
+    if stream_idle_ms == 0 {
+        problems.add("limits.stream_idle_timeout_ms", "must be at least 1");
+    }
     Limits {
         max_request_bytes,
         request_timeout: Duration::from_millis(timeout_ms),
         header_read_timeout: Duration::from_millis(header_timeout_ms),
+        stream_idle_timeout: Duration::from_millis(stream_idle_ms),
     }
 }
 

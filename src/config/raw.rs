@@ -48,6 +48,8 @@ pub struct RawLimits {
     pub request_timeout_ms: Option<u64>,
     /// How long a REST client may take over a request's head once its first byte has arrived, in milliseconds.
     pub header_read_timeout_ms: Option<u64>,
+    /// How long an inference stream may pass with no message either way, in milliseconds.
+    pub stream_idle_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -88,6 +88,8 @@ pub struct Limits {
     pub request_timeout: Duration,
     /// How long a REST client may take over a request's head once it has begun (then 408).
     pub header_read_timeout: Duration,
+    /// How long an inference stream may pass with no message either way (then DEADLINE_EXCEEDED).
+    pub stream_idle_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

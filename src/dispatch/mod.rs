@@ -43,7 +43,7 @@ use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
 use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
 pub use repository::RepositoryAction;
-pub use stream::{MODEL_STREAM_INFER, StreamAnswer};
+pub use stream::{MODEL_STREAM_INFER, StreamAnswer, StreamSummary};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";
@@ -82,6 +82,7 @@ pub struct Dispatcher {
     /// Bounds mirrored calls under way; mirroring is what is dropped first under load.
     mirror_slots: Arc<tokio::sync::Semaphore>,
     request_timeout: Duration,
+    stream_idle_timeout: Duration,
     metadata: ServerMetadata,
     ready_cache: Mutex<Option<(Instant, bool)>>,
     metadata_cache: Mutex<HashMap<usize, (Instant, ModelMetadata)>>,
@@ -194,6 +195,7 @@ impl Dispatcher {
             metrics,
             backends,
             request_timeout: config.limits.request_timeout,
+            stream_idle_timeout: config.limits.stream_idle_timeout,
             metadata: ServerMetadata {
                 name: name.to_owned(),
                 version: env!("CARGO_PKG_VERSION").to_owned(),

@@ -6,6 +6,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -16,6 +18,7 @@ use super::fleet::Lease;
 use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::{protobuf, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::process::metrics::{Metrics, StreamLeg, StreamResult};
 use crate::protocol::reserved::FINAL_RESPONSE;
 use crate::protocol::{ParamValue, Reserved};
 use crate::routing::VersionRoute;
@@ -23,8 +26,131 @@ use crate::upstream::grpc::StreamRequests;
 
 pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
 
+/// The version each model that a stream's requests named without one was routed to: canary weights choose once
+/// per stream, as stickiness would.
+type ChosenVersions = HashMap<(String, String), String>;
+
 /// What a client's stream is sent: an encoded `ModelStreamInferResponse` as chunks, or the error that ends it.
 pub type StreamAnswer = Result<Vec<Bytes>>;
+
+/// What a client's stream carried, for its access-log line.
+#[derive(Debug, Clone)]
+pub struct StreamSummary {
+    pub requests: u64,
+    pub responses: u64,
+    /// Responses that carried a request's error.
+    pub failed: u64,
+    pub result: StreamResult,
+    /// The error that ended the stream, if one did.
+    pub error: Option<Error>,
+}
+
+/// The client's side of a stream: where its answers go, counted, and when a message last passed either way.
+#[derive(Debug, Clone)]
+struct Answers {
+    sender: mpsc::Sender<StreamAnswer>,
+    responses: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    opened: Instant,
+    /// Milliseconds from `opened` to the last message either way.
+    last_active: Arc<AtomicU64>,
+}
+
+impl Answers {
+    fn new(sender: mpsc::Sender<StreamAnswer>) -> Answers {
+        Answers {
+            sender,
+            responses: Arc::default(),
+            failed: Arc::default(),
+            opened: Instant::now(),
+            last_active: Arc::default(),
+        }
+    }
+
+    /// Notes a message passing.
+    fn active(&self) {
+        let now = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_active.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// How long since a message last passed either way.
+    fn quiet_for(&self) -> Duration {
+        self.opened
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_active.load(Ordering::Relaxed)))
+    }
+
+    /// Sends a response; false once the client is gone.
+    async fn respond(&self, response: Vec<Bytes>) -> bool {
+        self.responses.fetch_add(1, Ordering::Relaxed);
+        let sent = self.sender.send(Ok(response)).await.is_ok();
+        self.active();
+        sent
+    }
+
+    /// Answers request `id` with `error`, as Triton does on a stream; false once the client is gone.
+    async fn fail(&self, id: &str, error: &Error) -> bool {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+        self.respond(failed_response(id, error)).await
+    }
+
+    async fn closed(&self) {
+        self.sender.closed().await;
+    }
+}
+
+/// A backend stream of a client's stream: where its requests go, and how many went.
+struct Leg {
+    requests: StreamRequests,
+    sent: Arc<AtomicU64>,
+}
+
+/// What one backend stream (or one request sent to a REST backend) carried, recorded in the metrics when dropped:
+/// a relay stopped because its client went away records a cancelled stream.
+struct LegRecord {
+    metrics: Arc<Metrics>,
+    route: Arc<VersionRoute>,
+    sent: Arc<AtomicU64>,
+    opened: Instant,
+    leg: StreamLeg,
+}
+
+impl LegRecord {
+    fn new(
+        metrics: &Arc<Metrics>,
+        route: &Arc<VersionRoute>,
+        sent: Arc<AtomicU64>,
+        result: Option<StreamResult>,
+    ) -> LegRecord {
+        LegRecord {
+            metrics: metrics.clone(),
+            route: route.clone(),
+            sent,
+            opened: Instant::now(),
+            leg: StreamLeg {
+                result,
+                messages_in: 0,
+                messages_out: 0,
+                first_response: None,
+            },
+        }
+    }
+
+    fn responded(&mut self) {
+        self.leg.messages_out += 1;
+        if self.leg.first_response.is_none() {
+            self.leg.first_response = Some(self.opened.elapsed());
+        }
+    }
+}
+
+impl Drop for LegRecord {
+    fn drop(&mut self) {
+        self.leg.messages_in = self.sent.load(Ordering::Relaxed);
+        self.metrics
+            .stream_leg(&self.route.model, &self.route.version, &self.leg);
+    }
+}
 
 impl Dispatcher {
     /// Carries one client stream: reads `requests` (encoded `ModelInferRequest`s) until they end, then waits for
@@ -33,53 +159,101 @@ impl Dispatcher {
     /// backends' streams.
     pub async fn infer_stream(
         self: Arc<Self>,
-        mut requests: impl futures_util::Stream<Item = Result<Bytes>> + Unpin,
+        requests: impl futures_util::Stream<Item = Result<Bytes>> + Unpin,
         context: CallContext,
         answers: mpsc::Sender<StreamAnswer>,
-    ) {
+    ) -> StreamSummary {
+        let answers = Answers::new(answers);
+        let received = Arc::new(AtomicU64::new(0));
+        let (result, error) = self.carry_stream(requests, &context, &answers, &received).await;
+        StreamSummary {
+            requests: received.load(Ordering::Relaxed),
+            responses: answers.responses.load(Ordering::Relaxed),
+            failed: answers.failed.load(Ordering::Relaxed),
+            result,
+            error,
+        }
+    }
+
+    async fn carry_stream(
+        &self,
+        mut requests: impl futures_util::Stream<Item = Result<Bytes>> + Unpin,
+        context: &CallContext,
+        answers: &Answers,
+        received: &AtomicU64,
+    ) -> (StreamResult, Option<Error>) {
         use futures_util::StreamExt;
 
-        let mut legs: HashMap<usize, StreamRequests> = HashMap::new();
+        let mut legs: HashMap<usize, Leg> = HashMap::new();
+        let mut chosen = ChosenVersions::new();
         let mut running: JoinSet<Result<()>> = JoinSet::new();
-        let failed = loop {
+        let mut reading = true;
+        let idle_limit = self.stream_idle_timeout;
+        let idle = tokio::time::sleep(idle_limit);
+        // The client's deadline bounds the whole stream; without one, only idleness does.
+        let deadline = tokio::time::sleep(context.deadline.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(idle, deadline);
+        let failure = loop {
             tokio::select! {
-                next = requests.next() => match next {
+                next = requests.next(), if reading => match next {
                     Some(Ok(message)) => {
-                        if let Err(error) = self.stream_request(message, &context, &mut legs, &mut running, &answers).await {
-                            break Some(error);
+                        received.fetch_add(1, Ordering::Relaxed);
+                        answers.active();
+                        let sent = self
+                            .stream_request(message, context, &mut chosen, &mut legs, &mut running, answers)
+                            .await;
+                        if let Err(error) = sent {
+                            break error;
                         }
                     }
-                    Some(Err(error)) => break Some(error),
-                    None => break None,
+                    Some(Err(error)) => break error,
+                    None => {
+                        // The client has sent everything: the backends' streams are told so, and their last
+                        // responses awaited.
+                        reading = false;
+                        legs.clear();
+                        if running.is_empty() {
+                            return (StreamResult::Ok, None);
+                        }
+                    }
                 },
                 Some(done) = running.join_next() => {
                     if let Some(error) = finished(done) {
-                        break Some(error);
+                        break error;
+                    }
+                    if !reading && running.is_empty() {
+                        return (StreamResult::Ok, None);
                     }
                 }
-                () = answers.closed() => return,
+                () = &mut idle => {
+                    let quiet = answers.quiet_for();
+                    if quiet >= idle_limit {
+                        break Error::new(
+                            ErrorKind::Timeout,
+                            Origin::Gateway,
+                            format!(
+                                "the stream passed {} ms with no message either way (limits.stream_idle_timeout_ms)",
+                                idle_limit.as_millis()
+                            ),
+                        );
+                    }
+                    idle.as_mut().reset(tokio::time::Instant::now() + (idle_limit - quiet));
+                }
+                () = &mut deadline => {
+                    break Error::new(
+                        ErrorKind::Timeout,
+                        Origin::Gateway,
+                        format!(
+                            "the stream's deadline of {} ms (grpc-timeout) passed",
+                            context.deadline.unwrap_or_default().as_millis()
+                        ),
+                    );
+                }
+                () = answers.closed() => return (StreamResult::Cancelled, None),
             }
         };
-        if let Some(error) = failed {
-            let _ = answers.send(Err(error)).await;
-            return;
-        }
-        // The client has sent everything: the backends' streams are told so, and their last responses awaited.
-        drop(legs);
-        loop {
-            tokio::select! {
-                done = running.join_next() => match done {
-                    None => return,
-                    Some(done) => {
-                        if let Some(error) = finished(done) {
-                            let _ = answers.send(Err(error)).await;
-                            return;
-                        }
-                    }
-                },
-                () = answers.closed() => return,
-            }
-        }
+        let _ = answers.sender.send(Err(failure.clone())).await;
+        (StreamResult::Error, Some(failure))
     }
 
     /// Routes one request of a stream and sends it on; a request that cannot be routed or sent is answered with its
@@ -88,9 +262,10 @@ impl Dispatcher {
         &self,
         message: Bytes,
         context: &CallContext,
-        legs: &mut HashMap<usize, StreamRequests>,
+        chosen: &mut ChosenVersions,
+        legs: &mut HashMap<usize, Leg>,
         running: &mut JoinSet<Result<()>>,
-        answers: &mpsc::Sender<StreamAnswer>,
+        answers: &Answers,
     ) -> Result<()> {
         // A message that is not a request ends the stream, as a malformed unary request fails its call.
         let fields = splice::model_fields(&message)?;
@@ -98,10 +273,17 @@ impl Dispatcher {
         let sent = async {
             splice::refuse_shared_memory(&message)?;
             let reserved = Reserved::from_parameters(&splice::parameters(&message)?)?;
+            // A request that names no version gets the version the stream's first such request got.
+            let key = (fields.name.to_owned(), fields.version.to_owned());
+            let version = match chosen.get(&key) {
+                Some(version) if fields.version.is_empty() => version.as_str(),
+                _ => fields.version,
+            };
             let routed = self
-                .route(fields.name, Some(fields.version), &context.forward, reserved.sequence)
+                .route(fields.name, Some(version), &context.forward, reserved.sequence)
                 .0?;
             let route = routed.route;
+            chosen.entry(key).or_insert_with(|| route.version.clone());
             let backend = self
                 .backends
                 .get(route.backend)
@@ -111,7 +293,8 @@ impl Dispatcher {
                 Replicas::Grpc { .. } => {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
                     if let Some(leg) = legs.get(&route.id) {
-                        return leg.send(renamed).await;
+                        leg.sent.fetch_add(1, Ordering::Relaxed);
+                        return leg.requests.send(renamed).await;
                     }
                     let lease = backend
                         .fleet
@@ -137,13 +320,22 @@ impl Dispatcher {
                             return Err(error);
                         }
                     };
-                    legs.insert(route.id, upstream.requests);
+                    let sent = Arc::new(AtomicU64::new(1));
+                    let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled));
+                    legs.insert(
+                        route.id,
+                        Leg {
+                            requests: upstream.requests,
+                            sent,
+                        },
+                    );
                     running.spawn(relay(
                         upstream.answers,
                         lease,
                         backend.clone(),
                         route.clone(),
                         answers.clone(),
+                        record,
                     ));
                     Ok(())
                 }
@@ -154,6 +346,7 @@ impl Dispatcher {
                     let answers = answers.clone();
                     let affinity = routed.affinity.clone();
                     let request_id = id.clone();
+                    let mut record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
                     running.spawn(async move {
                         let replied = call_infer(
                             &backend,
@@ -165,18 +358,22 @@ impl Dispatcher {
                             &affinity,
                         )
                         .await;
-                        let answer = match replied {
+                        record.responded();
+                        match replied {
                             Ok(replied) => {
                                 let mut response = replied.value;
                                 // As Triton flags the one response of a model that is not decoupled.
                                 response
                                     .parameters
                                     .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(true));
-                                splice::stream_response("", protobuf::encode_response(response).chunks)
+                                answers
+                                    .respond(splice::stream_response("", protobuf::encode_response(response).chunks))
+                                    .await;
                             }
-                            Err(error) => failed_response(&request_id, &error),
-                        };
-                        let _ = answers.send(Ok(answer)).await;
+                            Err(error) => {
+                                answers.fail(&request_id, &error).await;
+                            }
+                        }
                         Ok(())
                     });
                     Ok(())
@@ -185,10 +382,11 @@ impl Dispatcher {
         };
         match sent.await {
             Ok(()) => Ok(()),
-            Err(error) => answers
-                .send(Ok(failed_response(&id, &error)))
-                .await
-                .map_err(|_| Error::new(ErrorKind::Cancelled, Origin::Client, "the client went away")),
+            Err(_) if answers.sender.is_closed() => Err(gone()),
+            Err(error) => match answers.fail(&id, &error).await {
+                true => Ok(()),
+                false => Err(gone()),
+            },
         }
     }
 }
@@ -200,7 +398,8 @@ async fn relay(
     lease: Lease,
     backend: Arc<BackendClients>,
     route: Arc<VersionRoute>,
-    answers: mpsc::Sender<StreamAnswer>,
+    answers: Answers,
+    mut record: LegRecord,
 ) -> Result<()> {
     let outcome = async {
         loop {
@@ -210,7 +409,8 @@ async fn relay(
             let Some(message) = message else { return Ok(()) };
             let renamed = splice::rename_stream_response(&message, &route.model, &route.version)
                 .map_err(Error::into_upstream_protocol_error)?;
-            if answers.send(Ok(renamed)).await.is_err() {
+            record.responded();
+            if !answers.respond(renamed).await {
                 return Ok(());
             }
         }
@@ -218,7 +418,16 @@ async fn relay(
     .await;
     let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
     lease.state.observed(failed, &backend.fleet.policy);
+    record.leg.result = Some(match &outcome {
+        Ok(()) if answers.sender.is_closed() => StreamResult::Cancelled,
+        Ok(()) => StreamResult::Ok,
+        Err(_) => StreamResult::Error,
+    });
     outcome
+}
+
+fn gone() -> Error {
+    Error::new(ErrorKind::Cancelled, Origin::Client, "the client went away")
 }
 
 /// The error a finished task of a stream ends the stream with, if any.

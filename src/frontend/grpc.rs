@@ -371,7 +371,7 @@ where
         let active = self.gateway.begin();
         let started = Instant::now();
         // Inferences are logged with their model and backend by the raw path; every other call is logged here.
-        let log_here = request.uri().path() != MODEL_INFER_PATH;
+        let log_here = ![MODEL_INFER_PATH, MODEL_STREAM_INFER].contains(&request.uri().path());
         let logged = log_here.then(|| {
             let request_id = request
                 .headers()
@@ -384,12 +384,12 @@ where
                 self.gateway.metrics().clone(),
             )
         });
-        let answer: Self::Future = if !log_here {
-            let raw = self.raw.clone();
-            Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
-        } else if request.uri().path() == MODEL_STREAM_INFER {
+        let answer: Self::Future = if request.uri().path() == MODEL_STREAM_INFER {
             let dispatcher = self.gateway.dispatcher();
             Box::pin(async move { Ok(infer_stream(dispatcher, request, limit)) })
+        } else if !log_here {
+            let raw = self.raw.clone();
+            Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
         } else {
             self.typed.call(request)
         };
@@ -487,7 +487,19 @@ where
         },
     );
     let (answers, receiver) = tokio::sync::mpsc::channel(STREAM_ANSWERS);
-    tokio::spawn(dispatcher.infer_stream(requests, context, answers));
+    let request_id = context
+        .forward
+        .get(super::REQUEST_ID)
+        .and_then(|id| id.to_str().ok())
+        .map(str::to_owned);
+    let metrics = dispatcher.metrics().clone();
+    let started = Instant::now();
+    tokio::spawn(async move {
+        metrics.streams_open().inc();
+        let summary = dispatcher.infer_stream(requests, context, answers).await;
+        metrics.streams_open().dec();
+        crate::process::logging::stream(request_id.as_deref(), &summary, started.elapsed());
+    });
     let mut response = http::Response::new(tonic::body::Body::new(StreamBody {
         answers: receiver,
         frames: std::collections::VecDeque::new(),

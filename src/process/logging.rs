@@ -31,6 +31,26 @@ pub fn init(format: LogFormat) {
     };
 }
 
+/// Writes the access-log line of one finished inference stream: what it carried and how it ended.
+pub fn stream(request_id: Option<&str>, summary: &crate::dispatch::StreamSummary, duration: std::time::Duration) {
+    if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
+        return;
+    }
+    tracing::info!(
+        target: ACCESS,
+        request_id = %request_id.filter(|v| !v.is_empty()).unwrap_or("-"),
+        protocol = "grpc",
+        path = crate::dispatch::MODEL_STREAM_INFER,
+        result = summary.result.label(),
+        requests = summary.requests,
+        responses = summary.responses,
+        failed_requests = summary.failed,
+        error = ?summary.error.as_ref().map_or("-", |error| error.message()),
+        duration_ms = duration.as_secs_f64() * 1000.0,
+        "stream"
+    );
+}
+
 /// Writes the access-log line of one finished request.
 pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {

@@ -77,6 +77,49 @@ pub struct Metrics {
     translation: [Histogram; 2],
     /// `oipgate_config_reloads_total` for `ok` and `error`.
     reloads: [IntCounter; 2],
+    streams: StreamMetrics,
+}
+
+/// Inference streams: the client streams open, and per public model version the backend streams closed, their
+/// messages and their time to a first response. Labelled when a stream closes, so a model that is never streamed
+/// adds no series.
+#[derive(Debug)]
+struct StreamMetrics {
+    open: IntGauge,
+    closed: IntCounterVec,
+    messages: IntCounterVec,
+    first_response: HistogramVec,
+}
+
+/// How a stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamResult {
+    /// Every request was answered and the stream ended cleanly.
+    Ok,
+    /// It failed (a backend stream or the client's stream broke).
+    Error,
+    /// The client went away first.
+    Cancelled,
+}
+
+impl StreamResult {
+    pub fn label(self) -> &'static str {
+        match self {
+            StreamResult::Ok => "ok",
+            StreamResult::Error => "error",
+            StreamResult::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What one backend stream (or, for a REST backend, one request of a stream) of a public model version carried.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamLeg {
+    pub result: Option<StreamResult>,
+    pub messages_in: u64,
+    pub messages_out: u64,
+    /// From its first request to its first response, when one came.
+    pub first_response: Option<Duration>,
 }
 
 /// Which way a message was translated between the protocols.
@@ -392,6 +435,32 @@ impl Metrics {
             "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
             &["result"],
         )?;
+        let streams = StreamMetrics {
+            open: registered(
+                &registry,
+                IntGauge::new("oipgate_streams_open", "Client inference streams under way.").map_err(metric_error)?,
+            )?,
+            closed: counters(
+                &registry,
+                "oipgate_streams_total",
+                "Backend inference streams closed, by public model and version and result: ok, error or cancelled.",
+                &["model", "version", "result"],
+            )?,
+            messages: counters(
+                &registry,
+                "oipgate_stream_messages_total",
+                "Messages carried on inference streams, by public model and version and direction: in (requests) or \
+                 out (responses).",
+                &["model", "version", "direction"],
+            )?,
+            first_response: histograms(
+                &registry,
+                "oipgate_stream_first_response_seconds",
+                "Time from a stream's first request for a model version to its first response, by public model and \
+                 version.",
+                &["model", "version"],
+            )?,
+        };
         let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
             duration: request_duration.with_label_values(&[protocol.label()]),
             request_bytes: request_bytes.with_label_values(&[protocol.label()]),
@@ -415,6 +484,7 @@ impl Metrics {
             }),
             translation: Direction::ALL.map(|direction| translation.with_label_values(&[direction.label()])),
             reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
+            streams,
         };
         metrics.unknown_route = metrics.route(UNKNOWN, UNKNOWN, NO_BACKEND);
         Ok(Arc::new(metrics))
@@ -487,6 +557,33 @@ impl Metrics {
     /// Records one message translated between the protocols.
     pub fn translated(&self, direction: Direction, took: Duration) {
         self.translation[direction.index()].observe(took.as_secs_f64());
+    }
+
+    /// The gauge of client streams under way.
+    pub fn streams_open(&self) -> &IntGauge {
+        &self.streams.open
+    }
+
+    /// Records what one backend stream of `model` at `version` carried, once it has closed.
+    pub fn stream_leg(&self, model: &str, version: &str, leg: &StreamLeg) {
+        if let Some(result) = leg.result {
+            self.streams
+                .closed
+                .with_label_values(&[model, version, result.label()])
+                .inc();
+        }
+        for (direction, count) in [("in", leg.messages_in), ("out", leg.messages_out)] {
+            self.streams
+                .messages
+                .with_label_values(&[model, version, direction])
+                .inc_by(count);
+        }
+        if let Some(took) = leg.first_response {
+            self.streams
+                .first_response
+                .with_label_values(&[model, version])
+                .observe(took.as_secs_f64());
+        }
     }
 
     /// Counts a configuration reload, applied or refused.
