@@ -437,3 +437,45 @@ async fn long_streams_and_clients_that_stop_reading_keep_the_gateway_memory_flat
     }
     assert_eq!(received, 1536);
 }
+
+#[tokio::test]
+async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
+    let server = ModelServerProcess::both();
+    let mut gateway = GatewayProcess::start(&format!(
+        "[shutdown]\ndrain_delay_ms = 0\ngrace_period_ms = 600\n{}",
+        config(&server)
+    ));
+    let mut client = gateway.grpc_client().await;
+    let long = count_request(
+        "counter",
+        "long",
+        1000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(vec![long]))
+        .await
+        .unwrap()
+        .into_inner();
+    answers.message().await.unwrap().unwrap();
+    gateway.signal("TERM");
+    // The stream goes on through the grace period, then ends with a status saying why.
+    let started = Instant::now();
+    let mut received = 1;
+    let ended = loop {
+        match answers.message().await {
+            Ok(Some(_)) => received += 1,
+            Ok(None) => panic!("the stream ended cleanly"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+    assert!(ended.message().contains("shutting down"), "{ended:?}");
+    assert!(
+        received > 20,
+        "the stream was cut before its grace period: {received} responses"
+    );
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let status = gateway.wait_exit(Duration::from_secs(5)).expect("the gateway exits");
+    assert!(status.success(), "{status:?}");
+}

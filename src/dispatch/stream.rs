@@ -156,16 +156,18 @@ impl Dispatcher {
     /// Carries one client stream: reads `requests` (encoded `ModelInferRequest`s) until they end, then waits for
     /// every response. Ends early, with the error sent last, when the client's stream fails or a backend's stream
     /// fails as a whole; a client that goes away (`answers` closed) stops everything under way, resetting the
-    /// backends' streams.
+    /// backends' streams. When `ending` resolves (a shutdown's grace period is over) the stream ends with
+    /// UNAVAILABLE.
     pub async fn infer_stream(
         self: Arc<Self>,
         requests: impl futures_util::Stream<Item = Result<Bytes>> + Unpin,
         context: CallContext,
         answers: mpsc::Sender<StreamAnswer>,
+        ending: impl Future<Output = ()>,
     ) -> StreamSummary {
         let answers = Answers::new(answers);
         let received = Arc::new(AtomicU64::new(0));
-        let (result, error) = self.carry_stream(requests, &context, &answers, &received).await;
+        let (result, error) = self.carry_stream(requests, &context, &answers, &received, ending).await;
         StreamSummary {
             requests: received.load(Ordering::Relaxed),
             responses: answers.responses.load(Ordering::Relaxed),
@@ -181,6 +183,7 @@ impl Dispatcher {
         context: &CallContext,
         answers: &Answers,
         received: &AtomicU64,
+        ending: impl Future<Output = ()>,
     ) -> (StreamResult, Option<Error>) {
         use futures_util::StreamExt;
 
@@ -192,7 +195,7 @@ impl Dispatcher {
         let idle = tokio::time::sleep(idle_limit);
         // The client's deadline bounds the whole stream; without one, only idleness does.
         let deadline = tokio::time::sleep(context.deadline.unwrap_or(Duration::MAX / 4));
-        tokio::pin!(idle, deadline);
+        tokio::pin!(idle, deadline, ending);
         let failure = loop {
             tokio::select! {
                 next = requests.next(), if reading => match next {
@@ -247,6 +250,13 @@ impl Dispatcher {
                             "the stream's deadline of {} ms (grpc-timeout) passed",
                             context.deadline.unwrap_or_default().as_millis()
                         ),
+                    );
+                }
+                () = &mut ending => {
+                    break Error::new(
+                        ErrorKind::Unavailable,
+                        Origin::Gateway,
+                        "the gateway is shutting down and its grace period is over: open the stream again",
                     );
                 }
                 () = answers.closed() => return (StreamResult::Cancelled, None),

@@ -20,9 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::codec::compression::{self, Coding};
 use crate::codec::protobuf::{self, RawDecoder};
 use crate::codec::splice;
-use crate::dispatch::{
-    CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction, StreamAnswer,
-};
+use crate::dispatch::{CallContext, ConfigForm, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction, StreamAnswer};
 use crate::error::{Error, Result};
 use crate::headers;
 use crate::process::live::Gateway;
@@ -385,8 +383,8 @@ where
             )
         });
         let answer: Self::Future = if request.uri().path() == MODEL_STREAM_INFER {
-            let dispatcher = self.gateway.dispatcher();
-            Box::pin(async move { Ok(infer_stream(dispatcher, request, limit)) })
+            let gateway = self.gateway.clone();
+            Box::pin(async move { Ok(infer_stream(gateway, request, limit)) })
         } else if !log_here {
             let raw = self.raw.clone();
             Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
@@ -458,11 +456,7 @@ where
 /// decoder) and carried by the dispatcher on its own task; its answers are framed onto the response as they come,
 /// compressed like the client's own messages when it accepts that. A client that goes away drops the response, which
 /// stops the dispatcher's task and with it the backends' streams.
-fn infer_stream<B>(
-    dispatcher: Arc<Dispatcher>,
-    request: http::Request<B>,
-    limit: usize,
-) -> http::Response<tonic::body::Body>
+fn infer_stream<B>(gateway: Arc<Gateway>, request: http::Request<B>, limit: usize) -> http::Response<tonic::body::Body>
 where
     B: http_body::Body + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
@@ -492,11 +486,14 @@ where
         .get(super::REQUEST_ID)
         .and_then(|id| id.to_str().ok())
         .map(str::to_owned);
+    let dispatcher = gateway.dispatcher();
     let metrics = dispatcher.metrics().clone();
     let started = Instant::now();
     tokio::spawn(async move {
         metrics.streams_open().inc();
-        let summary = dispatcher.infer_stream(requests, context, answers).await;
+        let summary = dispatcher
+            .infer_stream(requests, context, answers, gateway.streams_ending())
+            .await;
         metrics.streams_open().dec();
         crate::process::logging::stream(request_id.as_deref(), &summary, started.elapsed());
     });

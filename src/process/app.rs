@@ -204,6 +204,9 @@ impl BackgroundService for Control {
     }
 }
 
+/// How long streams ended at the close of a grace period get to send their status.
+const STREAMS_END: Duration = Duration::from_millis(500);
+
 /// SIGTERM and SIGINT start a graceful shutdown: readiness says no at once; after the drain delay the listeners
 /// close; requests under way get the grace period; the process exits as soon as none is left. SIGQUIT hands the
 /// listening sockets to a new process started with `--upgrade`, then stops accepting and drains the same way (readiness
@@ -314,13 +317,21 @@ async fn termination(streams: Option<SignalStreams>) -> Stop {
     }
 }
 
-/// Waits, once the listeners are closed, until no request is under way or `grace` has passed.
+/// Waits, once the listeners are closed, until no request is under way or `grace` has passed. Streams still open
+/// then are ended with UNAVAILABLE, and given a moment to say so.
 fn drain(gateway: &Gateway, grace: Duration) {
     let started = Instant::now();
     // The accept loops stop on their next turn; a moment lets them, so no request starts after this.
     std::thread::sleep(Duration::from_millis(50));
     while gateway.active() > 0 && started.elapsed() < grace {
         std::thread::sleep(Duration::from_millis(10));
+    }
+    if gateway.active() > 0 {
+        gateway.end_streams();
+        let ending = Instant::now();
+        while gateway.active() > 0 && ending.elapsed() < STREAMS_END {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
     let left = gateway.active();
     if left > 0 {

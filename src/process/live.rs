@@ -33,6 +33,8 @@ pub struct Gateway {
     /// Everything a rebuild starts from; held while one is under way, so rebuilds never interleave.
     state: tokio::sync::Mutex<State>,
     draining: AtomicBool,
+    /// Set when a shutdown's grace period has run out: streams still open end with UNAVAILABLE.
+    streams_ending: tokio::sync::watch::Sender<bool>,
     active: AtomicUsize,
 }
 
@@ -85,6 +87,7 @@ impl Gateway {
                 fingerprint,
             }),
             draining: AtomicBool::new(false),
+            streams_ending: tokio::sync::watch::Sender::new(false),
             active: AtomicUsize::new(0),
         }))
     }
@@ -117,6 +120,17 @@ impl Gateway {
     /// From now on readiness says no, so load balancers stop sending.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
+    }
+
+    /// Ends every stream still open (a shutdown's grace period has run out).
+    pub fn end_streams(&self) {
+        self.streams_ending.send_replace(true);
+    }
+
+    /// Resolves once streams are to end.
+    pub async fn streams_ending(&self) {
+        let mut ending = self.streams_ending.subscribe();
+        let _ = ending.wait_for(|ending| *ending).await;
     }
 
     pub fn is_draining(&self) -> bool {
