@@ -305,9 +305,10 @@ async fn least_request_sends_less_to_a_slow_replica_than_round_robin() {
     let rotating = share_of_slow(&spread(&gateway, "/v2/models/slow/versions/rotating/infer", 400).await);
     assert!((0.45..=0.55).contains(&rotating), "round robin: {rotating}");
     // Eight calls at a time: the slow replica holds its calls 40 ms, so it nearly always has more under way than the
-    // fast one, and power of two choices picks the fast one.
+    // fast one, and power of two choices picks the fast one (about a fifth of the calls on an idle machine; the
+    // bound leaves room for a loaded one, still far from round robin's half).
     let least = share_of_slow(&spread(&gateway, "/v2/models/slow/versions/least/infer", 400).await);
-    assert!(least < 0.25, "least request: {least}");
+    assert!(least < 0.35, "least request: {least}");
 }
 
 #[tokio::test]

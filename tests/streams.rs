@@ -479,3 +479,69 @@ async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
     let status = gateway.wait_exit(Duration::from_secs(5)).expect("the gateway exits");
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test]
+async fn generate_and_generate_stream_reach_a_grpc_backend_translated() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let url = |model: &str, path: &str| gateway.rest_url(&format!("/v2/models/{model}/{path}"));
+
+    // A decoupled model's responses as events, as they come, under the public names.
+    let answer = common::post(&url("counter", "generate_stream"), r#"{"INPUT0": 3}"#).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.header("content-type"), Some("text/event-stream; charset=utf-8"));
+    let expected: String = (0..3)
+        .map(|n| format!("data: {{\"OUTPUT0\":{n},\"model_name\":\"counter\",\"model_version\":\"4\"}}\n\n"))
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&answer.body), expected);
+    // Its empty final response is no event.
+    let body = r#"{"INPUT0": [1], "parameters": {"triton_enable_empty_final_response": true}}"#;
+    let answer = common::post(&url("counter", "generate_stream"), body).await;
+    assert_eq!(
+        String::from_utf8_lossy(&answer.body),
+        "data: {\"OUTPUT0\":0,\"model_name\":\"counter\",\"model_version\":\"4\"}\n\n"
+    );
+
+    // generate: exactly one response, as one object; lists stay flat, one element is a scalar.
+    let answer = common::post(&url("counter", "generate"), r#"{"INPUT0": 1}"#).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        answer.json(),
+        serde_json::json!({"OUTPUT0": 0, "model_name": "counter", "model_version": "4"})
+    );
+    let ones = vec![1; 16];
+    let body = serde_json::json!({"INPUT0": (0..16).collect::<Vec<i32>>(), "INPUT1": ones}).to_string();
+    let answer = common::post(&url("add_sub", "versions/2/generate"), body).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let json = answer.json();
+    assert_eq!(json["OUTPUT0"], serde_json::json!((1..17).collect::<Vec<i32>>()));
+    assert_eq!(
+        (json["VERSION"].clone(), json["model_version"].clone()),
+        (2.into(), "2".into())
+    );
+    let answer = common::post(&url("counter", "generate"), r#"{"INPUT0": 2}"#).await;
+    assert_eq!(answer.status, 400);
+    assert!(answer.json()["error"].as_str().unwrap().contains("exactly 1 response"));
+
+    // Bad input is named before anything reaches the backend, or answered with the backend's error.
+    for (body, says) in [
+        (
+            r#"{"NOPE": 1}"#,
+            "field 'NOPE' matches no input of model 'counter', which takes INPUT0",
+        ),
+        (r#"{"INPUT0": "three"}"#, "field 'INPUT0' is not INT32"),
+        (r#"{"INPUT0": [[1]]}"#, "a scalar or a flat list"),
+        (r#"{"INPUT0": -1}"#, "was asked for -1"),
+        ("[]", "one JSON object"),
+    ] {
+        let answer = common::post(&url("counter", "generate_stream"), body).await;
+        assert_eq!(answer.status, 400, "{body}: {:?}", answer.body);
+        let error = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(error.contains(says), "{body}: {error}");
+    }
+    assert_eq!(common::post(&url("nope", "generate"), "{}").await.status, 404);
+    // Not yet to a REST backend, and it says so.
+    let answer = common::post(&url("add_sub", "versions/1/generate"), "{}").await;
+    assert_eq!(answer.status, 501);
+    assert!(answer.json()["error"].as_str().unwrap().contains("gRPC backends only"));
+}

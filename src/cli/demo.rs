@@ -117,6 +117,10 @@ A stateful sequence (sequence_id 42): every step reaches the replica that holds 
   curl -s http://{rest}/v2/models/accumulate/infer -d '{second}'
   curl -s http://{rest}/v2/models/accumulate/infer -d '{third}'
 
+A decoupled model streams its responses as server-sent events (generate_stream, translated to a gRPC stream):
+  curl -sN http://{rest}/v2/models/count/generate_stream -d '{{"INPUT0": 3}}'
+  curl -s http://{rest}/v2/models/add_sub/versions/2/generate -d '{{"INPUT0": [{data}], "INPUT1": [{ones}]}}'
+
 Repository calls reach every replica (identity unloaded on both, then loaded on both):
   curl -s -X POST http://{rest}/v2/repository/models/identity/unload
   curl -s -X POST http://{rest}/v2/repository/models/identity/load

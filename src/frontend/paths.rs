@@ -11,6 +11,8 @@ pub enum Route<'a> {
     ModelMetadata(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
+    /// Triton's generate extension: `generate` (one answer) when the flag is false, `generate_stream` when true.
+    Generate(&'a str, Option<&'a str>, bool),
     /// Triton's configuration of a model.
     ModelConfig(&'a str, Option<&'a str>),
     /// Triton's statistics of one model (at one version) or, without a model, of every model.
@@ -31,9 +33,11 @@ impl Route<'_> {
             | Route::ModelReady(..)
             | Route::ModelConfig(..)
             | Route::ModelStatistics(..) => Method::GET,
-            Route::Infer(..) | Route::RepositoryIndex | Route::RepositoryLoad(_) | Route::RepositoryUnload(_) => {
-                Method::POST
-            }
+            Route::Infer(..)
+            | Route::Generate(..)
+            | Route::RepositoryIndex
+            | Route::RepositoryLoad(_)
+            | Route::RepositoryUnload(_) => Method::POST,
         }
     }
 }
@@ -60,6 +64,10 @@ pub fn route(path: &str) -> Option<Route<'_>> {
         ["models", model, "versions", version, "stats"] => Route::ModelStatistics(Some(model), Some(version)),
         ["models", model, "ready"] => Route::ModelReady(model, None),
         ["models", model, "infer"] => Route::Infer(model, None),
+        ["models", model, "generate"] => Route::Generate(model, None, false),
+        ["models", model, "generate_stream"] => Route::Generate(model, None, true),
+        ["models", model, "versions", version, "generate"] => Route::Generate(model, Some(version), false),
+        ["models", model, "versions", version, "generate_stream"] => Route::Generate(model, Some(version), true),
         ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
         ["models", model, "versions", version, "ready"] => Route::ModelReady(model, Some(version)),
         ["models", model, "versions", version, "infer"] => Route::Infer(model, Some(version)),
@@ -75,6 +83,11 @@ mod tests {
     fn routes() {
         assert_eq!(route("/v2"), Some(Route::ServerMetadata));
         assert_eq!(route("/v2/"), Some(Route::ServerMetadata));
+        assert_eq!(
+            route("/v2/models/m/versions/2/generate_stream"),
+            Some(Route::Generate("m", Some("2"), true))
+        );
+        assert_eq!(route("/v2/models/m/generate"), Some(Route::Generate("m", None, false)));
         assert_eq!(
             route("/v2/models/m/versions/2/infer"),
             Some(Route::Infer("m", Some("2")))

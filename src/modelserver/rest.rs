@@ -98,6 +98,14 @@ where
             )
         }
         Route::Infer(model, version) => infer(state, model, version, request).await?,
+        Route::Generate(..) => {
+            return Err(Error::new(
+                ErrorKind::Unimplemented,
+                Origin::Upstream,
+                "the model server answers generate and generate_stream only through its gRPC inference stream \
+                 (ModelStreamInfer), as the gateway reaches it",
+            ));
+        }
         Route::ModelConfig(model, version) => json_response(
             StatusCode::OK,
             crate::codec::model_config::json(&repository.model_config(model, version)?),

@@ -268,3 +268,31 @@ def test_streams_through_the_gateway_equal_triton_alone(triton):  # noqa: F811
             assert through[request_id] == public, (request_id, add_sub_model)
         assert len(errors) == len(direct_errors) == 1
         assert "'nope'" in errors[0] and "'nope'" in direct_errors[0]
+
+
+def test_generate_through_the_gateway_equals_triton_alone(triton):  # noqa: F811
+    import json
+    import urllib.request
+
+    def post(address: str, path: str, body: dict) -> tuple:
+        request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(request) as answer:
+            return answer.headers["Content-Type"], answer.read().decode()
+
+    def events(text: str) -> list:
+        assert text.endswith("\n\n") or text == "", text
+        return [json.loads(event.removeprefix("data: ")) for event in text.split("\n\n") if event]
+
+    # A decoupled model's events, and a stateless model's one answer: Triton's own, under the public names.
+    for path, body in (("generate_stream", {"INPUT0": 3}), ("generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16})):
+        upstream = "count" if "INPUT1" not in body else "add_sub"
+        kind, direct = post(triton.replicas[0].rest, f"/v2/models/{upstream}/{path}", body)
+        through_kind, through = post(triton.gateways[0].rest, f"/v2/models/{upstream}_grpc/{path}", body)
+        assert through_kind == kind, (path, through_kind, kind)
+        if path == "generate":
+            direct, through = [json.loads(direct)], [json.loads(through)]
+        else:
+            direct, through = events(direct), events(through)
+        for answer in direct:
+            answer["model_name"] = f"{upstream}_grpc"
+        assert through == direct, path

@@ -2,6 +2,7 @@
 
 pub mod data;
 pub mod format;
+pub mod generate;
 pub mod metadata;
 pub mod number;
 pub mod parallel;

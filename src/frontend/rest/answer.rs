@@ -124,6 +124,8 @@ pub struct AnswerBody {
 enum Source {
     Chunks(ChunksBody),
     Proxied(Box<Proxied>),
+    /// Server-sent events as they come; the stream ends when the sender is dropped.
+    Events(tokio::sync::mpsc::Receiver<Bytes>),
 }
 
 /// A backend's answer on its way to the client.
@@ -151,6 +153,7 @@ impl Body for AnswerBody {
                 ready!(Pin::new(chunks).poll_frame(cx)).map(|frame| frame.map_err(|never| match never {}))
             }
             Source::Proxied(proxied) => ready!(proxied.poll_chunk(cx)).map(|chunk| chunk.map(Frame::data)),
+            Source::Events(events) => ready!(events.poll_recv(cx)).map(|event| Ok(Frame::data(event))),
         };
         match &frame {
             Some(Ok(frame)) => {
@@ -171,6 +174,7 @@ impl Body for AnswerBody {
         match &self.source {
             Source::Chunks(chunks) => chunks.is_end_stream(),
             Source::Proxied(proxied) => proxied.finished && proxied.compressor.is_none(),
+            Source::Events(_) => false,
         }
     }
 
@@ -181,7 +185,7 @@ impl Body for AnswerBody {
             Source::Proxied(proxied) if proxied.rename.is_none() && proxied.compressor.is_none() => {
                 proxied.body.size_hint()
             }
-            Source::Proxied(_) => SizeHint::default(),
+            Source::Proxied(_) | Source::Events(_) => SizeHint::default(),
         }
     }
 }
@@ -268,6 +272,27 @@ impl Proxied {
 /// A proxied answer that failed after its head was sent.
 fn broken_answer(message: String) -> Error {
     Error::new(ErrorKind::BadGateway, Origin::Upstream, message)
+}
+
+/// A stream of server-sent events (`text/event-stream`), each sent as it comes and never compressed, so none waits
+/// for the next.
+pub(super) fn events(events: tokio::sync::mpsc::Receiver<Bytes>, mut record: Record) -> Response<AnswerBody> {
+    let mut headers = HeaderMap::new();
+    if let Some(id) = &record.request_id {
+        headers.insert(REQUEST_ID, id.clone());
+    }
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    headers.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    record.status = Some(StatusCode::OK.as_u16());
+    let mut response = Response::new(AnswerBody {
+        source: Source::Events(events),
+        record: Some(record),
+    });
+    *response.headers_mut() = headers;
+    response
 }
 
 /// An answer whose whole body is at hand: `chunks`, with the record's request id and a Content-Length.

@@ -14,6 +14,7 @@ use hyper::body::Incoming;
 
 mod answer;
 pub mod connection;
+mod generate;
 mod infer;
 
 pub use answer::AnswerBody;
@@ -51,6 +52,8 @@ enum Reply {
     Buffered(StatusCode, HeaderMap, Vec<Bytes>),
     /// A backend's answer streamed through until the deadline.
     Proxied(Box<http::response::Parts>, Incoming, Option<Rename>, std::time::Instant),
+    /// Server-sent events, each sent as it comes.
+    Events(tokio::sync::mpsc::Receiver<Bytes>),
 }
 
 impl RestDoor {
@@ -91,6 +94,7 @@ impl RestDoor {
             Ok(Reply::Proxied(head, answer_body, rename, until)) => {
                 answer::proxied(*head, answer_body, rename, until, record)
             }
+            Ok(Reply::Events(events)) => answer::events(events, record),
             Err(error) => answer::error(&error, &parts.method, record),
         };
         // A body left unread is read and dropped for a while, and the connection then closes: it cannot carry
@@ -193,6 +197,9 @@ impl RestDoor {
                 Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
             Route::Infer(model, version) => return self.infer(parts, body, record, model, version).await,
+            Route::Generate(model, version, stream) => {
+                return self.generate(parts, body, record, model, version, stream).await;
+            }
         })
     }
 

@@ -1,0 +1,195 @@
+//! Triton's generate extension bodies. A request is one JSON object whose members other than `parameters` are the
+//! model's inputs by name, each a scalar or a flat list, its datatype and shape taken from the model's metadata; a
+//! response is one object with the outputs as members (a scalar when the output has one element, else a flat list)
+//! beside `model_name` and `model_version`.
+
+use std::collections::BTreeMap;
+
+use serde_json::value::RawValue;
+
+use super::data::parse_data;
+use super::format::{write_data, write_json_string};
+use super::params::read_parameters;
+use super::reader::Reader;
+use crate::error::{Error, Result};
+use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Tensor};
+
+/// The request a generate body stands for, its inputs typed and shaped by `model`'s metadata.
+pub fn decode_generate(body: &[u8], model: &ModelMetadata) -> Result<InferRequest> {
+    let members: BTreeMap<String, &RawValue> = serde_json::from_slice(body).map_err(|e| {
+        Error::invalid(format!(
+            "a generate body is one JSON object of the model's inputs by name (and `parameters`): {e}"
+        ))
+    })?;
+    let mut request = InferRequest {
+        model_name: model.name.clone(),
+        ..InferRequest::default()
+    };
+    for (name, value) in members {
+        let text = value.get().as_bytes();
+        if name == "parameters" {
+            let mut reader = Reader::new(text);
+            request.parameters = read_parameters(&mut reader)?;
+            reader.end()?;
+            continue;
+        }
+        let Some(input) = model.inputs.iter().find(|input| input.name == name) else {
+            let names: Vec<&str> = model.inputs.iter().map(|input| input.name.as_str()).collect();
+            return Err(Error::invalid(format!(
+                "field '{name}' matches no input of model '{}', which takes {}",
+                model.name,
+                names.join(", ")
+            )));
+        };
+        let datatype = DataType::parse(&input.datatype)?;
+        let count = element_count(value).map_err(|why| Error::invalid(format!("field '{name}': {why}")))?;
+        let shape = shape_for(&input.shape, count).ok_or_else(|| {
+            Error::invalid(format!(
+                "field '{name}' holds {count} elements, which do not fit input '{name}' of model '{}' (shape {:?})",
+                model.name, input.shape
+            ))
+        })?;
+        let data = parse_data(text, datatype, count)
+            .map_err(|e| Error::invalid(format!("field '{name}' is not {datatype}: {}", e.message())))?;
+        request.inputs.push(Tensor::new(name, datatype, shape, data)?);
+    }
+    Ok(request)
+}
+
+/// The elements of a scalar or a flat list; nested lists are refused, as Triton refuses them.
+fn element_count(value: &RawValue) -> std::result::Result<u64, String> {
+    let text = value.get().trim_start();
+    if !text.starts_with('[') {
+        return Ok(1);
+    }
+    let list: Vec<&RawValue> = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    if list
+        .iter()
+        .any(|element| element.get().trim_start().starts_with(['[', '{']))
+    {
+        return Err("a generate input is a scalar or a flat list".to_owned());
+    }
+    Ok(list.len() as u64)
+}
+
+/// The shape `count` elements take in an input of shape `dims` (`-1` for any size): every variable dimension is 1
+/// but the last, which takes what the fixed ones leave.
+fn shape_for(dims: &[i64], count: u64) -> Option<Vec<u64>> {
+    let fixed: u64 = dims.iter().filter(|&&d| d >= 0).map(|&d| d.unsigned_abs()).product();
+    let last_variable = dims.iter().rposition(|&d| d < 0);
+    let shape: Vec<u64> = dims
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| match (d >= 0, Some(i) == last_variable) {
+            (true, _) => d.unsigned_abs(),
+            (false, true) => count.checked_div(fixed).unwrap_or(0),
+            (false, false) => 1,
+        })
+        .collect();
+    let total: u64 = shape.iter().product();
+    (total == count).then_some(shape)
+}
+
+/// One response as Triton's generate writes it; `None` for a response without outputs (a decoupled model's empty
+/// final response), which Triton does not send as an event.
+pub fn encode_generate(response: &InferResponse) -> Result<Option<Vec<u8>>> {
+    if response.outputs.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(64 + response.outputs.iter().map(|t| t.data.len() * 4).sum::<usize>());
+    out.push(b'{');
+    for output in &response.outputs {
+        write_json_string(&mut out, &output.name);
+        out.push(b':');
+        let start = out.len();
+        write_data(&mut out, output.datatype, &output.data)?;
+        if output.element_count()? == 1 {
+            // `[x]` becomes `x`.
+            out.pop();
+            out.remove(start);
+        }
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"model_name\":");
+    write_json_string(&mut out, &response.model_name);
+    out.extend_from_slice(b",\"model_version\":");
+    write_json_string(&mut out, response.model_version.as_deref().unwrap_or(""));
+    out.push(b'}');
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::TensorMetadata;
+    use bytes::Bytes;
+
+    fn metadata() -> ModelMetadata {
+        let tensor = |name: &str, datatype: &str, shape: Vec<i64>| TensorMetadata {
+            name: name.into(),
+            datatype: datatype.into(),
+            shape,
+        };
+        ModelMetadata {
+            name: "m".into(),
+            inputs: vec![
+                tensor("TEXT", "BYTES", vec![1]),
+                tensor("ROWS", "INT32", vec![-1, 4]),
+                tensor("N", "INT32", vec![1]),
+            ],
+            ..ModelMetadata::default()
+        }
+    }
+
+    #[test]
+    fn inputs_take_their_types_and_shapes_from_the_metadata() {
+        let body = br#"{"TEXT": "hi", "ROWS": [1, 2, 3, 4, 5, 6, 7, 8], "N": 3, "parameters": {"max_tokens": 5}}"#;
+        let request = decode_generate(body, &metadata()).unwrap();
+        let by_name = |name: &str| request.inputs.iter().find(|t| t.name == name).unwrap();
+        assert_eq!(
+            (by_name("TEXT").datatype, &by_name("TEXT").shape),
+            (DataType::Bytes, &vec![1])
+        );
+        assert_eq!(by_name("ROWS").shape, [2, 4]);
+        assert_eq!(by_name("N").data, Bytes::from_static(&[3, 0, 0, 0]));
+        assert!(request.parameters.contains_key("max_tokens"));
+    }
+
+    #[test]
+    fn what_does_not_fit_is_named() {
+        let error = |body: &[u8]| decode_generate(body, &metadata()).unwrap_err().message().to_owned();
+        assert!(
+            error(br#"{"NOPE": 1}"#).contains("field 'NOPE' matches no input of model 'm', which takes TEXT, ROWS, N")
+        );
+        assert!(error(br#"{"N": "three"}"#).contains("field 'N' is not INT32"));
+        assert!(error(br#"{"N": 1.5}"#).contains("field 'N' is not INT32"));
+        assert!(error(br#"{"ROWS": [1, 2, 3]}"#).contains("do not fit input 'ROWS'"));
+        assert!(error(br#"{"ROWS": [[1, 2, 3, 4]]}"#).contains("a scalar or a flat list"));
+        assert!(error(br#"[1]"#).contains("one JSON object"));
+    }
+
+    #[test]
+    fn responses_put_outputs_beside_the_names() {
+        let response = InferResponse {
+            model_name: "m".into(),
+            model_version: Some("2".into()),
+            outputs: vec![
+                Tensor::new("ONE", DataType::Int32, vec![1], Bytes::from_static(&[7, 0, 0, 0])).unwrap(),
+                Tensor::new(
+                    "TWO",
+                    DataType::Int32,
+                    vec![1, 2],
+                    Bytes::from_static(&[1, 0, 0, 0, 2, 0, 0, 0]),
+                )
+                .unwrap(),
+            ],
+            ..InferResponse::default()
+        };
+        let json = encode_generate(&response).unwrap().unwrap();
+        assert_eq!(
+            String::from_utf8(json).unwrap(),
+            r#"{"ONE":7,"TWO":[1,2],"model_name":"m","model_version":"2"}"#
+        );
+        assert!(encode_generate(&InferResponse::default()).unwrap().is_none());
+    }
+}
