@@ -481,7 +481,7 @@ async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
 }
 
 #[tokio::test]
-async fn generate_and_generate_stream_reach_a_grpc_backend_translated() {
+async fn generate_and_generate_stream_reach_both_backend_protocols() {
     let server = ModelServerProcess::both();
     let gateway = gateway(&server);
     let url = |model: &str, path: &str| gateway.rest_url(&format!("/v2/models/{model}/{path}"));
@@ -540,8 +540,23 @@ async fn generate_and_generate_stream_reach_a_grpc_backend_translated() {
         assert!(error.contains(says), "{body}: {error}");
     }
     assert_eq!(common::post(&url("nope", "generate"), "{}").await.status, 404);
-    // Not yet to a REST backend, and it says so.
-    let answer = common::post(&url("add_sub", "versions/1/generate"), "{}").await;
-    assert_eq!(answer.status, 501);
-    assert!(answer.json()["error"].as_str().unwrap().contains("gRPC backends only"));
+
+    // To a REST backend the request goes as it came, and its events come back as they arrive, renamed.
+    let answer = common::post(&url("count_rest", "generate_stream"), r#"{"INPUT0": 2}"#).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.header("content-type"), Some("text/event-stream; charset=utf-8"));
+    let expected: String = (0..2)
+        .map(|n| format!("data: {{\"OUTPUT0\":{n},\"model_name\":\"count_rest\",\"model_version\":\"1\"}}\n\n"))
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&answer.body), expected);
+    let body = serde_json::json!({"INPUT0": (0..16).collect::<Vec<i32>>(), "INPUT1": vec![1; 16]}).to_string();
+    let answer = common::post(&url("add_sub", "versions/1/generate"), body).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    let json = answer.json();
+    assert_eq!(json["OUTPUT0"], serde_json::json!((1..17).collect::<Vec<i32>>()));
+    assert_eq!(json["model_version"], "1");
+    // The backend's own refusals pass through.
+    let answer = common::post(&url("count_rest", "generate_stream"), r#"{"NOPE": 1}"#).await;
+    assert_eq!(answer.status, 400);
+    assert!(answer.json()["error"].as_str().unwrap().contains("field 'NOPE'"));
 }

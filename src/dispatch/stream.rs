@@ -460,3 +460,41 @@ fn failed_response(id: &str, error: &Error) -> Vec<Bytes> {
         vec![Bytes::from(prost::Message::encode_to_vec(&response))],
     )
 }
+
+impl Dispatcher {
+    /// A generate request sent as it came to `route`'s REST backend, at its `generate` or `generate_stream`: the
+    /// answer's head as soon as it arrives, its body still to be read. The endpoint is chosen as for an inference
+    /// (another one when the first cannot be reached); the request timeout bounds the wait for the head only.
+    pub async fn generate_rest(
+        &self,
+        routed: &crate::routing::Routed,
+        stream: bool,
+        body: Bytes,
+        forward: &http::HeaderMap,
+    ) -> Result<http::Response<hyper::body::Incoming>> {
+        let route = &routed.route;
+        let backend = self.backend(route)?;
+        let Replicas::Rest { endpoints, .. } = &backend.replicas else {
+            return Err(Error::internal("generate_rest to a gRPC backend"));
+        };
+        let suffix = if stream { "/generate_stream" } else { "/generate" };
+        let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), suffix);
+        let mut headers = forward.clone();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
+        backend
+            .attempt(upstream, &routed.affinity, self.request_timeout, |index, left| {
+                let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
+                endpoints[index].forward(&path, headers.clone(), body, left)
+            })
+            .await
+    }
+
+    /// How long a stream may pass with no message either way.
+    pub fn stream_idle_timeout(&self) -> Duration {
+        self.stream_idle_timeout
+    }
+}

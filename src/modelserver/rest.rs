@@ -11,8 +11,9 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 
 use super::ModelServerState;
-use crate::body::ChunksBody;
+use crate::body::{ChannelBody, ChunksBody, OutBody};
 use crate::codec::compression;
+use crate::codec::rest::generate as generate_codec;
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::paths::{Route, route};
@@ -44,15 +45,27 @@ fn encoded_response(body: EncodedBody) -> Response<ChunksBody> {
 }
 
 /// Answers one REST request.
-pub async fn handle<B>(state: Arc<ModelServerState>, request: Request<B>) -> Result<Response<ChunksBody>, Infallible>
+pub async fn handle<B>(state: Arc<ModelServerState>, request: Request<B>) -> Result<Response<OutBody>, Infallible>
 where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let echoed = super::echoed_headers(request.headers(), &state.metadata.name);
-    let mut response = match answer(&state, request).await {
+    let generating = match route(request.uri().path()) {
+        Some(Route::Generate(model, version, stream)) if request.method() == Method::POST => {
+            Some((model.to_owned(), version.map(str::to_owned), stream))
+        }
+        _ => None,
+    };
+    let answered = match generating {
+        Some((model, version, stream)) => generate(&state, &model, version.as_deref(), request, stream).await,
+        None => answer(&state, request)
+            .await
+            .map(|response| response.map(OutBody::from)),
+    };
+    let mut response = match answered {
         Ok(response) => response,
-        Err(error) => error_response(&error),
+        Err(error) => error_response(&error).map(OutBody::from),
     };
     response.headers_mut().extend(echoed);
     Ok(response)
@@ -98,14 +111,7 @@ where
             )
         }
         Route::Infer(model, version) => infer(state, model, version, request).await?,
-        Route::Generate(..) => {
-            return Err(Error::new(
-                ErrorKind::Unimplemented,
-                Origin::Upstream,
-                "the model server answers generate and generate_stream only through its gRPC inference stream \
-                 (ModelStreamInfer), as the gateway reaches it",
-            ));
-        }
+        Route::Generate(..) => return Err(Error::internal("generate is answered before this")),
         Route::ModelConfig(model, version) => json_response(
             StatusCode::OK,
             crate::codec::model_config::json(&repository.model_config(model, version)?),
@@ -193,3 +199,98 @@ where
     let response = state.repository.infer(model, version, infer_request).await?;
     Ok(encoded_response(rest::encode_response(&response, &binary_outputs)?))
 }
+
+/// Triton's generate extension: `generate` answers the request's one response as JSON, `generate_stream` each
+/// response as a server-sent event as it is made. An error before the first response is the answer's status; one
+/// after it (none happens with the built-in models) would be an error event.
+async fn generate<B>(
+    state: &Arc<ModelServerState>,
+    model: &str,
+    version: Option<&str>,
+    request: Request<B>,
+    stream: bool,
+) -> Result<Response<OutBody>>
+where
+    B: Body<Data = Bytes> + Send,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let body = read_body(request, state.max_request_bytes).await?;
+    let metadata = state.repository.metadata(model, version)?;
+    let infer_request = generate_codec::decode_generate(&body, &metadata)?;
+    let (events, mut made) = tokio::sync::mpsc::channel::<Result<Option<Vec<u8>>>>(EVENTS);
+    let running = state.clone();
+    let (model, version) = (model.to_owned(), version.map(str::to_owned));
+    tokio::spawn(async move {
+        let (responses, mut ready) = tokio::sync::mpsc::channel(1);
+        let forwarded = events.clone();
+        let forward = async move {
+            while let Some(response) = ready.recv().await {
+                if forwarded
+                    .send(generate_codec::encode_generate(&response))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        };
+        let run = running
+            .repository
+            .infer_stream(&model, version.as_deref(), infer_request, responses);
+        let (ran, ()) = tokio::join!(run, forward);
+        if let Err(error) = ran {
+            let _ = events.send(Err(error)).await;
+        }
+    });
+    if !stream {
+        let mut only = None;
+        while let Some(made) = made.recv().await {
+            if let Some(json) = made?
+                && only.replace(json).is_some()
+            {
+                return Err(Error::invalid(
+                    "generate expects model to produce exactly 1 response, use generate stream for model that \
+                     generates various number of responses",
+                ));
+            }
+        }
+        let json = only.ok_or_else(|| Error::invalid("the model gave no response"))?;
+        return Ok(json_response(StatusCode::OK, json).map(OutBody::from));
+    }
+    let first = loop {
+        match made.recv().await {
+            None => break None,
+            Some(Err(error)) => return Err(error),
+            Some(Ok(None)) => continue,
+            Some(Ok(Some(json))) => break Some(json),
+        }
+    };
+    let (chunks, body) = tokio::sync::mpsc::channel(EVENTS);
+    tokio::spawn(async move {
+        let event = |json: &[u8]| Bytes::from([&b"data: "[..], json, b"\n\n"].concat());
+        if let Some(json) = first
+            && chunks.send(event(&json)).await.is_err()
+        {
+            return;
+        }
+        while let Some(made) = made.recv().await {
+            let json = match made {
+                Ok(Some(json)) => json,
+                Ok(None) => continue,
+                Err(error) => rest::encode_error(error.message()),
+            };
+            if chunks.send(event(&json)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut response = Response::new(OutBody::Channel(ChannelBody::new(body)));
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    Ok(response)
+}
+
+/// Events a stream holds for a client that is slow to read them.
+const EVENTS: usize = 16;

@@ -287,12 +287,11 @@ def test_generate_through_the_gateway_equals_triton_alone(triton):  # noqa: F811
     for path, body in (("generate_stream", {"INPUT0": 3}), ("generate", {"INPUT0": list(range(16)), "INPUT1": [1] * 16})):
         upstream = "count" if "INPUT1" not in body else "add_sub"
         kind, direct = post(triton.replicas[0].rest, f"/v2/models/{upstream}/{path}", body)
-        through_kind, through = post(triton.gateways[0].rest, f"/v2/models/{upstream}_grpc/{path}", body)
-        assert through_kind == kind, (path, through_kind, kind)
-        if path == "generate":
-            direct, through = [json.loads(direct)], [json.loads(through)]
-        else:
-            direct, through = events(direct), events(through)
-        for answer in direct:
-            answer["model_name"] = f"{upstream}_grpc"
-        assert through == direct, path
+        direct = [json.loads(direct)] if path == "generate" else events(direct)
+        # Relayed from the REST backend; translated to the gRPC one's inference stream.
+        for public in (upstream, f"{upstream}_grpc"):
+            through_kind, through = post(triton.gateways[0].rest, f"/v2/models/{public}/{path}", body)
+            assert through_kind == kind, (path, public, through_kind, kind)
+            through = [json.loads(through)] if path == "generate" else events(through)
+            expected = [dict(answer, model_name=public) for answer in direct]
+            assert through == expected, (path, public)

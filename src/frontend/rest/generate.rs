@@ -1,11 +1,13 @@
 //! Triton's generate extension on the REST door: `generate` answers one JSON object, `generate_stream` server-sent
 //! events, one per response (`data: <json>` and a blank line; no event names, no end marker: the stream ends when the
-//! body does). The request is translated with the model's metadata into one inference on Triton's stream
-//! (ModelStreamInfer) to a gRPC backend, and each response back. A response that fails before the first event makes
-//! the answer's status; one after it is an event `{"error": "..."}`.
+//! body does). To a REST backend the request goes as it came and the answer comes back event by event as it arrives,
+//! renamed for an alias. To a gRPC backend it is translated with the model's metadata into one inference on Triton's
+//! stream (ModelStreamInfer), and each response back. A response that fails before the first event makes the
+//! answer's status; one after it is an event `{"error": "..."}`.
 
 use bytes::Bytes;
 use http::StatusCode;
+use http_body_util::BodyExt;
 use prost::Message;
 use tokio::sync::mpsc;
 
@@ -19,6 +21,8 @@ use crate::dispatch::{CallContext, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::ModelStreamInferResponse;
 use crate::protocol::{InferResponse, Sequence};
+use crate::routing::VersionRoute;
+use std::time::Duration;
 
 use super::answer::Record;
 
@@ -57,18 +61,12 @@ impl RestDoor {
         let forward = crate::headers::for_backend(&parts.headers);
         // The version is chosen here (canary weights), so the inputs are read with that version's metadata.
         let (routed, _) = dispatcher.route(model, version, &forward, None::<Sequence>);
-        let route = routed?.route;
-        if dispatcher.backend_protocol(&route) != Some(BackendProtocol::Grpc) {
-            return Err(Error::new(
-                ErrorKind::Unimplemented,
-                Origin::Gateway,
-                format!(
-                    "model '{model}' version '{}' is served by a REST backend, and the gateway carries generate to \
-                     gRPC backends only (through ModelStreamInfer)",
-                    route.version
-                ),
-            ));
+        let routed = routed?;
+        if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
+            let answer = dispatcher.generate_rest(&routed, stream, raw, &forward).await?;
+            return relay(answer, &routed.route, stream, dispatcher.stream_idle_timeout()).await;
         }
+        let route = routed.route;
         let metadata = dispatcher.model_metadata(model, Some(&route.version)).await?;
         let mut request = decode_generate(&raw, &metadata)?;
         request.model_name = model.to_owned();
@@ -164,4 +162,123 @@ fn event(json: &[u8]) -> Bytes {
     out.extend_from_slice(json);
     out.extend_from_slice(b"\n\n");
     Bytes::from(out)
+}
+
+/// Largest `generate` answer read from a REST backend.
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+
+/// A REST backend's generate answer for the client: an error or a `generate` answer read whole (renamed for an
+/// alias); a `generate_stream` answer relayed event by event as it arrives.
+async fn relay(
+    answer: http::Response<hyper::body::Incoming>,
+    route: &VersionRoute,
+    stream: bool,
+    idle: Duration,
+) -> Result<Reply> {
+    let (head, mut body) = answer.into_parts();
+    let is_events = head
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("text/event-stream"));
+    if !stream || !head.status.is_success() || !is_events {
+        let whole = read_whole(&mut body, idle).await?;
+        let json = if head.status.is_success() {
+            rename(&whole, route)
+        } else {
+            whole.to_vec()
+        };
+        let mut headers = http::HeaderMap::new();
+        if let Some(kind) = head.headers.get(http::header::CONTENT_TYPE) {
+            headers.insert(http::header::CONTENT_TYPE, kind.clone());
+        }
+        return Ok(Reply::Buffered(head.status, headers, vec![Bytes::from(json)]));
+    }
+    let (events, sent) = mpsc::channel(EVENTS);
+    let route = route.clone();
+    tokio::spawn(async move {
+        let mut pending = Vec::new();
+        loop {
+            let frame = match tokio::time::timeout(idle, body.frame()).await {
+                Ok(Some(Ok(frame))) => frame,
+                Ok(None) => return,
+                Ok(Some(Err(error))) => {
+                    let _ = events
+                        .send(event(&rest_codec::encode_error(&format!(
+                            "the backend broke off its stream: {error}"
+                        ))))
+                        .await;
+                    return;
+                }
+                Err(_) => {
+                    let why = format!(
+                        "the backend sent nothing for {} ms (limits.stream_idle_timeout_ms)",
+                        idle.as_millis()
+                    );
+                    let _ = events.send(event(&rest_codec::encode_error(&why))).await;
+                    return;
+                }
+            };
+            let Ok(chunk) = frame.into_data() else { continue };
+            pending.extend_from_slice(&chunk);
+            // Each complete event goes on as soon as it is whole.
+            while let Some(end) = pending.windows(2).position(|pair| pair == b"\n\n") {
+                let whole: Vec<u8> = pending.drain(..end + 2).collect();
+                let text = &whole[..end];
+                let Some(json) = text.strip_prefix(b"data: ").or_else(|| text.strip_prefix(b"data:")) else {
+                    continue;
+                };
+                if events.send(event(&rename(json, &route))).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Reply::Events(sent))
+}
+
+/// A response object with the public model name and version; anything else (an error event) as it came.
+fn rename(json: &[u8], route: &VersionRoute) -> Vec<u8> {
+    let Ok(mut object) = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(json) else {
+        return json.to_vec();
+    };
+    if object.contains_key("model_name") {
+        object.insert("model_name".to_owned(), route.model.clone().into());
+        object.insert("model_version".to_owned(), route.version.clone().into());
+    }
+    serde_json::to_vec(&object).unwrap_or_else(|_| json.to_vec())
+}
+
+/// A backend's answer body read whole, within a bound and the idle limit.
+async fn read_whole(body: &mut hyper::body::Incoming, idle: Duration) -> Result<Bytes> {
+    let mut whole = Vec::new();
+    loop {
+        let frame = tokio::time::timeout(idle, body.frame()).await.map_err(|_| {
+            Error::new(
+                ErrorKind::Timeout,
+                Origin::Upstream,
+                "the backend did not finish its answer",
+            )
+        })?;
+        let Some(frame) = frame else {
+            return Ok(Bytes::from(whole));
+        };
+        let frame = frame.map_err(|e| {
+            Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("the backend broke off its answer: {e}"),
+            )
+        })?;
+        if let Ok(chunk) = frame.into_data() {
+            if whole.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(Error::new(
+                    ErrorKind::BadGateway,
+                    Origin::Upstream,
+                    "the backend's generate answer is too large",
+                ));
+            }
+            whole.extend_from_slice(&chunk);
+        }
+    }
 }
