@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use common::{ModelServerProcess, grpc_live, grpc_model_ready, grpc_ready, int32s};
+use common::{ModelServerProcess, count_request, grpc_live, grpc_model_ready, grpc_ready, int32s};
 use oipgate::proto::infer_parameter::ParameterChoice;
 use oipgate::proto::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use oipgate::proto::{
@@ -295,31 +295,6 @@ async fn simple_string_with_typed_bytes_and_slow() {
     assert_eq!(decode_int32s(&response.raw_output_contents[0]), [9]);
 }
 
-/// A request for the decoupled `count` model: `n` responses, `delay_ms` apart when given.
-fn count_request(id: &str, n: i32, parameters: &[(&str, ParameterChoice)]) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: "count".into(),
-        id: id.into(),
-        inputs: vec![InferInputTensor {
-            name: "INPUT0".into(),
-            datatype: "INT32".into(),
-            shape: vec![1],
-            ..Default::default()
-        }],
-        raw_input_contents: vec![int32s([n])],
-        parameters: parameters
-            .iter()
-            .map(|(name, choice)| {
-                let value = InferParameter {
-                    parameter_choice: Some(choice.clone()),
-                };
-                ((*name).to_owned(), value)
-            })
-            .collect(),
-        ..Default::default()
-    }
-}
-
 /// One response of a stream as a test compares it: the error message, the final flag, the raw outputs.
 type StreamAnswer = (String, Option<bool>, Vec<Bytes>);
 
@@ -334,18 +309,19 @@ fn final_flag(response: &oipgate::proto::ModelInferResponse) -> Option<bool> {
 async fn a_stream_answers_each_request_as_triton_does() {
     let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
-    let mut unknown = count_request("c", 1, &[]);
+    let mut unknown = count_request("count", "c", 1, &[]);
     unknown.model_name = "nope".into();
     let requests = vec![
-        count_request("a", 3, &[]),
+        count_request("count", "a", 3, &[]),
         count_request(
+            "count",
             "b",
             0,
             &[("triton_enable_empty_final_response", ParameterChoice::BoolParam(true))],
         ),
         unknown,
         add_sub_request("1", true),
-        count_request("e", -1, &[]),
+        count_request("count", "e", -1, &[]),
     ];
     let mut answers = client
         .model_stream_infer(tokio_stream::iter(requests))
@@ -379,7 +355,10 @@ async fn a_stream_answers_each_request_as_triton_does() {
     assert_eq!(by_id["g1"][0].2[0], int32s(1..17));
 
     // Unary inference cannot call a decoupled model.
-    let refused = client.model_infer(count_request("u", 1, &[])).await.unwrap_err();
+    let refused = client
+        .model_infer(count_request("count", "u", 1, &[]))
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Code::Unimplemented);
     assert!(refused.message().contains("decoupled"), "{}", refused.message());
     // Which a client reads in the model's configuration.
@@ -403,7 +382,7 @@ async fn a_client_that_goes_away_stops_its_stream() {
     let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
     // A thousand responses 10 ms apart: ten seconds, unless the stream is stopped.
-    let long = count_request("long", 1000, &[("delay_ms", ParameterChoice::Int64Param(10))]);
+    let long = count_request("count", "long", 1000, &[("delay_ms", ParameterChoice::Int64Param(10))]);
     let mut answers = client
         .model_stream_infer(tokio_stream::iter(vec![long]))
         .await

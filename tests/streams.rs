@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::config::{ADD_SUB_ON_BOTH, fleet_backends};
-use common::{GatewayProcess, ModelServerProcess, grpc_add_sub_request, int32s};
+use common::{GatewayProcess, ModelServerProcess, count_request, grpc_add_sub_request, int32s};
 use oipgate::proto::infer_parameter::ParameterChoice;
 use oipgate::proto::model_infer_request::InferInputTensor;
-use oipgate::proto::{InferParameter, ModelInferRequest, ModelInferResponse, ModelStatisticsRequest};
+use oipgate::proto::{ModelInferRequest, ModelInferResponse, ModelStatisticsRequest};
 use tonic::Code;
 
 /// The gateway over one model server: `add_sub` version 1 over REST and 2 over gRPC; `counter`, the decoupled
-/// `count` model under a public name of its own, over gRPC; `count_rest`, the same model over REST.
+/// `count` model under a public name of its own, over gRPC; `count_rest`, the same model over REST, marked decoupled.
 fn gateway(server: &ModelServerProcess) -> GatewayProcess {
     GatewayProcess::start_with(&config(server), &[], true)
 }
@@ -29,6 +29,7 @@ fn config(server: &ModelServerProcess) -> String {
         versions = [ {{ version = "4", backend = "fleet-b", upstream_name = "count", upstream_version = "1" }} ]
         [[models]]
         name = "count_rest"
+        decoupled = true
         versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "count" }} ]
         [[models]]
         name = "identity"
@@ -40,30 +41,6 @@ fn config(server: &ModelServerProcess) -> String {
         "#,
         fleet_backends(server.rest.unwrap(), server.grpc.unwrap()),
     )
-}
-
-fn count_request(model: &str, id: &str, n: i32, parameters: &[(&str, ParameterChoice)]) -> ModelInferRequest {
-    ModelInferRequest {
-        model_name: model.into(),
-        id: id.into(),
-        inputs: vec![InferInputTensor {
-            name: "INPUT0".into(),
-            datatype: "INT32".into(),
-            shape: vec![1],
-            ..Default::default()
-        }],
-        raw_input_contents: vec![int32s([n])],
-        parameters: parameters
-            .iter()
-            .map(|(name, choice)| {
-                let value = InferParameter {
-                    parameter_choice: Some(choice.clone()),
-                };
-                ((*name).to_owned(), value)
-            })
-            .collect(),
-        ..Default::default()
-    }
 }
 
 /// One response as the tests compare it: error message, model name and version, final flag, raw outputs.
@@ -134,7 +111,14 @@ async fn a_stream_reaches_both_backends_under_the_public_names() {
             ),
             add_sub_grpc,
             count_request("nope", "unknown", 1, &[]),
-            count_request("count_rest", "unary", 2, &[]),
+            count_request("count_rest", "over-rest", 2, &[]),
+            count_request(
+                "count_rest",
+                "over-rest-final",
+                1,
+                &[("triton_enable_empty_final_response", ParameterChoice::BoolParam(true))],
+            ),
+            count_request("count_rest", "over-rest-refused", -1, &[]),
         ],
     )
     .await;
@@ -168,9 +152,23 @@ async fn a_stream_reaches_both_backends_under_the_public_names() {
     // Failed requests are answered on the stream, with their ids, and the stream goes on.
     assert_eq!(by_id["unknown"].len(), 1);
     assert!(by_id["unknown"][0].error.contains("'nope'"), "{:?}", by_id["unknown"]);
-    // A decoupled model behind REST cannot answer a unary inference: the backend's refusal is the answer.
-    assert_eq!(by_id["unary"].len(), 1);
-    assert!(by_id["unary"][0].error.contains("decoupled"), "{:?}", by_id["unary"]);
+    // A decoupled model behind REST: its generate_stream events are the request's responses, flagged as Triton
+    // flags them, under the public names; the backend's refusal is the request's error.
+    let over_rest = |n: i32, last: bool| Answer {
+        error: String::new(),
+        model: "count_rest".into(),
+        version: "1".into(),
+        last: Some(last),
+        outputs: if last { vec![] } else { vec![int32s([n])] },
+    };
+    assert_eq!(by_id["over-rest"], [over_rest(0, false), over_rest(1, false)]);
+    assert_eq!(by_id["over-rest-final"], [over_rest(0, false), over_rest(0, true)]);
+    assert_eq!(by_id["over-rest-refused"].len(), 1);
+    assert!(
+        by_id["over-rest-refused"][0].error.contains("was asked for -1"),
+        "{:?}",
+        by_id["over-rest-refused"]
+    );
 
     // The backend stream of `counter`: one, closed cleanly, two requests in, four responses out.
     // (Labels are exposed in the order of their names.)
@@ -190,7 +188,7 @@ async fn a_stream_reaches_both_backends_under_the_public_names() {
         .find(|line| line.contains("oipgate::access: stream "))
         .cloned();
     let line = line.unwrap_or_else(|| panic!("no stream line in {lines:?}"));
-    for field in ["result=\"ok\"", "requests=6", "responses=8", "failed_requests=2"] {
+    for field in ["result=\"ok\"", "requests=8", "responses=12", "failed_requests=2"] {
         assert!(line.contains(field), "{field} in {line}");
     }
     assert_eq!(gateway.metric("oipgate_streams_open").await, 0.0);
@@ -214,6 +212,23 @@ async fn a_stream_keeps_the_version_its_first_request_got() {
     // Each request alone would have been split evenly: 24 on one version by chance is one in eight million.
     assert_eq!(versions.len(), 1, "{by_id:?}");
     assert_eq!(by_id.len(), 24);
+}
+
+/// A stream of one request for a thousand responses of `counter` 10 ms apart: ten seconds, unless it is stopped.
+async fn long_stream(
+    client: &mut oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
+) -> tonic::Streaming<oipgate::proto::ModelStreamInferResponse> {
+    let long = count_request(
+        "counter",
+        "long",
+        1000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
+    client
+        .model_stream_infer(tokio_stream::iter(vec![long]))
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 /// The model server's statistics of `count`: (inferences that succeeded, inferences that failed).
@@ -242,18 +257,7 @@ async fn a_client_that_goes_away_stops_the_backends_stream() {
     let server = ModelServerProcess::both();
     let gateway = gateway(&server);
     let mut client = gateway.grpc_client().await;
-    // A thousand responses 10 ms apart: ten seconds, unless the stream is stopped.
-    let long = count_request(
-        "counter",
-        "long",
-        1000,
-        &[("delay_ms", ParameterChoice::Int64Param(10))],
-    );
-    let mut answers = client
-        .model_stream_infer(tokio_stream::iter(vec![long]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut answers = long_stream(&mut client).await;
     for _ in 0..2 {
         answers.message().await.unwrap().unwrap();
     }
@@ -277,17 +281,7 @@ async fn a_backend_that_goes_away_ends_the_stream_with_an_error() {
     let server = ModelServerProcess::both();
     let gateway = gateway(&server);
     let mut client = gateway.grpc_client().await;
-    let long = count_request(
-        "counter",
-        "long",
-        1000,
-        &[("delay_ms", ParameterChoice::Int64Param(10))],
-    );
-    let mut answers = client
-        .model_stream_infer(tokio_stream::iter(vec![long]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut answers = long_stream(&mut client).await;
     answers.message().await.unwrap().unwrap();
     drop(server);
     let started = Instant::now();
@@ -446,17 +440,7 @@ async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
         config(&server)
     ));
     let mut client = gateway.grpc_client().await;
-    let long = count_request(
-        "counter",
-        "long",
-        1000,
-        &[("delay_ms", ParameterChoice::Int64Param(10))],
-    );
-    let mut answers = client
-        .model_stream_infer(tokio_stream::iter(vec![long]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut answers = long_stream(&mut client).await;
     answers.message().await.unwrap().unwrap();
     gateway.signal("TERM");
     // The stream goes on through the grace period, then ends with a status saying why.

@@ -287,6 +287,7 @@ fn validate_model(
         sticky_header: sticky_header(problems, path, model),
         mirror: mirror(problems, path, model, &versions, &known),
         versions,
+        decoupled: model.decoupled,
     }
 }
 

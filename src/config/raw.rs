@@ -173,6 +173,10 @@ pub struct RawModel {
     pub sticky_header: Option<String>,
     /// A share of the model's requests also sent, fire and forget, to another version.
     pub mirror: Option<RawMirror>,
+    /// A decoupled model (any number of responses per request): on an inference stream, its requests to a REST
+    /// backend go to the backend's `generate_stream`, whose events become the stream's responses.
+    #[serde(default)]
+    pub decoupled: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

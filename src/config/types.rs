@@ -254,6 +254,8 @@ pub struct ModelConfig {
     /// Header (lower case) whose value keeps a client on one version.
     pub sticky_header: Option<http::HeaderName>,
     pub mirror: Option<MirrorConfig>,
+    /// It answers any number of responses per request (Triton's decoupled transaction policy).
+    pub decoupled: bool,
 }
 
 /// Mirroring of a model's requests to one of its versions.

@@ -16,10 +16,11 @@ use tokio::task::JoinSet;
 use super::backend::{BackendClients, Replicas};
 use super::fleet::Lease;
 use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
+use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::metrics::{Metrics, StreamLeg, StreamResult};
-use crate::protocol::reserved::FINAL_RESPONSE;
+use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
 use crate::protocol::{ParamValue, Reserved};
 use crate::routing::VersionRoute;
 use crate::upstream::grpc::StreamRequests;
@@ -29,6 +30,9 @@ pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStrea
 /// The version each model that a stream's requests named without one was routed to: canary weights choose once
 /// per stream, as stickiness would.
 type ChosenVersions = HashMap<(String, String), String>;
+
+/// Most of a backend's error body read for its message.
+const ERROR_BODY_BYTES: usize = 64 << 10;
 
 /// What a client's stream is sent: an encoded `ModelStreamInferResponse` as chunks, or the error that ends it.
 pub type StreamAnswer = Result<Vec<Bytes>>;
@@ -178,7 +182,7 @@ impl Dispatcher {
     }
 
     async fn carry_stream(
-        &self,
+        self: &Arc<Self>,
         mut requests: impl futures_util::Stream<Item = Result<Bytes>> + Unpin,
         context: &CallContext,
         answers: &Answers,
@@ -269,7 +273,7 @@ impl Dispatcher {
     /// Routes one request of a stream and sends it on; a request that cannot be routed or sent is answered with its
     /// error. An error returned ends the client's stream.
     async fn stream_request(
-        &self,
+        self: &Arc<Self>,
         message: Bytes,
         context: &CallContext,
         chosen: &mut ChosenVersions,
@@ -347,6 +351,18 @@ impl Dispatcher {
                         answers.clone(),
                         record,
                     ));
+                    Ok(())
+                }
+                Replicas::Rest { .. } if route.decoupled => {
+                    let request = decode_grpc_request(message.clone())?;
+                    let this = self.clone();
+                    let routed = crate::routing::Routed {
+                        route: route.clone(),
+                        ..routed
+                    };
+                    let context = context.clone();
+                    let answers = answers.clone();
+                    running.spawn(async move { this.decoupled_over_rest(routed, request, context, answers).await });
                     Ok(())
                 }
                 Replicas::Rest { .. } => {
@@ -491,6 +507,109 @@ impl Dispatcher {
                 endpoints[index].forward(&path, headers.clone(), body, left)
             })
             .await
+    }
+
+    /// One request of a stream for a decoupled model behind a REST backend: sent to the backend's
+    /// `generate_stream`, whose events become the request's responses on the stream, flagged not final as Triton
+    /// flags a decoupled model's (an empty final one follows when the request asked for it). A failure is the
+    /// request's error response; the stream goes on.
+    async fn decoupled_over_rest(
+        self: Arc<Self>,
+        routed: crate::routing::Routed,
+        request: crate::protocol::InferRequest,
+        context: CallContext,
+        answers: Answers,
+    ) -> Result<()> {
+        use http_body_util::BodyExt;
+
+        let route = routed.route.clone();
+        let id = request.id.clone().unwrap_or_default();
+        let mut record = LegRecord::new(
+            &self.metrics,
+            &route,
+            Arc::new(AtomicU64::new(1)),
+            Some(StreamResult::Cancelled),
+        );
+        let respond = |mut response: crate::protocol::InferResponse, last: bool| {
+            response.model_name = route.model.clone();
+            response.model_version = Some(route.version.clone());
+            response.id = Some(id.clone());
+            response
+                .parameters
+                .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(last));
+            splice::stream_response("", protobuf::encode_response(response).chunks)
+        };
+        let outcome: Result<bool> = async {
+            let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
+            let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
+            let body = rest_generate::encode_generate_request(&request)?;
+            let answer = self
+                .generate_rest(&routed, true, Bytes::from(body), &context.forward)
+                .await?;
+            let (head, mut body) = answer.into_parts();
+            let mut pending = Vec::new();
+            if !head.status.is_success() {
+                while let Some(Ok(frame)) = body.frame().await {
+                    if let Ok(chunk) = frame.into_data()
+                        && pending.len() < ERROR_BODY_BYTES
+                    {
+                        pending.extend_from_slice(&chunk);
+                    }
+                }
+                let message = crate::codec::rest::decode_error(&pending);
+                return Err(Error::from_upstream_http(head.status.as_u16(), message));
+            }
+            loop {
+                let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {
+                    Ok(Some(frame)) => frame.map_err(|e| {
+                        Error::new(
+                            ErrorKind::BadGateway,
+                            Origin::Upstream,
+                            format!("the backend broke off its stream: {e}"),
+                        )
+                    })?,
+                    Ok(None) => break,
+                    Err(_) => {
+                        return Err(Error::new(
+                            ErrorKind::Timeout,
+                            Origin::Upstream,
+                            "the backend's generate_stream went silent (limits.stream_idle_timeout_ms)",
+                        ));
+                    }
+                };
+                let Ok(chunk) = frame.into_data() else { continue };
+                pending.extend_from_slice(&chunk);
+                for json in rest_generate::take_events(&mut pending) {
+                    let response = rest_generate::decode_generate_response(&json, &metadata)
+                        .map_err(Error::into_upstream_protocol_error);
+                    let answer = match response {
+                        Ok(response) => {
+                            record.responded();
+                            answers.respond(respond(response, false)).await
+                        }
+                        Err(error) => answers.fail(&id, &error).await,
+                    };
+                    if !answer {
+                        return Ok(false);
+                    }
+                }
+            }
+            if empty_final {
+                let response = crate::protocol::InferResponse::default();
+                return Ok(answers.respond(respond(response, true)).await);
+            }
+            Ok(true)
+        }
+        .await;
+        record.leg.result = Some(match &outcome {
+            Ok(true) => StreamResult::Ok,
+            Ok(false) => StreamResult::Cancelled,
+            Err(_) => StreamResult::Error,
+        });
+        if let Err(error) = outcome {
+            answers.fail(&id, &error).await;
+        }
+        Ok(())
     }
 
     /// How long a stream may pass with no message either way.

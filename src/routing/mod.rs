@@ -21,6 +21,8 @@ pub struct VersionRoute {
     pub upstream_name: String,
     /// Empty when the backend's model is called without a version (the backend's default).
     pub upstream_version: String,
+    /// The model answers any number of responses per request (configured `decoupled`).
+    pub decoupled: bool,
 }
 
 impl VersionRoute {
@@ -187,6 +189,7 @@ fn routes(model: &ModelConfig, all: &mut Vec<Arc<VersionRoute>>) -> Result<Model
                 backend: v.backend,
                 upstream_name: v.upstream_name.clone(),
                 upstream_version: v.upstream_version.clone(),
+                decoupled: model.decoupled,
             });
             all.push(route.clone());
             (v.version.clone(), route)

@@ -535,6 +535,37 @@ pub fn grpc_add_sub_request(version: &str, input0: i32, input1: i32) -> oipgate:
     }
 }
 
+/// A request for model `model` served by the decoupled `count` model: `n` responses, with `parameters` (such as
+/// `delay_ms`, their spacing).
+pub fn count_request(
+    model: &str,
+    id: &str,
+    n: i32,
+    parameters: &[(&str, oipgate::proto::infer_parameter::ParameterChoice)],
+) -> oipgate::proto::ModelInferRequest {
+    oipgate::proto::ModelInferRequest {
+        model_name: model.into(),
+        id: id.into(),
+        inputs: vec![oipgate::proto::model_infer_request::InferInputTensor {
+            name: "INPUT0".into(),
+            datatype: "INT32".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![int32s([n])],
+        parameters: parameters
+            .iter()
+            .map(|(name, choice)| {
+                let value = oipgate::proto::InferParameter {
+                    parameter_choice: Some(choice.clone()),
+                };
+                ((*name).to_owned(), value)
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
 /// Requests sent over and over by background workers until stopped, counting what was served and what failed.
 /// A call that takes longer than [`Load::CALL_LIMIT`] is a failure, a failing worker yields before its next call
 /// (so a gateway that refuses at once cannot starve the test of its thread), only the first failures are kept, and

@@ -256,16 +256,17 @@ def test_streams_through_the_gateway_equal_triton_alone(triton):  # noqa: F811
         ]
 
     direct, direct_errors = stream(triton.replicas[0].grpc, requests("count", "add_sub"))
-    # The decoupled model passed through to a gRPC backend; the other model to both backend protocols.
-    for add_sub_model in ("add_sub_grpc", "add_sub"):
-        through, errors = stream(triton.gateways[0].grpc, requests("count_grpc", add_sub_model))
+    # The decoupled model passed through to a gRPC backend, and through a REST backend's generate_stream; the other
+    # model to both backend protocols as unary inferences.
+    for count_model, add_sub_model in (("count_grpc", "add_sub_grpc"), ("count", "add_sub")):
+        through, errors = stream(triton.gateways[0].grpc, requests(count_model, add_sub_model))
         assert through.keys() == direct.keys()
         for request_id, answers in direct.items():
             public = [
-                ("count_grpc" if model == "count" else add_sub_model if model else model, final, output)
+                (count_model if model == "count" else add_sub_model if model else model, final, output)
                 for model, final, output in answers
             ]
-            assert through[request_id] == public, (request_id, add_sub_model)
+            assert through[request_id] == public, (request_id, count_model, add_sub_model)
         assert len(errors) == len(direct_errors) == 1
         assert "'nope'" in errors[0] and "'nope'" in direct_errors[0]
 

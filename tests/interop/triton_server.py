@@ -85,9 +85,12 @@ def gateway_config(replicas: list) -> str:
         f"endpoints = [{endpoints('grpc')}]",
     ]
     for model in ("accumulate", "add_sub", "count"):
+        # A decoupled model's stream requests reach a REST backend's generate_stream.
+        decoupled = ["decoupled = true"] if model == "count" else []
         lines += [
             "[[models]]",
             f'name = "{model}"',
+            *decoupled,
             f'versions = [ {{ version = "1", backend = "triton-rest", upstream_name = "{model}" }} ]',
             "[[models]]",
             f'name = "{model}_grpc"',

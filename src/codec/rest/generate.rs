@@ -9,10 +9,10 @@ use serde_json::value::RawValue;
 
 use super::data::parse_data;
 use super::format::{write_data, write_json_string};
-use super::params::read_parameters;
+use super::params::{read_parameters, write_parameters};
 use super::reader::Reader;
 use crate::error::{Error, Result};
-use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Tensor};
+use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Tensor, TensorMetadata};
 
 /// The request a generate body stands for, its inputs typed and shaped by `model`'s metadata.
 pub fn decode_generate(body: &[u8], model: &ModelMetadata) -> Result<InferRequest> {
@@ -41,19 +41,101 @@ pub fn decode_generate(body: &[u8], model: &ModelMetadata) -> Result<InferReques
                 names.join(", ")
             )));
         };
-        let datatype = DataType::parse(&input.datatype)?;
-        let count = element_count(value).map_err(|why| Error::invalid(format!("field '{name}': {why}")))?;
-        let shape = shape_for(&input.shape, count).ok_or_else(|| {
-            Error::invalid(format!(
-                "field '{name}' holds {count} elements, which do not fit input '{name}' of model '{}' (shape {:?})",
-                model.name, input.shape
-            ))
-        })?;
-        let data = parse_data(text, datatype, count)
-            .map_err(|e| Error::invalid(format!("field '{name}' is not {datatype}: {}", e.message())))?;
-        request.inputs.push(Tensor::new(name, datatype, shape, data)?);
+        request.inputs.push(tensor(name, value, input, &model.name)?);
     }
     Ok(request)
+}
+
+/// A member of a generate body or answer as the tensor `meta` describes.
+fn tensor(name: String, value: &RawValue, meta: &TensorMetadata, model: &str) -> Result<Tensor> {
+    let datatype = DataType::parse(&meta.datatype)?;
+    let count = element_count(value).map_err(|why| Error::invalid(format!("field '{name}': {why}")))?;
+    let shape = shape_for(&meta.shape, count).ok_or_else(|| {
+        Error::invalid(format!(
+            "field '{name}' holds {count} elements, which do not fit tensor '{name}' of model '{model}' (shape {:?})",
+            meta.shape
+        ))
+    })?;
+    let data = parse_data(value.get().as_bytes(), datatype, count)
+        .map_err(|e| Error::invalid(format!("field '{name}' is not {datatype}: {}", e.message())))?;
+    Tensor::new(name, datatype, shape, data)
+}
+
+/// A generate body for `request`: its inputs as members, flat, and its parameters.
+pub fn encode_generate_request(request: &InferRequest) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(64 + request.inputs.iter().map(|t| t.data.len() * 4).sum::<usize>());
+    out.push(b'{');
+    write_tensors(&mut out, &request.inputs)?;
+    if request.parameters.is_empty() {
+        if out.last() == Some(&b',') {
+            out.pop();
+        }
+    } else {
+        out.extend_from_slice(b"\"parameters\":");
+        write_parameters(&mut out, &request.parameters);
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
+/// A generate answer (one response, or one event of a stream) read back as the response it stands for, its
+/// outputs typed and shaped by `model`'s metadata. An `{"error"}` event is that error.
+pub fn decode_generate_response(json: &[u8], model: &ModelMetadata) -> Result<InferResponse> {
+    let members: BTreeMap<String, &RawValue> = serde_json::from_slice(json)
+        .map_err(|e| Error::invalid(format!("a generate answer is one JSON object: {e}")))?;
+    if let Some(error) = members.get("error") {
+        let message: String = serde_json::from_str(error.get()).unwrap_or_else(|_| error.get().to_owned());
+        return Err(Error::invalid(message));
+    }
+    let mut response = InferResponse {
+        model_name: model.name.clone(),
+        ..InferResponse::default()
+    };
+    for (name, value) in members {
+        match name.as_str() {
+            "model_name" | "model_version" | "id" | "parameters" => continue,
+            _ => {}
+        }
+        let Some(output) = model.outputs.iter().find(|output| output.name == name) else {
+            return Err(Error::invalid(format!(
+                "member '{name}' is no output of model '{}'",
+                model.name
+            )));
+        };
+        response.outputs.push(tensor(name, value, output, &model.name)?);
+    }
+    Ok(response)
+}
+
+/// The data of each whole server-sent event at the front of `pending`, taken out of it; what is left is the start
+/// of an event still arriving. Events without data (comments, keep-alives) are skipped.
+pub fn take_events(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
+    let mut events = Vec::new();
+    while let Some(end) = pending.windows(2).position(|pair| pair == b"\n\n") {
+        let whole: Vec<u8> = pending.drain(..end + 2).collect();
+        let text = &whole[..end];
+        if let Some(data) = text.strip_prefix(b"data: ").or_else(|| text.strip_prefix(b"data:")) {
+            events.push(data.to_vec());
+        }
+    }
+    events
+}
+
+/// Tensors as generate members: a scalar for one element, else a flat list; each followed by a comma.
+fn write_tensors(out: &mut Vec<u8>, tensors: &[Tensor]) -> Result<()> {
+    for tensor in tensors {
+        write_json_string(out, &tensor.name);
+        out.push(b':');
+        let start = out.len();
+        write_data(out, tensor.datatype, &tensor.data)?;
+        if tensor.element_count()? == 1 {
+            // `[x]` becomes `x`.
+            out.pop();
+            out.remove(start);
+        }
+        out.push(b',');
+    }
+    Ok(())
 }
 
 /// The elements of a scalar or a flat list; nested lists are refused, as Triton refuses them.
@@ -98,18 +180,7 @@ pub fn encode_generate(response: &InferResponse) -> Result<Option<Vec<u8>>> {
     }
     let mut out = Vec::with_capacity(64 + response.outputs.iter().map(|t| t.data.len() * 4).sum::<usize>());
     out.push(b'{');
-    for output in &response.outputs {
-        write_json_string(&mut out, &output.name);
-        out.push(b':');
-        let start = out.len();
-        write_data(&mut out, output.datatype, &output.data)?;
-        if output.element_count()? == 1 {
-            // `[x]` becomes `x`.
-            out.pop();
-            out.remove(start);
-        }
-        out.push(b',');
-    }
+    write_tensors(&mut out, &response.outputs)?;
     out.extend_from_slice(b"\"model_name\":");
     write_json_string(&mut out, &response.model_name);
     out.extend_from_slice(b",\"model_version\":");
@@ -121,7 +192,6 @@ pub fn encode_generate(response: &InferResponse) -> Result<Option<Vec<u8>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::TensorMetadata;
     use bytes::Bytes;
 
     fn metadata() -> ModelMetadata {
@@ -163,9 +233,33 @@ mod tests {
         );
         assert!(error(br#"{"N": "three"}"#).contains("field 'N' is not INT32"));
         assert!(error(br#"{"N": 1.5}"#).contains("field 'N' is not INT32"));
-        assert!(error(br#"{"ROWS": [1, 2, 3]}"#).contains("do not fit input 'ROWS'"));
+        assert!(error(br#"{"ROWS": [1, 2, 3]}"#).contains("do not fit tensor 'ROWS'"));
         assert!(error(br#"{"ROWS": [[1, 2, 3, 4]]}"#).contains("a scalar or a flat list"));
         assert!(error(br#"[1]"#).contains("one JSON object"));
+    }
+
+    #[test]
+    fn requests_and_answers_go_both_ways() {
+        let body = br#"{"ROWS": [1, 2, 3, 4], "N": 3, "parameters": {"max_tokens": 5}}"#;
+        let request = decode_generate(body, &metadata()).unwrap();
+        let encoded = encode_generate_request(&request).unwrap();
+        assert_eq!(decode_generate(&encoded, &metadata()).unwrap(), request);
+        // An answer is read with the model's outputs.
+        let mut model = metadata();
+        model.outputs = model.inputs.clone();
+        let response =
+            decode_generate_response(br#"{"N": 7, "model_name": "x", "model_version": "1"}"#, &model).unwrap();
+        assert_eq!(response.outputs[0].data, Bytes::from_static(&[7, 0, 0, 0]));
+        let error = decode_generate_response(br#"{"error": "out of tokens"}"#, &model).unwrap_err();
+        assert_eq!(error.message(), "out of tokens");
+        assert!(decode_generate_response(br#"{"OTHER": 1}"#, &model).is_err());
+        // Events are taken whole, as they complete.
+        let mut pending = b"data: {\"a\":1}\n\n: keep-alive\n\ndata:{\"b\":2}\n\ndata: {\"c\"".to_vec();
+        assert_eq!(
+            take_events(&mut pending),
+            [b"{\"a\":1}".to_vec(), b"{\"b\":2}".to_vec()]
+        );
+        assert_eq!(pending, b"data: {\"c\"");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use super::{Reply, RestDoor};
 use crate::codec::compression;
 use crate::codec::protobuf;
-use crate::codec::rest::generate::{decode_generate, encode_generate};
+use crate::codec::rest::generate::{decode_generate, encode_generate, take_events};
 use crate::codec::rest::{self as rest_codec};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, StreamAnswer};
@@ -222,13 +222,8 @@ async fn relay(
             let Ok(chunk) = frame.into_data() else { continue };
             pending.extend_from_slice(&chunk);
             // Each complete event goes on as soon as it is whole.
-            while let Some(end) = pending.windows(2).position(|pair| pair == b"\n\n") {
-                let whole: Vec<u8> = pending.drain(..end + 2).collect();
-                let text = &whole[..end];
-                let Some(json) = text.strip_prefix(b"data: ").or_else(|| text.strip_prefix(b"data:")) else {
-                    continue;
-                };
-                if events.send(event(&rename(json, &route))).await.is_err() {
+            for json in take_events(&mut pending) {
+                if events.send(event(&rename(&json, &route))).await.is_err() {
                     return;
                 }
             }
