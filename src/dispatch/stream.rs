@@ -206,9 +206,14 @@ impl Dispatcher {
                     Some(Ok(message)) => {
                         received.fetch_add(1, Ordering::Relaxed);
                         answers.active();
-                        let sent = self
-                            .stream_request(message, context, &mut chosen, &mut legs, &mut running, answers)
-                            .await;
+                        // Sending can wait (a backend that reads slowly, or holds its stream's headers until its
+                        // first response): the client going away, the deadline and a shutdown still count.
+                        let sent = tokio::select! {
+                            sent = self.stream_request(message, context, &mut chosen, &mut legs, &mut running, answers) => sent,
+                            () = answers.closed() => return (StreamResult::Cancelled, None),
+                            () = &mut deadline => break past_deadline(context),
+                            () = &mut ending => break shutting_down(),
+                        };
                         if let Err(error) = sent {
                             break error;
                         }
@@ -246,23 +251,8 @@ impl Dispatcher {
                     }
                     idle.as_mut().reset(tokio::time::Instant::now() + (idle_limit - quiet));
                 }
-                () = &mut deadline => {
-                    break Error::new(
-                        ErrorKind::Timeout,
-                        Origin::Gateway,
-                        format!(
-                            "the stream's deadline of {} ms (grpc-timeout) passed",
-                            context.deadline.unwrap_or_default().as_millis()
-                        ),
-                    );
-                }
-                () = &mut ending => {
-                    break Error::new(
-                        ErrorKind::Unavailable,
-                        Origin::Gateway,
-                        "the gateway is shutting down and its grace period is over: open the stream again",
-                    );
-                }
+                () = &mut deadline => break past_deadline(context),
+                () = &mut ending => break shutting_down(),
                 () = answers.closed() => return (StreamResult::Cancelled, None),
             }
         };
@@ -450,6 +440,25 @@ async fn relay(
         Err(_) => StreamResult::Error,
     });
     outcome
+}
+
+fn past_deadline(context: &CallContext) -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        Origin::Gateway,
+        format!(
+            "the stream's deadline of {} ms (grpc-timeout) passed",
+            context.deadline.unwrap_or_default().as_millis()
+        ),
+    )
+}
+
+fn shutting_down() -> Error {
+    Error::new(
+        ErrorKind::Unavailable,
+        Origin::Gateway,
+        "the gateway is shutting down and its grace period is over: open the stream again",
+    )
 }
 
 fn gone() -> Error {
