@@ -149,6 +149,16 @@ for module, url in [(httpclient, "{rest}"), (grpcclient, "{grpc}")]:
         inputs[1].set_data_from_numpy(b)
         result = client.infer("add_sub", inputs, model_version=version)
         print(module.__name__, "add_sub version", version, "OUTPUT0 =", result.as_numpy("OUTPUT0")[0][:4], "...")
+
+# A stream (ModelStreamInfer): the decoupled model count answers one request with three responses.
+streamed = []
+client = grpcclient.InferenceServerClient(url="{grpc}")
+client.start_stream(callback=lambda result, error: streamed.append(error or int(result.as_numpy("OUTPUT0")[0])))
+count = grpcclient.InferInput("INPUT0", [1], "INT32")
+count.set_data_from_numpy(np.array([3], dtype=np.int32))
+client.async_stream_infer("count", [count])
+client.stop_stream()
+print("count streamed", streamed)
 EOF
 "#
     )
