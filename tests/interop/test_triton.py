@@ -255,11 +255,22 @@ def test_streams_through_the_gateway_equal_triton_alone(triton):  # noqa: F811
             ("nope", "unknown", 1, False),
         ]
 
-    direct, direct_errors = stream(triton.replicas[0].grpc, requests("count", "add_sub"))
+    def streams(address: str, requests: list) -> tuple:
+        # One request per stream: Triton 2.51 can abort (a gRPC writer assertion, in Triton alone) when a decoupled
+        # model's responses to several requests of one stream are written at once. Several requests on one stream
+        # through the gateway are tested against the built-in model server (tests/streams.rs).
+        answers, errors = {}, []
+        for request in requests:
+            more, failed = stream(address, [request])
+            answers.update(more)
+            errors += failed
+        return answers, errors
+
+    direct, direct_errors = streams(triton.replicas[0].grpc, requests("count", "add_sub"))
     # The decoupled model passed through to a gRPC backend, and through a REST backend's generate_stream; the other
     # model to both backend protocols as unary inferences.
     for count_model, add_sub_model in (("count_grpc", "add_sub_grpc"), ("count", "add_sub")):
-        through, errors = stream(triton.gateways[0].grpc, requests(count_model, add_sub_model))
+        through, errors = streams(triton.gateways[0].grpc, requests(count_model, add_sub_model))
         assert through.keys() == direct.keys()
         for request_id, answers in direct.items():
             public = [
