@@ -275,24 +275,8 @@ impl Dispatcher {
         let fields = splice::model_fields(&message)?;
         let id = fields.id.to_owned();
         let sent = async {
-            splice::refuse_shared_memory(&message)?;
-            let reserved = Reserved::from_parameters(&splice::parameters(&message)?)?;
-            // A request that names no version gets the version the stream's first such request got.
-            let key = (fields.name.to_owned(), fields.version.to_owned());
-            let version = match chosen.get(&key) {
-                Some(version) if fields.version.is_empty() => version.as_str(),
-                _ => fields.version,
-            };
-            let routed = self
-                .route(fields.name, Some(version), &context.forward, reserved.sequence)
-                .0?;
-            let route = routed.route;
-            chosen.entry(key).or_insert_with(|| route.version.clone());
-            let backend = self
-                .backends
-                .get(route.backend)
-                .cloned()
-                .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend)))?;
+            let (routed, backend) = self.route_in_stream(&message, &fields, context, chosen)?;
+            let route = routed.route.clone();
             match &backend.replicas {
                 Replicas::Grpc { .. } => {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
@@ -346,10 +330,6 @@ impl Dispatcher {
                 Replicas::Rest { .. } if route.decoupled => {
                     let request = decode_grpc_request(message.clone())?;
                     let this = self.clone();
-                    let routed = crate::routing::Routed {
-                        route: route.clone(),
-                        ..routed
-                    };
                     let context = context.clone();
                     let answers = answers.clone();
                     running.spawn(async move { this.decoupled_over_rest(routed, request, context, answers).await });
@@ -357,41 +337,17 @@ impl Dispatcher {
                 }
                 Replicas::Rest { .. } => {
                     let request = decode_grpc_request(message.clone())?;
-                    let deadline = self.deadline(context);
-                    let context = context.clone();
-                    let answers = answers.clone();
-                    let affinity = routed.affinity.clone();
-                    let request_id = id.clone();
-                    let mut record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
-                    running.spawn(async move {
-                        let replied = call_infer(
-                            &backend,
-                            &route,
-                            request,
-                            &context.forward,
-                            context.compressed,
-                            deadline,
-                            &affinity,
-                        )
-                        .await;
-                        record.responded();
-                        match replied {
-                            Ok(replied) => {
-                                let mut response = replied.value;
-                                // As Triton flags the one response of a model that is not decoupled.
-                                response
-                                    .parameters
-                                    .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(true));
-                                answers
-                                    .respond(splice::stream_response("", protobuf::encode_response(response).chunks))
-                                    .await;
-                            }
-                            Err(error) => {
-                                answers.fail(&request_id, &error).await;
-                            }
-                        }
-                        Ok(())
-                    });
+                    let record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
+                    let call = (self.deadline(context), context.clone());
+                    running.spawn(unary_over_rest(
+                        backend,
+                        routed,
+                        request,
+                        call,
+                        answers.clone(),
+                        id.clone(),
+                        record,
+                    ));
                     Ok(())
                 }
             }
@@ -405,6 +361,75 @@ impl Dispatcher {
             },
         }
     }
+}
+
+impl Dispatcher {
+    /// Where one request of a stream goes, and its backend: shared memory refused, its sequence read, and a request
+    /// that names no version given the version the stream's first such request got.
+    fn route_in_stream(
+        &self,
+        message: &[u8],
+        fields: &splice::ModelFields<'_>,
+        context: &CallContext,
+        chosen: &mut ChosenVersions,
+    ) -> Result<(crate::routing::Routed, Arc<BackendClients>)> {
+        splice::refuse_shared_memory(message)?;
+        let reserved = Reserved::from_parameters(&splice::parameters(message)?)?;
+        let key = (fields.name.to_owned(), fields.version.to_owned());
+        let version = match chosen.get(&key) {
+            Some(version) if fields.version.is_empty() => version.as_str(),
+            _ => fields.version,
+        };
+        let routed = self
+            .route(fields.name, Some(version), &context.forward, reserved.sequence)
+            .0?;
+        chosen.entry(key).or_insert_with(|| routed.route.version.clone());
+        let backend = self
+            .backends
+            .get(routed.route.backend)
+            .cloned()
+            .ok_or_else(|| Error::internal(format!("no backend {} for a route", routed.route.backend)))?;
+        Ok((routed, backend))
+    }
+}
+
+/// One request of a stream sent to a REST backend as a unary inference, its answer flagged final as Triton flags
+/// the one response of a model that is not decoupled; a failure is the request's error response.
+async fn unary_over_rest(
+    backend: Arc<BackendClients>,
+    routed: crate::routing::Routed,
+    request: crate::protocol::InferRequest,
+    (deadline, context): (Duration, CallContext),
+    answers: Answers,
+    id: String,
+    mut record: LegRecord,
+) -> Result<()> {
+    let replied = call_infer(
+        &backend,
+        &routed.route,
+        request,
+        &context.forward,
+        context.compressed,
+        deadline,
+        &routed.affinity,
+    )
+    .await;
+    record.responded();
+    match replied {
+        Ok(replied) => {
+            let mut response = replied.value;
+            response
+                .parameters
+                .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(true));
+            answers
+                .respond(splice::stream_response("", protobuf::encode_response(response).chunks))
+                .await;
+        }
+        Err(error) => {
+            answers.fail(&id, &error).await;
+        }
+    }
+    Ok(())
 }
 
 /// A backend stream's responses onto the client's stream, renamed to the public names, until the backend ends it.

@@ -91,6 +91,37 @@ struct StreamMetrics {
     first_response: HistogramVec,
 }
 
+impl StreamMetrics {
+    fn new(registry: &Registry) -> Result<StreamMetrics> {
+        Ok(StreamMetrics {
+            open: registered(
+                registry,
+                IntGauge::new("oipgate_streams_open", "Client inference streams under way.").map_err(metric_error)?,
+            )?,
+            closed: counters(
+                registry,
+                "oipgate_streams_total",
+                "Backend inference streams closed, by public model and version and result: ok, error or cancelled.",
+                &["model", "version", "result"],
+            )?,
+            messages: counters(
+                registry,
+                "oipgate_stream_messages_total",
+                "Messages carried on inference streams, by public model and version and direction: in (requests) or \
+             out (responses).",
+                &["model", "version", "direction"],
+            )?,
+            first_response: histograms(
+                registry,
+                "oipgate_stream_first_response_seconds",
+                "Time from a stream's first request for a model version to its first response, by public model and \
+             version.",
+                &["model", "version"],
+            )?,
+        })
+    }
+}
+
 /// How a stream ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamResult {
@@ -355,6 +386,18 @@ fn histograms(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> R
     registered(registry, HistogramVec::new(options, labels).map_err(metric_error)?)
 }
 
+/// `oipgate_build_info`: the running version, always 1.
+fn register_build_info(registry: &Registry) -> Result<()> {
+    let build_info = gauges(
+        registry,
+        "oipgate_build_info",
+        "The running oipgate's version; always 1.",
+        &["version"],
+    )?;
+    build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+    Ok(())
+}
+
 fn metric_error(error: prometheus::Error) -> Error {
     Error::internal(format!("cannot create a metric: {error}"))
 }
@@ -362,13 +405,7 @@ fn metric_error(error: prometheus::Error) -> Error {
 impl Metrics {
     pub fn new() -> Result<Arc<Metrics>> {
         let registry = Registry::new();
-        let build_info = gauges(
-            &registry,
-            "oipgate_build_info",
-            "The running oipgate's version; always 1.",
-            &["version"],
-        )?;
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        register_build_info(&registry)?;
         let requests = counters(
             &registry,
             "oipgate_requests_total",
@@ -435,32 +472,7 @@ impl Metrics {
             "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
             &["result"],
         )?;
-        let streams = StreamMetrics {
-            open: registered(
-                &registry,
-                IntGauge::new("oipgate_streams_open", "Client inference streams under way.").map_err(metric_error)?,
-            )?,
-            closed: counters(
-                &registry,
-                "oipgate_streams_total",
-                "Backend inference streams closed, by public model and version and result: ok, error or cancelled.",
-                &["model", "version", "result"],
-            )?,
-            messages: counters(
-                &registry,
-                "oipgate_stream_messages_total",
-                "Messages carried on inference streams, by public model and version and direction: in (requests) or \
-                 out (responses).",
-                &["model", "version", "direction"],
-            )?,
-            first_response: histograms(
-                &registry,
-                "oipgate_stream_first_response_seconds",
-                "Time from a stream's first request for a model version to its first response, by public model and \
-                 version.",
-                &["model", "version"],
-            )?,
-        };
+        let streams = StreamMetrics::new(&registry)?;
         let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
             duration: request_duration.with_label_values(&[protocol.label()]),
             request_bytes: request_bytes.with_label_values(&[protocol.label()]),
