@@ -277,6 +277,17 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
         let answer = grpc.model_infer(request).await;
         assert!(answer.is_ok(), "gRPC version {version}: {answer:?}");
     }
+    // Streams to a gRPC backend have connections of their own, with the same TLS.
+    let request = common::grpc_int32_request("identity", "2");
+    let mut answers = grpc
+        .model_stream_infer(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().expect("one answer");
+    assert_eq!(answer.error_message, "");
+    assert_eq!(answer.infer_response.unwrap().model_version, "2");
+    assert!(answers.message().await.unwrap().is_none());
     let refused = send(
         &client,
         "POST",

@@ -189,3 +189,71 @@ async fn compressed_calls_get_compressed_answers_read_within_the_limit() {
         error.message()
     );
 }
+
+/// A gRPC backend on bare HTTP/2 that answers every stream with `messages` tiny messages, each in a DATA frame of its
+/// own (as servers that write each response as it is made do), then an OK status.
+async fn tiny_frames_backend(messages: usize) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        let mut connection = h2::server::handshake(socket).await.unwrap();
+        while let Some(Ok((_request, mut respond))) = connection.accept().await {
+            tokio::spawn(async move {
+                let head = http::Response::builder()
+                    .header("content-type", "application/grpc")
+                    .body(())
+                    .unwrap();
+                let mut send = respond.send_response(head, false).unwrap();
+                // A 20-byte message behind its 5-byte header.
+                let message = Bytes::from_static(b"\0\0\0\0\x14twenty bytes of text");
+                for _ in 0..messages {
+                    send.reserve_capacity(message.len());
+                    while send.capacity() < message.len() {
+                        match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
+                            Some(Ok(_)) => {}
+                            _ => return,
+                        }
+                    }
+                    if send.send_data(message.clone(), false).is_err() {
+                        return;
+                    }
+                    // Written out before the next is made, each in its own frame.
+                    tokio::task::yield_now().await;
+                }
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+                let _ = send.send_trailers(trailers);
+            });
+        }
+    });
+    address
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_tiny_frames_read_after_a_pause_arrives_whole() {
+    // Enough small frames to fill the stream window many times over, and more than h2's default budget for small
+    // frames allows a connection to buffer.
+    const MESSAGES: usize = 150_000;
+    let address = tiny_frames_backend(MESSAGES).await;
+    let client = GrpcUpstream::new(&common::endpoint(address), Duration::from_secs(2), 1 << 20, None);
+    let mut stream = client
+        .open_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            vec![Bytes::from_static(b"")],
+            None,
+            &HeaderMap::new(),
+            None,
+        )
+        .await
+        .unwrap();
+    stream.answers.message().await.unwrap().unwrap();
+    // The reader pauses while the backend fills every window it is given.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut received = 1;
+    while let Some(message) = stream.answers.message().await.unwrap() {
+        assert_eq!(&message[..], b"twenty bytes of text");
+        received += 1;
+    }
+    assert_eq!(received, MESSAGES);
+}

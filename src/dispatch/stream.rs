@@ -280,7 +280,7 @@ impl Dispatcher {
             match &backend.replicas {
                 Replicas::Grpc { .. } => {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
-                    if let Some(leg) = legs.get(&route.id) {
+                    if let Some(leg) = legs.get_mut(&route.id) {
                         leg.sent.fetch_add(1, Ordering::Relaxed);
                         return leg.requests.send(renamed).await;
                     }

@@ -32,8 +32,8 @@ pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 /// The HTTP client of one backend endpoint on one thread.
 type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::OutBody>;
 
-/// One backend endpoint's HTTP clients, one per thread, each with its own connection pool. Cheap to clone; clones
-/// share the clients.
+/// One backend endpoint's HTTP clients, one per thread, each with its own connection pool, and (for gRPC) the
+/// thread's HTTP/2 connection for backend streams. Cheap to clone; clones share the clients.
 ///
 /// A connection is served by a task on the runtime that opened it, and the gateway runs one single-threaded runtime
 /// per thread: a pool shared between them would make every request it lends across threads wake the other thread
@@ -44,6 +44,12 @@ struct ThreadClients {
     build: fn(Connector) -> HttpClient,
     /// Identifies this endpoint's clients in each thread's table; they are dropped once every clone is.
     token: std::sync::Arc<()>,
+}
+
+/// What one thread holds for one endpoint.
+struct ThreadEndpoint {
+    client: HttpClient,
+    streams: Option<h2::client::SendRequest<Bytes>>,
 }
 
 impl ThreadClients {
@@ -57,20 +63,37 @@ impl ThreadClients {
 
     /// This thread's client.
     fn get(&self) -> HttpClient {
+        self.with_endpoint(|endpoint| endpoint.client.clone())
+    }
+
+    /// This thread's connection for streams, if one was made.
+    fn streams(&self) -> Option<h2::client::SendRequest<Bytes>> {
+        self.with_endpoint(|endpoint| endpoint.streams.clone())
+    }
+
+    fn set_streams(&self, connection: h2::client::SendRequest<Bytes>) {
+        self.with_endpoint(|endpoint| endpoint.streams = Some(connection));
+    }
+
+    fn with_endpoint<T>(&self, use_endpoint: impl FnOnce(&mut ThreadEndpoint) -> T) -> T {
         thread_local! {
-            static CLIENTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, HttpClient)>> =
+            static ENDPOINTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, ThreadEndpoint)>> =
                 const { std::cell::RefCell::new(Vec::new()) };
         }
-        CLIENTS.with_borrow_mut(|clients| {
+        ENDPOINTS.with_borrow_mut(|endpoints| {
             // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
             let key = std::sync::Arc::as_ptr(&self.token);
-            if let Some((_, client)) = clients.iter().find(|(token, _)| token.as_ptr() == key) {
-                return client.clone();
+            if let Some((_, endpoint)) = endpoints.iter_mut().find(|(token, _)| token.as_ptr() == key) {
+                return use_endpoint(endpoint);
             }
-            clients.retain(|(token, _)| token.strong_count() > 0);
-            let client = (self.build)(self.connector.clone());
-            clients.push((std::sync::Arc::downgrade(&self.token), client.clone()));
-            client
+            endpoints.retain(|(token, _)| token.strong_count() > 0);
+            let mut endpoint = ThreadEndpoint {
+                client: (self.build)(self.connector.clone()),
+                streams: None,
+            };
+            let used = use_endpoint(&mut endpoint);
+            endpoints.push((std::sync::Arc::downgrade(&self.token), endpoint));
+            used
         })
     }
 }

@@ -180,9 +180,16 @@ pub async fn post_with_headers(url: &str, headers: &[(&str, String)], body: impl
 
 /// A gRPC inference client of `address`, with no limit on message sizes.
 pub async fn grpc_client(address: SocketAddr) -> GrpcInferenceServiceClient<Channel> {
-    GrpcInferenceServiceClient::connect(format!("http://{address}"))
+    // h2 closes a connection whose buffered small DATA frames outweigh half its connection window: a client that
+    // pauses while a stream of tiny messages arrives must hold a small stream window in a large connection window.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+        .expect("a gRPC address")
+        .initial_stream_window_size(1 << 20)
+        .initial_connection_window_size(32 << 20)
+        .connect()
         .await
-        .expect("gRPC connects")
+        .expect("gRPC connects");
+    GrpcInferenceServiceClient::new(channel)
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX)
 }

@@ -8,15 +8,18 @@ use http::header::{CONTENT_TYPE, TE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use tokio::sync::mpsc;
 use tonic::Code;
 
 use super::Replied;
-use crate::body::{ChannelBody, ChunksBody};
+use crate::body::ChunksBody;
 use crate::codec::compression::{self, Coding};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
+
+mod stream;
+
+pub use stream::{StreamRequests, UpstreamStream};
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
 const FRAME_HEADER: usize = 5;
@@ -163,43 +166,6 @@ impl GrpcUpstream {
     }
 }
 
-/// A stream opened to a backend: its messages go in through `requests`, the backend's come out of `answers`.
-/// Dropping `requests` tells the backend the client has sent everything; dropping both resets its stream.
-#[derive(Debug)]
-pub struct UpstreamStream {
-    pub requests: StreamRequests,
-    pub answers: tonic::codec::Streaming<Bytes>,
-    /// The backend's end-to-end metadata from its response headers.
-    pub headers: HeaderMap,
-}
-
-/// Where a backend stream's messages are sent: a bounded channel, so a backend that stops reading stalls the
-/// sender.
-#[derive(Debug)]
-pub struct StreamRequests {
-    chunks: mpsc::Sender<Bytes>,
-    coding: Option<Coding>,
-}
-
-/// Chunks a stream's request channel holds before its sender waits.
-const STREAM_CHUNKS: usize = 64;
-
-impl StreamRequests {
-    /// Sends one message; fails when the backend's stream is gone.
-    pub async fn send(&self, message: Vec<Bytes>) -> Result<()> {
-        for chunk in frame(message, self.coding)? {
-            self.chunks.send(chunk).await.map_err(|_| {
-                Error::new(
-                    ErrorKind::BadGateway,
-                    Origin::Upstream,
-                    "the backend's stream has ended",
-                )
-            })?;
-        }
-        Ok(())
-    }
-}
-
 /// One gRPC message on the wire: compressed with `coding` when given, behind its length prefix.
 fn frame(message: Vec<Bytes>, coding: Option<Coding>) -> Result<Vec<Bytes>> {
     let message = match coding {
@@ -214,67 +180,15 @@ fn frame(message: Vec<Bytes>, coding: Option<Coding>) -> Result<Vec<Bytes>> {
 }
 
 impl GrpcUpstream {
-    /// Opens a bidirectional stream on `method` with `first` as its first message (sent before the answer's
-    /// headers are awaited: a server may hold its headers until it has a message to answer). `deadline`, when
-    /// given, is passed on as `grpc-timeout`; `coding` compresses the messages sent and asks for compressed ones.
-    pub async fn open_stream(
-        &self,
-        method: &str,
-        first: Vec<Bytes>,
-        deadline: Option<Duration>,
-        metadata: &HeaderMap,
-        coding: Option<Coding>,
-    ) -> Result<UpstreamStream> {
-        let (requests, chunks) = mpsc::channel(STREAM_CHUNKS);
-        let request = self.request(
-            method,
-            crate::body::OutBody::Channel(ChannelBody::new(chunks)),
-            deadline,
-            metadata,
-            coding,
-        )?;
-        let first = frame(first, coding)?;
-        let sending = async {
-            for chunk in first {
-                if requests.send(chunk).await.is_err() {
-                    break;
-                }
-            }
-        };
-        let (response, ()) = tokio::join!(self.clients.get().request(request), sending);
-        let response = response.map_err(|e| super::unreachable(&self.authority, e))?;
-        self.check_status(&response)?;
-        let (parts, body) = response.into_parts();
-        let encoding = match parts.headers.get("grpc-encoding").map(HeaderValue::as_bytes) {
-            Some(b"gzip") => Some(tonic::codec::CompressionEncoding::Gzip),
-            Some(b"deflate") => Some(tonic::codec::CompressionEncoding::Deflate),
-            _ => None,
-        };
-        Ok(UpstreamStream {
-            requests: StreamRequests {
-                chunks: requests,
-                coding,
-            },
-            answers: tonic::codec::Streaming::new_response(
-                crate::codec::protobuf::RawDecoder,
-                body,
-                http::StatusCode::OK,
-                encoding,
-                Some(self.max_response_bytes),
-            ),
-            headers: headers::end_to_end(&parts.headers),
-        })
-    }
-
     /// A call's request: `body` with the gRPC headers, the deadline as `grpc-timeout` and `metadata`.
-    fn request(
+    fn request<B>(
         &self,
         method: &str,
-        body: crate::body::OutBody,
+        body: B,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
         coding: Option<Coding>,
-    ) -> Result<Request<crate::body::OutBody>> {
+    ) -> Result<Request<B>> {
         let mut request = Request::builder()
             .method(Method::POST)
             .uri(format!("{}://{}{method}", self.scheme, self.authority))

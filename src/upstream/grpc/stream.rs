@@ -1,0 +1,230 @@
+//! Bidirectional gRPC streams to a backend, on HTTP/2 connections made with h2 itself: hyper does not expose h2's
+//! budget for small DATA frames, and its default closes a connection whose stalled reader holds many tiny messages.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use http_body::{Body, Frame};
+use hyper_util::rt::TokioIo;
+
+use super::{FRAME_HEADER, GrpcUpstream, frame};
+use crate::codec::compression::Coding;
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::headers;
+
+/// What one backend stream may hold unread: a stream mostly carries small messages, and a client that stops reading
+/// leaves its stream window full in the gateway.
+const STREAM_WINDOW: u32 = 2 << 20;
+/// What all the streams of one connection may hold unread together.
+const CONNECTION_WINDOW: u32 = 16 << 20;
+/// h2 charges each DATA frame it buffers that is smaller than this as if it were this big.
+const SMALL_FRAME: usize = 256;
+/// h2 closes a connection whose buffered small frames cost more than its budget (by default half the connection
+/// window, which ~50-byte messages unread by one client exceed). This budget lets the whole connection window be
+/// held as the smallest gRPC messages (an empty one behind its 5-byte header): only a backend that splits messages
+/// into smaller frames can spend it.
+const SMALL_FRAMES_BUDGET: usize = CONNECTION_WINDOW as usize / FRAME_HEADER * SMALL_FRAME;
+
+/// A stream opened to a backend: its messages go in through `requests`, the backend's come out of `answers`.
+/// Dropping `requests` tells the backend the client has sent everything; dropping both resets its stream.
+#[derive(Debug)]
+pub struct UpstreamStream {
+    pub requests: StreamRequests,
+    pub answers: tonic::codec::Streaming<Bytes>,
+    /// The backend's end-to-end metadata from its response headers.
+    pub headers: HeaderMap,
+}
+
+/// Where a backend stream's messages are sent. A send waits for the backend's flow-control window, so a backend
+/// that stops reading stalls the sender.
+#[derive(Debug)]
+pub struct StreamRequests {
+    sending: h2::SendStream<Bytes>,
+    coding: Option<Coding>,
+}
+
+impl StreamRequests {
+    /// Sends one message; fails when the backend's stream is gone.
+    pub async fn send(&mut self, message: Vec<Bytes>) -> Result<()> {
+        for chunk in frame(message, self.coding)?
+            .into_iter()
+            .filter(|chunk| !chunk.is_empty())
+        {
+            // As hyper does: wait for some window, then hand h2 the whole chunk (already in memory, never copied),
+            // which it sends as the window allows; the next chunk waits until this one is on its way.
+            self.sending.reserve_capacity(chunk.len());
+            match std::future::poll_fn(|cx| self.sending.poll_capacity(cx)).await {
+                Some(Ok(_)) => self.sending.send_data(chunk, false).map_err(|_| ended())?,
+                _ => return Err(ended()),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StreamRequests {
+    fn drop(&mut self) {
+        // The client has sent everything: half-close. A stream already reset refuses this, which is fine.
+        let _ = self.sending.send_data(Bytes::new(), true);
+    }
+}
+
+fn ended() -> Error {
+    Error::new(
+        ErrorKind::BadGateway,
+        Origin::Upstream,
+        "the backend's stream has ended",
+    )
+}
+
+impl GrpcUpstream {
+    /// Opens a bidirectional stream on `method` with `first` as its first message (sent before the answer's
+    /// headers are awaited: a server may hold its headers until it has a message to answer). `deadline`, when
+    /// given, is passed on as `grpc-timeout`; `coding` compresses the messages sent and asks for compressed ones.
+    pub async fn open_stream(
+        &self,
+        method: &str,
+        first: Vec<Bytes>,
+        deadline: Option<Duration>,
+        metadata: &HeaderMap,
+        coding: Option<Coding>,
+    ) -> Result<UpstreamStream> {
+        let request = self.request(method, (), deadline, metadata, coding)?;
+        let mut connection = self.stream_connection().await?;
+        let (response, sending) = connection
+            .send_request(request, false)
+            .map_err(|e| self.stream_failure(e, true))?;
+        // h2 assigns no window to a stream still waiting to be opened (under the backend's limit on concurrent
+        // streams), nor later to what was reserved meanwhile: the first message waits until the stream is open.
+        connection.ready().await.map_err(|e| self.stream_failure(e, true))?;
+        let mut requests = StreamRequests { sending, coding };
+        let (response, sent) = tokio::join!(response, requests.send(first));
+        let response = response.map_err(|e| self.stream_failure(e, false))?;
+        self.check_status(&response)?;
+        sent?;
+        let (parts, body) = response.into_parts();
+        let encoding = match parts.headers.get("grpc-encoding").map(HeaderValue::as_bytes) {
+            Some(b"gzip") => Some(tonic::codec::CompressionEncoding::Gzip),
+            Some(b"deflate") => Some(tonic::codec::CompressionEncoding::Deflate),
+            _ => None,
+        };
+        Ok(UpstreamStream {
+            requests,
+            answers: tonic::codec::Streaming::new_response(
+                crate::codec::protobuf::RawDecoder,
+                ReceivedBody {
+                    receiving: body,
+                    data_ended: false,
+                },
+                http::StatusCode::OK,
+                encoding,
+                Some(self.max_response_bytes),
+            ),
+            headers: headers::end_to_end(&parts.headers),
+        })
+    }
+
+    /// This thread's stream connection to the endpoint, ready for a new stream; made anew when there is none or
+    /// the last one failed.
+    async fn stream_connection(&self) -> Result<h2::client::SendRequest<Bytes>> {
+        if let Some(connection) = self.clients.streams()
+            && let Ok(ready) = connection.ready().await
+        {
+            return Ok(ready);
+        }
+        let uri: http::Uri = format!("{}://{}", self.scheme, self.authority)
+            .parse()
+            .map_err(|e| Error::internal(format!("backend address {}: {e}", self.authority)))?;
+        let mut connector = self.clients.connector.clone();
+        let io = tower_service::Service::call(&mut connector, uri)
+            .await
+            .map_err(|e| self.stream_failure(StreamFailure(e), true))?;
+        let (connection, driver) = h2::client::Builder::new()
+            .initial_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .data_frame_budget(SMALL_FRAMES_BUDGET)
+            .handshake::<_, Bytes>(TokioIo::new(io))
+            .await
+            .map_err(|e| self.stream_failure(e, true))?;
+        tokio::spawn(async move {
+            if let Err(error) = driver.await {
+                tracing::debug!(%error, "backend stream connection ended");
+            }
+        });
+        self.clients.set_streams(connection.clone());
+        connection.ready().await.map_err(|e| self.stream_failure(e, true))
+    }
+
+    /// A stream that could not be opened; `unsent` when nothing of it reached the backend.
+    fn stream_failure(&self, error: impl std::error::Error + Send + Sync + 'static, unsent: bool) -> Error {
+        let failure = Error::new(
+            ErrorKind::BadGateway,
+            Origin::Upstream,
+            format!("backend {} unreachable: {error}", self.authority),
+        )
+        .caused_by(error);
+        if unsent {
+            failure.unsent()
+        } else {
+            failure.with_retryable(false)
+        }
+    }
+}
+
+/// A connector's error, which is boxed.
+#[derive(Debug)]
+struct StreamFailure(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for StreamFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for StreamFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+/// A backend stream's answer as a body: its data as it arrives, its window given back as each piece is taken (so
+/// what is unread is bounded by the window), then its trailers.
+struct ReceivedBody {
+    receiving: h2::RecvStream,
+    data_ended: bool,
+}
+
+impl Body for ReceivedBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, h2::Error>>> {
+        let this = &mut *self;
+        if !this.data_ended {
+            match this.receiving.poll_data(cx) {
+                Poll::Ready(Some(Ok(data))) => {
+                    let _ = this.receiving.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Poll::Ready(Some(Err(error))) => return Poll::Ready(Some(Err(error))),
+                Poll::Ready(None) => this.data_ended = true,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        this.receiving.poll_trailers(cx).map(|trailers| match trailers {
+            Ok(Some(trailers)) => Some(Ok(Frame::trailers(trailers))),
+            Ok(None) => None,
+            Err(error) => Some(Err(error)),
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.receiving.is_end_stream()
+    }
+}
