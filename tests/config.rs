@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use oipgate::config::{BackendProtocol, Config, Endpoint, raw, validate};
+use oipgate::config::{BackendProtocol, Config, Endpoint, StreamDialect, raw, validate};
 use oipgate::routing::RouteTable;
 
 const EXAMPLE: &str = r#"
@@ -25,6 +25,7 @@ binary_data = true             # this REST backend understands the binary tensor
 name = "fleet-b"
 protocol = "grpc"
 endpoints = ["127.0.0.1:9101"]
+stream = "mlserver"            # its inference streams are MLServer's ("triton" by default)
 
 [[models]]
 name = "add_sub"
@@ -66,6 +67,8 @@ fn the_example_is_accepted_as_written() {
     assert_eq!(config.limits.request_timeout, Duration::from_secs(30));
     assert_eq!(config.backends[0].protocol, BackendProtocol::Rest);
     assert!(config.backends[0].binary_data);
+    assert_eq!(config.backends[0].stream, StreamDialect::Triton);
+    assert_eq!(config.backends[1].stream, StreamDialect::Mlserver);
     assert_eq!(
         config.backends[1].endpoints,
         vec![Endpoint {
@@ -188,6 +191,11 @@ fn unknown_keys_are_refused_with_their_path() {
     assert!(found[0].starts_with("limits.request_timeout_ms"), "{found:?}");
     let found = problems(&EXAMPLE.replace("[limits]", "[limits]\nstream_idle_timeout_ms = 0"));
     assert_eq!(found, ["limits.stream_idle_timeout_ms: must be at least 1"]);
+    let found = problems(&EXAMPLE.replace("stream = \"mlserver\"", "stream = \"kserve\""));
+    assert_eq!(
+        found,
+        ["backends[1].stream: \"kserve\" is not \"triton\" or \"mlserver\""]
+    );
 }
 
 #[test]

@@ -587,3 +587,55 @@ async fn generate_and_generate_stream_reach_both_backend_protocols() {
     assert_eq!(answer.status, 400);
     assert!(answer.json()["error"].as_str().unwrap().contains("field 'NOPE'"));
 }
+
+#[tokio::test]
+async fn infer_stream_takes_an_inference_request_and_answers_inference_responses() {
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let url = |model: &str| gateway.rest_url(&format!("/v2/models/{model}/infer_stream"));
+    let request = |n: i32| {
+        serde_json::json!({"id": "s1", "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [n]}]})
+            .to_string()
+    };
+
+    // MLServer's call, translated onto a gRPC backend's stream: each response an event, as an inference response.
+    let answer = common::post(&url("counter"), request(2)).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert_eq!(answer.header("content-type"), Some("text/event-stream; charset=utf-8"));
+    let text = String::from_utf8_lossy(&answer.body).into_owned();
+    let events: Vec<serde_json::Value> = text
+        .split_terminator("\n\n")
+        .map(|event| serde_json::from_str(event.strip_prefix("data: ").unwrap()).unwrap())
+        .collect();
+    assert_eq!(events.len(), 2, "{text}");
+    for (n, event) in events.iter().enumerate() {
+        assert_eq!(
+            (event["model_name"].as_str(), event["model_version"].as_str()),
+            (Some("counter"), Some("4"))
+        );
+        assert_eq!(event["id"], "s1");
+        assert_eq!(event["outputs"][0]["name"], "OUTPUT0");
+        assert_eq!(event["outputs"][0]["data"], serde_json::json!([n]));
+    }
+    // A body that is no inference request is refused before anything is sent.
+    let answer = common::post(&url("counter"), r#"{"INPUT0": 2}"#).await;
+    assert_eq!(answer.status, 400, "{:?}", answer.body);
+    assert!(
+        answer.json()["error"].as_str().unwrap().contains("inputs"),
+        "{:?}",
+        answer.body
+    );
+
+    // A REST backend whose streams are Triton's has no infer_stream: refused, naming what it has.
+    let answer = common::post(&url("count_rest"), request(2)).await;
+    assert_eq!(answer.status, 400);
+    let error = answer.json()["error"].as_str().unwrap().to_owned();
+    assert!(error.contains("generate_stream, not infer_stream"), "{error}");
+    // And the built-in model server, like Triton, serves no infer_stream.
+    let direct = common::post(
+        &format!("http://{}/v2/models/count/infer_stream", server.rest.unwrap()),
+        request(1),
+    )
+    .await;
+    assert_eq!(direct.status, 404);
+}

@@ -117,8 +117,10 @@ A stateful sequence (sequence_id 42): every step reaches the replica that holds 
   curl -s http://{rest}/v2/models/accumulate/infer -d '{second}'
   curl -s http://{rest}/v2/models/accumulate/infer -d '{third}'
 
-A decoupled model streams its responses as server-sent events (generate_stream, translated to a gRPC stream):
+A decoupled model streams its responses as server-sent events (Triton's generate_stream and MLServer's
+infer_stream, translated to a gRPC stream):
   curl -sN http://{rest}/v2/models/count/generate_stream -d '{{"INPUT0": 3}}'
+  curl -sN http://{rest}/v2/models/count/infer_stream -d '{{"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1],"data":[2]}}]}}'
   curl -s http://{rest}/v2/models/add_sub/versions/2/generate -d '{{"INPUT0": [{data}], "INPUT1": [{ones}]}}'
 
 Repository calls reach every replica (identity unloaded on both, then loaded on both):

@@ -139,6 +139,17 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
             BackendProtocol::Rest
         }
     };
+    let stream = match backend.stream.as_deref() {
+        None | Some("triton") => StreamDialect::Triton,
+        Some("mlserver") => StreamDialect::Mlserver,
+        Some(other) => {
+            problems.add(
+                format!("{path}.stream"),
+                format!("\"{other}\" is not \"triton\" or \"mlserver\""),
+            );
+            StreamDialect::Triton
+        }
+    };
     if backend.binary_data && protocol == BackendProtocol::Grpc {
         problems.add(format!("{path}.binary_data"), "applies to REST backends only");
     }
@@ -239,6 +250,7 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
         discovery,
         binary_data: backend.binary_data,
         compression: backend.compression,
+        stream,
         policy,
         tls,
     }

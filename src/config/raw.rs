@@ -130,6 +130,10 @@ pub struct RawBackend {
     /// compressed the same way, asking for a compressed answer.
     #[serde(default)]
     pub compression: bool,
+    /// Whose inference streams it serves: "triton" (default: gRPC answers wrapped in `ModelStreamInferResponse`,
+    /// REST `generate_stream` with fields by name) or "mlserver" (bare `ModelInferResponse`s, REST `infer_stream`
+    /// with inference requests and responses).
+    pub stream: Option<String>,
     /// "round_robin" (default), "least_request" or "consistent_hash".
     pub lb: Option<String>,
     /// Calls one endpoint may have under way; more wait briefly, then are refused.

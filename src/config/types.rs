@@ -98,6 +98,19 @@ pub enum BackendProtocol {
     Grpc,
 }
 
+/// Whose inference streams a backend serves: they differ on the wire, and one is never read as the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum StreamDialect {
+    /// Triton: gRPC `ModelStreamInfer` answers `ModelStreamInferResponse` (an error message or a response, a
+    /// decoupled model's last flagged `triton_final_response`); REST `generate_stream` takes and answers fields by
+    /// name.
+    #[default]
+    Triton,
+    /// MLServer: gRPC `ModelStreamInfer` answers bare `ModelInferResponse`s and ends on a request's error with its
+    /// status; REST `infer_stream` takes an inference request and answers each response as an event.
+    Mlserver,
+}
+
 /// A replica's address: an IP address or a DNS name, and a port.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Endpoint {
@@ -160,6 +173,8 @@ pub struct Backend {
     pub binary_data: bool,
     /// It reads compressed requests: REST bodies and gRPC messages that came compressed go to it compressed.
     pub compression: bool,
+    /// Whose inference streams it serves.
+    pub stream: StreamDialect,
     pub policy: BackendPolicy,
     pub tls: Option<BackendTls>,
 }

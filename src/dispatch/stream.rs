@@ -18,10 +18,11 @@ use super::fleet::Lease;
 use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
+use crate::config::StreamDialect;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::metrics::{Metrics, StreamLeg, StreamResult};
 use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
-use crate::protocol::{ParamValue, Reserved};
+use crate::protocol::{ParamValue, Reserved, StreamCall};
 use crate::routing::VersionRoute;
 use crate::upstream::grpc::StreamRequests;
 
@@ -282,7 +283,14 @@ impl Dispatcher {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
                     if let Some(leg) = legs.get_mut(&route.id) {
                         leg.sent.fetch_add(1, Ordering::Relaxed);
-                        return leg.requests.send(renamed).await;
+                        match leg.requests.send(renamed.clone()).await {
+                            Ok(()) => return Ok(()),
+                            // An MLServer stream ends at its first failed request: the next opens another.
+                            Err(_) if backend.config.stream == StreamDialect::Mlserver => {
+                                legs.remove(&route.id);
+                            }
+                            Err(error) => return Err(error),
+                        }
                     }
                     let lease = backend
                         .fleet
@@ -322,7 +330,7 @@ impl Dispatcher {
                         lease,
                         backend.clone(),
                         route.clone(),
-                        answers.clone(),
+                        (answers.clone(), id.clone()),
                         record,
                     ));
                     Ok(())
@@ -434,22 +442,29 @@ async fn unary_over_rest(
 
 /// A backend stream's responses onto the client's stream, renamed to the public names, until the backend ends it.
 /// The lease keeps the stream counted on its endpoint; how the stream ended feeds the endpoint's outlier detection.
+/// An MLServer backend's bare responses are wrapped as Triton's stream answers them, and the error that ends its
+/// stream is the error response of the request that opened it (`first_id`), the client's stream going on.
 async fn relay(
     mut upstream: tonic::codec::Streaming<Bytes>,
     lease: Lease,
     backend: Arc<BackendClients>,
     route: Arc<VersionRoute>,
-    answers: Answers,
+    (answers, first_id): (Answers, String),
     mut record: LegRecord,
 ) -> Result<()> {
+    let dialect = backend.config.stream;
     let outcome = async {
         loop {
             let message = upstream.message().await.map_err(|status| {
                 Error::from_upstream_grpc(status.code(), format!("backend {}: {}", backend.name, status.message()))
             })?;
             let Some(message) = message else { return Ok(()) };
-            let renamed = splice::rename_stream_response(&message, &route.model, &route.version)
-                .map_err(Error::into_upstream_protocol_error)?;
+            let renamed = match dialect {
+                StreamDialect::Triton => splice::rename_stream_response(&message, &route.model, &route.version),
+                StreamDialect::Mlserver => splice::rename(&message, &route.model, &route.version)
+                    .map(|response| splice::stream_response("", response)),
+            }
+            .map_err(Error::into_upstream_protocol_error)?;
             record.responded();
             if !answers.respond(renamed).await {
                 return Ok(());
@@ -464,7 +479,13 @@ async fn relay(
         Ok(()) => StreamResult::Ok,
         Err(_) => StreamResult::Error,
     });
-    outcome
+    match outcome {
+        Err(error) if dialect == StreamDialect::Mlserver => {
+            answers.fail(&first_id, &error).await;
+            Ok(())
+        }
+        outcome => outcome,
+    }
 }
 
 fn past_deadline(context: &CallContext) -> Error {
@@ -512,23 +533,30 @@ fn failed_response(id: &str, error: &Error) -> Vec<Bytes> {
 }
 
 impl Dispatcher {
-    /// A generate request sent as it came to `route`'s REST backend, at its `generate` or `generate_stream`: the
-    /// answer's head as soon as it arrives, its body still to be read. The endpoint is chosen as for an inference
+    /// A streaming call's body sent as it came to `route`'s REST backend, at the call's path: the answer's head
+    /// as soon as it arrives, its body still to be read. The endpoint is chosen as for an inference
     /// (another one when the first cannot be reached); the request timeout bounds the wait for the head only.
-    pub async fn generate_rest(
+    pub async fn rest_stream_call(
         &self,
         routed: &crate::routing::Routed,
-        stream: bool,
+        call: StreamCall,
         body: Bytes,
         forward: &http::HeaderMap,
     ) -> Result<http::Response<hyper::body::Incoming>> {
         let route = &routed.route;
         let backend = self.backend(route)?;
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
-            return Err(Error::internal("generate_rest to a gRPC backend"));
+            return Err(Error::internal("a REST stream call to a gRPC backend"));
         };
-        let suffix = if stream { "/generate_stream" } else { "/generate" };
-        let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), suffix);
+        if call == StreamCall::InferStream && backend.config.stream == StreamDialect::Triton {
+            return Err(Error::invalid(format!(
+                "model '{}' is served by backend {}, whose streams are Triton's: it has generate_stream, not \
+                 infer_stream",
+                route.model, backend.name
+            )));
+        }
+        let suffix = format!("/{}", call.path_segment());
+        let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), &suffix);
         let mut headers = forward.clone();
         headers.insert(
             http::header::CONTENT_TYPE,
@@ -544,9 +572,9 @@ impl Dispatcher {
     }
 
     /// One request of a stream for a decoupled model behind a REST backend: sent to the backend's
-    /// `generate_stream`, whose events become the request's responses on the stream, flagged not final as Triton
-    /// flags a decoupled model's (an empty final one follows when the request asked for it). A failure is the
-    /// request's error response; the stream goes on.
+    /// `generate_stream` (MLServer's: `infer_stream`, the request as an inference request), whose events become the
+    /// request's responses on the stream, flagged not final as Triton flags a decoupled model's (an empty final one
+    /// follows when the request asked for it). A failure is the request's error response; the stream goes on.
     async fn decoupled_over_rest(
         self: Arc<Self>,
         routed: crate::routing::Routed,
@@ -574,11 +602,21 @@ impl Dispatcher {
             splice::stream_response("", protobuf::encode_response(response).chunks)
         };
         let outcome: Result<bool> = async {
-            let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
             let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
-            let body = rest_generate::encode_generate_request(&request)?;
+            let dialect = self.backend(&route)?.config.stream;
+            let (call, body, metadata) = match dialect {
+                StreamDialect::Triton => {
+                    let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
+                    let body = rest_generate::encode_generate_request(&request)?;
+                    (StreamCall::GenerateStream, body, Some(metadata))
+                }
+                StreamDialect::Mlserver => {
+                    let body = crate::codec::rest::encode_request(&request, false)?.chunks.concat();
+                    (StreamCall::InferStream, body, None)
+                }
+            };
             let answer = self
-                .generate_rest(&routed, true, Bytes::from(body), &context.forward)
+                .rest_stream_call(&routed, call, Bytes::from(body), &context.forward)
                 .await?;
             let (head, mut body) = answer.into_parts();
             let mut pending = Vec::new();
@@ -614,8 +652,11 @@ impl Dispatcher {
                 let Ok(chunk) = frame.into_data() else { continue };
                 pending.extend_from_slice(&chunk);
                 for json in rest_generate::take_events(&mut pending) {
-                    let response = rest_generate::decode_generate_response(&json, &metadata)
-                        .map_err(Error::into_upstream_protocol_error);
+                    let response = match &metadata {
+                        Some(metadata) => rest_generate::decode_generate_response(&json, metadata),
+                        None => crate::codec::rest::decode_stream_event(&json),
+                    }
+                    .map_err(Error::into_upstream_protocol_error);
                     let answer = match response {
                         Ok(response) => {
                             record.responded();

@@ -2,6 +2,8 @@
 
 use http::Method;
 
+use crate::protocol::StreamCall;
+
 /// Which endpoint a path names.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Route<'a> {
@@ -11,8 +13,8 @@ pub enum Route<'a> {
     ModelMetadata(&'a str, Option<&'a str>),
     ModelReady(&'a str, Option<&'a str>),
     Infer(&'a str, Option<&'a str>),
-    /// Triton's generate extension: `generate` (one answer) when the flag is false, `generate_stream` when true.
-    Generate(&'a str, Option<&'a str>, bool),
+    /// Triton's generate extension (`generate`, `generate_stream`) and MLServer's `infer_stream`.
+    Generate(&'a str, Option<&'a str>, StreamCall),
     /// Triton's configuration of a model.
     ModelConfig(&'a str, Option<&'a str>),
     /// Triton's statistics of one model (at one version) or, without a model, of every model.
@@ -64,15 +66,26 @@ pub fn route(path: &str) -> Option<Route<'_>> {
         ["models", model, "versions", version, "stats"] => Route::ModelStatistics(Some(model), Some(version)),
         ["models", model, "ready"] => Route::ModelReady(model, None),
         ["models", model, "infer"] => Route::Infer(model, None),
-        ["models", model, "generate"] => Route::Generate(model, None, false),
-        ["models", model, "generate_stream"] => Route::Generate(model, None, true),
-        ["models", model, "versions", version, "generate"] => Route::Generate(model, Some(version), false),
-        ["models", model, "versions", version, "generate_stream"] => Route::Generate(model, Some(version), true),
+        ["models", model, call] if stream_call(call).is_some() => Route::Generate(model, None, stream_call(call)?),
+        ["models", model, "versions", version, call] if stream_call(call).is_some() => {
+            Route::Generate(model, Some(version), stream_call(call)?)
+        }
         ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
         ["models", model, "versions", version, "ready"] => Route::ModelReady(model, Some(version)),
         ["models", model, "versions", version, "infer"] => Route::Infer(model, Some(version)),
         _ => return None,
     })
+}
+
+/// The streaming call a path's last segment names.
+fn stream_call(segment: &str) -> Option<StreamCall> {
+    [
+        StreamCall::Generate,
+        StreamCall::GenerateStream,
+        StreamCall::InferStream,
+    ]
+    .into_iter()
+    .find(|call| call.path_segment() == segment)
 }
 
 #[cfg(test)]
@@ -85,9 +98,16 @@ mod tests {
         assert_eq!(route("/v2/"), Some(Route::ServerMetadata));
         assert_eq!(
             route("/v2/models/m/versions/2/generate_stream"),
-            Some(Route::Generate("m", Some("2"), true))
+            Some(Route::Generate("m", Some("2"), StreamCall::GenerateStream))
         );
-        assert_eq!(route("/v2/models/m/generate"), Some(Route::Generate("m", None, false)));
+        assert_eq!(
+            route("/v2/models/m/generate"),
+            Some(Route::Generate("m", None, StreamCall::Generate))
+        );
+        assert_eq!(
+            route("/v2/models/m/infer_stream"),
+            Some(Route::Generate("m", None, StreamCall::InferStream))
+        );
         assert_eq!(
             route("/v2/models/m/versions/2/infer"),
             Some(Route::Infer("m", Some("2")))

@@ -17,7 +17,7 @@ use crate::codec::rest::generate as generate_codec;
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::paths::{Route, route};
-use crate::protocol::{ModelReady, ServerLive, ServerReady};
+use crate::protocol::{ModelReady, ServerLive, ServerReady, StreamCall};
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChunksBody> {
     let mut response = Response::new(ChunksBody::new(vec![Bytes::from(body)]));
@@ -51,14 +51,17 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let echoed = super::echoed_headers(request.headers(), &state.metadata.name);
-    let generating = match route(request.uri().path()) {
-        Some(Route::Generate(model, version, stream)) if request.method() == Method::POST => {
-            Some((model.to_owned(), version.map(str::to_owned), stream))
+    let path = request.uri().path().to_owned();
+    let generating = match route(&path) {
+        Some(Route::Generate(model, version, call)) if request.method() == Method::POST => {
+            Some((model.to_owned(), version.map(str::to_owned), call))
         }
         _ => None,
     };
     let answered = match generating {
-        Some((model, version, stream)) => generate(&state, &model, version.as_deref(), request, stream).await,
+        // Triton's streams, not MLServer's.
+        Some((_, _, StreamCall::InferStream)) => Err(Error::not_found(format!("no endpoint at {path}"))),
+        Some((model, version, call)) => generate(&state, &model, version.as_deref(), request, call.streams()).await,
         None => answer(&state, request)
             .await
             .map(|response| response.map(OutBody::from)),

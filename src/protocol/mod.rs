@@ -16,3 +16,31 @@ pub use parameters::{CONTENT_TYPE, ParamValue, Parameters};
 pub use reserved::Reserved;
 pub use sequence::{Sequence, SequenceId};
 pub use tensor::{BytesElements, Tensor};
+
+/// The REST calls that answer a stream of inference responses: Triton's generate extension and MLServer's
+/// inference stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamCall {
+    /// `generate`: fields by name in, one response's fields out.
+    Generate,
+    /// `generate_stream`: fields by name in, each response's fields as a server-sent event.
+    GenerateStream,
+    /// MLServer's `infer_stream`: an inference request in, each inference response as a server-sent event.
+    InferStream,
+}
+
+impl StreamCall {
+    /// The last segment of its path.
+    pub fn path_segment(self) -> &'static str {
+        match self {
+            StreamCall::Generate => "generate",
+            StreamCall::GenerateStream => "generate_stream",
+            StreamCall::InferStream => "infer_stream",
+        }
+    }
+
+    /// Whether it answers with events rather than one object.
+    pub fn streams(self) -> bool {
+        self != StreamCall::Generate
+    }
+}

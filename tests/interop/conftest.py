@@ -18,13 +18,14 @@ import pytest
 # The Triton server run (scripts/interop's third) collects only its own file.
 collect_ignore = {
     "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py"],
-    "kserve": ["test_endpoints.py", "test_errors.py", "test_triton.py"],
+    "kserve": ["test_endpoints.py", "test_errors.py", "test_triton.py", "test_mlserver_streams.py"],
     "triton-server": [
         "test_kserve_endpoints.py",
         "test_content_types.py",
         "test_endpoints.py",
         "test_errors.py",
         "test_infer.py",
+        "test_mlserver_streams.py",
     ],
 }.get(os.environ.get("INTEROP_CLIENTS", ""), [])
 
@@ -37,7 +38,7 @@ KINDS = ("oipgate", "mlserver", "kserve")
 PROTOCOLS = ("rest", "grpc")
 UPSTREAM = {
     "oipgate": {"echo": ("identity", "1"), "strict": ("add_sub", "1")},
-    "mlserver": {"echo": ("echo", ""), "strict": ("strict", ""), "decode": ("decode", "")},
+    "mlserver": {"echo": ("echo", ""), "strict": ("strict", ""), "decode": ("decode", ""), "count": ("count", "")},
     "kserve": {"echo": ("echo", ""), "strict": ("strict", "")},
 }
 # Which backends speak the binary tensor data extension over REST (MLServer does not).
@@ -153,10 +154,14 @@ def gateway_config(backends: dict, rest: str, grpc: str, metrics: str, dead_port
             ]
             if protocol == "rest":
                 lines.append(f"binary_data = {str(BINARY_DATA[kind]).lower()}")
+            if kind == "mlserver":
+                lines.append('stream = "mlserver"')
             for role, (upstream, version) in UPSTREAM[kind].items():
                 lines += [
                     "[[models]]",
                     f'name = "{public_name(kind, protocol, role)}"',
+                    # A streaming model behind REST is reached through the backend's REST stream.
+                    *(["decoupled = true"] if role == "count" and protocol == "rest" else []),
                     f'versions = [ {{ version = "1", backend = "{kind}-{protocol}", '
                     f'upstream_name = "{upstream}", upstream_version = "{version}" }} ]',
                 ]

@@ -27,7 +27,7 @@ pub use request::{
     BINARY_DATA, BINARY_DATA_OUTPUT, LONGEST_RESERVED_NAME, RestRequest, decode_request, encode_request,
     mentions_reserved, raw_binary_request, reserved_parameters,
 };
-pub use response::{decode_response, encode_response};
+pub use response::{decode_response, decode_stream_event, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;
 
 /// The binary extension's header giving the JSON part's length.

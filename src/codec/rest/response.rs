@@ -45,6 +45,19 @@ pub fn decode_response(body: Bytes, header_length: Option<u64>) -> Result<InferR
     Ok(response)
 }
 
+/// Decodes one event of MLServer's `infer_stream`: an inference response whose `headers` parameter (the HTTP headers
+/// MLServer files among a response's parameters, which its events do not take out as its unary answers do) is
+/// dropped, not refused as a parameter value that is an object.
+pub fn decode_stream_event(json: &[u8]) -> Result<InferResponse> {
+    let mut event: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(json)
+        .map_err(|e| Error::invalid(format!("a stream event is not a JSON object: {e}")))?;
+    if let Some(serde_json::Value::Object(parameters)) = event.get_mut("parameters") {
+        parameters.remove("headers");
+    }
+    let json = serde_json::to_vec(&event).map_err(|e| Error::internal(format!("a stream event: {e}")))?;
+    decode_response(Bytes::from(json), None)
+}
+
 /// Encodes a response for a REST caller. Outputs are binary as `binary_outputs` (from the caller's request) says;
 /// binary sections are the outputs' own buffers, not copies.
 pub fn encode_response(response: &InferResponse, binary_outputs: &BinaryOutputs) -> Result<EncodedBody> {
@@ -75,4 +88,28 @@ pub fn encode_response(response: &InferResponse, binary_outputs: &BinaryOutputs)
     }
     out.extend_from_slice(b"]}");
     Ok(EncodedBody::new(out, sections))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mlserver_stream_events_lose_their_headers_parameter_only() {
+        let event = br#"{"model_name":"count","id":"r1","parameters":{"headers":{"Ce-Id":"r1"},"kept":3},
+            "outputs":[{"name":"OUTPUT0","shape":[1,1],"datatype":"INT32","data":[2]}]}"#;
+        let response = decode_stream_event(event).unwrap();
+        assert_eq!(
+            (response.model_name.as_str(), response.id.as_deref()),
+            ("count", Some("r1"))
+        );
+        assert_eq!(response.parameters.len(), 1);
+        assert!(response.parameters.contains_key("kept"));
+        assert_eq!(response.outputs[0].shape, vec![1, 1]);
+        assert!(decode_stream_event(b"data").is_err());
+        assert!(
+            decode_response(Bytes::from_static(event), None).is_err(),
+            "an object is no parameter value"
+        );
+    }
 }

@@ -1,9 +1,11 @@
-//! Triton's generate extension on the REST door: `generate` answers one JSON object, `generate_stream` server-sent
-//! events, one per response (`data: <json>` and a blank line; no event names, no end marker: the stream ends when the
-//! body does). To a REST backend the request goes as it came and the answer comes back event by event as it arrives,
-//! renamed for an alias. To a gRPC backend it is translated with the model's metadata into one inference on Triton's
-//! stream (ModelStreamInfer), and each response back. A response that fails before the first event makes the
-//! answer's status; one after it is an event `{"error": "..."}`.
+//! The REST door's streaming calls: Triton's generate extension and MLServer's `infer_stream`. `generate` answers one
+//! JSON object; `generate_stream` and `infer_stream` answer server-sent events, one per response (`data: <json>` and
+//! a blank line; no event names, no end marker: the stream ends when the body does). To a REST backend the request
+//! goes as it came and the answer comes back event by event as it arrives, renamed for an alias. To a gRPC backend it
+//! is translated into one inference on the inference stream (ModelStreamInfer), a generate body with the model's
+//! metadata, an `infer_stream` body as the inference request it is; each response comes back as the call writes it
+//! (fields by name, or an inference response). A response that fails before the first event makes the answer's
+//! status; one after it is an event `{"error": "..."}`.
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -15,12 +17,12 @@ use super::{Reply, RestDoor};
 use crate::codec::compression;
 use crate::codec::protobuf;
 use crate::codec::rest::generate::{decode_generate, encode_generate, take_events};
-use crate::codec::rest::{self as rest_codec};
+use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::ModelStreamInferResponse;
-use crate::protocol::{InferResponse, Sequence};
+use crate::protocol::{InferResponse, Sequence, StreamCall};
 use crate::routing::VersionRoute;
 use std::time::Duration;
 
@@ -49,7 +51,7 @@ impl RestDoor {
         record: &mut Record,
         model: &str,
         version: Option<&str>,
-        stream: bool,
+        call: StreamCall,
     ) -> Result<Reply> {
         let declared = self.declared_length(&parts.headers)?;
         let mut raw = self.read_body(body, declared, Vec::new()).await?;
@@ -63,12 +65,26 @@ impl RestDoor {
         let (routed, _) = dispatcher.route(model, version, &forward, None::<Sequence>);
         let routed = routed?;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
-            let answer = dispatcher.generate_rest(&routed, stream, raw, &forward).await?;
-            return relay(answer, &routed.route, stream, dispatcher.stream_idle_timeout()).await;
+            let answer = dispatcher.rest_stream_call(&routed, call, raw, &forward).await?;
+            return relay(answer, &routed.route, call.streams(), dispatcher.stream_idle_timeout()).await;
         }
         let route = routed.route;
-        let metadata = dispatcher.model_metadata(model, Some(&route.version)).await?;
-        let mut request = decode_generate(&raw, &metadata)?;
+        let mut request = match call {
+            StreamCall::InferStream => {
+                match rest_codec::decode_request(raw, rest_codec::inference_header_length(&parts.headers)?)? {
+                    RestRequest::Request { request, .. } => request,
+                    RestRequest::RawBinary(_) => {
+                        return Err(Error::invalid(
+                            "infer_stream takes an inference request, not raw binary data (Inference-Header-Content-Length: 0)",
+                        ));
+                    }
+                }
+            }
+            StreamCall::Generate | StreamCall::GenerateStream => {
+                let metadata = dispatcher.model_metadata(model, Some(&route.version)).await?;
+                decode_generate(&raw, &metadata)?
+            }
+        };
         request.model_name = model.to_owned();
         request.model_version = Some(route.version.clone());
         let message = Bytes::from(protobuf::encode_request(request).chunks.concat());
@@ -85,14 +101,14 @@ impl RestDoor {
                 .infer_stream(requests, context, answers, gateway.streams_ending())
                 .await
         });
-        if !stream {
-            return one_response(&mut received).await;
+        if !call.streams() {
+            return one_response(&mut received, call).await;
         }
         // The first event decides the status: an error before it is the answer.
         let first = loop {
             match received.recv().await {
                 None => break None,
-                Some(answer) => match generated(answer)? {
+                Some(answer) => match generated(answer, call)? {
                     Generated::Failed(message) => return Err(Error::invalid(message)),
                     Generated::Response(None) => continue,
                     Generated::Response(Some(json)) => break Some(json),
@@ -107,7 +123,7 @@ impl RestDoor {
                 return;
             }
             while let Some(answer) = received.recv().await {
-                let json = match generated(answer) {
+                let json = match generated(answer, call) {
                     Ok(Generated::Response(Some(json))) => json,
                     Ok(Generated::Response(None)) => continue,
                     Ok(Generated::Failed(message)) => rest_codec::encode_error(&message),
@@ -123,10 +139,10 @@ impl RestDoor {
 }
 
 /// `generate`: the stream's one response, as JSON.
-async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>) -> Result<Reply> {
+async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<Reply> {
     let mut only = None;
     while let Some(answer) = received.recv().await {
-        match generated(answer)? {
+        match generated(answer, call)? {
             Generated::Failed(message) => return Err(Error::invalid(message)),
             Generated::Response(None) => {}
             Generated::Response(Some(json)) => {
@@ -140,8 +156,9 @@ async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>) -> Result<Rep
     Ok(Reply::Json(StatusCode::OK, json))
 }
 
-/// One answer of the inference stream, read for a generate client; an error that ended the stream is returned.
-fn generated(answer: StreamAnswer) -> Result<Generated> {
+/// One answer of the inference stream, read for a generate client (or, for `infer_stream`, as an inference
+/// response); an error that ended the stream is returned.
+fn generated(answer: StreamAnswer, call: StreamCall) -> Result<Generated> {
     let message = answer?.concat();
     let decoded = ModelStreamInferResponse::decode(message.as_slice())
         .map_err(|e| Error::internal(format!("an inference stream's answer does not decode: {e}")))?;
@@ -152,6 +169,13 @@ fn generated(answer: StreamAnswer) -> Result<Generated> {
         Some(response) => protobuf::response_from_proto(response).map_err(Error::into_upstream_protocol_error)?,
         None => return Ok(Generated::Response(None)),
     };
+    if call == StreamCall::InferStream {
+        if response.outputs.is_empty() {
+            return Ok(Generated::Response(None));
+        }
+        let json = rest_codec::encode_response(&response, &rest_codec::BinaryOutputs::default())?;
+        return Ok(Generated::Response(Some(json.chunks.concat())));
+    }
     Ok(Generated::Response(encode_generate(&response)?))
 }
 

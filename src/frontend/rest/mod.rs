@@ -197,8 +197,8 @@ impl RestDoor {
                 Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
             Route::Infer(model, version) => return self.infer(parts, body, record, model, version).await,
-            Route::Generate(model, version, stream) => {
-                return self.generate(parts, body, record, model, version, stream).await;
+            Route::Generate(model, version, call) => {
+                return self.generate(parts, body, record, model, version, call).await;
             }
         })
     }

@@ -1,7 +1,9 @@
-"""MLServer runtimes of the interop suite: echo (inputs back as outputs), strict (INT32 [1, 16] only) and decode
-(describes how MLServer decoded each input by its content type)."""
+"""MLServer runtimes of the interop suite: echo (inputs back as outputs), strict (INT32 [1, 16] only), decode
+(describes how MLServer decoded each input by its content type) and count (streams)."""
 
 import json
+
+import numpy as np
 
 from mlserver import MLModel
 from mlserver.codecs import NumpyCodec
@@ -84,3 +86,20 @@ class Decode(MLModel):
             id=payload.id,
             outputs=[ResponseOutput(name="decoded", shape=[1], datatype="BYTES", data=[text])],
         )
+
+
+class Count(MLModel):
+    """A streaming model, MLServer's way: each request of a stream with INPUT0 = N is answered with N responses,
+    OUTPUT0 = 0, 1, ..., N-1. A negative N is refused, which ends MLServer's stream with an error status."""
+
+    async def load(self) -> bool:
+        return True
+
+    async def predict_stream(self, payloads):
+        async for payload in payloads:
+            count = int(NumpyCodec.decode_input(payload.inputs[0]).reshape(-1)[0])
+            if count < 0:
+                raise MLServerError(f"INPUT0 must not be negative, got {count}", 400)
+            for step in range(count):
+                output = NumpyCodec.encode_output("OUTPUT0", np.array([step], dtype=np.int32))
+                yield InferenceResponse(model_name=self.name, id=payload.id, outputs=[output])
