@@ -25,7 +25,7 @@ pub fn grpc_message(message: Vec<Bytes>, compressed: bool) -> Result<Vec<Bytes>,
     Ok(chunks)
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct ChunksBody {
     chunks: VecDeque<Bytes>,
     remaining: u64,
@@ -92,6 +92,16 @@ pub struct ChannelBody {
 impl ChannelBody {
     pub fn new(chunks: tokio::sync::mpsc::Receiver<Bytes>) -> ChannelBody {
         ChannelBody { chunks }
+    }
+}
+
+impl OutBody {
+    /// The same body again, when it can be sent twice (it is whole in memory; its chunks are shared, not copied).
+    pub fn again(&self) -> Option<OutBody> {
+        match self {
+            OutBody::Chunks(body) => Some(OutBody::Chunks(body.clone())),
+            OutBody::Relayed(_) | OutBody::Channel(_) => None,
+        }
     }
 }
 

@@ -161,3 +161,63 @@ async fn deadline_and_a_backend_that_is_down() {
         (ErrorKind::BadGateway, 502)
     );
 }
+
+/// A backend that answers the first request of its first connection, then closes that connection when the next
+/// request arrives on it, unanswered (as a server that drops a kept-alive connection without saying so); every other
+/// connection is answered. Gives its address and how many connections it accepted.
+async fn closes_kept_alive_connections() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let first = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 4096];
+                loop {
+                    match socket.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                    socket
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .unwrap();
+                    if first {
+                        // The next request is read, then the connection dropped without an answer.
+                        let _ = socket.read(&mut buffer).await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (address, accepted)
+}
+
+#[tokio::test]
+async fn a_kept_alive_connection_the_backend_dropped_is_replaced_once() {
+    let (address, accepted) = closes_kept_alive_connections().await;
+    let client = RestUpstream::new(&common::endpoint(address), Duration::from_secs(2), 1 << 20, None);
+    for _ in 0..2 {
+        let answer = client
+            .send(
+                Method::POST,
+                "/v2/models/m/infer",
+                &HeaderMap::new(),
+                vec![Bytes::from_static(b"{}")],
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!((answer.status.as_u16(), &answer.body[..]), (200, &b"ok"[..]));
+    }
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the second request went out again"
+    );
+}

@@ -158,6 +158,51 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, http2: bool) 
 
 /// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of
 /// it, so only that may be sent to another endpoint.
+/// Whether a request failed because its connection closed before any of the answer came: a kept-alive connection
+/// the backend dropped as the request went out (MLServer's REST server closes its connection after a 500 without
+/// saying so). Sent again once on a new connection, as curl does; a backend that dies with the request is rare, and
+/// its endpoint then refuses the new connection.
+fn closed_before_answer(error: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(hyper) = cause.downcast_ref::<hyper::Error>()
+            && hyper.is_incomplete_message()
+        {
+            return true;
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            )
+        {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
+/// Sends `request` on `client`, once more on a new connection when the first closed before any answer and the
+/// body can be sent again.
+async fn send_request(
+    client: &HttpClient,
+    request: http::Request<crate::body::OutBody>,
+) -> std::result::Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+    let again = request.body().again().map(|body| {
+        let mut copy = http::Request::new(body);
+        *copy.method_mut() = request.method().clone();
+        *copy.uri_mut() = request.uri().clone();
+        *copy.headers_mut() = request.headers().clone();
+        *copy.version_mut() = request.version();
+        copy
+    });
+    match (client.request(request).await, again) {
+        (Err(error), Some(again)) if closed_before_answer(&error) => client.request(again).await,
+        (answer, _) => answer,
+    }
+}
+
 fn unreachable(authority: &str, error: hyper_util::client::legacy::Error) -> Error {
     let connect = error.is_connect();
     let failure = Error::new(

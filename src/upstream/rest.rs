@@ -112,10 +112,7 @@ impl RestUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
-        let response = self
-            .clients
-            .get()
-            .request(request)
+        let response = super::send_request(&self.clients.get(), request)
             .await
             .map_err(|e| super::unreachable(&self.authority, e))?;
         let status = response.status();
@@ -156,8 +153,7 @@ impl RestUpstream {
         );
         let client = self.clients.get();
         super::within(Some(deadline), &self.authority, async {
-            client
-                .request(request)
+            super::send_request(&client, request)
                 .await
                 .map_err(|e| super::unreachable(&self.authority, e))
         })
