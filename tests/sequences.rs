@@ -179,6 +179,39 @@ async fn every_request_of_a_sequence_reaches_its_replica_on_all_four_paths_and_t
 }
 
 #[tokio::test]
+async fn generate_reaches_a_sequences_replica_relayed_and_translated() {
+    let (a, b) = (ModelServerProcess::named("a"), ModelServerProcess::named("b"));
+    let gateway = GatewayProcess::start(&two_replicas(&a, &b, ""));
+    // A sequence's generate steps, relayed to the REST pair (version 1) and translated onto the gRPC pair's stream
+    // (version 2): round robin would send every other step to the replica without the sequence's running sum.
+    for (version, first_id) in [("1", 800), ("2", 900)] {
+        let url = gateway.rest_url(&format!("/v2/models/accumulate/versions/{version}/generate"));
+        for id in first_id..first_id + 4 {
+            let mut expected = 0;
+            for step in 0..STEPS {
+                let value = step + 1;
+                expected += value;
+                let body = format!(
+                    r#"{{"INPUT0": {value}, "parameters": {{"sequence_id": {id}, "sequence_start": {}}}}}"#,
+                    step == 0
+                );
+                let answer = common::post(&url, body).await;
+                assert_eq!(answer.status, 200, "version {version}: {:?}", answer.body);
+                assert_eq!(
+                    answer.json()["OUTPUT0"],
+                    expected,
+                    "version {version} sequence {id} step {step}"
+                );
+            }
+        }
+    }
+    // A malformed sequence id is refused before anything is sent.
+    let url = gateway.rest_url("/v2/models/accumulate/generate");
+    let answer = common::post(&url, r#"{"INPUT0": 1, "parameters": {"sequence_id": 1.5}}"#).await;
+    assert_eq!(answer.status, 400, "{:?}", answer.body);
+}
+
+#[tokio::test]
 async fn a_sequence_whose_replica_is_out_is_refused_and_only_a_start_moves_it() {
     let a = ModelServerProcess::named("a");
     let mut b = Some(ModelServerProcess::named("b"));

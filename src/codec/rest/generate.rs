@@ -12,7 +12,7 @@ use super::format::{write_data, write_json_string};
 use super::params::{read_parameters, write_parameters};
 use super::reader::Reader;
 use crate::error::{Error, Result};
-use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Tensor, TensorMetadata};
+use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Parameters, Tensor, TensorMetadata};
 
 /// The request a generate body stands for, its inputs typed and shaped by `model`'s metadata.
 pub fn decode_generate(body: &[u8], model: &ModelMetadata) -> Result<InferRequest> {
@@ -59,6 +59,25 @@ fn tensor(name: String, value: &RawValue, meta: &TensorMetadata, model: &str) ->
     let data = parse_data(value.get().as_bytes(), datatype, count)
         .map_err(|e| Error::invalid(format!("field '{name}' is not {datatype}: {}", e.message())))?;
     Tensor::new(name, datatype, shape, data)
+}
+
+/// The `parameters` of a streaming call's body (a generate body or an inference request), every other member
+/// skipped unread: what routing needs (a sequence) before the body is decoded with the chosen version's metadata, or
+/// relayed as it came.
+pub fn body_parameters(body: &[u8]) -> Result<Parameters> {
+    let mut reader = Reader::new(body);
+    let mut parameters = Parameters::default();
+    let mut members = reader
+        .object()
+        .map_err(|e| Error::invalid(format!("the body must be one JSON object: {}", e.message())))?;
+    while let Some(key) = members.next(&mut reader)? {
+        if key.as_ref() == "parameters" {
+            parameters = read_parameters(&mut reader)?;
+        } else {
+            reader.skip_value()?;
+        }
+    }
+    Ok(parameters)
 }
 
 /// A generate body for `request`: its inputs as members, flat, and its parameters.

@@ -16,13 +16,13 @@ use tokio::sync::mpsc;
 use super::{Reply, RestDoor};
 use crate::codec::compression;
 use crate::codec::protobuf;
-use crate::codec::rest::generate::{decode_generate, encode_generate, take_events};
+use crate::codec::rest::generate::{body_parameters, decode_generate, encode_generate, take_events};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::ModelStreamInferResponse;
-use crate::protocol::{InferResponse, Sequence, StreamCall};
+use crate::protocol::{InferResponse, Reserved, StreamCall};
 use crate::routing::VersionRoute;
 use std::time::Duration;
 
@@ -61,8 +61,10 @@ impl RestDoor {
         record.request_bytes = raw.len() as u64;
         let dispatcher = record.dispatcher().clone();
         let forward = crate::headers::for_backend(&parts.headers);
-        // The version is chosen here (canary weights), so the inputs are read with that version's metadata.
-        let (routed, _) = dispatcher.route(model, version, &forward, None::<Sequence>);
+        // The version is chosen here (canary weights), so the inputs are read with that version's metadata; a
+        // sequence's requests reach the replica holding its state, relayed or translated.
+        let sequence = Reserved::from_parameters(&body_parameters(&raw)?)?.sequence;
+        let (routed, _) = dispatcher.route(model, version, &forward, sequence);
         let routed = routed?;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
             let answer = dispatcher.rest_stream_call(&routed, call, raw, &forward).await?;
