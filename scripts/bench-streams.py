@@ -1,26 +1,35 @@
 """Inference-stream figures (docs/BENCHMARKS.md, "Streams"): time to the first response through the gateway against
-the backend reached directly, and CPU per message of the gateway and the backend, for a gRPC stream passed through,
-generate_stream translated to a gRPC stream, and generate_stream relayed from a REST backend.
+the backend reached directly, alone and under load, and CPU per message of the gateway and the backend, for a gRPC
+stream passed through, generate_stream and infer_stream translated to a gRPC stream, and generate_stream relayed from
+a REST backend. Every path is measured in each of ROUNDS alternated rounds (A B C ... A B C ...); the tables give the
+medians of the rounds.
 
     scripts/setup && cargo build --release --bin oipgate
     target/interop/clients/bin/python scripts/bench-streams.py target/release/oipgate
+    BENCH_ONLY="gRPC stream" target/interop/clients/bin/python scripts/bench-streams.py target/release/oipgate
 
 The client is Python (grpcio, http.client): its own cost is in every latency, alike with and without the gateway, so
-the difference between the two is what the gateway adds. Ports 19100-19201 on loopback."""
-import os, sys, time, json, statistics, subprocess, urllib.request, http.client
-import numpy as np
+the difference between a row and its backend-direct row is what the gateway adds. Ports 19100-19201 on loopback."""
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
+import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 BIN = sys.argv[1]
-def cpu(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+ROUNDS = 3
+STREAMS = 500  # first-response samples per path and round, one stream at a time
+LOADED = (8, 100)  # under load: 8 client threads, 100 streams each, per path and round
+MESSAGES = 100_000  # responses of the one stream CPU per message is measured on
 
-server = subprocess.Popen([BIN, "model-server", "--rest", "127.0.0.1:19100", "--grpc", "127.0.0.1:19101"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-server.stdout.readline()
-cfg = """[listen]
+CONFIG = """[listen]
 rest = "127.0.0.1:19200"
 grpc = "127.0.0.1:19201"
 [[backends]]
@@ -38,86 +47,164 @@ versions = [ { version = "1", backend = "g" } ]
 name = "count_rest"
 versions = [ { version = "1", backend = "r", upstream_name = "count" } ]
 """
-open("/tmp/sbench.toml", "w").write(cfg)
-gateway = subprocess.Popen([BIN, "serve", "--config", "/tmp/sbench.toml"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
-gateway.stdout.readline()
-time.sleep(1)
-assert gateway.poll() is None and server.poll() is None
 
-def request(model, n):
-    r = service_pb2.ModelInferRequest(model_name=model, id="b")
-    t = r.inputs.add(); t.name = "INPUT0"; t.datatype = "INT32"; t.shape.extend([1])
-    r.raw_input_contents.append(np.array([n], dtype=np.int32).tobytes())
-    return r
 
-def first_response_times(address, model, rounds):
-    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(address))
-    times = []
-    for i in range(rounds + 50):
+def cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def request(n: int) -> service_pb2.ModelInferRequest:
+    message = service_pb2.ModelInferRequest(model_name="count", id="b")
+    tensor = message.inputs.add()
+    tensor.name, tensor.datatype = "INPUT0", "INT32"
+    tensor.shape.extend([1])
+    message.raw_input_contents.append(np.array([n], dtype=np.int32).tobytes())
+    return message
+
+
+def body(call: str, n: int) -> bytes:
+    if call == "infer_stream":
+        return json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [n]}]}).encode()
+    return json.dumps({"INPUT0": n}).encode()
+
+
+class GrpcPath:
+    def __init__(self, address: str, model: str):
+        self.address, self.model = address, model
+
+    def client(self):
+        return service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(self.address))
+
+    def first_response(self, stub) -> float:
         started = time.perf_counter()
-        answers = stub.ModelStreamInfer(iter([request(model, 1)]))
+        message = request(1)
+        message.model_name = self.model
+        answers = stub.ModelStreamInfer(iter([message]))
         next(answers)
         took = time.perf_counter() - started
         for _ in answers:
             pass
-        if i >= 50:
-            times.append(took)
-    return times
+        return took
 
-def sse_first_event_times(port, model, rounds):
-    times = []
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    for i in range(rounds + 50):
+    def responses(self, stub, n: int) -> int:
+        message = request(n)
+        message.model_name = self.model
+        return sum(1 for _ in stub.ModelStreamInfer(iter([message])))
+
+
+class SsePath:
+    def __init__(self, port: int, model: str, call: str):
+        self.port, self.model, self.call = port, model, call
+
+    def client(self):
+        return http.client.HTTPConnection("127.0.0.1", self.port)
+
+    def first_response(self, connection) -> float:
         started = time.perf_counter()
-        conn.request("POST", f"/v2/models/{model}/generate_stream", body=b'{"INPUT0": 1}')
-        answer = conn.getresponse()
+        connection.request("POST", f"/v2/models/{self.model}/{self.call}", body=body(self.call, 1))
+        answer = connection.getresponse()
         answer.readline()
         took = time.perf_counter() - started
         answer.read()
-        if i >= 50:
-            times.append(took)
-    return times
+        return took
 
-def pct(values, p):
+    def responses(self, connection, n: int) -> int:
+        connection.request("POST", f"/v2/models/{self.model}/{self.call}", body=body(self.call, n))
+        return connection.getresponse().read().count(b"data: ")
+
+
+PATHS = {
+    "gRPC stream, backend direct": GrpcPath("127.0.0.1:19101", "count"),
+    "gRPC stream through the gateway (passthrough)": GrpcPath("127.0.0.1:19201", "count"),
+    "generate_stream, backend direct (REST)": SsePath(19100, "count", "generate_stream"),
+    "generate_stream through the gateway, relayed from REST": SsePath(19200, "count_rest", "generate_stream"),
+    "generate_stream through the gateway, translated to gRPC": SsePath(19200, "count", "generate_stream"),
+    "infer_stream through the gateway, translated to gRPC": SsePath(19200, "count", "infer_stream"),
+}
+
+
+# BENCH_ONLY=text measures only the paths whose names contain it (to compare two builds on a few paths).
+PATHS = {name: path for name, path in PATHS.items() if os.environ.get("BENCH_ONLY", "") in name}
+
+
+def alone(path) -> list:
+    client = path.client()
+    return [path.first_response(client) for _ in range(STREAMS)]
+
+
+def loaded(path) -> list:
+    threads, each = LOADED
+
+    def worker(_):
+        client = path.client()
+        return [path.first_response(client) for _ in range(each)]
+
+    with ThreadPoolExecutor(threads) as pool:
+        return [t for times in pool.map(worker, range(threads)) for t in times]
+
+
+def per_message(path, gateway: int, server: int) -> tuple:
+    client = path.client()
+    g0, s0 = cpu(gateway), cpu(server)
+    started = time.perf_counter()
+    got = path.responses(client, MESSAGES)
+    wall = time.perf_counter() - started
+    assert got == MESSAGES, (got, MESSAGES)
+    return (cpu(gateway) - g0) / MESSAGES * 1e6, (cpu(server) - s0) / MESSAGES * 1e6, MESSAGES / wall
+
+
+def percentile(values: list, p: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(len(values) * p))] * 1e6
 
-out = {}
-for name, fn in [
-    ("grpc direct", lambda: first_response_times("127.0.0.1:19101", "count", 1000)),
-    ("grpc through gateway (passthrough)", lambda: first_response_times("127.0.0.1:19201", "count", 1000)),
-    ("generate_stream direct (model server REST)", lambda: sse_first_event_times(19100, "count", 1000)),
-    ("generate_stream through gateway, translated to gRPC", lambda: sse_first_event_times(19200, "count", 1000)),
-    ("generate_stream through gateway, relayed from REST", lambda: sse_first_event_times(19200, "count_rest", 1000)),
-]:
-    t = fn()
-    out[name] = (pct(t, 0.5), pct(t, 0.99))
 
-def per_message(address_or_port, model, n, sse=False):
-    g0, s0 = cpu(gateway.pid), cpu(server.pid)
-    started = time.perf_counter()
-    if sse:
-        conn = http.client.HTTPConnection("127.0.0.1", address_or_port)
-        conn.request("POST", f"/v2/models/{model}/generate_stream", body=json.dumps({"INPUT0": n}).encode())
-        body = conn.getresponse().read()
-        if body.count(b"data: ") != n:
-            print("SHORT STREAM", body.count(b"data: "), "of", n, body[-200:])
-    else:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(address_or_port))
-        got = sum(1 for _ in stub.ModelStreamInfer(iter([request(model, n)])))
-        assert got == n, got
-    wall = time.perf_counter() - started
-    return (cpu(gateway.pid) - g0) / n * 1e6, (cpu(server.pid) - s0) / n * 1e6, wall
+def main():
+    server = subprocess.Popen([BIN, "model-server", "--rest", "127.0.0.1:19100", "--grpc", "127.0.0.1:19101"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    server.stdout.readline()
+    with open("/tmp/bench-streams.toml", "w") as f:
+        f.write(CONFIG)
+    gateway = subprocess.Popen([BIN, "serve", "--config", "/tmp/bench-streams.toml"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
+    gateway.stdout.readline()
+    time.sleep(1)
+    try:
+        assert gateway.poll() is None and server.poll() is None
+        for path in PATHS.values():  # warm-up
+            client = path.client()
+            for _ in range(50):
+                path.first_response(client)
+        latency = {name: {"alone": [], "loaded": []} for name in PATHS}
+        costs = {name: [] for name in PATHS}
+        for round_ in range(ROUNDS):
+            for name, path in PATHS.items():
+                times = alone(path)
+                latency[name]["alone"].append((percentile(times, 0.5), percentile(times, 0.99)))
+                times = loaded(path)
+                latency[name]["loaded"].append((percentile(times, 0.5), percentile(times, 0.99)))
+                costs[name].append(per_message(path, gateway.pid, server.pid))
+            print(f"round {round_ + 1} of {ROUNDS} done", file=sys.stderr)
+        median = statistics.median
+        print(f"Time to the first response (microseconds; medians of {ROUNDS} rounds):\n")
+        print("| path | alone p50 | alone p99 | 8 streams at once p50 | 8 streams at once p99 |")
+        print("|---|---|---|---|---|")
+        for name, rows in latency.items():
+            a, b = rows["alone"], rows["loaded"]
+            print(f"| {name} | {median(r[0] for r in a):.0f} | {median(r[1] for r in a):.0f} "
+                  f"| {median(r[0] for r in b):.0f} | {median(r[1] for r in b):.0f} |")
+        print(f"\nCPU per message over a stream of {MESSAGES:,} responses (microseconds; medians of {ROUNDS} rounds):\n")
+        print("| path | gateway CPU | backend CPU | messages/s |")
+        print("|---|---|---|---|")
+        for name, rows in costs.items():
+            gateway_cpu = median(r[0] for r in rows) if "direct" not in name else None
+            print(f"| {name} | {'-' if gateway_cpu is None else f'{gateway_cpu:.2f}'} "
+                  f"| {median(r[1] for r in rows):.2f} | {median(r[2] for r in rows):,.0f} |")
+    finally:
+        gateway.kill()
+        server.kill()
 
-N = 200000
-cpu_rows = {
-    "grpc passthrough": per_message("127.0.0.1:19201", "count", N),
-    "generate_stream translated to gRPC": per_message(19200, "count", N, sse=True),
-    "generate_stream relayed from REST": per_message(19200, "count_rest", N, sse=True),
-    "grpc direct (no gateway)": per_message("127.0.0.1:19101", "count", N),
-}
-for k, (p50, p99) in out.items():
-    print(f"| {k} | {p50:.0f} | {p99:.0f} |")
-for k, (g, s, wall) in cpu_rows.items():
-    print(f"| {k} | {g:.2f} | {s:.2f} | {N / wall:.0f} |")
-gateway.kill(); server.kill()
+
+if __name__ == "__main__":
+    main()
