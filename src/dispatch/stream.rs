@@ -571,6 +571,46 @@ impl Dispatcher {
             .await
     }
 
+    /// A decoupled model's request sent to its REST backend's stream, in the backend's dialect: the answer's body
+    /// once its head says success (a failure is the backend's error), and the metadata its events are read with
+    /// (Triton's fields by name need it; MLServer's inference responses carry their own types).
+    async fn open_rest_stream(
+        &self,
+        routed: &crate::routing::Routed,
+        request: &crate::protocol::InferRequest,
+        forward: &http::HeaderMap,
+    ) -> Result<(hyper::body::Incoming, Option<crate::protocol::ModelMetadata>)> {
+        use http_body_util::BodyExt;
+
+        let route = &routed.route;
+        let (call, body, metadata) = match self.backend(route)?.config.stream {
+            StreamDialect::Triton => {
+                let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
+                let body = rest_generate::encode_generate_request(request)?;
+                (StreamCall::GenerateStream, body, Some(metadata))
+            }
+            StreamDialect::Mlserver => {
+                let body = crate::codec::rest::encode_request(request, false)?.chunks.concat();
+                (StreamCall::InferStream, body, None)
+            }
+        };
+        let answer = self.rest_stream_call(routed, call, Bytes::from(body), forward).await?;
+        let (head, mut body) = answer.into_parts();
+        if head.status.is_success() {
+            return Ok((body, metadata));
+        }
+        let mut error = Vec::new();
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Ok(chunk) = frame.into_data()
+                && error.len() < ERROR_BODY_BYTES
+            {
+                error.extend_from_slice(&chunk);
+            }
+        }
+        let message = crate::codec::rest::decode_error(&error);
+        Err(Error::from_upstream_http(head.status.as_u16(), message))
+    }
+
     /// One request of a stream for a decoupled model behind a REST backend: sent to the backend's
     /// `generate_stream` (MLServer's: `infer_stream`, the request as an inference request), whose events become the
     /// request's responses on the stream, flagged not final as Triton flags a decoupled model's (an empty final one
@@ -603,34 +643,8 @@ impl Dispatcher {
         };
         let outcome: Result<bool> = async {
             let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
-            let dialect = self.backend(&route)?.config.stream;
-            let (call, body, metadata) = match dialect {
-                StreamDialect::Triton => {
-                    let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
-                    let body = rest_generate::encode_generate_request(&request)?;
-                    (StreamCall::GenerateStream, body, Some(metadata))
-                }
-                StreamDialect::Mlserver => {
-                    let body = crate::codec::rest::encode_request(&request, false)?.chunks.concat();
-                    (StreamCall::InferStream, body, None)
-                }
-            };
-            let answer = self
-                .rest_stream_call(&routed, call, Bytes::from(body), &context.forward)
-                .await?;
-            let (head, mut body) = answer.into_parts();
+            let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context.forward).await?;
             let mut pending = Vec::new();
-            if !head.status.is_success() {
-                while let Some(Ok(frame)) = body.frame().await {
-                    if let Ok(chunk) = frame.into_data()
-                        && pending.len() < ERROR_BODY_BYTES
-                    {
-                        pending.extend_from_slice(&chunk);
-                    }
-                }
-                let message = crate::codec::rest::decode_error(&pending);
-                return Err(Error::from_upstream_http(head.status.as_u16(), message));
-            }
             loop {
                 let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {
                     Ok(Some(frame)) => frame.map_err(|e| {
@@ -645,7 +659,7 @@ impl Dispatcher {
                         return Err(Error::new(
                             ErrorKind::Timeout,
                             Origin::Upstream,
-                            "the backend's generate_stream went silent (limits.stream_idle_timeout_ms)",
+                            "the backend's stream went silent (limits.stream_idle_timeout_ms)",
                         ));
                     }
                 };
