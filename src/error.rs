@@ -48,6 +48,32 @@ pub enum ErrorKind {
 /// The status nginx and others use for "client closed request"; no standard status exists.
 pub const CLIENT_CLOSED_REQUEST: u16 = 499;
 
+/// Whether `error`, or what caused it, is a connection that closed under a message: hyper's incomplete message, an
+/// end of file inside a body, or a reset or broken pipe.
+pub fn is_closed_connection(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(cause) = next {
+        if cause
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+        {
+            return true;
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        next = cause.source();
+    }
+    false
+}
+
 impl ErrorKind {
     /// The HTTP status and gRPC code of this class. Exhaustive with no wildcard: a new class cannot forget a face.
     pub const fn faces(self) -> (u16, Code) {

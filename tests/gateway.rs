@@ -645,6 +645,24 @@ async fn until_metric(gateway: &GatewayProcess, series: &str, value: f64, limit:
 }
 
 #[tokio::test]
+async fn a_client_that_closes_its_connection_mid_body_is_counted_as_gone_not_as_bad_input() {
+    use std::io::Write;
+    let setup = setup("");
+    let gateway = &setup.gateway;
+    let mut stream = std::net::TcpStream::connect(gateway.rest).unwrap();
+    write!(
+        stream,
+        "POST /v2/models/slow/versions/grpc/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{{\"inputs\":"
+    )
+    .unwrap();
+    stream.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    drop(stream);
+    let gone = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",protocol="rest",version="grpc"}"#;
+    until_metric(gateway, gone, 1.0, Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
 async fn a_client_that_goes_away_cancels_the_backend_call() {
     use std::io::Write;
     let setup = setup("");

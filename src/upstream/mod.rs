@@ -163,24 +163,7 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, http2: bool) 
 /// saying so). Sent again once on a new connection, as curl does; a backend that dies with the request is rare, and
 /// its endpoint then refuses the new connection.
 fn closed_before_answer(error: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        if let Some(hyper) = cause.downcast_ref::<hyper::Error>()
-            && hyper.is_incomplete_message()
-        {
-            return true;
-        }
-        if let Some(io) = cause.downcast_ref::<std::io::Error>()
-            && matches!(
-                io.kind(),
-                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-            )
-        {
-            return true;
-        }
-        source = cause.source();
-    }
-    false
+    std::error::Error::source(error).is_some_and(crate::error::is_closed_connection)
 }
 
 /// Sends `request` on `client`, once more on a new connection when the first closed before any answer and the

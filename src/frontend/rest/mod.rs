@@ -239,8 +239,17 @@ impl RestDoor {
             return Ok(joined.finish());
         };
         while let Some(frame) = reading.frame().await {
-            let frame =
-                frame.map_err(|e| Error::invalid(format!("could not read the request body: {e}")).caused_by(e))?;
+            let frame = frame.map_err(|e| {
+                if crate::error::is_closed_connection(&e) {
+                    Error::new(
+                        ErrorKind::Cancelled,
+                        Origin::Client,
+                        "the client closed its connection before sending the whole body",
+                    )
+                } else {
+                    Error::invalid(format!("could not read the request body: {e}")).caused_by(e)
+                }
+            })?;
             let Ok(chunk) = frame.into_data() else { continue };
             if (joined.len() + chunk.len()) as u64 > self.max_request_bytes {
                 return Err(self.too_large());
