@@ -153,6 +153,25 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
     if backend.binary_data && protocol == BackendProtocol::Grpc {
         problems.add(format!("{path}.binary_data"), "applies to REST backends only");
     }
+    let discovery = backend_discovery(problems, path, backend);
+    let tls = backend_tls(problems, path, backend, base);
+    let endpoints = backend_endpoints(problems, path, backend);
+    let policy = backend_policy(problems, path, backend);
+    Backend {
+        name: backend.name.clone(),
+        protocol,
+        endpoints,
+        discovery,
+        binary_data: backend.binary_data,
+        compression: backend.compression,
+        stream,
+        policy,
+        tls,
+    }
+}
+
+/// How a backend's endpoints are found: listed, or resolved from `dns` (with its interval and server).
+fn backend_discovery(problems: &mut Problems, path: &str, backend: &raw::RawBackend) -> Discovery {
     let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
         (None, true) => {
             problems.add(
@@ -199,7 +218,12 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
             problems.add(format!("{path}.{}", key.0), "applies only with `dns`");
         }
     }
-    let tls = backend.tls.as_ref().map(|tls| {
+    discovery
+}
+
+/// A backend's TLS settings: its CA, client certificate and key (both or neither), and server name.
+fn backend_tls(problems: &mut Problems, path: &str, backend: &raw::RawBackend, base: &Path) -> Option<BackendTls> {
+    backend.tls.as_ref().map(|tls| {
         let client_cert = match (&tls.cert, &tls.key) {
             (Some(cert), Some(key)) => Some((
                 file(problems, &format!("{path}.tls.cert"), cert, base),
@@ -231,7 +255,11 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
             client_cert,
             server_name: tls.server_name.clone(),
         }
-    });
+    })
+}
+
+/// A backend's listed endpoints, each parsed and none twice.
+fn backend_endpoints(problems: &mut Problems, path: &str, backend: &raw::RawBackend) -> Vec<Endpoint> {
     let mut endpoints = Vec::with_capacity(backend.endpoints.len());
     for (j, text) in backend.endpoints.iter().enumerate() {
         match Endpoint::parse(text) {
@@ -242,18 +270,7 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &raw::RawBacke
             Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
         }
     }
-    let policy = backend_policy(problems, path, backend);
-    Backend {
-        name: backend.name.clone(),
-        protocol,
-        endpoints,
-        discovery,
-        binary_data: backend.binary_data,
-        compression: backend.compression,
-        stream,
-        policy,
-        tls,
-    }
+    endpoints
 }
 
 /// One model's versions, mirror and stickiness, checked against the backends (its name is checked by the caller).
