@@ -1,13 +1,15 @@
-//! The smallest hyper 1.x reverse proxy: a reference row of the load harness (`scripts/bench`), the floor the REST
-//! door is measured against. A current-thread runtime per thread on one shared listener,
-//! `http1::Builder::serve_connection`, a pooled `hyper_util` legacy client per thread, bodies collected whole.
-//! `floor_hyper --listen ADDR --upstream ADDR --threads N`; without arguments (as `cargo test` runs it) it does
-//! nothing.
+//! The smallest hyper 1.x reverse proxies, HTTP/1.1 and HTTP/2: reference rows of the load harness
+//! (`scripts/bench`), the floors the REST and gRPC doors are measured against. A current-thread runtime per thread on
+//! one shared listener and a pooled `hyper_util` legacy client per thread, with TCP_NODELAY on both sides. HTTP/1.1:
+//! `http1::Builder::serve_connection`, bodies collected whole. HTTP/2 (`--http2`): `http2::Builder::serve_connection`
+//! and an `http2_only` client, bodies and trailers streamed through untouched.
+//! `floor_hyper --listen ADDR --upstream ADDR --threads N [--http2]`; without arguments (as `cargo test` runs it) it
+//! does nothing.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
+use hyper::server::conn::{http1, http2};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -27,6 +29,7 @@ fn main() -> Result<(), Failure> {
         return Ok(());
     };
     let threads: usize = argument("--threads").map_or(Ok(2), |t| t.parse())?;
+    let http2 = std::env::args().any(|a| a == "--http2");
     let listener = std::net::TcpListener::bind(&listen)?;
     listener.set_nonblocking(true)?;
     for _ in 0..threads {
@@ -34,32 +37,70 @@ fn main() -> Result<(), Failure> {
         let upstream = upstream.clone();
         std::thread::spawn(move || -> Result<(), Failure> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener)?;
-                let mut connector = HttpConnector::new();
-                connector.set_nodelay(true);
-                let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
-                loop {
-                    let (stream, _) = listener.accept().await?;
-                    stream.set_nodelay(true)?;
-                    let (client, upstream) = (client.clone(), upstream.clone());
-                    let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-                        let (client, upstream) = (client.clone(), upstream.clone());
-                        async move {
-                            let (mut head, body) = request.into_parts();
-                            let body = body.collect().await?.to_bytes();
-                            let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
-                            head.uri = format!("http://{upstream}{target}").parse()?;
-                            let answer = client.request(http::Request::from_parts(head, Full::new(body))).await?;
-                            Ok::<_, Failure>(answer)
-                        }
-                    });
-                    tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
-                }
-            })
+            let listener = runtime.block_on(async { tokio::net::TcpListener::from_std(listener) })?;
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            if http2 {
+                runtime.block_on(serve_http2(listener, connector, upstream))
+            } else {
+                runtime.block_on(serve_http1(listener, connector, upstream))
+            }
         });
     }
     loop {
         std::thread::park();
+    }
+}
+
+/// The request's target at the upstream.
+fn at_upstream(head: &http::request::Parts, upstream: &str) -> Result<http::Uri, Failure> {
+    let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
+    Ok(format!("http://{upstream}{target}").parse()?)
+}
+
+async fn serve_http1(
+    listener: tokio::net::TcpListener,
+    connector: HttpConnector,
+    upstream: String,
+) -> Result<(), Failure> {
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+    loop {
+        let (stream, _) = listener.accept().await?;
+        stream.set_nodelay(true)?;
+        let (client, upstream) = (client.clone(), upstream.clone());
+        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+            let (client, upstream) = (client.clone(), upstream.clone());
+            async move {
+                let (mut head, body) = request.into_parts();
+                let body = body.collect().await?.to_bytes();
+                head.uri = at_upstream(&head, &upstream)?;
+                let answer = client.request(http::Request::from_parts(head, Full::new(body))).await?;
+                Ok::<_, Failure>(answer)
+            }
+        });
+        tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+    }
+}
+
+async fn serve_http2(
+    listener: tokio::net::TcpListener,
+    connector: HttpConnector,
+    upstream: String,
+) -> Result<(), Failure> {
+    let client: Client<_, Incoming> = Client::builder(TokioExecutor::new()).http2_only(true).build(connector);
+    loop {
+        let (stream, _) = listener.accept().await?;
+        stream.set_nodelay(true)?;
+        let (client, upstream) = (client.clone(), upstream.clone());
+        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+            let (client, upstream) = (client.clone(), upstream.clone());
+            async move {
+                let (mut head, body) = request.into_parts();
+                head.uri = at_upstream(&head, &upstream)?;
+                let answer = client.request(http::Request::from_parts(head, body)).await?;
+                Ok::<_, Failure>(answer)
+            }
+        });
+        tokio::spawn(http2::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), service));
     }
 }

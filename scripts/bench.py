@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The end-to-end load harness (run through scripts/bench, which installs the tools and builds the binary).
 
-Starts oipgate's model server as the backend, oipgate in front of it, and nginx configured as the equivalent
-reverse proxy (HTTP/1.1 keep-alive upstream for REST, grpc_pass for gRPC). Drives each scenario with wrk (HTTP/1.1)
-or h2load (gRPC unary over HTTP/2) at a fixed concurrency and duration, alternating direct / nginx / oipgate runs
+Starts oipgate's model server as the backend, oipgate in front of it, and as reference rows nginx and HAProxy
+configured as the equivalent reverse proxies (HTTP/1.1 keep-alive upstream for REST, grpc_pass / `proto h2` for
+gRPC) and the smallest hyper (HTTP/1.1 and HTTP/2) and pingora proxies (benches/floor_*.rs). Drives each scenario
+with wrk (HTTP/1.1) or h2load (gRPC unary over HTTP/2; scenario 2 at 4x8 and, as 2b, 16x8 connections x streams)
+at a fixed concurrency and duration, alternating the setups
 (A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
 requests of each process, and the gateway's peak RSS. Writes target/bench/results.json and target/bench/report.md.
 """
@@ -434,7 +436,8 @@ default_version = "1"
 
 def start_all(work, workers):
     ports = {k: free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "nginx_rest", "nginx_grpc",
-                                      "haproxy_rest", "haproxy_grpc", "floor_hyper", "floor_pingora")}
+                                      "haproxy_rest", "haproxy_grpc", "floor_hyper", "floor_pingora",
+                                      "floor_hyper_h2")}
     backend = Server(
         "model-server",
         [str(BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
@@ -481,13 +484,21 @@ def start_all(work, workers):
     haproxy = Server("haproxy", [haproxy_binary, "-db", "-f", str(haproxy_conf)],
                      [ports["haproxy_rest"], ports["haproxy_grpc"]])
     floors = {}
-    for name, binary in floor_binaries().items():
+    binaries = floor_binaries()
+    for name, binary in binaries.items():
         floors[name] = Server(
             name,
             [binary, "--listen", f"127.0.0.1:{ports[name]}", "--upstream", f"127.0.0.1:{ports['backend_rest']}",
              "--threads", str(workers)],
             [ports[name]],
         )
+    # The same smallest hyper proxy on HTTP/2, in front of the gRPC backend: the gRPC door's floor.
+    floors["floor_hyper_h2"] = Server(
+        "floor_hyper_h2",
+        [binaries["floor_hyper"], "--listen", f"127.0.0.1:{ports['floor_hyper_h2']}", "--upstream",
+         f"127.0.0.1:{ports['backend_grpc']}", "--threads", str(workers), "--http2"],
+        [ports["floor_hyper_h2"]],
+    )
     return ports, backend, gateway, nginx, haproxy, floors
 
 
@@ -586,12 +597,19 @@ def main():
             f = write(OUT / "add_sub.json", body)
         if 2 in only:
             gurl = lambda port: f"http://127.0.0.1:{port}{grpc_path}"
-            results["scenarios"]["2"] = scenario_runs("2", [
-                ("direct", lambda: h2load(gurl(ports["backend_grpc"]), g, seconds, 4, c // 4), ["model-server"]),
-                ("nginx grpc_pass", lambda: h2load(gurl(ports["nginx_grpc"]), g, seconds, 4, c // 4), ["model-server", "nginx"]),
-                ("haproxy", lambda: h2load(gurl(ports["haproxy_grpc"]), g, seconds, 4, c // 4), ["model-server", "haproxy"]),
-                ("oipgate", lambda: h2load(gurl(ports["grpc"]), g, seconds, 4, c // 4), ["model-server", "oipgate"]),
-            ], args.rounds, processes, gateway)
+            # 4 connections x 8 streams, and 16 x 8 (many clients, each multiplexing).
+            for key, conns in (("2", 4), ("2b", 16)):
+                streams = 8
+                results["scenarios"][key] = scenario_runs(f"{key} {conns}x{streams}", [
+                    ("direct", lambda: h2load(gurl(ports["backend_grpc"]), g, seconds, conns, streams), ["model-server"]),
+                    ("nginx grpc_pass", lambda: h2load(gurl(ports["nginx_grpc"]), g, seconds, conns, streams),
+                     ["model-server", "nginx"]),
+                    ("haproxy", lambda: h2load(gurl(ports["haproxy_grpc"]), g, seconds, conns, streams),
+                     ["model-server", "haproxy"]),
+                    ("floor: smallest hyper HTTP/2 proxy", lambda: h2load(gurl(ports["floor_hyper_h2"]), g, seconds, conns, streams),
+                     ["model-server", "floor_hyper_h2"]),
+                    ("oipgate", lambda: h2load(gurl(ports["grpc"]), g, seconds, conns, streams), ["model-server", "oipgate"]),
+                ], args.rounds, processes, gateway)
         if 3 in only:
             h = {"Content-Type": "application/json"}
             results["scenarios"]["3a"] = scenario_runs("3 small", [
@@ -789,9 +807,14 @@ def targets(results):
         lines.append(f"| 1 | {index} | {ratio:.2f}x {name} req/s; p99 {ours['p99']:.2f} vs {peer['p99']:.2f} ms; "
                      f"CPU {cpu_ours:.3f} vs {cpu_peer:.3f} s/1k | >= 1.0x the faster peer, p99 and CPU <= its | "
                      f"{verdict(ratio >= 1.0 and ours['p99'] <= peer['p99'] and cpu_ours <= cpu_peer)} |")
-    for index, (nginx, ours) in enumerate(rounds(scenarios.get("2", []), "nginx"), 1):
-        ratio = ours["rps"] / nginx["rps"]
-        lines.append(f"| 2 | {index} | {ratio:.2f}x nginx grpc_pass req/s | >= 1.0x | {verdict(ratio >= 1.0)} |")
+    for key in ("2", "2b"):
+        for index, (haproxy, ours) in enumerate(rounds(scenarios.get(key, []), "haproxy"), 1):
+            ratio = ours["rps"] / haproxy["rps"]
+            cpu_ours, cpu_peer = ours["cpu_per_1k"]["oipgate"], haproxy["cpu_per_1k"]["haproxy"]
+            met = ratio >= 1.0 and ours["p99"] <= haproxy["p99"] and cpu_ours <= cpu_peer and ours["errors"] == 0
+            lines.append(f"| {key} | {index} | {ratio:.2f}x haproxy calls/s; p99 {ours['p99']:.2f} vs "
+                         f"{haproxy['p99']:.2f} ms; CPU {cpu_ours:.3f} vs {cpu_peer:.3f} s/1k | >= 1.0x haproxy, p99 and "
+                         f"CPU <= its, no errors | {verdict(met)} |")
     parse = results.get("json_parse_ms")
     for name, what in (("3c", "binary answer"), ("3b", "JSON answer")):
         for index, (direct, ours) in enumerate(rounds(scenarios.get(name, []), "direct"), 1):

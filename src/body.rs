@@ -1,5 +1,5 @@
 //! Bodies that leave the process: shared buffers sent one after another without being joined (how tensors leave
-//! without a copy), and a client's body relayed to a backend as it arrives.
+//! without a copy), and a client's body relayed to a backend as it arrives; and bodies read whole, within a bound.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -8,8 +8,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 
 /// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (whether the chunks are compressed, then
 /// the length); the message's length when it is more than the prefix can say.
@@ -23,6 +24,94 @@ pub fn grpc_message(message: Vec<Bytes>, compressed: bool) -> Result<Vec<Bytes>,
     chunks.push(Bytes::from(prefix));
     chunks.extend(message);
     Ok(chunks)
+}
+
+/// How a body's length is known ahead of its bytes, so it can be gathered into one buffer allocated once.
+#[derive(Debug, Clone, Copy)]
+pub enum BodyLength {
+    /// A REST body's Content-Length, when given.
+    ContentLength(Option<usize>),
+    /// A gRPC message: its length is in the 5-byte frame header.
+    GrpcFrame,
+}
+
+/// Why a body could not be gathered.
+#[derive(Debug)]
+pub enum Gathered<E> {
+    /// It is (or says it will be) longer than the bound.
+    TooLarge,
+    /// It broke off.
+    Broken(E),
+}
+
+/// Reads a whole body of at most `cap` bytes; gives it and its trailers. A body that arrives as one frame is kept as
+/// it is; one in many frames is gathered into a single buffer sized from its announced length (no growth by
+/// doubling, no second buffer to join into), each frame freed as it is copied. One that announces more than `cap`
+/// is refused before more of it is read.
+pub async fn gather<B>(
+    body: B,
+    cap: usize,
+    sized: BodyLength,
+) -> Result<(Bytes, Option<http::HeaderMap>), Gathered<B::Error>>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut gathered = BytesMut::new();
+    let mut trailers = None;
+    let mut announced = match sized {
+        BodyLength::ContentLength(length) => length,
+        BodyLength::GrpcFrame => None,
+    };
+    if announced.is_some_and(|length| length > cap) {
+        return Err(Gathered::TooLarge);
+    }
+    while let Some(frame) = body.frame().await {
+        let data = match frame.map_err(Gathered::Broken)?.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(map) = frame.into_trailers() {
+                    trailers = Some(map);
+                }
+                continue;
+            }
+        };
+        let so_far = first.as_ref().map_or(0, Bytes::len) + gathered.len();
+        if so_far + data.len() > cap {
+            return Err(Gathered::TooLarge);
+        }
+        if announced.is_none() && matches!(sized, BodyLength::GrpcFrame) {
+            let mut header = [0u8; 5];
+            let known = first.iter().chain(Some(&data)).flat_map(|b| b.iter()).take(5);
+            let mut count = 0;
+            for (slot, byte) in header.iter_mut().zip(known) {
+                *slot = *byte;
+                count += 1;
+            }
+            if count == 5 {
+                let length = 5 + u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+                if length > cap {
+                    return Err(Gathered::TooLarge);
+                }
+                announced = Some(length);
+            }
+        }
+        if first.is_none() && gathered.is_empty() {
+            first = Some(data);
+            continue;
+        }
+        if let Some(previous) = first.take() {
+            gathered.reserve(announced.unwrap_or(0).max(previous.len() + data.len()));
+            gathered.extend_from_slice(&previous);
+        }
+        gathered.extend_from_slice(&data);
+    }
+    let body = match first {
+        Some(only) => only,
+        None => gathered.freeze(),
+    };
+    Ok((body, trailers))
 }
 
 #[derive(Debug, Default, Clone)]
@@ -70,6 +159,37 @@ impl Body for ChunksBody {
 
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(self.remaining)
+    }
+}
+
+/// A body that keeps `T` alive until it is dropped (a request's place among those under way, until its answer is
+/// sent).
+#[derive(Debug)]
+pub struct Holding<B, T> {
+    body: B,
+    _held: T,
+}
+
+impl<B, T> Holding<B, T> {
+    pub fn new(body: B, held: T) -> Self {
+        Holding { body, _held: held }
+    }
+}
+
+impl<B: Body + Unpin, T: Unpin> Body for Holding<B, T> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 

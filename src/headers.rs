@@ -6,10 +6,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::header;
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// The header that identifies a request end to end.
-pub const REQUEST_ID: &str = "x-request-id";
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// gRPC's own headers and trailers, named once: a name given as text is parsed again at every use.
+pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+pub const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
+pub const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accept-encoding");
+pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// Response header (gRPC metadata) naming the public version that served an inference.
 pub const OIP_MODEL_VERSION: &str = "oip-model-version";
@@ -72,13 +79,17 @@ pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
 /// What a request carries to its backend: its end-to-end headers, with a request id generated when it has none.
 pub fn for_backend(incoming: &HeaderMap) -> HeaderMap {
     let mut passed = end_to_end(incoming);
-    if !passed.contains_key(REQUEST_ID) {
-        passed.insert(REQUEST_ID, new_request_id());
+    match passed.get_mut(REQUEST_ID) {
+        Some(id) => id.set_sensitive(true),
+        None => {
+            passed.insert(REQUEST_ID, new_request_id());
+        }
     }
     passed
 }
 
-/// A request id unique within this process and unlikely to repeat across processes: start time and a counter.
+/// A request id unique within this process and unlikely to repeat across processes: start time and a counter. A
+/// request's id, generated or the client's, is sent over HTTP/2 as never indexed (see [`HeaderValue::set_sensitive`]).
 pub fn new_request_id() -> HeaderValue {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     static START: OnceLock<u64> = OnceLock::new();
@@ -93,7 +104,11 @@ pub fn new_request_id() -> HeaderValue {
     hex_into(&mut id[..16], start);
     id[16] = b'-';
     hex_into(&mut id[17..], count);
-    HeaderValue::from_bytes(&id).unwrap_or(HeaderValue::from_static("oipgate"))
+    let mut id = HeaderValue::from_bytes(&id).unwrap_or(HeaderValue::from_static("oipgate"));
+    // Each request's id is new: HPACK is told never to index it, so HTTP/2 peers neither fill their header tables
+    // with ids nor search them for one.
+    id.set_sensitive(true);
+    id
 }
 
 /// Writes the low `4 * out.len()` bits of `value` into `out` as lower-case hex digits, most significant first.
@@ -136,7 +151,7 @@ mod tests {
             ("x-payload-bin", "AAEC"),
         ]);
         let passed = end_to_end(&incoming);
-        let mut names: Vec<&str> = passed.keys().map(http::HeaderName::as_str).collect();
+        let mut names: Vec<&str> = passed.keys().map(HeaderName::as_str).collect();
         names.sort_unstable();
         assert_eq!(names, ["authorization", "traceparent", "x-payload-bin", "x-tenant"]);
         assert_eq!(passed.get_all("x-tenant").iter().count(), 2);
@@ -144,7 +159,7 @@ mod tests {
 
     #[test]
     fn a_request_id_is_kept_or_made() {
-        let kept = for_backend(&map(&[(REQUEST_ID, "abc")]));
+        let kept = for_backend(&map(&[("x-request-id", "abc")]));
         assert_eq!(kept[REQUEST_ID], "abc");
         let made = for_backend(&HeaderMap::new());
         let other = for_backend(&HeaderMap::new());

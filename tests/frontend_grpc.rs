@@ -14,7 +14,8 @@ use oipgate::frontend::grpc;
 use oipgate::modelserver::RunningModelServer;
 use oipgate::proto::model_infer_request::InferInputTensor;
 use oipgate::proto::{
-    ModelInferRequest, ModelMetadataRequest, RepositoryIndexRequest, RepositoryModelLoadRequest, ServerMetadataRequest,
+    ModelInferRequest, ModelMetadataRequest, ModelStatisticsRequest, RepositoryIndexRequest,
+    RepositoryModelLoadRequest, ServerMetadataRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -121,25 +122,117 @@ async fn raw_model_infer(
     message: &ModelInferRequest,
     compressed: bool,
 ) -> (http::response::Parts, Bytes, Option<http::HeaderMap>) {
-    use http_body_util::BodyExt;
     use prost::Message;
 
     let encoded = message.encode_to_vec();
     let mut framed = vec![u8::from(compressed)];
     framed.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
     framed.extend_from_slice(&encoded);
+    // gzip and deflate are read (tests/compression.rs); this one is not.
+    raw_call(addr, framed, compressed.then_some("snappy")).await
+}
+
+/// A ModelInfer call whose body is `body` as it is, over a bare HTTP/2 connection.
+async fn raw_call(
+    addr: SocketAddr,
+    body: Vec<u8>,
+    encoding: Option<&str>,
+) -> (http::response::Parts, Bytes, Option<http::HeaderMap>) {
+    use http_body_util::BodyExt;
+
     let mut request = http::Request::post(format!("http://{addr}/inference.GRPCInferenceService/ModelInfer"))
         .header("content-type", "application/grpc")
         .header("te", "trailers");
-    if compressed {
-        // gzip and deflate are read (tests/compression.rs); this one is not.
-        request = request.header("grpc-encoding", "snappy");
+    if let Some(encoding) = encoding {
+        request = request.header("grpc-encoding", encoding);
     }
-    let request = request.body(http_body_util::Full::new(Bytes::from(framed))).unwrap();
+    let request = request.body(http_body_util::Full::new(Bytes::from(body))).unwrap();
     let (parts, body) = http_client(true).request(request).await.unwrap().into_parts();
     let collected = body.collect().await.unwrap();
     let trailers = collected.trailers().cloned();
     (parts, collected.to_bytes(), trailers)
+}
+
+#[tokio::test]
+async fn model_infer_refuses_broken_framing_before_any_backend() {
+    use prost::Message;
+
+    let gateway = gateway().await;
+    let counted = || async {
+        let statistics = grpc_client(gateway.addr)
+            .await
+            .model_statistics(ModelStatisticsRequest {
+                name: "add_sub".into(),
+                version: "2".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        statistics
+            .model_stats
+            .iter()
+            .map(|model| model.inference_count)
+            .sum::<u64>()
+    };
+    let before = counted().await;
+    let message = add_sub("add_sub", "2").encode_to_vec();
+    let frame = |flag: u8, length: usize, payload: &[u8]| {
+        let mut framed = vec![flag];
+        framed.extend_from_slice(&u32::try_from(length).unwrap().to_be_bytes());
+        framed.extend_from_slice(payload);
+        framed
+    };
+    let whole = frame(0, message.len(), &message);
+    // Each is INTERNAL, as gRPC servers answer a broken frame.
+    let cases = [
+        ("no message", Vec::new(), None, "Missing request message"),
+        ("half a header", whole[..3].to_vec(), None, "5-byte header"),
+        (
+            "cut short",
+            whole[..whole.len() - 4].to_vec(),
+            None,
+            "ends inside its message",
+        ),
+        (
+            "two messages",
+            [whole.clone(), whole.clone()].concat(),
+            None,
+            "one message",
+        ),
+        (
+            "compressed, no encoding",
+            frame(1, message.len(), &message),
+            None,
+            "compressed-flag",
+        ),
+        (
+            "an unknown flag",
+            frame(7, message.len(), &message),
+            Some("gzip"),
+            "compression flag",
+        ),
+    ];
+    for (what, body, encoding, said) in cases {
+        let (head, body, _) = raw_call(gateway.addr, body, encoding).await;
+        assert!(body.is_empty(), "{what}: trailers-only answer");
+        assert_eq!(head.headers["grpc-status"], "13", "{what}: {:?}", head.headers);
+        let message = head.headers["grpc-message"].to_str().unwrap().replace("%20", " ");
+        assert!(message.contains(said), "{what}: {message}");
+    }
+    // A message announced larger than the limit is refused from its prefix, its bytes never awaited.
+    let (head, _, _) = raw_call(gateway.addr, frame(0, 1 << 30, b"abc"), None).await;
+    assert_eq!(
+        head.headers["grpc-status"], "8",
+        "RESOURCE_EXHAUSTED: {:?}",
+        head.headers
+    );
+    let message = head.headers["grpc-message"].to_str().unwrap().replace("%20", " ");
+    assert!(message.contains("larger than the limit of 67108864 bytes"), "{message}");
+    assert_eq!(counted().await, before, "none of them reached the backend");
+    let (head, _, trailers) = raw_call(gateway.addr, whole, None).await;
+    assert_eq!(head.status, http::StatusCode::OK);
+    assert_eq!(trailers.unwrap()["grpc-status"], "0");
+    assert_eq!(counted().await, before + 1, "the well-framed call did");
 }
 
 #[tokio::test]

@@ -144,6 +144,27 @@ async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
 }
 
 #[tokio::test]
+async fn a_backend_restarted_on_its_port_is_called_on_a_new_connection() {
+    let held = common::ports::hold_port();
+    let start = || ModelServerProcess::start(&["--grpc", &held.to_string()]);
+    let client = GrpcUpstream::new(&common::endpoint(held.address()), Duration::from_secs(2), 1 << 20, None);
+    let inputs = || {
+        vec![
+            Tensor::new("INPUT0", DataType::Int32, vec![1, 16], int32s(0..16)).unwrap(),
+            Tensor::new("INPUT1", DataType::Int32, vec![1, 16], int32s([2; 16])).unwrap(),
+        ]
+    };
+    let call = || model_infer(&client, request("add_sub", inputs()), Some(Duration::from_secs(5)));
+    let first = start();
+    call().await.expect("the first call");
+    drop(first);
+    let _second = start();
+    // The kept connection died with the first server: the call is sent again on a new one, not failed.
+    let answer = call().await.expect("a call after the restart");
+    assert_eq!(answer.outputs[0].data, int32s(2..18));
+}
+
+#[tokio::test]
 async fn answers_beyond_the_limit_are_refused() {
     let (_server, client) = upstream(1000);
     let identity = request(

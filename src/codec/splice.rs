@@ -224,8 +224,13 @@ fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {
 }
 
 /// The message with its model name and version replaced, as chunks: the new fields first, then the rest of the
-/// original message as slices of it (tensor bytes are never copied). An empty `version` leaves the field out.
+/// original message as slices of it (tensor bytes are never copied). An empty `version` leaves the field out. A
+/// message that already names them is given back as it is.
 pub fn rename(message: &Bytes, name: &str, version: &str) -> Result<Vec<Bytes>> {
+    let current = model_fields(message)?;
+    if current.name == name && current.version == version {
+        return Ok(vec![message.clone()]);
+    }
     let mut head = BytesMut::with_capacity(name.len() + version.len() + 8);
     put_string_field(&mut head, MODEL_NAME, name);
     put_string_field(&mut head, MODEL_VERSION, version);
@@ -369,6 +374,10 @@ mod tests {
         assert_eq!(renamed.raw_input_contents, request.raw_input_contents);
         let unversioned = ModelInferRequest::decode(&join(&rename(&wire, "x", "").unwrap())[..]).unwrap();
         assert_eq!(unversioned.model_version, "");
+        // Already named so: the message itself, untouched.
+        let same = rename(&wire, "public", "1").unwrap();
+        assert_eq!(same.len(), 1);
+        assert_eq!((same[0].as_ptr(), same[0].len()), (wire.as_ptr(), wire.len()));
     }
 
     #[test]

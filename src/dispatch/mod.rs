@@ -355,7 +355,9 @@ impl Dispatcher {
                 let started = Instant::now();
                 let request = decode_grpc_request(message)?;
                 self.metrics.translated(Direction::GrpcToRest, started.elapsed());
-                let replied = call_infer(
+                // Boxed: the translated call's state is large, and would otherwise be part of every passthrough
+                // call's too.
+                let replied = Box::pin(call_infer(
                     backend,
                     route,
                     request,
@@ -363,7 +365,7 @@ impl Dispatcher {
                     context.compressed,
                     self.deadline(context),
                     &routed.affinity,
-                )
+                ))
                 .await?;
                 let started = Instant::now();
                 let value = protobuf::encode_response(replied.value).chunks;

@@ -22,7 +22,7 @@ use crate::upstream::GrpcUpstream;
 async fn grpc_call<Answer: Message + Default>(
     backend: &BackendClients,
     endpoint: &GrpcUpstream,
-    method: &str,
+    method: &'static str,
     request: &impl Message,
     deadline: Duration,
 ) -> Result<Answer> {

@@ -8,10 +8,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use bytes::BytesMut;
-use http_body_util::BodyExt;
 use hyper_util::client::legacy::connect::HttpConnector;
 
+use crate::body::{BodyLength, Gathered};
 use crate::error::{Error, ErrorKind, Origin, Result};
 
 pub use grpc::GrpcUpstream;
@@ -32,8 +31,9 @@ pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 /// The HTTP client of one backend endpoint on one thread.
 type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::OutBody>;
 
-/// One backend endpoint's HTTP clients, one per thread, each with its own connection pool, and (for gRPC) the
-/// thread's HTTP/2 connection for backend streams. Cheap to clone; clones share the clients.
+/// One backend endpoint's clients, one set per thread: for REST an HTTP/1.1 client with its own connection pool;
+/// for gRPC the thread's HTTP/2 connections, one for unary calls and one for streams. Cheap to clone; clones share
+/// the clients.
 ///
 /// A connection is served by a task on the runtime that opened it, and the gateway runs one single-threaded runtime
 /// per thread: a pool shared between them would make every request it lends across threads wake the other thread
@@ -41,38 +41,51 @@ type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::Out
 #[derive(Debug, Clone)]
 struct ThreadClients {
     connector: Connector,
-    build: fn(Connector) -> HttpClient,
     /// Identifies this endpoint's clients in each thread's table; they are dropped once every clone is.
     token: std::sync::Arc<()>,
 }
 
 /// What one thread holds for one endpoint.
+#[derive(Default)]
 struct ThreadEndpoint {
-    client: HttpClient,
-    streams: Option<h2::client::SendRequest<Bytes>>,
+    client: Option<HttpClient>,
+    connections: [Option<h2::client::SendRequest<Bytes>>; 2],
+}
+
+/// What a gRPC connection carries: unary calls, whose whole messages are at hand, or streams, which bound what a
+/// slow reader leaves buffered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Channel {
+    Unary = 0,
+    Streams = 1,
 }
 
 impl ThreadClients {
-    fn new(connector: Connector, build: fn(Connector) -> HttpClient) -> ThreadClients {
+    fn new(connector: Connector) -> ThreadClients {
         ThreadClients {
             connector,
-            build,
             token: std::sync::Arc::new(()),
         }
     }
 
-    /// This thread's client.
-    fn get(&self) -> HttpClient {
-        self.with_endpoint(|endpoint| endpoint.client.clone())
+    /// This thread's HTTP/1.1 client, made with `build` the first time.
+    fn get(&self, build: fn(Connector) -> HttpClient) -> HttpClient {
+        self.with_endpoint(|endpoint| {
+            endpoint
+                .client
+                .get_or_insert_with(|| build(self.connector.clone()))
+                .clone()
+        })
     }
 
-    /// This thread's connection for streams, if one was made.
-    fn streams(&self) -> Option<h2::client::SendRequest<Bytes>> {
-        self.with_endpoint(|endpoint| endpoint.streams.clone())
+    /// This thread's HTTP/2 connection for `channel`, if one was made.
+    fn connection(&self, channel: Channel) -> Option<h2::client::SendRequest<Bytes>> {
+        self.with_endpoint(|endpoint| endpoint.connections[channel as usize].clone())
     }
 
-    fn set_streams(&self, connection: h2::client::SendRequest<Bytes>) {
-        self.with_endpoint(|endpoint| endpoint.streams = Some(connection));
+    /// Keeps `connection` as this thread's for `channel`; `None` forgets a failed one.
+    fn set_connection(&self, channel: Channel, connection: Option<h2::client::SendRequest<Bytes>>) {
+        self.with_endpoint(|endpoint| endpoint.connections[channel as usize] = connection);
     }
 
     fn with_endpoint<T>(&self, use_endpoint: impl FnOnce(&mut ThreadEndpoint) -> T) -> T {
@@ -87,10 +100,7 @@ impl ThreadClients {
                 return use_endpoint(endpoint);
             }
             endpoints.retain(|(token, _)| token.strong_count() > 0);
-            let mut endpoint = ThreadEndpoint {
-                client: (self.build)(self.connector.clone()),
-                streams: None,
-            };
+            let mut endpoint = ThreadEndpoint::default();
             let used = use_endpoint(&mut endpoint);
             endpoints.push((std::sync::Arc::downgrade(&self.token), endpoint));
             used
@@ -201,102 +211,47 @@ fn unreachable(authority: &str, error: hyper_util::client::legacy::Error) -> Err
     }
 }
 
-/// Runs `call` within `deadline`, failing with a timeout that names the backend.
-async fn within<T>(deadline: Option<Duration>, authority: &str, call: impl Future<Output = Result<T>>) -> Result<T> {
+/// Runs `call` within `deadline`, failing with a timeout that names the backend. Not an `async fn`: one would hold
+/// `call` twice over (as its argument and inside the timeout), and calls' futures are large.
+fn within<T, F>(deadline: Option<Duration>, authority: &str, call: F) -> impl Future<Output = Result<T>>
+where
+    F: Future<Output = Result<T>>,
+{
+    use futures_util::FutureExt;
     match deadline {
-        None => call.await,
-        Some(limit) => tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
-            Err(Error::new(
-                ErrorKind::Timeout,
-                Origin::Upstream,
-                format!("backend {authority} did not answer within {} ms", limit.as_millis()),
-            ))
-        }),
+        None => futures_util::future::Either::Left(call),
+        Some(limit) => futures_util::future::Either::Right(tokio::time::timeout(limit, call).map(move |answer| {
+            answer.unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    Origin::Upstream,
+                    format!("backend {authority} did not answer within {} ms", limit.as_millis()),
+                ))
+            })
+        })),
     }
 }
 
-/// How an answer's length is known ahead of its bytes, so it can be gathered into one buffer allocated once.
-#[derive(Debug, Clone, Copy)]
-enum Sized {
-    /// A REST answer's Content-Length, when given.
-    ContentLength(Option<usize>),
-    /// A gRPC message: its length is in the 5-byte frame header.
-    GrpcFrame,
-}
-
 /// Reads a backend's whole answer, up to `limit` bytes of payload plus `framing` bytes of protocol framing; gives the
-/// body and its trailers. An answer that arrives as one frame is kept as it is; one in many frames is gathered into a
-/// single buffer sized from its announced length (no growth by doubling, no second buffer to join into), each frame
-/// freed as it is copied.
+/// body and its trailers (see [`crate::body::gather`]).
 async fn read_answer<B>(
     body: B,
     limit: usize,
     framing: usize,
-    sized: Sized,
+    sized: BodyLength,
     authority: &str,
 ) -> Result<(Bytes, Option<http::HeaderMap>)>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let cap = limit.saturating_add(framing);
-    let too_large = || {
-        Error::new(
-            ErrorKind::BadGateway,
-            Origin::Upstream,
-            format!("backend {authority} answered more than the limit of {limit} bytes"),
-        )
-        .with_retryable(false)
-    };
-    let mut body = std::pin::pin!(body);
-    let mut first: Option<Bytes> = None;
-    let mut gathered = BytesMut::new();
-    let mut trailers = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
-            Error::new(
-                ErrorKind::BadGateway,
-                Origin::Upstream,
-                format!("backend {authority} broke off its answer: {}", e.into()),
-            )
-            .with_retryable(false)
-        })?;
-        let data = match frame.into_data() {
-            Ok(data) => data,
-            Err(frame) => {
-                if let Ok(map) = frame.into_trailers() {
-                    trailers = Some(map);
-                }
-                continue;
-            }
-        };
-        let so_far = first.as_ref().map_or(0, Bytes::len) + gathered.len();
-        if so_far + data.len() > cap {
-            return Err(too_large());
-        }
-        if first.is_none() && gathered.is_empty() {
-            first = Some(data);
-            continue;
-        }
-        if let Some(previous) = first.take() {
-            let expected = match sized {
-                Sized::ContentLength(length) => length,
-                Sized::GrpcFrame => {
-                    let mut header = [0u8; 5];
-                    let head = previous.iter().chain(data.iter()).take(5).copied().collect::<Vec<_>>();
-                    header[..head.len()].copy_from_slice(&head);
-                    (head.len() == 5)
-                        .then(|| 5 + u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize)
-                }
+    crate::body::gather(body, limit.saturating_add(framing), sized)
+        .await
+        .map_err(|error| {
+            let message = match error {
+                Gathered::TooLarge => format!("backend {authority} answered more than the limit of {limit} bytes"),
+                Gathered::Broken(e) => format!("backend {authority} broke off its answer: {}", e.into()),
             };
-            gathered.reserve(expected.unwrap_or(0).min(cap).max(previous.len() + data.len()));
-            gathered.extend_from_slice(&previous);
-        }
-        gathered.extend_from_slice(&data);
-    }
-    let body = match first {
-        Some(only) => only,
-        None => gathered.freeze(),
-    };
-    Ok((body, trailers))
+            Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
+        })
 }

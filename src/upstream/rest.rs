@@ -61,6 +61,13 @@ pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
     }
 }
 
+/// An endpoint's HTTP/1.1 client on one thread, with its pool.
+fn http_client(connector: super::Connector) -> super::HttpClient {
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(connector)
+}
+
 impl RestUpstream {
     pub fn new(
         endpoint: &Endpoint,
@@ -69,13 +76,8 @@ impl RestUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> RestUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, false);
-        let build = |connector| {
-            Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(90))
-                .build(connector)
-        };
         RestUpstream {
-            clients: super::ThreadClients::new(connector, build),
+            clients: super::ThreadClients::new(connector),
             authority: endpoint.to_string().into(),
             scheme,
             max_response_bytes,
@@ -112,7 +114,7 @@ impl RestUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
-        let response = super::send_request(&self.clients.get(), request)
+        let response = super::send_request(&self.clients.get(http_client), request)
             .await
             .map_err(|e| super::unreachable(&self.authority, e))?;
         let status = response.status();
@@ -125,7 +127,7 @@ impl RestUpstream {
             response.into_body(),
             self.max_response_bytes,
             0,
-            super::Sized::ContentLength(length),
+            crate::body::BodyLength::ContentLength(length),
             &self.authority,
         )
         .await?;
@@ -151,7 +153,7 @@ impl RestUpstream {
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
-        let client = self.clients.get();
+        let client = self.clients.get(http_client);
         super::within(Some(deadline), &self.authority, async {
             super::send_request(&client, request)
                 .await

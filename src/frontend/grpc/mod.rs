@@ -8,23 +8,24 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::future::Either;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tonic::codec::CompressionEncoding;
-use tonic::server::{NamedService, UnaryService};
+use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
-use crate::codec::compression::{self, Coding};
-use crate::codec::protobuf::{self, RawDecoder};
-use crate::codec::splice;
+use crate::codec::compression::Coding;
+use crate::codec::protobuf;
 use crate::dispatch::{CallContext, ConfigForm, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
 use crate::headers;
+use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
 use crate::process::live::Gateway;
-use crate::process::metrics::{ClientProtocol, Finished, RequestTimer};
+use crate::process::metrics::{ClientProtocol, Finished};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
@@ -33,8 +34,8 @@ use crate::proto::{
     RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
-use crate::protocol::Reserved;
 
+mod infer;
 mod stream;
 use stream::infer_stream;
 
@@ -68,89 +69,15 @@ fn context<T>(request: &Request<T>) -> CallContext {
 fn context_of(headers: &http::HeaderMap) -> CallContext {
     CallContext {
         deadline: headers
-            .get("grpc-timeout")
+            .get(GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
             .and_then(parse_grpc_timeout),
         forward: headers::for_backend(headers),
-        compressed: match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+        compressed: match headers.get(GRPC_ENCODING).map(http::HeaderValue::as_bytes) {
             Some(b"gzip") => Some(Coding::Gzip),
             Some(b"deflate") => Some(Coding::Deflate),
             _ => None,
         },
-    }
-}
-
-/// What an encoded request's reserved parameters ask; a tensor in shared memory is refused.
-fn reserved(message: &[u8]) -> Result<Reserved> {
-    splice::refuse_shared_memory(message)?;
-    Reserved::from_parameters(&splice::parameters(message)?)
-}
-
-/// `ModelInfer` on raw bytes.
-#[derive(Debug, Clone)]
-struct InferRaw {
-    gateway: Arc<Gateway>,
-}
-
-impl UnaryService<Bytes> for InferRaw {
-    type Response = Vec<Bytes>;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Vec<Bytes>>, Status>> + Send>>;
-
-    fn call(&mut self, request: Request<Bytes>) -> Self::Future {
-        let dispatcher = self.gateway.dispatcher();
-        Box::pin(async move {
-            let mut context = context(&request);
-            let request_id = context.forward.get(super::REQUEST_ID).cloned();
-            let message = request.into_inner();
-            let reserved = reserved(&message);
-            if let Ok(Reserved {
-                timeout: Some(limit), ..
-            }) = &reserved
-            {
-                context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
-            }
-            let sequence = reserved.map(|reserved| reserved.sequence);
-            let (routed, route) = match splice::model_fields(&message) {
-                Ok(fields) => match sequence {
-                    Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
-                    // Counted under the model it named.
-                    Err(error) => (
-                        Err(error),
-                        dispatcher
-                            .route(fields.name, Some(fields.version), &context.forward, None)
-                            .1,
-                    ),
-                },
-                Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
-            };
-            let mut timer = RequestTimer::start(
-                dispatcher.metrics().clone(),
-                route,
-                ClientProtocol::Grpc,
-                message.len() as u64,
-            );
-            timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
-            let answer = match routed {
-                Ok(routed) => {
-                    timer.translated =
-                        dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
-                    dispatcher.infer_grpc_routed(&routed, message, &context).await
-                }
-                Err(error) => Err(error),
-            };
-            match answer {
-                Ok(replied) => {
-                    let length: usize = replied.value.iter().map(Bytes::len).sum();
-                    timer.endpoint = replied.endpoint.clone();
-                    timer.finish(200, length as u64);
-                    Ok(with_metadata(replied.value, replied.headers, request_id))
-                }
-                Err(error) => {
-                    timer.finish(error.http_status().as_u16(), 0);
-                    Err(error.to_grpc_status())
-                }
-            }
-        })
     }
 }
 
@@ -324,7 +251,6 @@ impl GrpcInferenceService for Typed {
 /// `inference.GRPCInferenceService`: ModelInfer on the raw path, the rest typed.
 #[derive(Debug, Clone)]
 pub struct InferenceService {
-    raw: InferRaw,
     typed: GrpcInferenceServiceServer<Typed>,
     max_message_bytes: usize,
     gateway: Arc<Gateway>,
@@ -340,9 +266,6 @@ impl InferenceService {
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(usize::MAX);
         InferenceService {
-            raw: InferRaw {
-                gateway: gateway.clone(),
-            },
             typed,
             max_message_bytes,
             gateway,
@@ -356,7 +279,7 @@ impl NamedService for InferenceService {
 
 impl<B> tower_service::Service<http::Request<B>> for InferenceService
 where
-    B: http_body::Body + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
@@ -369,10 +292,14 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let limit = self.max_message_bytes;
+        if request.uri().path() == MODEL_INFER_PATH {
+            // Counted, logged and readied for the wire on its own path.
+            return Box::pin(infer::model_infer(self.gateway.clone(), request, limit).map(Ok));
+        }
         let active = self.gateway.begin();
         let started = Instant::now();
-        // Inferences are logged with their model and backend by the raw path; every other call is logged here.
-        let log_here = ![MODEL_INFER_PATH, MODEL_STREAM_INFER].contains(&request.uri().path());
+        // Streams are logged with their model and backend on their own path; every other call is logged here.
+        let log_here = request.uri().path() != MODEL_STREAM_INFER;
         let logged = log_here.then(|| {
             let request_id = request
                 .headers()
@@ -388,9 +315,6 @@ where
         let answer: Self::Future = if request.uri().path() == MODEL_STREAM_INFER {
             let gateway = self.gateway.clone();
             Box::pin(async move { Ok(infer_stream(gateway, request, limit)) })
-        } else if !log_here {
-            let raw = self.raw.clone();
-            Box::pin(async move { Ok(infer_raw(raw, request, limit).await) })
         } else {
             self.typed.call(request)
         };
@@ -402,7 +326,7 @@ where
             if let Some((path, request_id, metrics)) = logged {
                 let code = response
                     .headers()
-                    .get("grpc-status")
+                    .get(GRPC_STATUS)
                     .and_then(|c| c.to_str().ok())
                     .and_then(|c| c.parse::<i32>().ok())
                     .map_or(tonic::Code::Ok, tonic::Code::from_i32);
@@ -437,34 +361,16 @@ where
     }
 }
 
-/// `ModelInfer` on the raw path. The request message is read whole by tonic's decoder (framing, size limit); the
-/// answer's chunks are framed and sent as they are, where tonic's encoder would copy them into one buffer first.
-async fn infer_raw<B>(mut raw: InferRaw, request: http::Request<B>, limit: usize) -> http::Response<tonic::body::Body>
-where
-    B: http_body::Body + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
-{
-    let coding = answer_coding(request.headers());
-    let request = match read_unary(request, limit).await {
-        Ok(request) => request,
-        Err(status) => return status.into_http(),
-    };
-    match raw.call(request).await {
-        Ok(answer) => framed_answer(answer, coding),
-        Err(status) => status.into_http(),
-    }
-}
-
 /// The compression of an inference's answer: the client's own, when it compressed its request with gzip or deflate
 /// and accepts the same back (many clients list every encoding they can read without wanting tensors compressed).
 fn answer_coding(headers: &http::HeaderMap) -> Option<Coding> {
-    let coding = match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+    let coding = match headers.get(GRPC_ENCODING).map(http::HeaderValue::as_bytes) {
         Some(b"gzip") => Coding::Gzip,
         Some(b"deflate") => Coding::Deflate,
         _ => return None,
     };
     let accepted = headers
-        .get_all("grpc-accept-encoding")
+        .get_all(GRPC_ACCEPT_ENCODING)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
@@ -474,7 +380,7 @@ fn answer_coding(headers: &http::HeaderMap) -> Option<Coding> {
 
 /// The compression of a client's messages, from `grpc-encoding`; an encoding the gateway does not read is refused.
 fn message_encoding(headers: &http::HeaderMap) -> Result<Option<CompressionEncoding>, Status> {
-    match headers.get("grpc-encoding").map(http::HeaderValue::as_bytes) {
+    match headers.get(GRPC_ENCODING).map(http::HeaderValue::as_bytes) {
         None | Some(b"identity") => Ok(None),
         Some(b"gzip") => Ok(Some(CompressionEncoding::Gzip)),
         Some(b"deflate") => Ok(Some(CompressionEncoding::Deflate)),
@@ -483,63 +389,6 @@ fn message_encoding(headers: &http::HeaderMap) -> Result<Option<CompressionEncod
             String::from_utf8_lossy(other)
         ))),
     }
-}
-
-/// Reads a unary call's one message, as tonic's `Grpc::unary` does: a gzip or deflate message is decompressed
-/// within the limit, other encodings are refused, and trailers sent with the request join its metadata.
-async fn read_unary<B>(request: http::Request<B>, limit: usize) -> Result<Request<Bytes>, Status>
-where
-    B: http_body::Body + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
-{
-    // A compressed message is decompressed within the same limit as a plain one (tonic stops at it).
-    let encoding = message_encoding(request.headers())?;
-    let (mut parts, body) = request.into_parts();
-    let mut stream = tonic::codec::Streaming::new_request(RawDecoder, body, encoding, Some(limit));
-    let message = stream
-        .message()
-        .await?
-        .ok_or_else(|| Status::internal("Missing request message."))?;
-    if let Some(trailers) = stream.trailers().await? {
-        parts.headers.extend(trailers.into_headers());
-    }
-    Ok(Request::from_http(http::Request::from_parts(parts, message)))
-}
-
-/// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's
-/// own chunks, and `grpc-status: 0` in the trailers.
-fn framed_answer(answer: Response<Vec<Bytes>>, coding: Option<Coding>) -> http::Response<tonic::body::Body> {
-    let (metadata, chunks, extensions) = answer.into_parts();
-    let chunks = match coding {
-        Some(coding) => compression::compress(coding, &chunks),
-        None => chunks,
-    };
-    let frames = match crate::body::grpc_message(chunks, coding.is_some()) {
-        Ok(frames) => frames,
-        Err(length) => {
-            return Status::resource_exhausted(format!(
-                "the answer is {length} bytes, more than a gRPC message can hold"
-            ))
-            .into_http();
-        }
-    };
-    let mut trailers = http::HeaderMap::with_capacity(1);
-    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    let mut response = http::Response::new(tonic::body::Body::new(crate::body::ChunksBody::with_trailers(
-        frames, trailers,
-    )));
-    *response.headers_mut() = metadata.into_headers();
-    if let Some(coding) = coding {
-        response
-            .headers_mut()
-            .insert("grpc-encoding", http::HeaderValue::from_static(coding.name()));
-    }
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/grpc"),
-    );
-    *response.extensions_mut() = extensions;
-    response
 }
 
 /// Readies an answer for the wire: the request stays counted as under way (`active`) until its body is sent or
@@ -575,16 +424,16 @@ fn size_message(limit: usize) -> String {
 
 /// Rewrites the status in `headers`; true when it did.
 fn rewrite_size_status(headers: &mut http::HeaderMap, limit: usize) -> bool {
-    let out_of_range = headers.get("grpc-status").is_some_and(|s| s == "11");
+    let out_of_range = headers.get(GRPC_STATUS).is_some_and(|s| s == "11");
     let is_size_limit = headers
-        .get("grpc-message")
+        .get(GRPC_MESSAGE)
         .and_then(|m| m.to_str().ok())
         // grpc-message is percent-encoded on the wire.
         .is_some_and(|m| m.replace("%20", " ").contains("decoded message length too large"));
     if out_of_range && is_size_limit {
-        headers.insert("grpc-status", http::HeaderValue::from_static("8"));
+        headers.insert(GRPC_STATUS, http::HeaderValue::from_static("8"));
         if let Ok(value) = http::HeaderValue::from_str(&size_message(limit)) {
-            headers.insert("grpc-message", value);
+            headers.insert(GRPC_MESSAGE, value);
         }
     }
     out_of_range && is_size_limit
@@ -624,6 +473,7 @@ pub async fn serve(
             tokio::time::sleep(HEALTH_REFRESH).await;
         }
     });
+    let gateway_for_infer = gateway.clone();
     let mut routes = tonic::service::Routes::new(InferenceService::new(gateway, max_message_bytes)).add_service(health);
     match tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -634,6 +484,7 @@ pub async fn serve(
         Err(error) => tracing::warn!(%error, "gRPC reflection is unavailable"),
     }
     let routes = routes.prepare();
+    let infer_gateway = gateway_for_infer;
 
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder
@@ -643,9 +494,16 @@ pub async fn serve(
     super::accept_loop(listener, "grpc", shutdown, |stream, _peer| {
         let _ = stream.set_nodelay(true);
         let routes = routes.clone();
+        let gateway = infer_gateway.clone();
+        // ModelInfer, nearly every call, goes straight to its own path; the router serves the rest.
         let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-            let mut routes = routes.clone();
-            tower_service::Service::call(&mut routes, request)
+            if request.uri().path() == MODEL_INFER_PATH {
+                // Boxed: the call's state is large, and hyper moves the future it is given several times over.
+                Either::Left(Box::pin(infer::model_infer(gateway.clone(), request, max_message_bytes)).map(Ok))
+            } else {
+                let mut routes = routes.clone();
+                Either::Right(tower_service::Service::call(&mut routes, request))
+            }
         });
         let builder = builder.clone();
         let acceptor = tls.clone();

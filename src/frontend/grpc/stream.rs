@@ -14,6 +14,7 @@ use crate::codec::compression::{self, Coding};
 use crate::codec::protobuf::RawDecoder;
 use crate::dispatch::StreamAnswer;
 use crate::error::Error;
+use crate::headers::{GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS};
 use crate::process::live::Gateway;
 
 /// ModelStreamInfer: the client's messages are read as they come (framing, size limit and decompression by tonic's
@@ -78,7 +79,7 @@ where
     if let Some(coding) = coding {
         response
             .headers_mut()
-            .insert("grpc-encoding", http::HeaderValue::from_static(coding.name()));
+            .insert(GRPC_ENCODING, http::HeaderValue::from_static(coding.name()));
     }
     response
 }
@@ -131,11 +132,11 @@ impl http_body::Body for StreamBody {
             };
             self.ended = true;
             let mut trailers = http::HeaderMap::new();
-            trailers.insert("grpc-status", http::HeaderValue::from(status.code() as i32));
+            trailers.insert(GRPC_STATUS, http::HeaderValue::from(status.code() as i32));
             if !status.message().is_empty() {
                 let message = percent_encode(status.message());
                 if let Ok(value) = http::HeaderValue::from_str(&message) {
-                    trailers.insert("grpc-message", value);
+                    trailers.insert(GRPC_MESSAGE, value);
                 }
             }
             return Poll::Ready(Some(Ok(http_body::Frame::trailers(trailers))));

@@ -6,19 +6,19 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CONTENT_TYPE, TE, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Method, Request};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::TokioIo;
 use tonic::Code;
 
-use super::Replied;
-use crate::body::ChunksBody;
+use super::{Channel, Replied};
 use crate::codec::compression::{self, Coding};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
+use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
 
 mod stream;
 
+use stream::ReceivedBody;
 pub use stream::{StreamRequests, UpstreamStream};
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
@@ -27,17 +27,27 @@ const FRAME_HEADER: usize = 5;
 /// How close to its deadline a call must be for a CANCELLED answer to be taken as the deadline expiring.
 const DEADLINE_SLACK: Duration = Duration::from_millis(20);
 
-/// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
-const STREAM_WINDOW: u32 = 8 << 20;
-const CONNECTION_WINDOW: u32 = 32 << 20;
+/// Unary calls' HTTP/2 windows: large enough that a multi-megabyte tensor is not throttled by flow control (an
+/// answer is read whole as it arrives, so nothing waits unread in them).
+const UNARY_STREAM_WINDOW: u32 = 8 << 20;
+const UNARY_CONNECTION_WINDOW: u32 = 32 << 20;
+/// Streams' windows: what one backend stream may hold unread (a stream mostly carries small messages, and a client
+/// that stops reading leaves its stream window full in the gateway), and what all of a connection's may.
+const STREAMS_STREAM_WINDOW: u32 = 2 << 20;
+const STREAMS_CONNECTION_WINDOW: u32 = 16 << 20;
+/// h2 charges each DATA frame it buffers that is smaller than this as if it were this big.
+const SMALL_FRAME: usize = 256;
 
-/// One backend endpoint spoken to over gRPC. Cheap to clone; connections are pooled and shared.
+/// One backend endpoint spoken to over gRPC, on HTTP/2 connections made with h2 itself, one per thread for unary
+/// calls and one for streams. Cheap to clone; clones share the connections.
 #[derive(Debug, Clone)]
 pub struct GrpcUpstream {
     clients: super::ThreadClients,
     authority: std::sync::Arc<str>,
-    /// `http`, or `https` for TLS.
-    scheme: &'static str,
+    /// The endpoint's address and scheme (`http`, or `https` for TLS) as the URIs of its calls hold them; no
+    /// authority when the address makes none.
+    uri_authority: Option<http::uri::Authority>,
+    scheme: http::uri::Scheme,
     max_response_bytes: usize,
 }
 
@@ -49,18 +59,15 @@ impl GrpcUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> GrpcUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, true);
-        let build = |connector| {
-            Client::builder(TokioExecutor::new())
-                .http2_only(true)
-                .http2_initial_stream_window_size(STREAM_WINDOW)
-                .http2_initial_connection_window_size(CONNECTION_WINDOW)
-                .pool_idle_timeout(Duration::from_secs(90))
-                .build(connector)
-        };
         GrpcUpstream {
-            clients: super::ThreadClients::new(connector, build),
+            clients: super::ThreadClients::new(connector),
             authority: endpoint.to_string().into(),
-            scheme,
+            uri_authority: endpoint.to_string().parse().ok(),
+            scheme: if scheme == "https" {
+                http::uri::Scheme::HTTPS
+            } else {
+                http::uri::Scheme::HTTP
+            },
             max_response_bytes,
         }
     }
@@ -77,7 +84,7 @@ impl GrpcUpstream {
     /// was asked for.
     pub async fn unary(
         &self,
-        method: &str,
+        method: &'static str,
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
@@ -112,32 +119,36 @@ impl GrpcUpstream {
 
     async fn call(
         &self,
-        method: &str,
+        method: &'static str,
         message: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
         coding: Option<Coding>,
     ) -> Result<Replied<Bytes>> {
         let chunks = frame(message, coding)?;
-        let request = self.request(method, ChunksBody::new(chunks).into(), deadline, metadata, coding)?;
-        let response = self
-            .clients
-            .get()
-            .request(request)
-            .await
-            .map_err(|e| super::unreachable(&self.authority, e))?;
+        let request = || self.request(method, (), deadline, metadata, coding);
+        let response = match self.send(Channel::Unary, request()?, &chunks).await {
+            Ok(response) => response,
+            // A kept connection that could not take the call (it had closed, or the backend refused the stream
+            // unprocessed): sent once more on a new connection, as a pooling client would. A connection that
+            // closes under a call before any answer is taken as one that had closed, as the REST client does (see
+            // `upstream::send_request`).
+            Err(Unanswered { again: true, .. }) => {
+                self.clients.set_connection(Channel::Unary, None);
+                self.send(Channel::Unary, request()?, &chunks)
+                    .await
+                    .map_err(|unanswered| unanswered.error)?
+            }
+            Err(unanswered) => return Err(unanswered.error),
+        };
         self.check_status(&response)?;
         let (parts, body) = response.into_parts();
-        let answer_coding = parts
-            .headers
-            .get("grpc-encoding")
-            .map(|value| value.as_bytes().to_vec());
         let mut answer_metadata = headers::end_to_end(&parts.headers);
         let (body, trailers) = super::read_answer(
-            body,
+            ReceivedBody::new(body),
             self.max_response_bytes,
             FRAME_HEADER,
-            super::Sized::GrpcFrame,
+            crate::body::BodyLength::GrpcFrame,
             &self.authority,
         )
         .await?;
@@ -145,7 +156,7 @@ impl GrpcUpstream {
         if let Some(error) = status_error(&trailers) {
             return Err(error);
         }
-        if trailers.get("grpc-status").is_none() {
+        if trailers.get(GRPC_STATUS).is_none() {
             return Err(Error::new(
                 ErrorKind::BadGateway,
                 Origin::Upstream,
@@ -155,7 +166,8 @@ impl GrpcUpstream {
         for (name, value) in &headers::end_to_end(&trailers) {
             answer_metadata.append(name, value.clone());
         }
-        let message = single_message(body, answer_coding.as_deref(), self.max_response_bytes)
+        let answer_coding = parts.headers.get(GRPC_ENCODING).map(HeaderValue::as_bytes);
+        let message = single_message(body, answer_coding, self.max_response_bytes)
             .map_err(|e| e.into_upstream_protocol_error())?;
         Ok(Replied {
             value: message,
@@ -163,6 +175,124 @@ impl GrpcUpstream {
 
             endpoint: Some(self.authority.clone()),
         })
+    }
+
+    /// Sends a unary call's whole request on this thread's connection for `channel` and waits for the answer's
+    /// head. The message is handed to h2 at once, which sends it as the backend's window allows: it is in memory
+    /// already, and dropping the call resets the stream and frees it.
+    async fn send(
+        &self,
+        channel: Channel,
+        request: Request<()>,
+        chunks: &[Bytes],
+    ) -> std::result::Result<http::Response<h2::RecvStream>, Unanswered> {
+        let (mut connection, kept) = self
+            .connection(channel)
+            .await
+            .map_err(|error| Unanswered { error, again: false })?;
+        let failed = |error: Error, unanswered: bool| Unanswered {
+            error,
+            again: kept && unanswered,
+        };
+        let (response, mut sending) = connection
+            .send_request(request, false)
+            .map_err(|e| failed(self.connection_failure(e, true), true))?;
+        let last = chunks.iter().rposition(|chunk| !chunk.is_empty());
+        for (index, chunk) in chunks.iter().enumerate() {
+            if !chunk.is_empty() {
+                sending
+                    .send_data(chunk.clone(), Some(index) == last)
+                    .map_err(|e| failed(self.connection_failure(e, false), true))?;
+            }
+        }
+        response.await.map_err(|e| {
+            let refused = e.reason() == Some(h2::Reason::REFUSED_STREAM);
+            let closed = e.get_io().is_some_and(|io| crate::error::is_closed_connection(io));
+            failed(self.connection_failure(e, refused), refused || closed)
+        })
+    }
+
+    /// This thread's connection to the endpoint for `channel`, ready for a new stream, and whether it was kept
+    /// from earlier calls; made anew when there is none or the last one failed.
+    async fn connection(&self, channel: Channel) -> Result<(h2::client::SendRequest<Bytes>, bool)> {
+        if let Some(connection) = self.clients.connection(channel)
+            && let Ok(ready) = connection.ready().await
+        {
+            return Ok((ready, true));
+        }
+        // Boxed: connecting is rare, and its state (resolving, connecting, TLS, the handshake) would otherwise be
+        // part of every call's.
+        Box::pin(self.connect(channel))
+            .await
+            .map(|connection| (connection, false))
+    }
+
+    /// Makes this thread's connection to the endpoint for `channel`.
+    async fn connect(&self, channel: Channel) -> Result<h2::client::SendRequest<Bytes>> {
+        let uri = self.uri("/")?;
+        let mut connector = self.clients.connector.clone();
+        let io = tower_service::Service::call(&mut connector, uri)
+            .await
+            .map_err(|e| self.connection_failure(ConnectFailure(e), true))?;
+        let (stream_window, connection_window) = match channel {
+            Channel::Unary => (UNARY_STREAM_WINDOW, UNARY_CONNECTION_WINDOW),
+            Channel::Streams => (STREAMS_STREAM_WINDOW, STREAMS_CONNECTION_WINDOW),
+        };
+        let (connection, driver) = h2::client::Builder::new()
+            .initial_window_size(stream_window)
+            .initial_connection_window_size(connection_window)
+            // h2 closes a connection whose buffered small frames cost more than its budget (by default half the
+            // connection window, which ~50-byte messages unread by one client exceed). This budget lets the whole
+            // connection window be held as the smallest gRPC messages (an empty one behind its 5-byte header):
+            // only a backend that splits messages into smaller frames can spend it.
+            .data_frame_budget(connection_window as usize / FRAME_HEADER * SMALL_FRAME)
+            .handshake::<_, Bytes>(TokioIo::new(io))
+            .await
+            .map_err(|e| self.connection_failure(e, true))?;
+        tokio::spawn(async move {
+            if let Err(error) = driver.await {
+                tracing::debug!(%error, "backend connection ended");
+            }
+        });
+        self.clients.set_connection(channel, Some(connection.clone()));
+        connection.ready().await.map_err(|e| self.connection_failure(e, true))
+    }
+
+    /// A call or stream that failed on its connection; `unsent` when nothing of it reached the backend.
+    fn connection_failure(&self, error: impl std::error::Error + Send + Sync + 'static, unsent: bool) -> Error {
+        let failure = Error::new(
+            ErrorKind::BadGateway,
+            Origin::Upstream,
+            format!("backend {} unreachable: {error}", self.authority),
+        )
+        .caused_by(error);
+        if unsent {
+            failure.unsent()
+        } else {
+            failure.with_retryable(false)
+        }
+    }
+}
+
+/// A unary call that got no answer, and whether it may be sent again on a new connection.
+struct Unanswered {
+    error: Error,
+    again: bool,
+}
+
+/// A connector's error, which is boxed.
+#[derive(Debug)]
+struct ConnectFailure(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for ConnectFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for ConnectFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 
@@ -183,7 +313,7 @@ impl GrpcUpstream {
     /// A call's request: `body` with the gRPC headers, the deadline as `grpc-timeout` and `metadata`.
     fn request<B>(
         &self,
-        method: &str,
+        method: &'static str,
         body: B,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
@@ -191,7 +321,7 @@ impl GrpcUpstream {
     ) -> Result<Request<B>> {
         let mut request = Request::builder()
             .method(Method::POST)
-            .uri(format!("{}://{}{method}", self.scheme, self.authority))
+            .uri(self.uri(method)?)
             .body(body)
             .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
         let headers = request.headers_mut();
@@ -205,19 +335,30 @@ impl GrpcUpstream {
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
         );
         if let Some(coding) = coding {
-            headers.insert("grpc-encoding", HeaderValue::from_static(coding.name()));
-            headers.insert("grpc-accept-encoding", HeaderValue::from_static(compression::ACCEPTED));
+            headers.insert(GRPC_ENCODING, HeaderValue::from_static(coding.name()));
+            headers.insert(GRPC_ACCEPT_ENCODING, HeaderValue::from_static(compression::ACCEPTED));
         }
         if let Some(deadline) = deadline {
             // grpc-timeout allows at most eight digits.
             let millis = deadline.as_millis().clamp(1, 99_999_999);
-            let value = format!("{millis}m");
-            headers.insert(
-                "grpc-timeout",
-                HeaderValue::from_str(&value).unwrap_or(HeaderValue::from_static("1m")),
-            );
+            let mut value = HeaderValue::from_str(&format!("{millis}m")).unwrap_or(HeaderValue::from_static("1m"));
+            // Nearly every call's timeout differs: never indexed by HPACK (see `headers::new_request_id`).
+            value.set_sensitive(true);
+            headers.insert(GRPC_TIMEOUT, value);
         }
         Ok(request)
+    }
+
+    /// The URI of `path` at the endpoint.
+    fn uri(&self, path: &'static str) -> Result<http::Uri> {
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(self.scheme.clone());
+        uri.authority =
+            Some(self.uri_authority.clone().ok_or_else(|| {
+                Error::internal(format!("backend address {} is not a URI authority", self.authority))
+            })?);
+        uri.path_and_query = Some(http::uri::PathAndQuery::from_static(path));
+        http::Uri::from_parts(uri).map_err(|e| Error::internal(format!("backend address {}: {e}", self.authority)))
     }
 
     /// Refuses an answer that is not a gRPC one, or that is a trailers-only error.
@@ -242,12 +383,12 @@ impl GrpcUpstream {
 
 /// The error a `grpc-status` other than OK stands for, with its `grpc-message`.
 fn status_error(headers: &HeaderMap) -> Option<Error> {
-    let status = headers.get("grpc-status")?.to_str().ok()?.trim().parse::<i32>().ok()?;
+    let status = headers.get(GRPC_STATUS)?.to_str().ok()?.trim().parse::<i32>().ok()?;
     if status == 0 {
         return None;
     }
     let message = headers
-        .get("grpc-message")
+        .get(GRPC_MESSAGE)
         .map(|m| percent_decode(m.as_bytes()))
         .unwrap_or_default();
     Some(Error::from_upstream_grpc(Code::from_i32(status), message))

@@ -1,5 +1,6 @@
-//! Bidirectional gRPC streams to a backend, on HTTP/2 connections made with h2 itself: hyper does not expose h2's
-//! budget for small DATA frames, and its default closes a connection whose stalled reader holds many tiny messages.
+//! Bidirectional gRPC streams to a backend, on the thread's HTTP/2 connection for streams (made with h2 itself:
+//! hyper does not expose h2's budget for small DATA frames, and its default closes a connection whose stalled reader
+//! holds many tiny messages).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -8,25 +9,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue};
 use http_body::{Body, Frame};
-use hyper_util::rt::TokioIo;
 
-use super::{FRAME_HEADER, GrpcUpstream, frame};
+use super::{GrpcUpstream, frame};
 use crate::codec::compression::Coding;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
-
-/// What one backend stream may hold unread: a stream mostly carries small messages, and a client that stops reading
-/// leaves its stream window full in the gateway.
-const STREAM_WINDOW: u32 = 2 << 20;
-/// What all the streams of one connection may hold unread together.
-const CONNECTION_WINDOW: u32 = 16 << 20;
-/// h2 charges each DATA frame it buffers that is smaller than this as if it were this big.
-const SMALL_FRAME: usize = 256;
-/// h2 closes a connection whose buffered small frames cost more than its budget (by default half the connection
-/// window, which ~50-byte messages unread by one client exceed). This budget lets the whole connection window be
-/// held as the smallest gRPC messages (an empty one behind its 5-byte header): only a backend that splits messages
-/// into smaller frames can spend it.
-const SMALL_FRAMES_BUDGET: usize = CONNECTION_WINDOW as usize / FRAME_HEADER * SMALL_FRAME;
+use crate::headers::GRPC_ENCODING;
+use crate::upstream::Channel;
 
 /// A stream opened to a backend: its messages go in through `requests`, the backend's come out of `answers`.
 /// Dropping `requests` tells the backend the client has sent everything; dropping both resets its stream.
@@ -86,27 +75,27 @@ impl GrpcUpstream {
     /// given, is passed on as `grpc-timeout`; `coding` compresses the messages sent and asks for compressed ones.
     pub async fn open_stream(
         &self,
-        method: &str,
+        method: &'static str,
         first: Vec<Bytes>,
         deadline: Option<Duration>,
         metadata: &HeaderMap,
         coding: Option<Coding>,
     ) -> Result<UpstreamStream> {
         let request = self.request(method, (), deadline, metadata, coding)?;
-        let mut connection = self.stream_connection().await?;
+        let (mut connection, _) = self.connection(Channel::Streams).await?;
         let (response, sending) = connection
             .send_request(request, false)
-            .map_err(|e| self.stream_failure(e, true))?;
+            .map_err(|e| self.connection_failure(e, true))?;
         // h2 assigns no window to a stream still waiting to be opened (under the backend's limit on concurrent
         // streams), nor later to what was reserved meanwhile: the first message waits until the stream is open.
-        connection.ready().await.map_err(|e| self.stream_failure(e, true))?;
+        connection.ready().await.map_err(|e| self.connection_failure(e, true))?;
         let mut requests = StreamRequests { sending, coding };
         let (response, sent) = tokio::join!(response, requests.send(first));
-        let response = response.map_err(|e| self.stream_failure(e, false))?;
+        let response = response.map_err(|e| self.connection_failure(e, false))?;
         self.check_status(&response)?;
         sent?;
         let (parts, body) = response.into_parts();
-        let encoding = match parts.headers.get("grpc-encoding").map(HeaderValue::as_bytes) {
+        let encoding = match parts.headers.get(GRPC_ENCODING).map(HeaderValue::as_bytes) {
             Some(b"gzip") => Some(tonic::codec::CompressionEncoding::Gzip),
             Some(b"deflate") => Some(tonic::codec::CompressionEncoding::Deflate),
             _ => None,
@@ -115,10 +104,7 @@ impl GrpcUpstream {
             requests,
             answers: tonic::codec::Streaming::new_response(
                 crate::codec::protobuf::RawDecoder,
-                ReceivedBody {
-                    receiving: body,
-                    data_ended: false,
-                },
+                ReceivedBody::new(body),
                 http::StatusCode::OK,
                 encoding,
                 Some(self.max_response_bytes),
@@ -126,75 +112,22 @@ impl GrpcUpstream {
             headers: headers::end_to_end(&parts.headers),
         })
     }
-
-    /// This thread's stream connection to the endpoint, ready for a new stream; made anew when there is none or
-    /// the last one failed.
-    async fn stream_connection(&self) -> Result<h2::client::SendRequest<Bytes>> {
-        if let Some(connection) = self.clients.streams()
-            && let Ok(ready) = connection.ready().await
-        {
-            return Ok(ready);
-        }
-        let uri: http::Uri = format!("{}://{}", self.scheme, self.authority)
-            .parse()
-            .map_err(|e| Error::internal(format!("backend address {}: {e}", self.authority)))?;
-        let mut connector = self.clients.connector.clone();
-        let io = tower_service::Service::call(&mut connector, uri)
-            .await
-            .map_err(|e| self.stream_failure(StreamFailure(e), true))?;
-        let (connection, driver) = h2::client::Builder::new()
-            .initial_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .data_frame_budget(SMALL_FRAMES_BUDGET)
-            .handshake::<_, Bytes>(TokioIo::new(io))
-            .await
-            .map_err(|e| self.stream_failure(e, true))?;
-        tokio::spawn(async move {
-            if let Err(error) = driver.await {
-                tracing::debug!(%error, "backend stream connection ended");
-            }
-        });
-        self.clients.set_streams(connection.clone());
-        connection.ready().await.map_err(|e| self.stream_failure(e, true))
-    }
-
-    /// A stream that could not be opened; `unsent` when nothing of it reached the backend.
-    fn stream_failure(&self, error: impl std::error::Error + Send + Sync + 'static, unsent: bool) -> Error {
-        let failure = Error::new(
-            ErrorKind::BadGateway,
-            Origin::Upstream,
-            format!("backend {} unreachable: {error}", self.authority),
-        )
-        .caused_by(error);
-        if unsent {
-            failure.unsent()
-        } else {
-            failure.with_retryable(false)
-        }
-    }
 }
 
-/// A connector's error, which is boxed.
-#[derive(Debug)]
-struct StreamFailure(Box<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for StreamFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for StreamFailure {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
-    }
-}
-
-/// A backend stream's answer as a body: its data as it arrives, its window given back as each piece is taken (so
-/// what is unread is bounded by the window), then its trailers.
-struct ReceivedBody {
+/// A backend stream's (or unary call's) answer as a body: its data as it arrives, its window given back as each
+/// piece is taken (so what is unread is bounded by the window), then its trailers.
+pub(super) struct ReceivedBody {
     receiving: h2::RecvStream,
     data_ended: bool,
+}
+
+impl ReceivedBody {
+    pub(super) fn new(receiving: h2::RecvStream) -> Self {
+        ReceivedBody {
+            receiving,
+            data_ended: false,
+        }
+    }
 }
 
 impl Body for ReceivedBody {

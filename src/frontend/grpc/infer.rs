@@ -1,0 +1,211 @@
+//! The gRPC door's `ModelInfer`, served on raw bytes straight from the HTTP/2 connection (no router or codec layers
+//! on the way): routed by the message's leading name and version fields, and answered with the answer's own chunks.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use tonic::Status;
+
+use super::{answer_coding, context_of, message_encoding, size_message};
+use crate::body::{BodyLength, ChunksBody, Gathered};
+use crate::codec::compression::{self, Coding};
+use crate::codec::splice;
+use crate::dispatch::Dispatcher;
+use crate::error::Result;
+use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
+use crate::process::live::{Active, Gateway};
+use crate::process::metrics::{ClientProtocol, RequestTimer};
+use crate::protocol::Reserved;
+
+/// The gRPC message-frame header: a compression flag and a big-endian length.
+const FRAME_HEADER: usize = 5;
+
+/// Serves one `ModelInfer` call. The call counts as under way until its answer's body is sent or dropped, so a
+/// shutdown waits for a large answer still streaming.
+pub(super) async fn model_infer<B>(
+    gateway: Arc<Gateway>,
+    request: http::Request<B>,
+    limit: usize,
+) -> http::Response<tonic::body::Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+{
+    let active = gateway.begin();
+    let coding = answer_coding(request.headers());
+    let (parts, body) = request.into_parts();
+    let mut headers = parts.headers;
+    let message = match read_message(&headers, body, limit).await {
+        Ok((message, trailers)) => {
+            // Trailers sent with the request join its metadata, as tonic's unary calls have it.
+            if let Some(trailers) = trailers {
+                headers.extend(trailers);
+            }
+            message
+        }
+        Err(status) => return status.into_http(),
+    };
+    match infer(&gateway.dispatcher(), &headers, message).await {
+        Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active),
+        Err(status) => status.into_http(),
+    }
+}
+
+/// Reads a unary call's one message, within `limit` once decompressed: a gzip or deflate message is decompressed,
+/// other encodings are refused, and so is a second message.
+async fn read_message<B>(headers: &HeaderMap, body: B, limit: usize) -> Result<(Bytes, Option<HeaderMap>), Status>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let encoding = message_encoding(headers)?;
+    let (mut framed, trailers) = crate::body::gather(body, limit.saturating_add(FRAME_HEADER), BodyLength::GrpcFrame)
+        .await
+        .map_err(|error| match error {
+            Gathered::TooLarge => Status::resource_exhausted(size_message(limit)),
+            Gathered::Broken(error) => Status::cancelled(format!("the request broke off: {}", error.into())),
+        })?;
+    if framed.is_empty() {
+        return Err(Status::internal("Missing request message."));
+    }
+    if framed.len() < FRAME_HEADER {
+        return Err(Status::internal("the request ends inside a message's 5-byte header"));
+    }
+    let flag = framed[0];
+    let length = u32::from_be_bytes([framed[1], framed[2], framed[3], framed[4]]) as usize;
+    let carried = framed.len() - FRAME_HEADER;
+    if carried < length {
+        return Err(Status::internal(format!(
+            "the request ends inside its message: {carried} of {length} bytes"
+        )));
+    }
+    if carried > length {
+        return Err(Status::internal("a unary call carries one message, this one more"));
+    }
+    let message = framed.split_off(FRAME_HEADER);
+    let coding = match (flag, encoding) {
+        (0, _) => return Ok((message, trailers)),
+        (1, Some(tonic::codec::CompressionEncoding::Gzip)) => Coding::Gzip,
+        (1, Some(tonic::codec::CompressionEncoding::Deflate)) => Coding::Deflate,
+        (1, _) => {
+            return Err(Status::internal(
+                "protocol error: received message with compressed-flag but no grpc-encoding was specified",
+            ));
+        }
+        (other, _) => {
+            return Err(Status::internal(format!(
+                "protocol error: received message with invalid compression flag: {other} (valid flags are 0 and 1)"
+            )));
+        }
+    };
+    compression::decompress(coding, &message, limit as u64, "request message")
+        .map(|message| (message, trailers))
+        .map_err(|error| error.to_grpc_status())
+}
+
+/// What an encoded request's reserved parameters ask; a tensor in shared memory is refused.
+fn reserved(message: &[u8]) -> Result<Reserved> {
+    splice::refuse_shared_memory(message)?;
+    Reserved::from_parameters(&splice::parameters(message)?)
+}
+
+/// Routes and sends one inference given as its encoded message; gives the answer's message as chunks, with the
+/// metadata to answer with (the backend's end-to-end metadata and the request id). Counted and logged here, under
+/// the model it named.
+async fn infer(
+    dispatcher: &Dispatcher,
+    headers: &HeaderMap,
+    message: Bytes,
+) -> Result<(Vec<Bytes>, HeaderMap), Status> {
+    let mut context = context_of(headers);
+    let request_id = context.forward.get(super::super::REQUEST_ID).cloned();
+    let reserved = reserved(&message);
+    if let Ok(Reserved {
+        timeout: Some(limit), ..
+    }) = &reserved
+    {
+        context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
+    }
+    let sequence = reserved.map(|reserved| reserved.sequence);
+    let (routed, route) = match splice::model_fields(&message) {
+        Ok(fields) => match sequence {
+            Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
+            // Counted under the model it named.
+            Err(error) => (
+                Err(error),
+                dispatcher
+                    .route(fields.name, Some(fields.version), &context.forward, None)
+                    .1,
+            ),
+        },
+        Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
+    };
+    let mut timer = RequestTimer::start(
+        dispatcher.metrics().clone(),
+        route,
+        ClientProtocol::Grpc,
+        message.len() as u64,
+    );
+    timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
+    let answer = match routed {
+        Ok(routed) => {
+            timer.translated = dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
+            dispatcher.infer_grpc_routed(&routed, message, &context).await
+        }
+        Err(error) => Err(error),
+    };
+    match answer {
+        Ok(replied) => {
+            let length: usize = replied.value.iter().map(Bytes::len).sum();
+            timer.endpoint = replied.endpoint.clone();
+            timer.finish(200, length as u64);
+            let mut metadata = replied.headers;
+            if let Some(id) = request_id {
+                metadata.insert(super::super::REQUEST_ID, id);
+            }
+            Ok((replied.value, metadata))
+        }
+        Err(error) => {
+            timer.finish(error.http_status().as_u16(), 0);
+            Err(error.to_grpc_status())
+        }
+    }
+}
+
+/// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's
+/// own chunks (compressed with `coding` when the client asked), and `grpc-status: 0` in the trailers.
+fn framed_answer(
+    chunks: Vec<Bytes>,
+    metadata: HeaderMap,
+    coding: Option<Coding>,
+    active: Active,
+) -> http::Response<tonic::body::Body> {
+    let chunks = match coding {
+        Some(coding) => compression::compress(coding, &chunks),
+        None => chunks,
+    };
+    let frames = match crate::body::grpc_message(chunks, coding.is_some()) {
+        Ok(frames) => frames,
+        Err(length) => {
+            return Status::resource_exhausted(format!(
+                "the answer is {length} bytes, more than a gRPC message can hold"
+            ))
+            .into_http();
+        }
+    };
+    let mut trailers = HeaderMap::with_capacity(1);
+    trailers.insert(GRPC_STATUS, HeaderValue::from_static("0"));
+    let body = crate::body::Holding::new(ChunksBody::with_trailers(frames, trailers), active);
+    let mut response = http::Response::new(tonic::body::Body::new(body));
+    *response.headers_mut() = metadata;
+    if let Some(coding) = coding {
+        response
+            .headers_mut()
+            .insert(GRPC_ENCODING, HeaderValue::from_static(coding.name()));
+    }
+    response
+        .headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    response
+}
