@@ -1,15 +1,16 @@
 """Inference-stream figures (docs/BENCHMARKS.md, "Streams"): time to the first response through the gateway against
 the backend reached directly, alone and under load, and CPU per message of the gateway and the backend, for a gRPC
 stream passed through, generate_stream and infer_stream translated to a gRPC stream, and generate_stream relayed from
-a REST backend. Every path is measured in each of ROUNDS alternated rounds (A B C ... A B C ...); the tables give the
-medians of the rounds.
+a REST backend; and, as the reference for the passthrough, the same gRPC stream through HAProxy (`proto h2` on both
+sides) when `haproxy` is installed (scripts/bench installs it). Every path is measured in each of ROUNDS alternated
+rounds (A B C ... A B C ...); the tables give the medians of the rounds.
 
     scripts/setup && cargo build --release --bin oipgate
     target/interop/clients/bin/python scripts/bench-streams.py target/release/oipgate
     BENCH_ONLY="gRPC stream" target/interop/clients/bin/python scripts/bench-streams.py target/release/oipgate
 
 The client is Python (grpcio, http.client): its own cost is in every latency, alike with and without the gateway, so
-the difference between a row and its backend-direct row is what the gateway adds. Ports 19100-19201 on loopback."""
+the difference between a row and its backend-direct row is what the gateway adds. Ports 19100-19202 on loopback."""
 import http.client
 import json
 import os
@@ -115,9 +116,26 @@ class SsePath:
         return connection.getresponse().read().count(b"data: ")
 
 
+HAPROXY = """global
+    nbthread 2
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 120s
+    timeout server 120s
+frontend grpc
+    bind 127.0.0.1:19202 proto h2
+    default_backend grpc
+backend grpc
+    server backend 127.0.0.1:19101 proto h2
+"""
+HAPROXY_ROW = "gRPC stream through HAProxy (passthrough)"
+HAPROXY_BINARY = next((b for b in ("/usr/sbin/haproxy", "/usr/bin/haproxy") if os.path.exists(b)), None)
+
 PATHS = {
     "gRPC stream, backend direct": GrpcPath("127.0.0.1:19101", "count"),
     "gRPC stream through the gateway (passthrough)": GrpcPath("127.0.0.1:19201", "count"),
+    HAPROXY_ROW: GrpcPath("127.0.0.1:19202", "count"),
     "generate_stream, backend direct (REST)": SsePath(19100, "count", "generate_stream"),
     "generate_stream through the gateway, relayed from REST": SsePath(19200, "count_rest", "generate_stream"),
     "generate_stream through the gateway, translated to gRPC": SsePath(19200, "count", "generate_stream"),
@@ -127,6 +145,8 @@ PATHS = {
 
 # BENCH_ONLY=text measures only the paths whose names contain it (to compare two builds on a few paths).
 PATHS = {name: path for name, path in PATHS.items() if os.environ.get("BENCH_ONLY", "") in name}
+if HAPROXY_BINARY is None:
+    PATHS.pop(HAPROXY_ROW, None)
 
 
 def alone(path) -> list:
@@ -145,14 +165,14 @@ def loaded(path) -> list:
         return [t for times in pool.map(worker, range(threads)) for t in times]
 
 
-def per_message(path, gateway: int, server: int) -> tuple:
+def per_message(path, proxy: int, server: int) -> tuple:
     client = path.client()
-    g0, s0 = cpu(gateway), cpu(server)
+    g0, s0 = cpu(proxy), cpu(server)
     started = time.perf_counter()
     got = path.responses(client, MESSAGES)
     wall = time.perf_counter() - started
     assert got == MESSAGES, (got, MESSAGES)
-    return (cpu(gateway) - g0) / MESSAGES * 1e6, (cpu(server) - s0) / MESSAGES * 1e6, MESSAGES / wall
+    return (cpu(proxy) - g0) / MESSAGES * 1e6, (cpu(server) - s0) / MESSAGES * 1e6, MESSAGES / wall
 
 
 def percentile(values: list, p: float) -> float:
@@ -169,9 +189,16 @@ def main():
     gateway = subprocess.Popen([BIN, "serve", "--config", "/tmp/bench-streams.toml"], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, env={**os.environ, "RUST_LOG": "warn"})
     gateway.stdout.readline()
+    haproxy = None
+    if HAPROXY_ROW in PATHS:
+        with open("/tmp/bench-streams-haproxy.cfg", "w") as f:
+            f.write(HAPROXY)
+        haproxy = subprocess.Popen([HAPROXY_BINARY, "-db", "-f", "/tmp/bench-streams-haproxy.cfg"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1)
     try:
         assert gateway.poll() is None and server.poll() is None
+        assert haproxy is None or haproxy.poll() is None
         for path in PATHS.values():  # warm-up
             client = path.client()
             for _ in range(50):
@@ -184,7 +211,8 @@ def main():
                 latency[name]["alone"].append((percentile(times, 0.5), percentile(times, 0.99)))
                 times = loaded(path)
                 latency[name]["loaded"].append((percentile(times, 0.5), percentile(times, 0.99)))
-                costs[name].append(per_message(path, gateway.pid, server.pid))
+                proxy = haproxy.pid if name == HAPROXY_ROW else gateway.pid
+                costs[name].append(per_message(path, proxy, server.pid))
             print(f"round {round_ + 1} of {ROUNDS} done", file=sys.stderr)
         median = statistics.median
         print(f"Time to the first response (microseconds; medians of {ROUNDS} rounds):\n")
@@ -195,7 +223,7 @@ def main():
             print(f"| {name} | {median(r[0] for r in a):.0f} | {median(r[1] for r in a):.0f} "
                   f"| {median(r[0] for r in b):.0f} | {median(r[1] for r in b):.0f} |")
         print(f"\nCPU per message over a stream of {MESSAGES:,} responses (microseconds; medians of {ROUNDS} rounds):\n")
-        print("| path | gateway CPU | backend CPU | messages/s |")
+        print("| path | proxy CPU | backend CPU | messages/s |")
         print("|---|---|---|---|")
         for name, rows in costs.items():
             gateway_cpu = median(r[0] for r in rows) if "direct" not in name else None
@@ -204,6 +232,8 @@ def main():
     finally:
         gateway.kill()
         server.kill()
+        if haproxy is not None:
+            haproxy.kill()
 
 
 if __name__ == "__main__":
