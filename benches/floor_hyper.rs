@@ -38,13 +38,7 @@ fn main() -> Result<(), Failure> {
         std::thread::spawn(move || -> Result<(), Failure> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             let listener = runtime.block_on(async { tokio::net::TcpListener::from_std(listener) })?;
-            let mut connector = HttpConnector::new();
-            connector.set_nodelay(true);
-            if http2 {
-                runtime.block_on(serve_http2(listener, connector, upstream))
-            } else {
-                runtime.block_on(serve_http1(listener, connector, upstream))
-            }
+            runtime.block_on(serve(listener, upstream, http2))
         });
     }
     loop {
@@ -58,49 +52,39 @@ fn at_upstream(head: &http::request::Parts, upstream: &str) -> Result<http::Uri,
     Ok(format!("http://{upstream}{target}").parse()?)
 }
 
-async fn serve_http1(
-    listener: tokio::net::TcpListener,
-    connector: HttpConnector,
-    upstream: String,
-) -> Result<(), Failure> {
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+async fn serve(listener: tokio::net::TcpListener, upstream: String, http2: bool) -> Result<(), Failure> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let whole: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector.clone());
+    let streamed: Client<_, Incoming> = Client::builder(TokioExecutor::new()).http2_only(true).build(connector);
     loop {
         let (stream, _) = listener.accept().await?;
         stream.set_nodelay(true)?;
-        let (client, upstream) = (client.clone(), upstream.clone());
-        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-            let (client, upstream) = (client.clone(), upstream.clone());
-            async move {
-                let (mut head, body) = request.into_parts();
-                let body = body.collect().await?.to_bytes();
-                head.uri = at_upstream(&head, &upstream)?;
-                let answer = client.request(http::Request::from_parts(head, Full::new(body))).await?;
-                Ok::<_, Failure>(answer)
-            }
-        });
-        tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
-    }
-}
-
-async fn serve_http2(
-    listener: tokio::net::TcpListener,
-    connector: HttpConnector,
-    upstream: String,
-) -> Result<(), Failure> {
-    let client: Client<_, Incoming> = Client::builder(TokioExecutor::new()).http2_only(true).build(connector);
-    loop {
-        let (stream, _) = listener.accept().await?;
-        stream.set_nodelay(true)?;
-        let (client, upstream) = (client.clone(), upstream.clone());
-        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-            let (client, upstream) = (client.clone(), upstream.clone());
-            async move {
-                let (mut head, body) = request.into_parts();
-                head.uri = at_upstream(&head, &upstream)?;
-                let answer = client.request(http::Request::from_parts(head, body)).await?;
-                Ok::<_, Failure>(answer)
-            }
-        });
-        tokio::spawn(http2::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), service));
+        let io = TokioIo::new(stream);
+        let upstream = upstream.clone();
+        if http2 {
+            let client = streamed.clone();
+            let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+                let (client, upstream) = (client.clone(), upstream.clone());
+                async move {
+                    let (mut head, body) = request.into_parts();
+                    head.uri = at_upstream(&head, &upstream)?;
+                    Ok::<_, Failure>(client.request(http::Request::from_parts(head, body)).await?)
+                }
+            });
+            tokio::spawn(http2::Builder::new(TokioExecutor::new()).serve_connection(io, service));
+        } else {
+            let client = whole.clone();
+            let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+                let (client, upstream) = (client.clone(), upstream.clone());
+                async move {
+                    let (mut head, body) = request.into_parts();
+                    let body = body.collect().await?.to_bytes();
+                    head.uri = at_upstream(&head, &upstream)?;
+                    Ok::<_, Failure>(client.request(http::Request::from_parts(head, Full::new(body))).await?)
+                }
+            });
+            tokio::spawn(http1::Builder::new().serve_connection(io, service));
+        }
     }
 }
