@@ -54,6 +54,19 @@ impl StreamRequests {
     }
 }
 
+impl StreamRequests {
+    /// Hands one message to h2 without waiting for the backend's window (see [`GrpcUpstream::open_stream`]).
+    fn send_at_once(&mut self, message: Vec<Bytes>) -> Result<()> {
+        for chunk in frame(message, self.coding)?
+            .into_iter()
+            .filter(|chunk| !chunk.is_empty())
+        {
+            self.sending.send_data(chunk, false).map_err(|_| ended())?;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for StreamRequests {
     fn drop(&mut self) {
         // The client has sent everything: half-close. A stream already reset refuses this, which is fine.
@@ -86,14 +99,16 @@ impl GrpcUpstream {
         let (response, sending) = connection
             .send_request(request, false)
             .map_err(|e| self.connection_failure(e, true))?;
-        // h2 assigns no window to a stream still waiting to be opened (under the backend's limit on concurrent
-        // streams), nor later to what was reserved meanwhile: the first message waits until the stream is open.
-        connection.ready().await.map_err(|e| self.connection_failure(e, true))?;
         let mut requests = StreamRequests { sending, coding };
-        let (response, sent) = tokio::join!(response, requests.send(first));
-        let response = response.map_err(|e| self.connection_failure(e, false))?;
+        // The first message goes to h2 whole, before the stream's head has left, so the two leave in one write: h2
+        // holds it until the stream opens, then sends it as the window allows (it is in memory already, within the
+        // size limit). It is also what a server may wait for before sending its own head.
+        requests.send_at_once(first)?;
+        // h2 assigns no window to a stream still waiting to be opened (under the backend's limit on concurrent
+        // streams), nor later to what was reserved meanwhile: later messages wait until the stream is open.
+        connection.ready().await.map_err(|e| self.connection_failure(e, true))?;
+        let response = response.await.map_err(|e| self.connection_failure(e, false))?;
         self.check_status(&response)?;
-        sent?;
         let (parts, body) = response.into_parts();
         let encoding = match parts.headers.get(GRPC_ENCODING).map(HeaderValue::as_bytes) {
             Some(b"gzip") => Some(tonic::codec::CompressionEncoding::Gzip),
