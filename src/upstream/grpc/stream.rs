@@ -105,8 +105,12 @@ impl GrpcUpstream {
         // size limit). It is also what a server may wait for before sending its own head.
         requests.send_at_once(first)?;
         // h2 assigns no window to a stream still waiting to be opened (under the backend's limit on concurrent
-        // streams), nor later to what was reserved meanwhile: later messages wait until the stream is open.
-        connection.ready().await.map_err(|e| self.connection_failure(e, true))?;
+        // streams), nor later to what was reserved meanwhile: later messages wait until the stream is open. The
+        // first may have left by now, so a failure here is not one to send again.
+        connection
+            .ready()
+            .await
+            .map_err(|e| self.connection_failure(e, false))?;
         let response = response.await.map_err(|e| self.connection_failure(e, false))?;
         self.check_status(&response)?;
         let (parts, body) = response.into_parts();
