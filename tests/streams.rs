@@ -71,14 +71,22 @@ fn answer(error: String, response: ModelInferResponse) -> Answer {
     }
 }
 
-/// Every response of a stream of `requests`, by request id, in the order each request's came.
-async fn stream(gateway: &GatewayProcess, requests: Vec<ModelInferRequest>) -> BTreeMap<String, Vec<Answer>> {
+/// A stream through `gateway` sending `requests`: its answers, as they come.
+async fn open(
+    gateway: &GatewayProcess,
+    requests: Vec<ModelInferRequest>,
+) -> tonic::Streaming<oipgate::proto::ModelStreamInferResponse> {
     let mut client = gateway.grpc_client().await;
-    let mut answers = client
+    client
         .model_stream_infer(tokio_stream::iter(requests))
         .await
         .unwrap()
-        .into_inner();
+        .into_inner()
+}
+
+/// Every response of a stream of `requests`, by request id, in the order each request's came.
+async fn stream(gateway: &GatewayProcess, requests: Vec<ModelInferRequest>) -> BTreeMap<String, Vec<Answer>> {
+    let mut answers = open(gateway, requests).await;
     let mut by_id: BTreeMap<String, Vec<Answer>> = BTreeMap::new();
     while let Some(message) = answers.message().await.unwrap() {
         let response = message.infer_response.unwrap();
@@ -375,12 +383,7 @@ async fn stalled(
     before: u64,
     pause: Duration,
 ) -> (tonic::Streaming<oipgate::proto::ModelStreamInferResponse>, u64) {
-    let mut client = gateway.grpc_client().await;
-    let mut answers = client
-        .model_stream_infer(tokio_stream::iter(requests))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut answers = open(gateway, requests).await;
     answers.message().await.unwrap().unwrap();
     let mut largest = 0;
     let until = Instant::now() + pause;

@@ -473,7 +473,7 @@ pub async fn serve(
             tokio::time::sleep(HEALTH_REFRESH).await;
         }
     });
-    let gateway_for_infer = gateway.clone();
+    let infer_gateway = gateway.clone();
     let mut routes = tonic::service::Routes::new(InferenceService::new(gateway, max_message_bytes)).add_service(health);
     match tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -484,7 +484,6 @@ pub async fn serve(
         Err(error) => tracing::warn!(%error, "gRPC reflection is unavailable"),
     }
     let routes = routes.prepare();
-    let infer_gateway = gateway_for_infer;
 
     let mut builder = http2::Builder::new(TokioExecutor::new());
     builder

@@ -197,14 +197,8 @@ impl GrpcUpstream {
         let (response, mut sending) = connection
             .send_request(request, false)
             .map_err(|e| failed(self.connection_failure(e, true), true))?;
-        let last = chunks.iter().rposition(|chunk| !chunk.is_empty());
-        for (index, chunk) in chunks.iter().enumerate() {
-            if !chunk.is_empty() {
-                sending
-                    .send_data(chunk.clone(), Some(index) == last)
-                    .map_err(|e| failed(self.connection_failure(e, false), true))?;
-            }
-        }
+        hand_over(&mut sending, chunks.iter().cloned(), true)
+            .map_err(|e| failed(self.connection_failure(e, false), true))?;
         response.await.map_err(|e| {
             let refused = e.reason() == Some(h2::Reason::REFUSED_STREAM);
             let closed = e.get_io().is_some_and(|io| crate::error::is_closed_connection(io));
@@ -272,6 +266,25 @@ impl GrpcUpstream {
             failure.with_retryable(false)
         }
     }
+}
+
+/// Hands `chunks` to h2 at once, without waiting for the backend's window: they are in memory already, and h2 sends
+/// them as the window allows (a stream not yet open included). With `end`, the last one ends the request.
+fn hand_over(
+    sending: &mut h2::SendStream<Bytes>,
+    chunks: impl IntoIterator<Item = Bytes>,
+    end: bool,
+) -> std::result::Result<(), h2::Error> {
+    let mut chunks = chunks.into_iter().filter(|chunk| !chunk.is_empty()).peekable();
+    let mut ended = false;
+    while let Some(chunk) = chunks.next() {
+        ended = end && chunks.peek().is_none();
+        sending.send_data(chunk, ended)?;
+    }
+    if end && !ended {
+        sending.send_data(Bytes::new(), true)?;
+    }
+    Ok(())
 }
 
 /// A unary call that got no answer, and whether it may be sent again on a new connection.

@@ -52,18 +52,10 @@ impl StreamRequests {
         }
         Ok(())
     }
-}
 
-impl StreamRequests {
     /// Hands one message to h2 without waiting for the backend's window (see [`GrpcUpstream::open_stream`]).
     fn send_at_once(&mut self, message: Vec<Bytes>) -> Result<()> {
-        for chunk in frame(message, self.coding)?
-            .into_iter()
-            .filter(|chunk| !chunk.is_empty())
-        {
-            self.sending.send_data(chunk, false).map_err(|_| ended())?;
-        }
-        Ok(())
+        super::hand_over(&mut self.sending, frame(message, self.coding)?, false).map_err(|_| ended())
     }
 }
 
