@@ -57,7 +57,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
     raw.listen.grpc = Some(options.grpc.to_string());
     raw.listen.metrics = Some(options.metrics.to_string());
     for backend in &mut raw.backends {
-        let addresses = if backend.protocol == "grpc" {
+        let addresses = if backend.protocol == config::BackendProtocol::Grpc {
             &grpc_backends
         } else {
             &rest_backends

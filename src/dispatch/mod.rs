@@ -172,7 +172,7 @@ impl Dispatcher {
             .iter()
             .map(|route| {
                 let backend = backends
-                    .get(route.backend)
+                    .get(route.backend.index())
                     .map_or(metrics::NO_BACKEND, |b| b.name.as_str());
                 metrics.route(&route.model, &route.version, backend)
             })
@@ -209,7 +209,7 @@ impl Dispatcher {
 
     /// The protocol of the backend serving `route`.
     pub fn backend_protocol(&self, route: &VersionRoute) -> Option<BackendProtocol> {
-        self.backends.get(route.backend).map(|b| match b.replicas {
+        self.backends.get(route.backend.index()).map(|b| match b.replicas {
             Replicas::Rest { .. } => BackendProtocol::Rest,
             Replicas::Grpc { .. } => BackendProtocol::Grpc,
         })
@@ -251,9 +251,9 @@ impl Dispatcher {
 
     fn backend(&self, route: &VersionRoute) -> Result<&BackendClients> {
         self.backends
-            .get(route.backend)
+            .get(route.backend.index())
             .map(|backend| &**backend)
-            .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend)))
+            .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend.index())))
     }
 
     /// Runs an inference for `model` at `version` (routed here): the convenience form of [`Self::infer_routed`].
@@ -392,7 +392,7 @@ impl Dispatcher {
             metrics.mirrored(MirrorResult::Shed);
             return;
         };
-        let Some(backend) = self.backends.get(route.backend).cloned() else {
+        let Some(backend) = self.backends.get(route.backend.index()).cloned() else {
             return;
         };
         let route = route.clone();
@@ -518,7 +518,7 @@ impl Dispatcher {
                 .routes
                 .routes()
                 .iter()
-                .filter(|r| r.backend == index)
+                .filter(|r| r.backend.index() == index)
                 .cloned()
                 .collect();
             let backend = backend.clone();

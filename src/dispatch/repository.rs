@@ -42,7 +42,7 @@ impl Dispatcher {
         parameters: &RepositoryParameters,
         forward: &HeaderMap,
     ) -> Result<()> {
-        let mut targets: Vec<(usize, String)> = Vec::new();
+        let mut targets: Vec<(crate::config::BackendId, String)> = Vec::new();
         for route in self.routes.model_routes(model)? {
             let target = (route.backend, route.upstream_name.clone());
             if !targets.contains(&target) {
@@ -53,7 +53,7 @@ impl Dispatcher {
         for (backend_index, upstream) in &targets {
             let backend = self
                 .backends
-                .get(*backend_index)
+                .get(backend_index.index())
                 .ok_or_else(|| Error::internal("no backend for a route"))?;
             for (index, state) in backend.fleet.states.iter().enumerate() {
                 let call = self.repository_call(&backend.replicas, index, upstream, action, parameters, forward);

@@ -394,9 +394,9 @@ impl Dispatcher {
         chosen.entry(key).or_insert_with(|| routed.route.version.clone());
         let backend = self
             .backends
-            .get(routed.route.backend)
+            .get(routed.route.backend.index())
             .cloned()
-            .ok_or_else(|| Error::internal(format!("no backend {} for a route", routed.route.backend)))?;
+            .ok_or_else(|| Error::internal(format!("no backend {} for a route", routed.route.backend.index())))?;
         Ok((routed, backend))
     }
 }

@@ -24,6 +24,8 @@ use crate::error::{Error, Result};
 pub const UNKNOWN: &str = "_unknown";
 /// Label value for the backend of a request that reached none.
 pub const NO_BACKEND: &str = "_none";
+/// Label value for the principal of a call made by none that is configured (a JWT's subject, or no one).
+pub const OTHER_PRINCIPAL: &str = "_other";
 
 /// HTTP statuses counted under their own `code` label; any other is counted as `other`.
 const CODES: [u16; 16] = [

@@ -17,7 +17,7 @@ pub struct VersionRoute {
     pub model: String,
     pub version: String,
     /// Index into the configuration's backends.
-    pub backend: usize,
+    pub backend: crate::config::BackendId,
     pub upstream_name: String,
     /// Empty when the backend's model is called without a version (the backend's default).
     pub upstream_version: String,

@@ -1,0 +1,119 @@
+//! The `[limits]` section: the sizes and times a client is held to.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{Problems, positive};
+
+/// Default body / message limit: 64 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: u64 = 64 << 20;
+/// Default whole-request deadline.
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+/// How long an inference stream may be silent both ways: five minutes (a model may think long between tokens).
+pub const DEFAULT_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// REST body and gRPC message size limit, in bytes.
+    pub max_request_bytes: Option<u64>,
+    /// Whole-request deadline, in milliseconds.
+    pub request_timeout_ms: Option<u64>,
+    /// How long a REST client may take over a request's head once its first byte has arrived, in milliseconds.
+    pub header_read_timeout_ms: Option<u64>,
+    /// How long an inference stream may pass with no message either way, in milliseconds.
+    pub stream_idle_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// REST body and gRPC message limit, in bytes.
+    pub max_request_bytes: u64,
+    pub request_timeout: Duration,
+    /// How long a REST client may take over a request's head once it has begun (then 408).
+    pub header_read_timeout: Duration,
+    /// How long an inference stream may pass with no message either way (then DEADLINE_EXCEEDED).
+    pub stream_idle_timeout: Duration,
+}
+
+/// The request size and time limits.
+pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Limits {
+    let max_request_bytes = limits.max_request_bytes.unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
+    if max_request_bytes == 0 || max_request_bytes > u64::from(u32::MAX) {
+        problems.add(
+            "limits.max_request_bytes",
+            format!("{max_request_bytes} is outside 1 to {} bytes", u32::MAX),
+        );
+    }
+    let millis = |problems: &mut Problems, key: &str, value: Option<u64>, default: u64| {
+        Duration::from_millis(positive(problems, &format!("limits.{key}"), value, default))
+    };
+    Limits {
+        max_request_bytes,
+        request_timeout: millis(
+            problems,
+            "request_timeout_ms",
+            limits.request_timeout_ms,
+            DEFAULT_REQUEST_TIMEOUT_MS,
+        ),
+        header_read_timeout: millis(
+            problems,
+            "header_read_timeout_ms",
+            limits.header_read_timeout_ms,
+            DEFAULT_HEADER_READ_TIMEOUT_MS,
+        ),
+        stream_idle_timeout: millis(
+            problems,
+            "stream_idle_timeout_ms",
+            limits.stream_idle_timeout_ms,
+            DEFAULT_STREAM_IDLE_TIMEOUT_MS,
+        ),
+    }
+}
+
+/// A token bucket as written: `{ per_second = 50.0, burst = 100 }`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRate {
+    /// Tokens added per second (calls allowed per second, sustained).
+    pub per_second: f64,
+    /// The most calls allowed at once after a quiet spell (default: one second's worth, at least 1).
+    pub burst: Option<u32>,
+}
+
+/// A token bucket: `per_second` calls sustained, up to `burst` at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate {
+    pub per_second: f64,
+    pub burst: std::num::NonZeroU32,
+}
+
+/// The fastest rate accepted: one call per nanosecond is what a token bucket's clock can tell apart.
+const MAX_PER_SECOND: f64 = 1e9;
+
+/// A rate limit at `path`: a positive, finite rate and a burst of at least one call.
+pub(super) fn validate_rate(problems: &mut Problems, path: &str, rate: &RawRate) -> Option<Rate> {
+    if !(rate.per_second > 0.0 && rate.per_second <= MAX_PER_SECOND) {
+        problems.add(
+            format!("{path}.per_second"),
+            format!("{} is not above 0 and at most {MAX_PER_SECOND}", rate.per_second),
+        );
+        return None;
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let one_second = rate.per_second.ceil().min(f64::from(u32::MAX)) as u32;
+    let burst = match rate.burst {
+        Some(0) => {
+            problems.add(format!("{path}.burst"), "must be at least 1");
+            return None;
+        }
+        Some(burst) => burst,
+        None => one_second.max(1),
+    };
+    Some(Rate {
+        per_second: rate.per_second,
+        burst: std::num::NonZeroU32::new(burst)?,
+    })
+}
