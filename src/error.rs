@@ -182,6 +182,8 @@ pub struct Error {
     message: String,
     upstream_http_status: Option<u16>,
     upstream_grpc_code: Option<Code>,
+    /// When a call refused for a rate or a bound would be let in again (`Retry-After`).
+    retry_after: Option<std::time::Duration>,
     /// What caused it, when another error did (an I/O error, a client library's error).
     cause: Option<std::sync::Arc<dyn std::error::Error + Send + Sync>>,
 }
@@ -197,6 +199,7 @@ impl PartialEq for Error {
             &self.message,
             self.upstream_http_status,
             self.upstream_grpc_code,
+            self.retry_after,
         ) == (
             other.kind,
             other.origin,
@@ -205,6 +208,7 @@ impl PartialEq for Error {
             &other.message,
             other.upstream_http_status,
             other.upstream_grpc_code,
+            other.retry_after,
         )
     }
 }
@@ -223,8 +227,21 @@ impl Error {
             message: message.into(),
             upstream_http_status: None,
             upstream_grpc_code: None,
+            retry_after: None,
             cause: None,
         }
+    }
+
+    /// The same error, telling the client when to come back.
+    pub fn with_retry_after(mut self, wait: std::time::Duration) -> Error {
+        self.retry_after = Some(wait);
+        self
+    }
+
+    /// `Retry-After` in whole seconds, at least 1 (HTTP has no finer unit).
+    pub fn retry_after_seconds(&self) -> Option<u64> {
+        self.retry_after
+            .map(|wait| (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1))
     }
 
     /// The same error, caused by `cause` (kept for [`std::error::Error::source`], not shown in the message).
@@ -328,7 +345,11 @@ impl Error {
     }
 
     pub fn to_grpc_status(&self) -> tonic::Status {
-        tonic::Status::new(self.grpc_code(), self.message.clone())
+        let mut status = tonic::Status::new(self.grpc_code(), self.message.clone());
+        if let Some(seconds) = self.retry_after_seconds() {
+            status.metadata_mut().insert(RETRY_AFTER, seconds.into());
+        }
+        status
     }
 }
 
@@ -348,9 +369,12 @@ impl std::error::Error for Error {
 
 impl From<Error> for tonic::Status {
     fn from(error: Error) -> tonic::Status {
-        tonic::Status::new(error.grpc_code(), error.message)
+        error.to_grpc_status()
     }
 }
+
+/// gRPC metadata with `Retry-After`'s meaning, on a RESOURCE_EXHAUSTED from a rate limit.
+pub const RETRY_AFTER: &str = "retry-after";
 
 #[cfg(test)]
 mod tests {

@@ -7,6 +7,7 @@ pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod frontend;
+pub mod guard;
 pub mod headers;
 pub mod modelserver;
 pub mod process;

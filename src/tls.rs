@@ -324,10 +324,22 @@ pub struct Prepared {
     pub server: Option<ServerMaterial>,
     /// By backend index.
     pub backend_tls: Vec<Option<BackendMaterial>>,
+    /// The JWT issuer's public keys, when `[auth.jwt]` names them.
+    pub jwt_keys: Option<Arc<crate::guard::JwtKeys>>,
 }
 
 impl Prepared {
-    /// Reads every certificate, key and CA bundle `config` names; every problem is reported with its key.
+    /// The backends' TLS material of a configuration already running, for a rebuild that reads no file again.
+    pub fn carried(backend_tls: Vec<Option<BackendMaterial>>) -> Prepared {
+        Prepared {
+            server: None,
+            backend_tls,
+            jwt_keys: None,
+        }
+    }
+
+    /// Reads every certificate, key and CA bundle `config` names, and the JWT issuer's key set; every problem is
+    /// reported with its key.
     pub fn load(config: &crate::config::Config) -> Result<Prepared, Vec<Problem>> {
         let mut problems = Vec::new();
         let server = config
@@ -345,8 +357,17 @@ impl Prepared {
                     .and_then(|tls| BackendMaterial::load(tls, index).map_err(|p| problems.push(p)).ok())
             })
             .collect();
+        let jwt_keys = config.auth.as_ref().and_then(|auth| auth.jwt.as_ref()).and_then(|jwt| {
+            crate::guard::JwtKeys::load(&jwt.jwks_file)
+                .map_err(|p| problems.push(p))
+                .ok()
+        });
         if problems.is_empty() {
-            Ok(Prepared { server, backend_tls })
+            Ok(Prepared {
+                server,
+                backend_tls,
+                jwt_keys,
+            })
         } else {
             Err(problems)
         }

@@ -89,7 +89,7 @@ fn demo_runs_and_its_printed_curl_examples_work() {
     let exposition = answers.last().unwrap();
     for version in ["1", "2"] {
         let line = format!(
-            r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",protocol="rest",version="{version}"}} 1"#,
+            r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",principal="_other",protocol="rest",version="{version}"}} 1"#,
             if version == "1" { "rest-backend" } else { "grpc-backend" }
         );
         assert!(exposition.contains(&line), "{line} missing from\n{exposition}");

@@ -185,9 +185,9 @@ async fn rest_endpoints_and_errors() {
     let metrics = gateway.metrics().await;
     assert!(!metrics.contains("made-up-name"), "{metrics}");
     for series in [
-        r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",protocol="rest",version="_unknown"} 1"#,
-        r#"oipgate_requests_total{backend="down",code="502",model="gone",protocol="rest",version="1"} 1"#,
-        r#"oipgate_requests_total{backend="fleet-b",code="400",model="add_sub",protocol="rest",version="2"} 1"#,
+        r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",principal="_other",protocol="rest",version="_unknown"} 1"#,
+        r#"oipgate_requests_total{backend="down",code="502",model="gone",principal="_other",protocol="rest",version="1"} 1"#,
+        r#"oipgate_requests_total{backend="fleet-b",code="400",model="add_sub",principal="_other",protocol="rest",version="2"} 1"#,
     ] {
         assert!(metrics.contains(series), "{series} missing from\n{metrics}");
     }
@@ -658,7 +658,7 @@ async fn a_client_that_closes_its_connection_mid_body_is_counted_as_gone_not_as_
     stream.flush().unwrap();
     std::thread::sleep(Duration::from_millis(100));
     drop(stream);
-    let gone = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",protocol="rest",version="grpc"}"#;
+    let gone = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",principal="_other",protocol="rest",version="grpc"}"#;
     until_metric(gateway, gone, 1.0, Duration::from_secs(2)).await;
 }
 
@@ -690,7 +690,7 @@ async fn a_client_that_goes_away_cancels_the_backend_call() {
             "{version}: the backend call outlived its client by {took:?}"
         );
     }
-    let closed = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",protocol="rest",version="grpc"}"#;
+    let closed = r#"oipgate_requests_total{backend="fleet-b",code="499",model="slow",principal="_other",protocol="rest",version="grpc"}"#;
     until_metric(gateway, closed, 1.0, wait).await;
 
     // gRPC clients: passed through to the gRPC backend, and translated to the REST backend.

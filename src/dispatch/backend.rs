@@ -63,6 +63,8 @@ impl BackendClients {
         let previous = |endpoint: &Endpoint| {
             reuse.and_then(|old| old.endpoints.iter().position(|e| e == endpoint).map(|i| (old, i)))
         };
+        // Configured headers are not about connections: a reload that changes them keeps the connections.
+        let added = Arc::new(backend.headers.clone());
         let replicas = match backend.protocol {
             BackendProtocol::Rest => Replicas::Rest {
                 endpoints: endpoints
@@ -73,6 +75,7 @@ impl BackendClients {
                         }
                         _ => RestUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
                     })
+                    .map(|client| client.adding(&added))
                     .collect(),
                 binary_data: backend.binary_data,
             },
@@ -85,6 +88,7 @@ impl BackendClients {
                         }
                         _ => GrpcUpstream::new(e, CONNECT_TIMEOUT, max_response, endpoint_tls.as_ref()),
                     })
+                    .map(|client| client.adding(&added))
                     .collect(),
             },
         };

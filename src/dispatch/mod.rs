@@ -15,6 +15,7 @@ use crate::codec::rest::{self, BINARY_DATA, BINARY_DATA_OUTPUT};
 use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::guard::Guard;
 use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
@@ -72,6 +73,8 @@ pub struct CallContext {
     /// How the client's request came compressed, if it did: a gRPC backend configured with `compression` is sent
     /// the request compressed the same way (clients that do not compress are not made to pay for it).
     pub compressed: Option<Coding>,
+    /// Who is calling, when `[auth]` asks: each request of a stream is authorised for the model it names.
+    pub principal: Option<Arc<crate::guard::Principal>>,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.
@@ -92,6 +95,8 @@ pub struct Dispatcher {
     route_metrics: Vec<Arc<RouteMetrics>>,
     /// The backend's REST inference path by route id, made once rather than per proxied request.
     rest_paths: Vec<Arc<str>>,
+    /// Who may call what, and how fast.
+    guard: Guard,
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
@@ -184,7 +189,12 @@ impl Dispatcher {
                 crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer").into()
             })
             .collect();
+        let jwt_keys = prepared
+            .jwt_keys
+            .clone()
+            .or_else(|| previous.and_then(|p| p.guard.jwt_keys()));
         Ok(Dispatcher {
+            guard: Guard::new(config, jwt_keys, previous.map(|p| &p.guard), metrics.clone()),
             rest_paths,
             routes,
             mirror_slots: previous.map_or_else(
@@ -205,6 +215,11 @@ impl Dispatcher {
             metadata_cache: Mutex::new(HashMap::new()),
             ready_policy: config.ready_policy,
         })
+    }
+
+    /// Who may call what, and how fast.
+    pub fn guard(&self) -> &Guard {
+        &self.guard
     }
 
     /// The protocol of the backend serving `route`.
@@ -243,10 +258,10 @@ impl Dispatcher {
         &self.metadata
     }
 
-    fn deadline(&self, context: &CallContext) -> Duration {
-        context
-            .deadline
-            .map_or(self.request_timeout, |d| d.min(self.request_timeout))
+    /// How long a call of `route` may take: the route's bound (the model's `timeout_ms`, else the request timeout),
+    /// shortened by the client's deadline.
+    fn deadline(context: &CallContext, route: &VersionRoute) -> Duration {
+        context.deadline.map_or(route.timeout, |d| d.min(route.timeout))
     }
 
     fn backend(&self, route: &VersionRoute) -> Result<&BackendClients> {
@@ -294,7 +309,7 @@ impl Dispatcher {
             request,
             &context.forward,
             context.compressed,
-            self.deadline(context),
+            Self::deadline(context, route),
             &routed.affinity,
         )
         .await?;
@@ -338,7 +353,7 @@ impl Dispatcher {
                     .attempt(
                         (&route.upstream_name, &route.upstream_version),
                         &routed.affinity,
-                        self.deadline(context),
+                        Self::deadline(context, route),
                         |index, left| {
                             endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward, coding)
                         },
@@ -363,7 +378,7 @@ impl Dispatcher {
                     request,
                     &context.forward,
                     context.compressed,
-                    self.deadline(context),
+                    Self::deadline(context, route),
                     &routed.affinity,
                 ))
                 .await?;

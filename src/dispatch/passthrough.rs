@@ -78,7 +78,7 @@ impl Dispatcher {
             route: route.clone(),
             affinity: routed.affinity.clone(),
             path,
-            timeout: self.request_timeout,
+            timeout: route.timeout,
             aliased: route.upstream_name != route.model || route.upstream_version != route.version,
             compression: backend.config.compression,
             backend_metrics: backend.metrics.clone(),

@@ -346,7 +346,7 @@ impl Dispatcher {
                 Replicas::Rest { .. } => {
                     let request = decode_grpc_request(message.clone())?;
                     let record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
-                    let call = (self.deadline(context), context.clone());
+                    let call = (Self::deadline(context, &route), context.clone());
                     running.spawn(unary_over_rest(
                         backend,
                         routed,
@@ -381,6 +381,10 @@ impl Dispatcher {
         context: &CallContext,
         chosen: &mut ChosenVersions,
     ) -> Result<(crate::routing::Routed, Arc<BackendClients>)> {
+        let principal = context.principal.as_deref();
+        self.guard.authorize(principal, fields.name)?;
+        // A stream's requests count against the rates; a bound on calls under way is for unary calls.
+        drop(self.guard.admit(principal, fields.name)?);
         splice::refuse_shared_memory(message)?;
         let reserved = Reserved::from_parameters(&splice::parameters(message)?)?;
         let key = (fields.name.to_owned(), fields.version.to_owned());
@@ -564,7 +568,7 @@ impl Dispatcher {
         );
         let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
         backend
-            .attempt(upstream, &routed.affinity, self.request_timeout, |index, left| {
+            .attempt(upstream, &routed.affinity, route.timeout, |index, left| {
                 let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
                 endpoints[index].forward(&path, headers.clone(), body, left)
             })

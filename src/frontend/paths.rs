@@ -44,6 +44,27 @@ impl Route<'_> {
     }
 }
 
+impl<'a> Route<'a> {
+    /// The public model the endpoint is about, if one.
+    pub fn model(&self) -> Option<&'a str> {
+        match *self {
+            Route::ModelMetadata(model, _)
+            | Route::ModelReady(model, _)
+            | Route::Infer(model, _)
+            | Route::Generate(model, _, _)
+            | Route::ModelConfig(model, _)
+            | Route::ModelStatistics(Some(model), _)
+            | Route::RepositoryLoad(model)
+            | Route::RepositoryUnload(model) => Some(model),
+            Route::ServerMetadata
+            | Route::Live
+            | Route::Ready
+            | Route::ModelStatistics(None, _)
+            | Route::RepositoryIndex => None,
+        }
+    }
+}
+
 pub fn route(path: &str) -> Option<Route<'_>> {
     let rest = path.strip_prefix("/v2")?;
     if !rest.is_empty() && !rest.starts_with('/') {

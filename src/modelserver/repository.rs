@@ -174,12 +174,18 @@ impl Repository {
     }
 
     /// Checks and runs an inference request for model `name`, `version` (or the latest), counted in the model
-    /// version's statistics.
+    /// version's statistics; a call dropped before it is answered (its client went away) counts as failed then.
     pub async fn infer(&self, name: &str, version: Option<&str>, request: InferRequest) -> Result<InferResponse> {
         let (served, number, model) = self.resolve(name, version)?;
-        let started = Instant::now();
+        let mut counted = Counted {
+            repository: self,
+            name,
+            number,
+            started: Instant::now(),
+            succeeded: false,
+        };
         let answered = self.run(name, served, number, model, request).await;
-        self.count(name, number, started.elapsed(), answered.is_ok());
+        counted.succeeded = answered.is_ok();
         answered
     }
 

@@ -150,8 +150,8 @@ impl Gateway {
             let due = dns_backends(&state.config);
             if self.resolve(&mut state, &due).await {
                 let config = state.config.clone();
-                let tls = state.backend_tls.clone();
-                if let Err(problems) = self.install(&mut state, config, tls, None) {
+                let prepared = Prepared::carried(state.backend_tls.clone());
+                if let Err(problems) = self.install(&mut state, config, prepared) {
                     report_refused(&problems);
                 }
             }
@@ -201,25 +201,16 @@ impl Gateway {
             state.discovered.remove(name);
         }
         self.resolve(state, &fresh).await;
-        let server = prepared.server;
-        self.install(state, config, prepared.backend_tls, server)?;
+        self.install(state, config, prepared)?;
         self.restart_health(state);
         Ok(())
     }
 
-    /// Builds the dispatcher for `config` over the current one and swaps it in.
-    fn install(
-        &self,
-        state: &mut State,
-        config: Config,
-        backend_tls: Vec<Option<BackendMaterial>>,
-        server: Option<crate::tls::ServerMaterial>,
-    ) -> Result<(), Vec<Problem>> {
+    /// Builds the dispatcher for `config` over the current one and swaps it in. Files `prepared` does not carry
+    /// (the server's certificate, the JWT keys) stay as they are.
+    fn install(&self, state: &mut State, config: Config, mut prepared: Prepared) -> Result<(), Vec<Problem>> {
         let previous = self.dispatcher();
-        let prepared = Prepared {
-            server: None,
-            backend_tls,
-        };
+        let server = prepared.server.take();
         let dispatcher = Dispatcher::build(
             &config,
             &self.name,
@@ -308,8 +299,8 @@ impl Gateway {
                 continue;
             }
             let config = state.config.clone();
-            let tls = state.backend_tls.clone();
-            match self.install(&mut state, config, tls, None) {
+            let prepared = Prepared::carried(state.backend_tls.clone());
+            match self.install(&mut state, config, prepared) {
                 Ok(()) => self.restart_health(&mut state),
                 Err(problems) => report_refused(&problems),
             }

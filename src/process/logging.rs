@@ -73,6 +73,7 @@ pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
         bytes_out = request.response_bytes,
         duration_ms = request.duration.as_secs_f64() * 1000.0,
         translated = request.translated,
+        principal = %field(request.principal.map(crate::guard::Principal::name)),
         "request"
     );
 }

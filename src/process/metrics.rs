@@ -32,6 +32,17 @@ const CODES: [u16; 16] = [
     200, 400, 401, 403, 404, 405, 408, 409, 413, 429, 499, 500, 501, 502, 503, 504,
 ];
 const OTHER_CODE: &str = "other";
+/// [`CODES`] as their labels, then [`OTHER_CODE`].
+const CODE_LABELS: [&str; 17] = [
+    "200", "400", "401", "403", "404", "405", "408", "409", "413", "429", "499", "500", "501", "502", "503", "504",
+    OTHER_CODE,
+];
+
+/// The `code` label of an HTTP status.
+fn code_label(status: u16) -> &'static str {
+    let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
+    CODE_LABELS[index]
+}
 
 /// Seconds, from a tenth of a millisecond (the gateway's own overhead) to a minute (a slow model).
 const DURATION_BUCKETS: [f64; 16] = [
@@ -68,6 +79,8 @@ impl ClientProtocol {
 pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
+    auth_denied: IntCounterVec,
+    rate_limited: IntCounterVec,
     mirrors: IntCounterVec,
     upstream_duration: HistogramVec,
     in_flight: IntGaugeVec,
@@ -293,6 +306,7 @@ pub struct RequestTimer {
     pub request_id: Option<String>,
     pub endpoint: Option<Arc<str>>,
     pub translated: bool,
+    pub principal: Option<Arc<crate::guard::Principal>>,
 }
 
 impl RequestTimer {
@@ -312,6 +326,7 @@ impl RequestTimer {
             request_id: None,
             endpoint: None,
             translated: false,
+            principal: None,
         }
     }
 
@@ -336,6 +351,7 @@ impl Drop for RequestTimer {
                 request_id: self.request_id.as_deref(),
                 endpoint: self.endpoint.as_deref(),
                 translated: self.translated,
+                principal: self.principal.as_deref(),
             },
         );
     }
@@ -357,6 +373,8 @@ pub struct Finished<'a> {
     pub endpoint: Option<&'a str>,
     /// Whether the request crossed between REST and gRPC (or was re-encoded) on its way.
     pub translated: bool,
+    /// Who made it, when `[auth]` asked.
+    pub principal: Option<&'a crate::guard::Principal>,
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
@@ -411,8 +429,21 @@ impl Metrics {
         let requests = counters(
             &registry,
             "oipgate_requests_total",
-            "Inference requests by public model and version, client protocol, backend and HTTP status.",
-            &["model", "version", "protocol", "backend", "code"],
+            "Inference requests by public model and version, client protocol, backend, HTTP status and principal \
+             (a configured API key's name, else _other).",
+            &["model", "version", "protocol", "backend", "code", "principal"],
+        )?;
+        let auth_denied = counters(
+            &registry,
+            "oipgate_auth_denied_total",
+            "Calls refused for their credential: missing, invalid, or forbidden (a model or admin call not allowed).",
+            &["reason"],
+        )?;
+        let rate_limited = counters(
+            &registry,
+            "oipgate_rate_limited_total",
+            "Calls refused with 429 by scope: a principal's or a model's rate limit, or a model's max_concurrent.",
+            &["scope"],
         )?;
         let mirrors = counters(
             &registry,
@@ -483,6 +514,8 @@ impl Metrics {
         let mut metrics = Metrics {
             registry,
             requests,
+            auth_denied,
+            rate_limited,
             mirrors,
             upstream_duration,
             in_flight,
@@ -507,13 +540,11 @@ impl Metrics {
     /// The handles for one public model version served by `backend`.
     pub fn route(&self, model: &str, version: &str, backend: &str) -> Arc<RouteMetrics> {
         let counters = |protocol: ClientProtocol| {
-            CODES
+            CODE_LABELS
                 .iter()
-                .map(|code| code.to_string())
-                .chain([OTHER_CODE.to_owned()])
                 .map(|code| {
                     self.requests
-                        .with_label_values(&[model, version, protocol.label(), backend, &code])
+                        .with_label_values(&[model, version, protocol.label(), backend, code, OTHER_PRINCIPAL])
                 })
                 .collect()
         };
@@ -562,10 +593,32 @@ impl Metrics {
         protocol.duration.observe(request.duration.as_secs_f64());
         protocol.request_bytes.inc_by(request.request_bytes);
         protocol.response_bytes.inc_by(request.response_bytes);
-        if let Some(route) = route {
-            route.counter(request.protocol, request.status).inc();
+        match (route, request.principal.map(crate::guard::Principal::label)) {
+            (Some(route), Some(principal)) if principal != OTHER_PRINCIPAL => self
+                .requests
+                .with_label_values(&[
+                    route.model.as_str(),
+                    &route.version,
+                    request.protocol.label(),
+                    &route.backend,
+                    code_label(request.status),
+                    principal,
+                ])
+                .inc(),
+            (Some(route), _) => route.counter(request.protocol, request.status).inc(),
+            (None, _) => {}
         }
         crate::process::logging::access(route, request);
+    }
+
+    /// Counts a call refused for its credential.
+    pub fn auth_denied(&self, denied: crate::guard::Denied) {
+        self.auth_denied.with_label_values(&[denied.label()]).inc();
+    }
+
+    /// Counts a call refused by a rate limit or a bound on calls under way.
+    pub fn rate_limited(&self, limited: crate::guard::Limited) {
+        self.rate_limited.with_label_values(&[limited.label()]).inc();
     }
 
     /// Records one message translated between the protocols.
@@ -688,6 +741,7 @@ mod tests {
             request_id: None,
             endpoint: None,
             translated: false,
+            principal: None,
         };
         metrics.finished(Some(&route), &finished(200));
         metrics.finished(Some(&route), &finished(200));
@@ -695,9 +749,9 @@ mod tests {
         metrics.finished(Some(&metrics.unknown_route()), &finished(404));
         let text = metrics.render();
         for line in [
-            r#"oipgate_requests_total{backend="fleet-a",code="200",model="add_sub",protocol="grpc",version="1"} 2"#,
-            r#"oipgate_requests_total{backend="fleet-a",code="other",model="add_sub",protocol="grpc",version="1"} 1"#,
-            r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",protocol="grpc",version="_unknown"} 1"#,
+            r#"oipgate_requests_total{backend="fleet-a",code="200",model="add_sub",principal="_other",protocol="grpc",version="1"} 2"#,
+            r#"oipgate_requests_total{backend="fleet-a",code="other",model="add_sub",principal="_other",protocol="grpc",version="1"} 1"#,
+            r#"oipgate_requests_total{backend="_none",code="404",model="_unknown",principal="_other",protocol="grpc",version="_unknown"} 1"#,
             r#"oipgate_request_bytes_total{protocol="grpc"} 40"#,
             r#"oipgate_request_duration_seconds_count{protocol="grpc"} 4"#,
             r#"oipgate_build_info{version=""#,

@@ -18,6 +18,8 @@ pub struct VersionRoute {
     pub version: String,
     /// Index into the configuration's backends.
     pub backend: crate::config::BackendId,
+    /// Bound on each backend call for it: the model's `timeout_ms`, else the request timeout.
+    pub timeout: std::time::Duration,
     pub upstream_name: String,
     /// Empty when the backend's model is called without a version (the backend's default).
     pub upstream_version: String,
@@ -70,7 +72,10 @@ impl RouteTable {
         let models = config
             .models
             .iter()
-            .map(|model| Ok((model.name.clone(), routes(model, &mut all)?)))
+            .map(|model| {
+                let timeout = model.limits.timeout.unwrap_or(config.limits.request_timeout);
+                Ok((model.name.clone(), routes(model, timeout, &mut all)?))
+            })
             .collect::<Result<_>>()?;
         Ok(RouteTable { models, routes: all })
     }
@@ -177,7 +182,7 @@ impl ModelRoutes {
     }
 }
 
-fn routes(model: &ModelConfig, all: &mut Vec<Arc<VersionRoute>>) -> Result<ModelRoutes> {
+fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<VersionRoute>>) -> Result<ModelRoutes> {
     let versions: HashMap<String, Arc<VersionRoute>> = model
         .versions
         .iter()
@@ -187,6 +192,7 @@ fn routes(model: &ModelConfig, all: &mut Vec<Arc<VersionRoute>>) -> Result<Model
                 model: model.name.clone(),
                 version: v.version.clone(),
                 backend: v.backend,
+                timeout,
                 upstream_name: v.upstream_name.clone(),
                 upstream_version: v.upstream_version.clone(),
                 decoupled: model.decoupled,

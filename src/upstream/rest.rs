@@ -26,6 +26,8 @@ pub struct RestUpstream {
     /// `http`, or `https` for TLS.
     scheme: &'static str,
     max_response_bytes: usize,
+    /// The backend's configured headers, added to every request.
+    added: std::sync::Arc<HeaderMap>,
 }
 
 /// A raw answer: status, headers and the whole body.
@@ -81,7 +83,15 @@ impl RestUpstream {
             authority: endpoint.to_string().into(),
             scheme,
             max_response_bytes,
+            added: std::sync::Arc::default(),
         }
+    }
+
+    /// The same endpoint (its connections shared) adding `headers` to every request.
+    #[must_use]
+    pub fn adding(mut self, headers: &std::sync::Arc<HeaderMap>) -> RestUpstream {
+        self.added = headers.clone();
+        self
     }
 
     pub fn authority(&self) -> &str {
@@ -107,7 +117,7 @@ impl RestUpstream {
             .body(ChunksBody::new(body).into())
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         let request_headers = request.headers_mut();
-        for (name, value) in headers {
+        for (name, value) in headers.iter().chain(self.added.iter()) {
             request_headers.append(name, value.clone());
         }
         request_headers.insert(
@@ -149,6 +159,9 @@ impl RestUpstream {
             .body(body)
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         *request.headers_mut() = headers;
+        for (name, value) in self.added.iter() {
+            request.headers_mut().append(name, value.clone());
+        }
         request.headers_mut().insert(
             USER_AGENT,
             HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),

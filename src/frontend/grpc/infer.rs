@@ -13,6 +13,7 @@ use crate::codec::compression::{self, Coding};
 use crate::codec::splice;
 use crate::dispatch::Dispatcher;
 use crate::error::Result;
+use crate::guard::{Admission, Principal};
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::process::live::{Active, Gateway};
 use crate::process::metrics::{ClientProtocol, RequestTimer};
@@ -36,6 +37,10 @@ where
     let coding = answer_coding(request.headers());
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
+    let principal = match super::authenticate(&gateway, super::MODEL_INFER_PATH, &mut headers) {
+        Ok(principal) => principal,
+        Err(status) => return status.into_http(),
+    };
     let message = match read_message(&headers, body, limit).await {
         Ok((message, trailers)) => {
             // Trailers sent with the request join its metadata, as tonic's unary calls have it.
@@ -46,7 +51,7 @@ where
         }
         Err(status) => return status.into_http(),
     };
-    match infer(&gateway.dispatcher(), &headers, message).await {
+    match infer(&gateway.dispatcher(), &headers, message, principal).await {
         Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active),
         Err(status) => status.into_http(),
     }
@@ -117,6 +122,7 @@ async fn infer(
     dispatcher: &Dispatcher,
     headers: &HeaderMap,
     message: Bytes,
+    principal: Option<Arc<Principal>>,
 ) -> Result<(Vec<Bytes>, HeaderMap), Status> {
     let mut context = context_of(headers);
     let request_id = context.forward.get(super::super::REQUEST_ID).cloned();
@@ -128,7 +134,8 @@ async fn infer(
         context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
     }
     let sequence = reserved.map(|reserved| reserved.sequence);
-    let (routed, route) = match splice::model_fields(&message) {
+    let fields = splice::model_fields(&message);
+    let (routed, route) = match &fields {
         Ok(fields) => match sequence {
             Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
             // Counted under the model it named.
@@ -139,7 +146,7 @@ async fn infer(
                     .1,
             ),
         },
-        Err(error) => (Err(error), dispatcher.metrics().unknown_route()),
+        Err(error) => (Err(error.clone()), dispatcher.metrics().unknown_route()),
     };
     let mut timer = RequestTimer::start(
         dispatcher.metrics().clone(),
@@ -148,6 +155,17 @@ async fn infer(
         message.len() as u64,
     );
     timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
+    timer.principal = principal;
+    context.principal = timer.principal.clone();
+    // Refused by the name it gives, whether or not that model exists, before a backend is chosen.
+    let admitted = match &fields {
+        Ok(fields) => admit(dispatcher, timer.principal.as_deref(), fields.name),
+        Err(_) => Ok(None),
+    };
+    let (routed, _admission) = match admitted {
+        Ok(admission) => (routed, admission),
+        Err(error) => (Err(error), None),
+    };
     let answer = match routed {
         Ok(routed) => {
             timer.translated = dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
@@ -171,6 +189,12 @@ async fn infer(
             Err(error.to_grpc_status())
         }
     }
+}
+
+/// Authorises and admits a call of `model`.
+fn admit(dispatcher: &Dispatcher, principal: Option<&Principal>, model: &str) -> Result<Option<Admission>> {
+    dispatcher.guard().authorize(principal, model)?;
+    dispatcher.guard().admit(principal, model).map(Some)
 }
 
 /// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's

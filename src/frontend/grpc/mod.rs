@@ -20,8 +20,9 @@ use tonic::{Request, Response, Status};
 
 use crate::codec::compression::Coding;
 use crate::codec::protobuf;
-use crate::dispatch::{CallContext, ConfigForm, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction};
+use crate::dispatch::{CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
+use crate::guard::Principal;
 use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
 use crate::process::live::Gateway;
@@ -63,11 +64,49 @@ pub fn parse_grpc_timeout(value: &str) -> Option<Duration> {
 }
 
 fn context<T>(request: &Request<T>) -> CallContext {
-    context_of(&request.metadata().clone().into_headers())
+    let mut context = context_of(&request.metadata().clone().into_headers());
+    context.principal = caller(request).cloned();
+    context
+}
+
+/// Who made a typed call, when `[auth]` asks (see [`authenticate`]).
+fn caller<T>(request: &Request<T>) -> Option<&Arc<Principal>> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .and_then(|caller| caller.0.as_ref())
+}
+
+/// The calls probes make, open without a credential like `grpc.health.v1`.
+const PROBES: [&str; 2] = [
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+];
+
+/// The principal of a call, carried to the typed RPCs in the request's extensions.
+#[derive(Debug, Clone)]
+struct Caller(Option<Arc<Principal>>);
+
+/// Names the caller of a call when `[auth]` asks for one (probes need none) and keeps its credential from the
+/// backend unless the configuration forwards it.
+fn authenticate(
+    gateway: &Gateway,
+    path: &str,
+    headers: &mut http::HeaderMap,
+) -> Result<Option<Arc<Principal>>, Status> {
+    let dispatcher = gateway.dispatcher();
+    let guard = dispatcher.guard();
+    if !guard.is_on() || PROBES.contains(&path) {
+        return Ok(None);
+    }
+    let principal = guard.authenticate(headers)?;
+    guard.strip_credentials(headers);
+    Ok(principal)
 }
 
 fn context_of(headers: &http::HeaderMap) -> CallContext {
     CallContext {
+        principal: None,
         deadline: headers
             .get(GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
@@ -116,12 +155,12 @@ impl GrpcInferenceService for Typed {
     }
 
     async fn model_ready(&self, request: Request<ModelReadyRequest>) -> Result<Response<ModelReadyResponse>, Status> {
+        let dispatcher = self.gateway.dispatcher();
+        dispatcher
+            .guard()
+            .authorize(caller(&request).map(|p| &**p), &request.get_ref().name)?;
         let request = request.into_inner();
-        let ready = self
-            .gateway
-            .dispatcher()
-            .model_ready(&request.name, version(&request.version))
-            .await?;
+        let ready = dispatcher.model_ready(&request.name, version(&request.version)).await?;
         Ok(Response::new(ModelReadyResponse { ready }))
     }
 
@@ -138,10 +177,12 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
+        let dispatcher = self.gateway.dispatcher();
+        dispatcher
+            .guard()
+            .authorize(caller(&request).map(|p| &**p), &request.get_ref().name)?;
         let request = request.into_inner();
-        let metadata = self
-            .gateway
-            .dispatcher()
+        let metadata = dispatcher
             .model_metadata(&request.name, version(&request.version))
             .await?;
         Ok(Response::new(protobuf::model_metadata_to_proto(metadata)))
@@ -164,10 +205,11 @@ impl GrpcInferenceService for Typed {
         let request_id = context.forward.get(super::REQUEST_ID).cloned();
         let message = request.into_inner();
         let (model, model_version) = (message.model_name.clone(), message.model_version.clone());
+        let dispatcher = self.gateway.dispatcher();
+        dispatcher.guard().authorize(context.principal.as_deref(), &model)?;
+        let _admission = dispatcher.guard().admit(context.principal.as_deref(), &model)?;
         let decoded = protobuf::request_from_proto(message)?;
-        let replied = self
-            .gateway
-            .dispatcher()
+        let replied = dispatcher
             .infer(&model, version(&model_version), decoded, &context)
             .await?;
         Ok(with_metadata(
@@ -181,11 +223,10 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        let entries = self
-            .gateway
-            .dispatcher()
-            .repository_index(request.into_inner().ready)
-            .await;
+        let dispatcher = self.gateway.dispatcher();
+        let principal = caller(&request).cloned();
+        let mut entries = dispatcher.repository_index(request.into_inner().ready).await;
+        entries.retain(|entry| dispatcher.guard().shows(principal.as_deref(), &entry.name));
         Ok(Response::new(protobuf::repository_index_to_proto(entries)))
     }
 
@@ -193,10 +234,12 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<ModelConfigRequest>,
     ) -> Result<Response<ModelConfigResponse>, Status> {
+        let dispatcher = self.gateway.dispatcher();
+        dispatcher
+            .guard()
+            .authorize(caller(&request).map(|p| &**p), &request.get_ref().name)?;
         let request = request.into_inner();
-        let config = self
-            .gateway
-            .dispatcher()
+        let config = dispatcher
             .model_config(&request.name, version(&request.version), ConfigForm::Protobuf)
             .await?;
         match config {
@@ -209,13 +252,15 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<ModelStatisticsRequest>,
     ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        let dispatcher = self.gateway.dispatcher();
+        let principal = caller(&request).cloned();
         let request = request.into_inner();
         let model = Some(request.name.as_str()).filter(|name| !name.is_empty());
-        let model_stats = self
-            .gateway
-            .dispatcher()
-            .model_statistics(model, version(&request.version))
-            .await?;
+        if let Some(model) = model {
+            dispatcher.guard().authorize(principal.as_deref(), model)?;
+        }
+        let mut model_stats = dispatcher.model_statistics(model, version(&request.version)).await?;
+        model_stats.retain(|entry| dispatcher.guard().shows(principal.as_deref(), &entry.name));
         Ok(Response::new(ModelStatisticsResponse { model_stats }))
     }
 
@@ -223,12 +268,18 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<RepositoryModelLoadRequest>,
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
-        let forward = context(&request).forward;
+        let context = context(&request);
         let request = request.into_inner();
+        let dispatcher = self.gateway.dispatcher();
+        repository_allowed(&dispatcher, context.principal.as_deref(), &request.model_name)?;
         let parameters = protobuf::repository_parameters_from_proto(request.parameters);
-        self.gateway
-            .dispatcher()
-            .repository_change(&request.model_name, RepositoryAction::Load, &parameters, &forward)
+        dispatcher
+            .repository_change(
+                &request.model_name,
+                RepositoryAction::Load,
+                &parameters,
+                &context.forward,
+            )
             .await?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
     }
@@ -237,15 +288,30 @@ impl GrpcInferenceService for Typed {
         &self,
         request: Request<RepositoryModelUnloadRequest>,
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
-        let forward = context(&request).forward;
+        let context = context(&request);
         let request = request.into_inner();
+        let dispatcher = self.gateway.dispatcher();
+        repository_allowed(&dispatcher, context.principal.as_deref(), &request.model_name)?;
         let parameters = protobuf::repository_parameters_from_proto(request.parameters);
-        self.gateway
-            .dispatcher()
-            .repository_change(&request.model_name, RepositoryAction::Unload, &parameters, &forward)
+        dispatcher
+            .repository_change(
+                &request.model_name,
+                RepositoryAction::Unload,
+                &parameters,
+                &context.forward,
+            )
             .await?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))
     }
+}
+
+/// Whether `principal` may load and unload `model`: admin, and the model in its scope.
+fn repository_allowed(dispatcher: &Dispatcher, principal: Option<&Principal>, model: &str) -> Result<(), Status> {
+    dispatcher.guard().authorize(principal, model)?;
+    dispatcher
+        .guard()
+        .authorize_admin(principal, "loading and unloading models")?;
+    Ok(())
 }
 
 /// `inference.GRPCInferenceService`: ModelInfer on the raw path, the rest typed.
@@ -290,7 +356,7 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let limit = self.max_message_bytes;
         if request.uri().path() == MODEL_INFER_PATH {
             // Counted, logged and readied for the wire on its own path.
@@ -298,6 +364,9 @@ where
         }
         let active = self.gateway.begin();
         let started = Instant::now();
+        let path = request.uri().path().to_owned();
+        let authenticated = authenticate(&self.gateway, &path, request.headers_mut());
+        let principal = authenticated.as_ref().ok().cloned().flatten();
         // Streams are logged with their model and backend on their own path; every other call is logged here.
         let log_here = request.uri().path() != MODEL_STREAM_INFER;
         let logged = log_here.then(|| {
@@ -307,23 +376,29 @@ where
                 .and_then(|id| id.to_str().ok())
                 .map(str::to_owned);
             (
-                request.uri().path().to_owned(),
+                path.clone(),
                 request_id,
                 self.gateway.metrics().clone(),
+                principal.clone(),
             )
         });
-        let answer: Self::Future = if request.uri().path() == MODEL_STREAM_INFER {
-            let gateway = self.gateway.clone();
-            Box::pin(async move { Ok(infer_stream(gateway, request, limit)) })
-        } else {
-            self.typed.call(request)
+        let answer: Self::Future = match authenticated {
+            Err(status) => Box::pin(std::future::ready(Ok(status.into_http()))),
+            Ok(principal) if path == MODEL_STREAM_INFER => {
+                let gateway = self.gateway.clone();
+                Box::pin(async move { Ok(infer_stream(gateway, request, limit, principal)) })
+            }
+            Ok(principal) => {
+                request.extensions_mut().insert(Caller(principal));
+                self.typed.call(request)
+            }
         };
         Box::pin(async move {
             let mut response = answer.await?;
             // The request counts as under way until its answer's body is sent or dropped, so a shutdown waits for
             // a large answer still streaming.
             finish_answer(&mut response, limit, active);
-            if let Some((path, request_id, metrics)) = logged {
+            if let Some((path, request_id, metrics, principal)) = logged {
                 let code = response
                     .headers()
                     .get(GRPC_STATUS)
@@ -353,6 +428,7 @@ where
                         request_id: request_id.as_deref(),
                         endpoint: None,
                         translated: false,
+                        principal: principal.as_deref(),
                     },
                 );
             }

@@ -25,6 +25,7 @@ pub(super) fn infer_stream<B>(
     gateway: Arc<Gateway>,
     request: http::Request<B>,
     limit: usize,
+    principal: Option<Arc<crate::guard::Principal>>,
 ) -> http::Response<tonic::body::Body>
 where
     B: http_body::Body + Send + 'static,
@@ -34,7 +35,8 @@ where
         Ok(encoding) => encoding,
         Err(status) => return status.into_http(),
     };
-    let context = context_of(request.headers());
+    let mut context = context_of(request.headers());
+    context.principal = principal;
     let coding = answer_coding(request.headers());
     let (_, body) = request.into_parts();
     let requests = futures_util::StreamExt::map(

@@ -19,6 +19,7 @@ use crate::dispatch::Dispatcher;
 use crate::dispatch::fleet::Lease;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
+use crate::guard::{Admission, Principal};
 use crate::process::live::Active;
 use crate::process::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
 
@@ -50,6 +51,10 @@ pub(super) struct Record {
     connection: Option<Arc<ConnState>>,
     /// The coding the client accepts its answer in, if any.
     pub(super) answer_coding: Option<Coding>,
+    /// Who is calling, when `[auth]` asks.
+    pub(super) principal: Option<Arc<Principal>>,
+    /// The call's place among its model's calls under way, held until the answer is sent.
+    pub(super) admission: Option<Admission>,
 }
 
 impl Record {
@@ -76,6 +81,8 @@ impl Record {
             response_bytes: 0,
             connection,
             answer_coding: None,
+            principal: None,
+            admission: None,
         }
     }
 
@@ -88,6 +95,7 @@ impl Drop for Record {
     fn drop(&mut self) {
         self.in_flight = None;
         self.lease = None;
+        self.admission = None;
         let request_bytes = self
             .relayed
             .as_ref()
@@ -105,6 +113,7 @@ impl Drop for Record {
                 request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
                 endpoint: self.endpoint.as_deref(),
                 translated: self.translated,
+                principal: self.principal.as_deref(),
             },
         );
         if let Some(connection) = &self.connection {
@@ -410,6 +419,12 @@ pub(super) fn error(error: &Error, method: &Method, record: Record) -> Response<
     if error.kind() == ErrorKind::MethodNotAllowed {
         let allow = if method == Method::GET { "POST" } else { "GET" };
         headers.insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    }
+    if error.kind() == ErrorKind::Unauthenticated {
+        headers.insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    if let Some(seconds) = error.retry_after_seconds() {
+        headers.insert(http::header::RETRY_AFTER, seconds.into());
     }
     buffered(
         error.http_status(),

@@ -94,6 +94,7 @@ impl RestDoor {
             deadline: None,
             forward,
             compressed: None,
+            principal: record.principal.clone(),
         };
         let (answers, mut received) = mpsc::channel(EVENTS);
         let gateway = self.gateway.clone();

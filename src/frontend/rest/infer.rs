@@ -125,6 +125,7 @@ impl RestDoor {
             deadline,
             forward: asked.forward,
             compressed: asked.coding,
+            principal: record.principal.clone(),
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;

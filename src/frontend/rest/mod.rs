@@ -73,7 +73,7 @@ impl RestDoor {
         let closing = connection.as_ref().is_some_and(|c| c.is_closing());
         let framed_both_ways = connection.as_ref().is_some_and(|c| c.framed_both_ways());
         let http1 = connection.is_some();
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         let mut record = Record::new(
             self.gateway.dispatcher(),
             self.gateway.begin(),
@@ -85,7 +85,10 @@ impl RestDoor {
         let reply = if framed_both_ways {
             Err(both_lengths())
         } else {
-            self.handle(&parts, &mut body, &mut record).await
+            match authenticate(&mut parts, &mut record) {
+                Ok(()) => self.handle(&parts, &mut body, &mut record).await,
+                Err(error) => Err(error),
+            }
         };
         let mut response = match reply {
             Ok(Reply::Json(status, json)) => answer::json(status, json, record),
@@ -138,6 +141,12 @@ impl RestDoor {
             ));
         }
         let dispatcher = record.dispatcher().clone();
+        let guard = dispatcher.guard();
+        let principal = record.principal.clone();
+        let principal = principal.as_deref();
+        if let Some(model) = route.model() {
+            guard.authorize(principal, model)?;
+        }
         Ok(match route {
             Route::ServerMetadata => Reply::Json(
                 StatusCode::OK,
@@ -171,15 +180,17 @@ impl RestDoor {
                     }
                 }
             }
-            Route::ModelStatistics(model, version) => Reply::Json(
-                StatusCode::OK,
-                rest::encode_model_statistics(dispatcher.model_statistics(model, version).await?),
-            ),
+            Route::ModelStatistics(model, version) => {
+                let mut statistics = dispatcher.model_statistics(model, version).await?;
+                statistics.retain(|entry| guard.shows(principal, &entry.name));
+                Reply::Json(StatusCode::OK, rest::encode_model_statistics(statistics))
+            }
             Route::RepositoryIndex => {
                 let declared = self.declared_length(&parts.headers)?;
                 let body = self.read_body(body, declared, Vec::new()).await?;
                 let ready_only = rest::decode_repository_index_request(&body)?;
-                let entries = dispatcher.repository_index(ready_only).await;
+                let mut entries = dispatcher.repository_index(ready_only).await;
+                entries.retain(|entry| guard.shows(principal, &entry.name));
                 Reply::Json(StatusCode::OK, rest::encode_repository_index(&entries))
             }
             Route::RepositoryLoad(model) | Route::RepositoryUnload(model) => {
@@ -187,6 +198,7 @@ impl RestDoor {
                     Route::RepositoryLoad(_) => RepositoryAction::Load,
                     _ => RepositoryAction::Unload,
                 };
+                guard.authorize_admin(principal, "loading and unloading models")?;
                 let declared = self.declared_length(&parts.headers)?;
                 let body = self.read_body(body, declared, Vec::new()).await?;
                 let parameters = rest::decode_repository_request(&body)?;
@@ -196,8 +208,12 @@ impl RestDoor {
                     .await?;
                 Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
-            Route::Infer(model, version) => return self.infer(parts, body, record, model, version).await,
+            Route::Infer(model, version) => {
+                record.admission = Some(guard.admit(principal, model)?);
+                return self.infer(parts, body, record, model, version).await;
+            }
             Route::Generate(model, version, call) => {
+                record.admission = Some(guard.admit(principal, model)?);
                 return self.generate(parts, body, record, model, version, call).await;
             }
         })
@@ -303,6 +319,19 @@ impl Joined {
 /// server refuse it, and as often as not it is request smuggling): it goes nowhere.
 fn both_lengths() -> Error {
     Error::invalid("the request has both Content-Length and Transfer-Encoding; send one")
+}
+
+/// Names the caller when `[auth]` asks for one (health probes need none), and keeps the credential from the
+/// backend unless the configuration forwards it.
+fn authenticate(parts: &mut http::request::Parts, record: &mut Record) -> Result<()> {
+    let guard = record.dispatcher().guard();
+    if !guard.is_on() || matches!(parts.uri.path(), "/v2/health/live" | "/v2/health/ready") {
+        return Ok(());
+    }
+    let principal = guard.authenticate(&parts.headers)?;
+    guard.strip_credentials(&mut parts.headers);
+    record.principal = principal;
+    Ok(())
 }
 
 /// Reads and drops a body nobody will use, for a bounded time; nothing is kept.

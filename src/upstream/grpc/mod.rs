@@ -49,6 +49,8 @@ pub struct GrpcUpstream {
     uri_authority: Option<http::uri::Authority>,
     scheme: http::uri::Scheme,
     max_response_bytes: usize,
+    /// The backend's configured metadata, added to every call.
+    added: std::sync::Arc<HeaderMap>,
 }
 
 impl GrpcUpstream {
@@ -69,7 +71,15 @@ impl GrpcUpstream {
                 http::uri::Scheme::HTTP
             },
             max_response_bytes,
+            added: std::sync::Arc::default(),
         }
+    }
+
+    /// The same endpoint (its connections shared) adding `metadata` to every call.
+    #[must_use]
+    pub fn adding(mut self, metadata: &std::sync::Arc<HeaderMap>) -> GrpcUpstream {
+        self.added = metadata.clone();
+        self
     }
 
     pub fn authority(&self) -> &str {
@@ -338,7 +348,7 @@ impl GrpcUpstream {
             .body(body)
             .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
         let headers = request.headers_mut();
-        for (name, value) in metadata {
+        for (name, value) in metadata.iter().chain(self.added.iter()) {
             headers.append(name, value.clone());
         }
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
