@@ -434,8 +434,21 @@ default_version = "1"
 """
 
 
+# Scenario 1's second oipgate: the same configuration with [auth] on, one API key (sha256 of "bench-key") with a
+# rate limit that is never reached, so the figure is what checking a key and taking a token costs.
+AUTH_CONF = """
+[auth]
+[[auth.api_keys]]
+name = "bench"
+sha256 = "b0962662e937d44c699c8305d90cbf190b3150c59b13863d1380b5cc3c711bb7"
+models = ["*"]
+rate = { per_second = 1000000.0, burst = 1000000 }
+"""
+
+
 def start_all(work, workers):
-    ports = {k: free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "nginx_rest", "nginx_grpc",
+    ports = {k: free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "rest_auth", "grpc_auth",
+                                      "nginx_rest", "nginx_grpc",
                                       "haproxy_rest", "haproxy_grpc", "floor_hyper", "floor_pingora",
                                       "floor_hyper_h2")}
     backend = Server(
@@ -453,6 +466,16 @@ def start_all(work, workers):
     )
     env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
     gateway = Server("oipgate", [str(BINARY), "serve", "--config", str(config)], [ports["rest"], ports["grpc"]], env)
+    auth_config = work / "gateway-auth.toml"
+    auth_config.write_text(
+        GATEWAY_CONF.format(
+            rest=ports["rest_auth"], grpc=ports["grpc_auth"], backend_rest=ports["backend_rest"],
+            backend_grpc=ports["backend_grpc"],
+        )
+        + AUTH_CONF
+    )
+    gateway_auth = Server("oipgate_auth", [str(BINARY), "serve", "--config", str(auth_config)],
+                          [ports["rest_auth"], ports["grpc_auth"]], env)
     prefix = work / "nginx"
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
     nginx_conf = prefix / "nginx.conf"
@@ -499,7 +522,7 @@ def start_all(work, workers):
          f"127.0.0.1:{ports['backend_grpc']}", "--threads", str(workers), "--http2"],
         [ports["floor_hyper_h2"]],
     )
-    return ports, backend, gateway, nginx, haproxy, floors
+    return ports, backend, gateway, gateway_auth, nginx, haproxy, floors
 
 
 def run_one(label, load, processes):
@@ -564,8 +587,9 @@ def main():
             sys.stderr.write(done.stdout + done.stderr)
             raise SystemExit("bench: the codec bench failed")
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
-    ports, backend, gateway, nginx, haproxy, floors = start_all(work, args.workers)
-    processes = {"model-server": backend, "oipgate": gateway, "nginx": nginx, "haproxy": haproxy, **floors}
+    ports, backend, gateway, gateway_auth, nginx, haproxy, floors = start_all(work, args.workers)
+    processes = {"model-server": backend, "oipgate": gateway, "oipgate_auth": gateway_auth, "nginx": nginx,
+                 "haproxy": haproxy, **floors}
     results = {"machine": machine(), "args": vars(args), "scenarios": {}}
     seconds, c = args.seconds, args.connections
     threads = min(2, os.cpu_count() or 1)
@@ -586,6 +610,8 @@ def main():
                 ("floor: smallest pingora proxy", lambda: wrk(url(ports["floor_pingora"]), f, h, seconds, c, threads),
                  ["model-server", "floor_pingora"]),
                 ("oipgate", lambda: wrk(url(ports["rest"]), f, h, seconds, c, threads), ["model-server", "oipgate"]),
+                ("auth: oipgate with [auth]", lambda: wrk(url(ports["rest_auth"]), f, dict(h, Authorization="Bearer bench-key"),
+                                                          seconds, c, threads), ["model-server", "oipgate_auth"]),
             ], args.rounds, processes, gateway)
         grpc_path = "/inference.GRPCInferenceService/ModelInfer"
         if 2 in only or 3 in only:
@@ -807,6 +833,12 @@ def targets(results):
         lines.append(f"| 1 | {index} | {ratio:.2f}x {name} req/s; p99 {ours['p99']:.2f} vs {peer['p99']:.2f} ms; "
                      f"CPU {cpu_ours:.3f} vs {cpu_peer:.3f} s/1k | >= 1.0x the faster peer, p99 and CPU <= its | "
                      f"{verdict(ratio >= 1.0 and ours['p99'] <= peer['p99'] and cpu_ours <= cpu_peer)} |")
+    for index, (ours, guarded) in enumerate(rounds(one, "oipgate", "auth:"), 1):
+        cpu_ours, cpu_guarded = ours["cpu_per_1k"]["oipgate"], guarded["cpu_per_1k"]["oipgate_auth"]
+        rise = cpu_guarded / cpu_ours - 1.0
+        lines.append(f"| 1 with [auth] | {index} | CPU {cpu_guarded:.3f} vs {cpu_ours:.3f} s/1k ({rise:+.1%}), "
+                     f"{guarded['rps']:.0f} vs {ours['rps']:.0f} req/s, errors {guarded['errors']} | "
+                     f"CPU rise <= 5% | {verdict(rise <= 0.05 and guarded['errors'] == 0)} |")
     for key in ("2", "2b"):
         for index, (haproxy, ours) in enumerate(rounds(scenarios.get(key, []), "haproxy"), 1):
             ratio = ours["rps"] / haproxy["rps"]

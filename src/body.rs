@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future as _;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -267,6 +268,8 @@ pub enum RelayError {
     TooLarge,
     /// The client's body could not be read (a malformed chunk, a connection closed early).
     Unreadable,
+    /// The client stopped sending its body for longer than the limit between reads.
+    Stalled,
 }
 
 impl std::fmt::Display for RelayError {
@@ -274,7 +277,89 @@ impl std::fmt::Display for RelayError {
         f.write_str(match self {
             RelayError::TooLarge => "the request body is larger than the limit",
             RelayError::Unreadable => "the request body could not be read",
+            RelayError::Stalled => "the request body stalled",
         })
+    }
+}
+
+/// A client's request body held to a pace: a frame must arrive within `stall` of the previous one (or of the first
+/// read), so a client that trickles its body, or stops, gives up its connection instead of holding it.
+#[derive(Debug)]
+pub struct RequestBody {
+    body: hyper::body::Incoming,
+    stall: std::time::Duration,
+    /// Armed while the body waits for bytes.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl RequestBody {
+    pub fn new(body: hyper::body::Incoming, stall: std::time::Duration) -> RequestBody {
+        RequestBody {
+            body,
+            stall,
+            timer: None,
+        }
+    }
+}
+
+/// Why a request body could not be read.
+#[derive(Debug)]
+pub enum RequestBodyError {
+    /// No bytes came for this long.
+    Stalled(std::time::Duration),
+    /// hyper could not read it (a malformed chunk, a connection closed early).
+    Broken(hyper::Error),
+}
+
+impl std::fmt::Display for RequestBodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RequestBodyError::Stalled(stall) => write!(
+                f,
+                "the request body stalled: no bytes for {} ms (limits.body_read_timeout_ms)",
+                stall.as_millis()
+            ),
+            RequestBodyError::Broken(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for RequestBodyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RequestBodyError::Stalled(_) => None,
+            RequestBodyError::Broken(error) => Some(error),
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = RequestBodyError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.body).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.timer = None;
+                Poll::Ready(frame.map(|frame| frame.map_err(RequestBodyError::Broken)))
+            }
+            Poll::Pending => {
+                let stall = this.stall;
+                let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                ready!(timer.as_mut().poll(cx));
+                this.timer = None;
+                Poll::Ready(Some(Err(RequestBodyError::Stalled(stall))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -320,7 +405,7 @@ impl std::fmt::Debug for Tap {
 
 impl RelaySource {
     /// `read` is what was already read of `body`, counted against `limit`.
-    pub fn new(read: Vec<Bytes>, body: hyper::body::Incoming, limit: u64, tap: Option<Tap>) -> RelaySource {
+    pub fn new(read: Vec<Bytes>, body: RequestBody, limit: u64, tap: Option<Tap>) -> RelaySource {
         let already: u64 = read.iter().map(|chunk| chunk.len() as u64).sum();
         let declared = body.size_hint().exact().map(|rest| rest + already);
         RelaySource {
@@ -342,6 +427,7 @@ impl RelaySource {
         match self.failure.load(Ordering::Relaxed) {
             1 => Some(RelayError::TooLarge),
             2 => Some(RelayError::Unreadable),
+            3 => Some(RelayError::Stalled),
             _ => None,
         }
     }
@@ -355,6 +441,7 @@ impl RelaySource {
         let code = match error {
             RelayError::TooLarge => 1,
             RelayError::Unreadable => 2,
+            RelayError::Stalled => 3,
         };
         self.failure.store(code, Ordering::Relaxed);
         error
@@ -363,7 +450,7 @@ impl RelaySource {
 
 /// A relayed body before any attempt has taken it: the chunks already read (sent first), the rest of the body, and
 /// the tap its chunks go through.
-type Unsent = (Vec<Bytes>, hyper::body::Incoming, Option<Tap>);
+type Unsent = (Vec<Bytes>, RequestBody, Option<Tap>);
 
 /// One attempt's view of a [`RelaySource`].
 #[derive(Debug)]
@@ -371,7 +458,7 @@ pub struct Relayed {
     source: std::sync::Arc<RelaySource>,
     /// Chunks read before the relay began, sent first (in reverse order, the next one last).
     read: Vec<Bytes>,
-    body: Option<hyper::body::Incoming>,
+    body: Option<RequestBody>,
     tap: Option<Tap>,
     done: bool,
 }
@@ -426,7 +513,11 @@ impl Body for Relayed {
                     }
                     return Poll::Ready(None);
                 }
-                Some(Err(_)) => {
+                Some(Err(RequestBodyError::Stalled(_))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(this.source.fail(RelayError::Stalled))));
+                }
+                Some(Err(RequestBodyError::Broken(_))) => {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Unreadable))));
                 }

@@ -43,6 +43,8 @@ pub enum ErrorKind {
     FailedPrecondition,
     /// The caller went away: 499 / CANCELLED.
     Cancelled,
+    /// The caller was too slow sending its request: 408 / DEADLINE_EXCEEDED.
+    RequestTimeout,
 }
 
 /// The status nginx and others use for "client closed request"; no standard status exists.
@@ -95,6 +97,7 @@ impl ErrorKind {
             ErrorKind::Conflict => (409, Code::Aborted),
             ErrorKind::FailedPrecondition => (400, Code::FailedPrecondition),
             ErrorKind::Cancelled => (CLIENT_CLOSED_REQUEST, Code::Cancelled),
+            ErrorKind::RequestTimeout => (408, Code::DeadlineExceeded),
         }
     }
 
@@ -115,7 +118,8 @@ impl ErrorKind {
             | ErrorKind::PermissionDenied
             | ErrorKind::Conflict
             | ErrorKind::FailedPrecondition
-            | ErrorKind::Cancelled => false,
+            | ErrorKind::Cancelled
+            | ErrorKind::RequestTimeout => false,
         }
     }
 
@@ -137,7 +141,7 @@ impl ErrorKind {
             502 => ErrorKind::BadGateway,
             503 => ErrorKind::Unavailable,
             504 => ErrorKind::Timeout,
-            408 => ErrorKind::Timeout,
+            408 => ErrorKind::RequestTimeout,
             s if (400..500).contains(&s) => ErrorKind::InvalidArgument,
             _ => ErrorKind::Internal,
         }

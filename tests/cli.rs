@@ -86,10 +86,19 @@ fn demo_runs_and_its_printed_curl_examples_work() {
     }
     assert!(answers.iter().any(|a| a.contains(r#""versions":["1","2"]"#)));
     assert!(answers.iter().any(|a| a == r#"{"ready":true}"#), "{answers:?}");
+    // The front door: no key, the demo key unloading, and the metered model's third call in a row.
+    assert!(answers.iter().any(|a| a.contains("no credential")), "{answers:?}");
+    assert!(answers.iter().any(|a| a.contains("needs admin")), "{answers:?}");
+    assert!(
+        answers
+            .iter()
+            .any(|a| a.starts_with("HTTP/1.1 429") && a.to_lowercase().contains("retry-after:")),
+        "{answers:?}"
+    );
     let exposition = answers.last().unwrap();
     for version in ["1", "2"] {
         let line = format!(
-            r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",principal="_other",protocol="rest",version="{version}"}} 1"#,
+            r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",principal="demo",protocol="rest",version="{version}"}} 1"#,
             if version == "1" { "rest-backend" } else { "grpc-backend" }
         );
         assert!(exposition.contains(&line), "{line} missing from\n{exposition}");

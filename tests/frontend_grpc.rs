@@ -53,7 +53,11 @@ async fn gateway() -> Gateway {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(grpc::serve(listener, live, 64 << 20, None, async move {
+    let limits = grpc::GrpcLimits {
+        max_message_bytes: 64 << 20,
+        max_concurrent_streams: 256,
+    };
+    tokio::spawn(grpc::serve(listener, live, limits, None, async move {
         let _ = stopped.await;
     }));
     Gateway {

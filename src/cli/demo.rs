@@ -101,37 +101,48 @@ pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backend
     let body = format!(
         r#"{{"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1,16],"data":[{data}]}},{{"name":"INPUT1","datatype":"INT32","shape":[1,16],"data":[{ones}]}}]}}"#
     );
+    let int32 = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
+    let auth = "-H 'Authorization: Bearer demo-key'";
+    let admin = "-H 'Authorization: Bearer demo-admin-key'";
     format!(
         r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}, metrics at http://{metrics}/metrics
   backends: two built-in model servers, balanced round robin: version 1 of each model on their REST listeners
             ({rest_backends}), version 2 on their gRPC ones ({grpc_backends}); Ctrl-C stops everything.
 
 REST (version 1 is proxied to the REST backend as it is; version 2 is translated to gRPC):
-  curl -s http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
-  curl -s http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
-  curl -s http://{rest}/v2/models/simple_string/versions/2/infer -d '{{"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[2],"data":["hello","gateway"]}}]}}'
-  echo '{body}' | gzip | curl -s --compressed -H 'Content-Encoding: gzip' --data-binary @- http://{rest}/v2/models/add_sub/versions/2/infer
+  curl -s {auth} http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
+  curl -s {auth} http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
+  curl -s {auth} http://{rest}/v2/models/simple_string/versions/2/infer -d '{{"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[2],"data":["hello","gateway"]}}]}}'
+  echo '{body}' | gzip | curl -s {auth} --compressed -H 'Content-Encoding: gzip' --data-binary @- http://{rest}/v2/models/add_sub/versions/2/infer
 
 A stateful sequence (sequence_id 42): every step reaches the replica that holds its running sum (10, 15, 22):
-  curl -s http://{rest}/v2/models/accumulate/infer -d '{first}'
-  curl -s http://{rest}/v2/models/accumulate/infer -d '{second}'
-  curl -s http://{rest}/v2/models/accumulate/infer -d '{third}'
+  curl -s {auth} http://{rest}/v2/models/accumulate/infer -d '{first}'
+  curl -s {auth} http://{rest}/v2/models/accumulate/infer -d '{second}'
+  curl -s {auth} http://{rest}/v2/models/accumulate/infer -d '{third}'
 
 A decoupled model streams its responses as server-sent events (Triton's generate_stream and MLServer's
 infer_stream, translated to a gRPC stream):
-  curl -sN http://{rest}/v2/models/count/generate_stream -d '{{"INPUT0": 3}}'
-  curl -sN http://{rest}/v2/models/count/infer_stream -d '{{"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1],"data":[2]}}]}}'
-  curl -s http://{rest}/v2/models/add_sub/versions/2/generate -d '{{"INPUT0": [{data}], "INPUT1": [{ones}]}}'
+  curl -sN {auth} http://{rest}/v2/models/count/generate_stream -d '{{"INPUT0": 3}}'
+  curl -sN {auth} http://{rest}/v2/models/count/infer_stream -d '{{"inputs":[{{"name":"INPUT0","datatype":"INT32","shape":[1],"data":[2]}}]}}'
+  curl -s {auth} http://{rest}/v2/models/add_sub/versions/2/generate -d '{{"INPUT0": [{data}], "INPUT1": [{ones}]}}'
 
-Repository calls reach every replica (identity unloaded on both, then loaded on both):
-  curl -s -X POST http://{rest}/v2/repository/models/identity/unload
-  curl -s -X POST http://{rest}/v2/repository/models/identity/load
+Repository calls reach every replica (identity unloaded on both, then loaded on both); they need the admin key:
+  curl -s {admin} -X POST http://{rest}/v2/repository/models/identity/unload
+  curl -s {admin} -X POST http://{rest}/v2/repository/models/identity/load
 
-Health, metadata, Triton's model configuration (version 2's translated from the gRPC backend's), statistics
-summed over both replicas, and metrics:
-  curl -s http://{rest}/v2/models/add_sub
-  curl -s http://{rest}/v2/models/add_sub/versions/2/config
-  curl -s http://{rest}/v2/models/add_sub/stats
+The front door (docs/SECURITY.md): a call with no key is 401, and the demo key may not unload (403):
+  curl -s http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
+  curl -s {auth} -X POST http://{rest}/v2/repository/models/identity/unload
+The model `metered` lets two calls in at once, then one a second: the third call in a row is 429 with Retry-After:
+  curl -s {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
+  curl -s {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
+  curl -s -i {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
+
+Metadata, Triton's model configuration (version 2's translated from the gRPC backend's), statistics summed over
+both replicas; then the probes and metrics, which need no key:
+  curl -s {auth} http://{rest}/v2/models/add_sub
+  curl -s {auth} http://{rest}/v2/models/add_sub/versions/2/config
+  curl -s {auth} http://{rest}/v2/models/add_sub/stats
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics
 
@@ -143,19 +154,20 @@ import tritonclient.http as httpclient
 
 a = np.arange(16, dtype=np.int32).reshape(1, 16)
 b = np.ones((1, 16), dtype=np.int32)
+key = {{"authorization": "Bearer demo-key"}}
 for module, url in [(httpclient, "{rest}"), (grpcclient, "{grpc}")]:
     client = module.InferenceServerClient(url=url)
     for version in ["1", "2"]:
         inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
         inputs[0].set_data_from_numpy(a)
         inputs[1].set_data_from_numpy(b)
-        result = client.infer("add_sub", inputs, model_version=version)
+        result = client.infer("add_sub", inputs, model_version=version, headers=key)
         print(module.__name__, "add_sub version", version, "OUTPUT0 =", result.as_numpy("OUTPUT0")[0][:4], "...")
 
 # A stream (ModelStreamInfer): the decoupled model count answers one request with three responses.
 streamed = []
 client = grpcclient.InferenceServerClient(url="{grpc}")
-client.start_stream(callback=lambda result, error: streamed.append(error or int(result.as_numpy("OUTPUT0")[0])))
+client.start_stream(callback=lambda result, error: streamed.append(error or int(result.as_numpy("OUTPUT0")[0])), headers=key)
 count = grpcclient.InferInput("INPUT0", [1], "INT32")
 count.set_data_from_numpy(np.array([3], dtype=np.int32))
 client.async_stream_infer("count", [count])

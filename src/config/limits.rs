@@ -13,6 +13,11 @@ pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
 /// How long an inference stream may be silent both ways: five minutes (a model may think long between tokens).
 pub const DEFAULT_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+/// How long a request body may go without bytes: nginx's `client_body_timeout` is 60 s; a tensor upload that
+/// pauses half a minute is not uploading.
+pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// Streams one HTTP/2 client connection may have open at once.
+pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -25,6 +30,10 @@ pub struct RawLimits {
     pub header_read_timeout_ms: Option<u64>,
     /// How long an inference stream may pass with no message either way, in milliseconds.
     pub stream_idle_timeout_ms: Option<u64>,
+    /// How long a REST request body may go without bytes, in milliseconds (then 408).
+    pub body_read_timeout_ms: Option<u64>,
+    /// Streams one HTTP/2 client connection may have open at once, on both doors.
+    pub max_concurrent_streams: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +45,10 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// How long an inference stream may pass with no message either way (then DEADLINE_EXCEEDED).
     pub stream_idle_timeout: Duration,
+    /// How long a REST request body may go without bytes (then 408).
+    pub body_read_timeout: Duration,
+    /// Streams one HTTP/2 client connection may have open at once.
+    pub max_concurrent_streams: u32,
 }
 
 /// The request size and time limits.
@@ -70,6 +83,19 @@ pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Li
             limits.stream_idle_timeout_ms,
             DEFAULT_STREAM_IDLE_TIMEOUT_MS,
         ),
+        body_read_timeout: millis(
+            problems,
+            "body_read_timeout_ms",
+            limits.body_read_timeout_ms,
+            DEFAULT_BODY_READ_TIMEOUT_MS,
+        ),
+        max_concurrent_streams: u32::try_from(positive(
+            problems,
+            "limits.max_concurrent_streams",
+            limits.max_concurrent_streams.map(u64::from),
+            u64::from(DEFAULT_MAX_CONCURRENT_STREAMS),
+        ))
+        .unwrap_or(DEFAULT_MAX_CONCURRENT_STREAMS),
     }
 }
 

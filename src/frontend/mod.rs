@@ -1,5 +1,6 @@
 //! The front doors: thin adapters from REST and gRPC onto the one dispatch call.
 
+pub mod flood;
 pub mod grpc;
 pub mod paths;
 pub mod rest;
@@ -75,6 +76,38 @@ where
             }
         }
     }
+}
+
+/// The largest request head (request line and headers, or an HTTP/2 header list) read; beyond it the answer is 431.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// Streams a client may reset before the door has taken them up, after which its connection is closed with GOAWAY
+/// (the HTTP/2 rapid-reset flood, CVE-2023-44487).
+const MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams the door may reset for a client's protocol errors before closing its connection (the "MadeYouReset"
+/// flood, CVE-2025-8671).
+const MAX_LOCAL_ERROR_RESETS: usize = 256;
+
+/// How often an HTTP/2 client connection is pinged, and how long its answer may take before the connection is
+/// closed: a client that stops reading stops answering, and the answers waiting for it are let go.
+const HTTP2_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(60);
+const HTTP2_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The HTTP/2 settings both doors hold every client connection to: streams open at once, the header list's size,
+/// the bounds on resets that close a flooding connection, and a keep-alive ping that a client which no longer reads
+/// fails. HTTP/2's PING and SETTINGS are answered one at a time (h2 reads no further frame while an acknowledgement
+/// waits), so a flood of them holds no memory.
+pub fn http2_limits(
+    builder: &mut hyper::server::conn::http2::Builder<hyper_util::rt::TokioExecutor>,
+    max_streams: u32,
+) {
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Some(HTTP2_KEEPALIVE))
+        .keep_alive_timeout(HTTP2_KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(max_streams)
+        .max_header_list_size(u32::try_from(MAX_HEAD_BYTES).unwrap_or(u32::MAX))
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(MAX_LOCAL_ERROR_RESETS);
 }
 
 /// Resolves once the gateway is shutting down (never, if the signal's sender is gone).

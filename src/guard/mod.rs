@@ -420,3 +420,85 @@ fn unauthenticated(message: impl Into<String>) -> Error {
 fn over_rate(message: String, wait: Duration) -> Error {
     Error::new(ErrorKind::Overloaded, Origin::Client, message).with_retry_after(wait)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configuration with one key (sha256 of "k") rated at `key_rate` and a model rated at `model_rate`.
+    fn config(key_rate: &str, model_rate: &str) -> Config {
+        let text = format!(
+            r#"
+[auth]
+[[auth.api_keys]]
+name = "team"
+sha256 = "8254c329a92850f6d539dd376f4816ee2764517da5e0235514af433164480d7a"
+models = ["*"]
+rate = {key_rate}
+[[backends]]
+name = "b"
+protocol = "rest"
+endpoints = ["127.0.0.1:9000"]
+[[models]]
+name = "m"
+versions = [ {{ version = "1", backend = "b" }} ]
+rate = {model_rate}
+max_concurrent = 1
+"#
+        );
+        crate::config::validate(crate::config::raw::parse(&text, &[]).unwrap()).unwrap()
+    }
+
+    fn headers(key: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(API_KEY, key.parse().unwrap());
+        headers
+    }
+
+    #[test]
+    fn a_reload_keeps_the_buckets_and_the_count_of_calls_under_way_that_did_not_change() {
+        let metrics = Metrics::new().unwrap();
+        let slow = "{ per_second = 0.001, burst = 1 }";
+        let guard = Guard::new(
+            &config(slow, "{ per_second = 1000.0, burst = 1000 }"),
+            None,
+            None,
+            metrics.clone(),
+        );
+        let team = guard.authenticate(&headers("k")).unwrap();
+        assert!(guard.authenticate(&headers("not k")).is_err());
+        let held = guard.admit(team.as_deref(), "m").unwrap();
+        assert_eq!(
+            guard.admit(team.as_deref(), "m").unwrap_err().kind(),
+            ErrorKind::Overloaded
+        );
+
+        // Same rates: the principal's bucket is still empty, and the model's call under way still counts.
+        let reloaded = Guard::new(
+            &config(slow, "{ per_second = 1000.0, burst = 1000 }"),
+            None,
+            Some(&guard),
+            metrics.clone(),
+        );
+        let team = reloaded.authenticate(&headers("k")).unwrap();
+        let refused = reloaded.admit(team.as_deref(), "m").unwrap_err();
+        assert!(refused.message().contains("principal 'team'"), "{refused:?}");
+        let other = reloaded.admit(None, "m").unwrap_err();
+        assert!(other.message().contains("max_concurrent"), "{other:?}");
+        drop(held);
+        assert!(reloaded.admit(None, "m").is_ok());
+
+        // A new rate is a new bucket.
+        let changed = Guard::new(
+            &config(
+                "{ per_second = 1.0, burst = 5 }",
+                "{ per_second = 1000.0, burst = 1000 }",
+            ),
+            None,
+            Some(&reloaded),
+            metrics,
+        );
+        let team = changed.authenticate(&headers("k")).unwrap();
+        assert!(changed.admit(team.as_deref(), "m").is_ok());
+    }
+}

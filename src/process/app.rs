@@ -47,7 +47,7 @@ enum Serves {
     Rest(RestConnections),
     Grpc {
         gateway: Arc<Gateway>,
-        max_message_bytes: usize,
+        limits: grpc::GrpcLimits,
         tls: Option<tokio_rustls::TlsAcceptor>,
     },
     Metrics(Arc<Metrics>),
@@ -158,18 +158,14 @@ impl Listener {
                         std::future::pending::<()>().await;
                     })?;
                 }
-                Serves::Grpc {
-                    gateway,
-                    max_message_bytes,
-                    tls,
-                } => {
-                    let (gateway, max_message_bytes, tls) = (gateway.clone(), *max_message_bytes, tls.clone());
+                Serves::Grpc { gateway, limits, tls } => {
+                    let (gateway, limits, tls) = (gateway.clone(), *limits, tls.clone());
                     crate::frontend::spawn_door_thread(name, async move {
                         let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                             return;
                         };
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        grpc::serve(listener, gateway, max_message_bytes, tls, stopping).await;
+                        grpc::serve(listener, gateway, limits, tls, stopping).await;
                         std::future::pending::<()>().await;
                     })?;
                 }
@@ -402,15 +398,23 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
         failure: failure.clone(),
     };
     let rest = RestConnections {
-        door: Arc::new(RestDoor::new(gateway.clone(), max_request_bytes)),
+        door: Arc::new(RestDoor::new(
+            gateway.clone(),
+            max_request_bytes,
+            config.limits.body_read_timeout,
+        )),
         tls: tls_on(|tls| tls.rest)
             .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2", b"http/1.1"]))),
         header_timeout: config.limits.header_read_timeout,
+        max_concurrent_streams: config.limits.max_concurrent_streams,
     };
     server.add_service(listener("rest", config.listen.rest, rest_socket, Serves::Rest(rest)));
     let grpc = Serves::Grpc {
         gateway: gateway.clone(),
-        max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
+        limits: grpc::GrpcLimits {
+            max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
+            max_concurrent_streams: config.limits.max_concurrent_streams,
+        },
         tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
     };
     server.add_service(listener("grpc", config.listen.grpc, grpc_socket, grpc));

@@ -12,7 +12,6 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tonic::codec::CompressionEncoding;
 use tonic::server::NamedService;
@@ -22,6 +21,7 @@ use crate::codec::compression::Coding;
 use crate::codec::protobuf;
 use crate::dispatch::{CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
+use crate::frontend::flood::{self, ResetWatch};
 use crate::guard::Principal;
 use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
@@ -523,6 +523,14 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How long a client may take over its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What the gRPC door holds its clients to.
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcLimits {
+    pub max_message_bytes: usize,
+    /// Streams (calls) one client connection may have open at once.
+    pub max_concurrent_streams: u32,
+}
+
 /// Serves the gRPC front door on `listener` until `shutdown` resolves, then lets open calls finish.
 ///
 /// Connections are served by hyper directly rather than by tonic's server, whose deadline layer answers an expired
@@ -531,10 +539,11 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
-    max_message_bytes: usize,
+    limits: GrpcLimits,
     tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
+    let max_message_bytes = limits.max_message_bytes;
     let (reporter, health) = tonic_health::server::health_reporter();
     let watched = gateway.clone();
     let health_task = tokio::spawn(async move {
@@ -562,53 +571,66 @@ pub async fn serve(
     let routes = routes.prepare();
 
     let mut builder = http2::Builder::new(TokioExecutor::new());
+    super::http2_limits(&mut builder, limits.max_concurrent_streams);
     builder
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         // gRPC answers carry no Date; writing one is work on every call.
         .auto_date_header(false);
-    let graceful = GracefulShutdown::new();
+    // Each connection holds a sender: once the door stops, every one of them has ended when the channel closes.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
     super::accept_loop(listener, "grpc", shutdown, |stream, _peer| {
         let _ = stream.set_nodelay(true);
         let routes = routes.clone();
         let gateway = infer_gateway.clone();
+        let watch = ResetWatch::new();
+        let calls = watch.clone();
         // ModelInfer, nearly every call, goes straight to its own path; the router serves the rest.
         let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-            if request.uri().path() == MODEL_INFER_PATH {
+            let call = calls.call();
+            let answer = if request.uri().path() == MODEL_INFER_PATH {
                 // Boxed: the call's state is large, and hyper moves the future it is given several times over.
                 Either::Left(Box::pin(infer::model_infer(gateway.clone(), request, max_message_bytes)).map(Ok))
             } else {
                 let mut routes = routes.clone();
                 Either::Right(tower_service::Service::call(&mut routes, request))
-            }
+            };
+            answer.map(move |answer: Result<http::Response<tonic::body::Body>, Infallible>| {
+                if let Ok(response) = &answer {
+                    call.finish(response.headers().get(GRPC_STATUS).is_some_and(|status| status == "1"));
+                }
+                answer
+            })
         });
         let builder = builder.clone();
         let acceptor = tls.clone();
-        let watcher = graceful.watcher();
+        let mut stopped = stopped.clone();
+        let open = open.clone();
         // A TLS handshake runs on the connection's own task, so a slow or silent client holds up no one.
         tokio::spawn(async move {
+            let _open = open;
+            let stop = async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            };
             match acceptor {
-                None => {
-                    let _ = watcher
-                        .watch(builder.serve_connection(TokioIo::new(stream), service))
-                        .await;
-                }
+                None => flood::serve(builder.serve_connection(TokioIo::new(stream), service), &watch, stop).await,
                 Some(acceptor) => {
                     let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => stream,
                         Ok(Err(error)) => return tracing::debug!(%error, "gRPC TLS handshake failed"),
                         Err(_) => return,
                     };
-                    let _ = watcher
-                        .watch(builder.serve_connection(TokioIo::new(stream), service))
-                        .await;
+                    flood::serve(builder.serve_connection(TokioIo::new(stream), service), &watch, stop).await;
                 }
             }
         });
     })
     .await;
     health_task.abort();
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;
+    let _ = stop.send(true);
+    drop(open);
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, all_closed.recv()).await;
 }
 
 #[cfg(test)]

@@ -14,13 +14,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::RestDoor;
-use crate::frontend::stopping;
+use crate::frontend::flood::{self, ResetWatch};
+use crate::frontend::{MAX_HEAD_BYTES, stopping};
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
 const KEEPALIVE: Duration = Duration::from_secs(60);
@@ -28,14 +29,16 @@ const KEEPALIVE: Duration = Duration::from_secs(60);
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// The first bytes of an HTTP/2 connection (RFC 9113, section 3.4).
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-/// The largest request head (request line and headers) read; beyond it the answer is 431.
-const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// The most header fields a request head may carry (Apache's `LimitRequestFields`); beyond it the answer is 431.
+const MAX_HEADERS: usize = 100;
 /// How long an idle HTTP/1.1 connection keeps hyper's state (its buffers) before it waits for its next request with
 /// only its socket: long enough that a connection under load never pays for setting hyper up again.
 const IDLE_HANDOFF: Duration = Duration::from_millis(200);
 /// Once shutdown starts, how long an idle HTTP/1.1 connection is kept for a request already on its way (answered
 /// with `Connection: close`) before it is closed.
 const CLOSE_LINGER: Duration = Duration::from_millis(500);
+/// How often a connection whose request body was abandoned looks whether its answer has been sent.
+const ABANDON_CHECK: Duration = Duration::from_millis(10);
 /// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
@@ -51,6 +54,8 @@ pub struct RestConnections {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// How long a client may take to send a request's head once it has begun.
     pub header_timeout: Duration,
+    /// Streams an HTTP/2 client may have open at once.
+    pub max_concurrent_streams: u32,
 }
 
 impl std::fmt::Debug for RestConnections {
@@ -74,6 +79,9 @@ pub struct ConnState {
     /// The latest request head named both a Content-Length and a Transfer-Encoding (hyper keeps only the latter,
     /// so the door cannot see it in the headers).
     both_lengths: AtomicBool,
+    /// A request's body was left unread: the connection closes once its answer is sent.
+    abandoned: AtomicBool,
+    abandoning: tokio::sync::Notify,
 }
 
 impl ConnState {
@@ -84,6 +92,16 @@ impl ConnState {
     /// The answer to the latest request has been sent.
     pub(super) fn answered(&self) {
         self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request body was left unread and has been let go: the connection is closed once the answer is sent.
+    pub(super) fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Relaxed);
+        self.abandoning.notify_one();
+    }
+
+    fn is_abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Relaxed)
     }
 
     fn begin(&self) {
@@ -148,7 +166,7 @@ impl RestConnections {
             async move { Ok::<_, Infallible>(door.answer(request, Some(connection)).await) }
         });
         let mut builder = http1::Builder::new();
-        builder.max_header_size(MAX_HEAD_BYTES);
+        builder.max_header_size(MAX_HEAD_BYTES).max_headers(MAX_HEADERS);
         let mut unread = Bytes::new();
         loop {
             // hyper's part runs in a future of its own, boxed: everything it holds is freed once it ends, and the
@@ -174,6 +192,16 @@ impl RestConnections {
                 );
                 let served = tokio::select! {
                     served = connection.as_mut() => served,
+                    () = state.abandoning.notified() => {
+                        loop {
+                            tokio::select! {
+                                served = connection.as_mut() => break served,
+                                () = tokio::time::sleep(ABANDON_CHECK) => if !state.busy() {
+                                    return None;
+                                },
+                            }
+                        }
+                    }
                     () = stopping(&mut shutdown) => {
                         // From now on each answer closes its connection; a request already on its way to an idle one
                         // still gets one, for a moment.
@@ -190,7 +218,7 @@ impl RestConnections {
                 };
                 let Ok(parts) = served else { return None };
                 let io = parts.io.into_inner();
-                if !io.handed_off || state.is_closing() {
+                if !io.handed_off || state.is_closing() || state.is_abandoned() {
                     return None;
                 }
                 // What hyper had read and not used, then what it had not read of the last hand-off's bytes.
@@ -206,8 +234,14 @@ impl RestConnections {
             .await;
             let Some(served) = served else { return };
             (stream, unread) = served;
-            if unread.is_empty() && !next_request(&stream, &shutdown).await {
-                return;
+            if unread.is_empty() {
+                let next = tokio::select! {
+                    next = next_request(&stream, &shutdown) => next,
+                    () = state.abandoning.notified() => false,
+                };
+                if !next || state.is_abandoned() {
+                    return;
+                }
             }
         }
     }
@@ -217,26 +251,25 @@ impl RestConnections {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let door = self.door;
+        let watch = ResetWatch::new();
+        let calls = watch.clone();
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             let door = door.clone();
-            async move { Ok::<_, Infallible>(door.answer(request, None).await) }
+            let call = calls.call();
+            async move {
+                let answer = door.answer(request, None).await;
+                call.finish(answer.status().as_u16() == crate::error::CLIENT_CLOSED_REQUEST);
+                Ok::<_, Infallible>(answer)
+            }
         });
         let mut builder = http2::Builder::new(TokioExecutor::new());
+        crate::frontend::http2_limits(&mut builder, self.max_concurrent_streams);
         builder
-            .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(MAX_HEAD_BYTES).unwrap_or(u32::MAX))
             .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .keep_alive_interval(Some(KEEPALIVE));
+            .initial_connection_window_size(CONNECTION_WINDOW);
         let connection = builder.serve_connection(TokioIo::new(stream), service);
-        tokio::pin!(connection);
-        tokio::select! {
-            _ = connection.as_mut() => return,
-            () = stopping(&mut shutdown) => {}
-        }
-        // GOAWAY: streams under way finish, new ones go elsewhere.
-        connection.as_mut().graceful_shutdown();
-        let _ = connection.await;
+        // On shutdown, GOAWAY: streams under way finish, new ones go elsewhere.
+        flood::serve(connection, &watch, stopping(&mut shutdown)).await;
     }
 }
 

@@ -14,6 +14,7 @@ use prost::Message;
 use tokio::sync::mpsc;
 
 use super::{Reply, RestDoor};
+use crate::body::RequestBody;
 use crate::codec::compression;
 use crate::codec::protobuf;
 use crate::codec::rest::generate::{body_parameters, decode_generate, encode_generate, take_events};
@@ -47,7 +48,7 @@ impl RestDoor {
     pub(super) async fn generate(
         &self,
         parts: &http::request::Parts,
-        body: &mut Option<hyper::body::Incoming>,
+        body: &mut Option<RequestBody>,
         record: &mut Record,
         model: &str,
         version: Option<&str>,

@@ -7,17 +7,16 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use super::answer::{Record, Rename};
 use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
-use crate::body::{RelayError, RelaySource, Tap};
+use crate::body::{RelayError, RelaySource, RequestBody, Tap};
 use crate::codec::compression::{self, Coding};
 use crate::codec::decthings;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{Affinity, CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
@@ -58,7 +57,7 @@ impl RestDoor {
     pub(super) async fn infer(
         &self,
         parts: &http::request::Parts,
-        body: &mut Option<Incoming>,
+        body: &mut Option<RequestBody>,
         record: &mut Record,
         model: &str,
         version: Option<&str>,
@@ -205,7 +204,7 @@ impl RestDoor {
     async fn pass_through(
         &self,
         headers: &HeaderMap,
-        body: &mut Option<Incoming>,
+        body: &mut Option<RequestBody>,
         record: &mut Record,
         target: Passthrough,
         routed: Routed,
@@ -249,7 +248,7 @@ impl RestDoor {
     /// so a small one is checked to its end before any of it leaves), else enough to hold the start of its JSON
     /// header (the binary extension's whole header, or the first `WHOLE_BODY_LIMIT` bytes of a JSON body), where a
     /// request names its sequence.
-    async fn body_start(&self, body: &mut Option<Incoming>, asked: &Asked) -> Result<BodyStart> {
+    async fn body_start(&self, body: &mut Option<RequestBody>, asked: &Asked) -> Result<BodyStart> {
         if let Some(coding) = asked.coding {
             // A compressed body is read whole and decompressed within the same limit: what it expands to is what
             // the limit bounds.
@@ -286,10 +285,7 @@ impl RestDoor {
                         return Err(self.too_large());
                     }
                 }
-                Some(Err(error)) => {
-                    let message = format!("could not read the request body: {error}");
-                    return Err(Error::invalid(message).caused_by(error));
-                }
+                Some(Err(error)) => return Err(super::body_error(error)),
                 None => {
                     *body = None;
                     return Ok(BodyStart::Whole(match read.len() {
@@ -308,7 +304,7 @@ impl RestDoor {
         &self,
         start: BodyStart,
         keep_compressed: bool,
-        body: &mut Option<Incoming>,
+        body: &mut Option<RequestBody>,
         record: &mut Record,
         mirror: Option<Mirror>,
     ) -> Result<Outgoing> {
@@ -349,6 +345,11 @@ impl RestDoor {
         match source.failure()? {
             RelayError::TooLarge => Some(self.too_large()),
             RelayError::Unreadable => Some(Error::invalid("could not read the request body")),
+            RelayError::Stalled => Some(Error::new(
+                ErrorKind::RequestTimeout,
+                Origin::Client,
+                "the request body stalled (limits.body_read_timeout_ms)",
+            )),
         }
     }
 }
@@ -498,8 +499,8 @@ fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
         number(http::header::CONTENT_LENGTH.as_str()),
     ) {
         (Some(header), Some(total)) if header > total => Err(Error::new(
-            crate::error::ErrorKind::BadGateway,
-            crate::error::Origin::Upstream,
+            ErrorKind::BadGateway,
+            Origin::Upstream,
             format!(
                 "backend {authority} answered with Inference-Header-Content-Length {header}, longer than its whole \
                  body ({total} bytes)"

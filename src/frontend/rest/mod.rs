@@ -22,6 +22,7 @@ use answer::{Record, Rename};
 pub use connection::ConnState;
 
 use super::paths::{Route, route};
+use crate::body::{RequestBody, RequestBodyError};
 use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -41,6 +42,8 @@ pub const MAX_TARGET_BYTES: usize = 8 * 1024;
 pub struct RestDoor {
     gateway: Arc<Gateway>,
     max_request_bytes: u64,
+    /// The longest a request body may go without bytes (then 408).
+    body_stall: Duration,
 }
 
 /// What a request is answered with, before the answer's head is made.
@@ -57,10 +60,11 @@ enum Reply {
 }
 
 impl RestDoor {
-    pub fn new(gateway: Arc<Gateway>, max_request_bytes: u64) -> Self {
+    pub fn new(gateway: Arc<Gateway>, max_request_bytes: u64, body_stall: Duration) -> Self {
         RestDoor {
             gateway,
             max_request_bytes,
+            body_stall,
         }
     }
 
@@ -71,6 +75,7 @@ impl RestDoor {
     /// Answers one request. `connection` is the HTTP/1.1 connection it came on, told when the answer is sent.
     pub async fn answer(&self, request: Request<Incoming>, connection: Option<Arc<ConnState>>) -> Response<AnswerBody> {
         let closing = connection.as_ref().is_some_and(|c| c.is_closing());
+        let http1_state = connection.clone();
         let framed_both_ways = connection.as_ref().is_some_and(|c| c.framed_both_ways());
         let http1 = connection.is_some();
         let (mut parts, body) = request.into_parts();
@@ -81,7 +86,7 @@ impl RestDoor {
             connection,
         );
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
-        let mut body = Some(body);
+        let mut body = Some(RequestBody::new(body, self.body_stall));
         let reply = if framed_both_ways {
             Err(both_lengths())
         } else {
@@ -105,7 +110,7 @@ impl RestDoor {
         let unread = body.is_some_and(|body| {
             let unread = !body.is_end_stream();
             if unread {
-                tokio::spawn(discard(body));
+                tokio::spawn(discard(body, http1_state));
             }
             unread
         });
@@ -120,7 +125,7 @@ impl RestDoor {
     async fn handle(
         &self,
         parts: &http::request::Parts,
-        body: &mut Option<Incoming>,
+        body: &mut Option<RequestBody>,
         record: &mut Record,
     ) -> Result<Reply> {
         if parts.uri.path_and_query().map_or(0, |target| target.as_str().len()) > MAX_TARGET_BYTES {
@@ -246,7 +251,12 @@ impl RestDoor {
     /// chunk is kept as it is; a body in several is joined into one buffer of its `declared` length as they arrive
     /// (no growth by doubling, which would copy a large tensor several times over, and no chunk kept once copied).
     /// A body refused for its size is left in `body`, partly read, for the caller to discard.
-    async fn read_body(&self, body: &mut Option<Incoming>, declared: Option<u64>, read: Vec<Bytes>) -> Result<Bytes> {
+    async fn read_body(
+        &self,
+        body: &mut Option<RequestBody>,
+        declared: Option<u64>,
+        read: Vec<Bytes>,
+    ) -> Result<Bytes> {
         let mut joined = Joined::new(declared);
         for chunk in read {
             joined.push(chunk);
@@ -255,17 +265,7 @@ impl RestDoor {
             return Ok(joined.finish());
         };
         while let Some(frame) = reading.frame().await {
-            let frame = frame.map_err(|e| {
-                if crate::error::is_closed_connection(&e) {
-                    Error::new(
-                        ErrorKind::Cancelled,
-                        Origin::Client,
-                        "the client closed its connection before sending the whole body",
-                    )
-                } else {
-                    Error::invalid(format!("could not read the request body: {e}")).caused_by(e)
-                }
-            })?;
+            let frame = frame.map_err(body_error)?;
             let Ok(chunk) = frame.into_data() else { continue };
             if (joined.len() + chunk.len()) as u64 > self.max_request_bytes {
                 return Err(self.too_large());
@@ -315,6 +315,26 @@ impl Joined {
     }
 }
 
+/// What a client's body that could not be read is answered with: 408 for a stall, 499 for a client that went away
+/// (its connection closed, or its HTTP/2 stream cancelled), else 400.
+fn body_error(error: RequestBodyError) -> Error {
+    let cancelled = |cause: &(dyn std::error::Error + 'static)| {
+        crate::error::is_closed_connection(cause)
+            || std::iter::successors(Some(cause), |cause| cause.source())
+                .filter_map(|cause| cause.downcast_ref::<h2::Error>())
+                .any(|h2| h2.is_reset() && h2.is_remote())
+    };
+    match error {
+        RequestBodyError::Stalled(_) => Error::new(ErrorKind::RequestTimeout, Origin::Client, error.to_string()),
+        _ if cancelled(&error) => Error::new(
+            ErrorKind::Cancelled,
+            Origin::Client,
+            "the client went away before sending the whole body",
+        ),
+        _ => Error::invalid(format!("could not read the request body: {error}")).caused_by(error),
+    }
+}
+
 /// A request whose body is framed both by Content-Length and by Transfer-Encoding (RFC 9112 section 6.3 lets a
 /// server refuse it, and as often as not it is request smuggling): it goes nowhere.
 fn both_lengths() -> Error {
@@ -334,8 +354,14 @@ fn authenticate(parts: &mut http::request::Parts, record: &mut Record) -> Result
     Ok(())
 }
 
-/// Reads and drops a body nobody will use, for a bounded time; nothing is kept.
-async fn discard(mut body: Incoming) {
+/// Reads and drops a body nobody will use, for a bounded time (ended early by a stall); nothing is kept.
+async fn discard(mut body: RequestBody, connection: Option<Arc<ConnState>>) {
     let drain = async { while let Some(Ok(_)) = body.frame().await {} };
     let _ = tokio::time::timeout(LINGER, drain).await;
+    drop(body);
+    // hyper would keep waiting for the rest of a body nobody reads; the connection is closed instead, once its
+    // answer is sent.
+    if let Some(connection) = connection {
+        connection.abandon();
+    }
 }
