@@ -56,6 +56,7 @@ async fn gateway() -> Gateway {
     let limits = grpc::GrpcLimits {
         max_message_bytes: 64 << 20,
         max_concurrent_streams: 256,
+        max_buffered_answer_bytes: 128 << 20,
     };
     tokio::spawn(grpc::serve(listener, live, limits, None, async move {
         let _ = stopped.await;

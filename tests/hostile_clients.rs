@@ -219,8 +219,11 @@ async fn h2_connection(
     tokio::task::JoinHandle<Result<(), h2::Error>>,
 ) {
     let tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+    // A large connection window, so one stream's unread answer does not hold up the others' (each stream keeps
+    // HTTP/2's default window of 64 KiB).
     let (client, connection) = h2::client::Builder::new()
         .max_concurrent_reset_streams(100_000)
+        .initial_connection_window_size(64 << 20)
         .handshake(tcp)
         .await
         .unwrap();
@@ -379,4 +382,108 @@ async fn clients_that_never_read_their_answers_hold_one_answer_each() {
     for connection in idle {
         connection.abort();
     }
+}
+
+#[tokio::test]
+async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
+    let server = ModelServerProcess::both();
+    let gateway = GatewayProcess::start(&format!(
+        "[limits]\nmax_buffered_answer_bytes = 20000000\n{}\n[[models]]\nname = \"identity\"\nversions = [ {{ version = \"1\", backend = \"grpc\" }} ]\n",
+        backend("grpc", "grpc", [server.grpc.unwrap()]),
+    ));
+    // 8 MB answers, made whole by the gateway (translated from the gRPC backend), none of them read: two fit in
+    // the budget, the rest are refused.
+    let values: usize = 2_000_000;
+    let tensor = oipgate::protocol::Tensor::new(
+        "x",
+        oipgate::protocol::DataType::Int32,
+        vec![values as u64],
+        Bytes::from(vec![1u8; 4 * values]),
+    )
+    .unwrap();
+    let (body, headers) = common::binary_request(vec![tensor]);
+    let body = Bytes::from(body.chunks.concat());
+    let mut client = h2_client(gateway.rest).await;
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        client = client.ready().await.unwrap();
+        let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
+            .header("content-type", "application/octet-stream")
+            .header(headers[0].0, headers[0].1.as_str())
+            .body(())
+            .unwrap();
+        let (answer, mut stream) = client.send_request(request, false).unwrap();
+        stream.send_data(body.clone(), true).unwrap();
+        answers.push(answer);
+    }
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for answer in answers {
+        let response = tokio::time::timeout(Duration::from_secs(30), answer)
+            .await
+            .unwrap()
+            .unwrap();
+        match response.status().as_u16() {
+            // Kept, its body never read.
+            200 => held.push(response),
+            429 => refused += 1,
+            other => panic!("status {other}"),
+        }
+    }
+    assert_eq!((held.len(), refused), (2, 4));
+    // Reading one answer gives its place back.
+    let mut read = held.pop().unwrap().into_body();
+    while let Some(chunk) = read.data().await {
+        let chunk = chunk.unwrap();
+        let _ = read.flow_control().release_capacity(chunk.len());
+    }
+    client = client.ready().await.unwrap();
+    let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
+        .header("content-type", "application/octet-stream")
+        .header(headers[0].0, headers[0].1.as_str())
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = client.send_request(request, false).unwrap();
+    stream.send_data(body, true).unwrap();
+    assert_eq!(answer.await.unwrap().status(), 200);
+
+    // The gRPC door: the same, an answer refused past the budget being a trailers-only RESOURCE_EXHAUSTED.
+    let mut request = common::grpc_int32_request("identity", "1");
+    request.inputs[0].shape = vec![values as i64];
+    request.inputs[0].contents = None;
+    request.raw_input_contents = vec![Bytes::from(vec![1u8; 4 * values])];
+    let message = prost::Message::encode_to_vec(&request);
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(&message);
+    let framed = Bytes::from(framed);
+    let mut client = h2_client(gateway.grpc).await;
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        client = client.ready().await.unwrap();
+        let request = http::Request::post(format!(
+            "http://{}/inference.GRPCInferenceService/ModelInfer",
+            gateway.grpc
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+        let (answer, mut stream) = client.send_request(request, false).unwrap();
+        stream.send_data(framed.clone(), true).unwrap();
+        answers.push(answer);
+    }
+    let mut statuses = Vec::new();
+    let mut held = Vec::new();
+    for answer in answers {
+        let response = tokio::time::timeout(Duration::from_secs(30), answer)
+            .await
+            .unwrap()
+            .unwrap();
+        match response.headers().get("grpc-status") {
+            Some(status) => statuses.push(status.to_str().unwrap().to_owned()),
+            None => held.push(response),
+        }
+    }
+    assert_eq!((held.len(), statuses), (2, vec!["8".to_owned(); 4]));
 }

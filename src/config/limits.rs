@@ -18,6 +18,8 @@ pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
 /// Streams one HTTP/2 client connection may have open at once.
 pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
+/// Answers one HTTP/2 client connection may hold in the gateway unread: 128 MiB.
+pub const DEFAULT_MAX_BUFFERED_ANSWER_BYTES: u64 = 128 << 20;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -34,6 +36,8 @@ pub struct RawLimits {
     pub body_read_timeout_ms: Option<u64>,
     /// Streams one HTTP/2 client connection may have open at once, on both doors.
     pub max_concurrent_streams: Option<u32>,
+    /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread, on both doors (past it, 429).
+    pub max_buffered_answer_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +53,8 @@ pub struct Limits {
     pub body_read_timeout: Duration,
     /// Streams one HTTP/2 client connection may have open at once.
     pub max_concurrent_streams: u32,
+    /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread.
+    pub max_buffered_answer_bytes: usize,
 }
 
 /// The request size and time limits.
@@ -96,6 +102,13 @@ pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Li
             u64::from(DEFAULT_MAX_CONCURRENT_STREAMS),
         ))
         .unwrap_or(DEFAULT_MAX_CONCURRENT_STREAMS),
+        max_buffered_answer_bytes: usize::try_from(positive(
+            problems,
+            "limits.max_buffered_answer_bytes",
+            limits.max_buffered_answer_bytes,
+            DEFAULT_MAX_BUFFERED_ANSWER_BYTES,
+        ))
+        .unwrap_or(usize::MAX),
     }
 }
 

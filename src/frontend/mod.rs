@@ -1,5 +1,6 @@
 //! The front doors: thin adapters from REST and gRPC onto the one dispatch call.
 
+pub mod budget;
 pub mod flood;
 pub mod grpc;
 pub mod paths;

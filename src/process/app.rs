@@ -407,6 +407,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
             .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2", b"http/1.1"]))),
         header_timeout: config.limits.header_read_timeout,
         max_concurrent_streams: config.limits.max_concurrent_streams,
+        max_buffered_answer_bytes: config.limits.max_buffered_answer_bytes,
     };
     server.add_service(listener("rest", config.listen.rest, rest_socket, Serves::Rest(rest)));
     let grpc = Serves::Grpc {
@@ -414,6 +415,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
         limits: grpc::GrpcLimits {
             max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
             max_concurrent_streams: config.limits.max_concurrent_streams,
+            max_buffered_answer_bytes: config.limits.max_buffered_answer_bytes,
         },
         tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
     };

@@ -13,6 +13,7 @@ use crate::codec::compression::{self, Coding};
 use crate::codec::splice;
 use crate::dispatch::Dispatcher;
 use crate::error::Result;
+use crate::frontend::budget::AnswerBudget;
 use crate::guard::{Admission, Principal};
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::process::live::{Active, Gateway};
@@ -28,6 +29,7 @@ pub(super) async fn model_infer<B>(
     gateway: Arc<Gateway>,
     request: http::Request<B>,
     limit: usize,
+    budget: Option<Arc<AnswerBudget>>,
 ) -> http::Response<tonic::body::Body>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -52,7 +54,7 @@ where
         Err(status) => return status.into_http(),
     };
     match infer(&gateway.dispatcher(), &headers, message, principal).await {
-        Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active),
+        Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active, budget.as_ref()),
         Err(status) => status.into_http(),
     }
 }
@@ -204,6 +206,7 @@ fn framed_answer(
     metadata: HeaderMap,
     coding: Option<Coding>,
     active: Active,
+    budget: Option<&Arc<AnswerBudget>>,
 ) -> http::Response<tonic::body::Body> {
     let chunks = match coding {
         Some(coding) => compression::compress(coding, &chunks),
@@ -217,6 +220,14 @@ fn framed_answer(
             ))
             .into_http();
         }
+    };
+    // An answer past the connection's budget of unread answers is let go at once.
+    let frames = match budget {
+        None => frames,
+        Some(budget) => match budget.hold(frames) {
+            Ok(held) => held,
+            Err(error) => return error.to_grpc_status().into_http(),
+        },
     };
     let mut trailers = HeaderMap::with_capacity(1);
     trailers.insert(GRPC_STATUS, HeaderValue::from_static("0"));

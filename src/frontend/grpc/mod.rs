@@ -21,6 +21,7 @@ use crate::codec::compression::Coding;
 use crate::codec::protobuf;
 use crate::dispatch::{CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, Result};
+use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::guard::Principal;
 use crate::headers;
@@ -360,7 +361,7 @@ where
         let limit = self.max_message_bytes;
         if request.uri().path() == MODEL_INFER_PATH {
             // Counted, logged and readied for the wire on its own path.
-            return Box::pin(infer::model_infer(self.gateway.clone(), request, limit).map(Ok));
+            return Box::pin(infer::model_infer(self.gateway.clone(), request, limit, None).map(Ok));
         }
         let active = self.gateway.begin();
         let started = Instant::now();
@@ -529,6 +530,8 @@ pub struct GrpcLimits {
     pub max_message_bytes: usize,
     /// Streams (calls) one client connection may have open at once.
     pub max_concurrent_streams: u32,
+    /// Bytes of inference answers one client connection may hold in the gateway unread.
+    pub max_buffered_answer_bytes: usize,
 }
 
 /// Serves the gRPC front door on `listener` until `shutdown` resolves, then lets open calls finish.
@@ -586,12 +589,14 @@ pub async fn serve(
         let gateway = infer_gateway.clone();
         let watch = ResetWatch::new();
         let calls = watch.clone();
+        let budget = AnswerBudget::new(limits.max_buffered_answer_bytes);
         // ModelInfer, nearly every call, goes straight to its own path; the router serves the rest.
         let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
             let call = calls.call();
             let answer = if request.uri().path() == MODEL_INFER_PATH {
                 // Boxed: the call's state is large, and hyper moves the future it is given several times over.
-                Either::Left(Box::pin(infer::model_infer(gateway.clone(), request, max_message_bytes)).map(Ok))
+                let call = infer::model_infer(gateway.clone(), request, max_message_bytes, Some(budget.clone()));
+                Either::Left(Box::pin(call).map(Ok))
             } else {
                 let mut routes = routes.clone();
                 Either::Right(tower_service::Service::call(&mut routes, request))

@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::RestDoor;
+use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
 
@@ -56,6 +57,8 @@ pub struct RestConnections {
     pub header_timeout: Duration,
     /// Streams an HTTP/2 client may have open at once.
     pub max_concurrent_streams: u32,
+    /// Bytes of answers an HTTP/2 client may leave unread in the gateway.
+    pub max_buffered_answer_bytes: usize,
 }
 
 impl std::fmt::Debug for RestConnections {
@@ -163,7 +166,7 @@ impl RestConnections {
             requests.begin();
             let door = door.clone();
             let connection = requests.clone();
-            async move { Ok::<_, Infallible>(door.answer(request, Some(connection)).await) }
+            async move { Ok::<_, Infallible>(door.answer(request, Some(connection), None).await) }
         });
         let mut builder = http1::Builder::new();
         builder.max_header_size(MAX_HEAD_BYTES).max_headers(MAX_HEADERS);
@@ -253,11 +256,13 @@ impl RestConnections {
         let door = self.door;
         let watch = ResetWatch::new();
         let calls = watch.clone();
+        let budget = AnswerBudget::new(self.max_buffered_answer_bytes);
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             let door = door.clone();
             let call = calls.call();
+            let budget = budget.clone();
             async move {
-                let answer = door.answer(request, None).await;
+                let answer = door.answer(request, None, Some(&budget)).await;
                 call.finish(answer.status().as_u16() == crate::error::CLIENT_CLOSED_REQUEST);
                 Ok::<_, Infallible>(answer)
             }

@@ -21,6 +21,7 @@ pub use answer::AnswerBody;
 use answer::{Record, Rename};
 pub use connection::ConnState;
 
+use super::budget::AnswerBudget;
 use super::paths::{Route, route};
 use crate::body::{RequestBody, RequestBodyError};
 use crate::codec::rest::{self, EncodedBody};
@@ -72,8 +73,14 @@ impl RestDoor {
         &self.gateway
     }
 
-    /// Answers one request. `connection` is the HTTP/1.1 connection it came on, told when the answer is sent.
-    pub async fn answer(&self, request: Request<Incoming>, connection: Option<Arc<ConnState>>) -> Response<AnswerBody> {
+    /// Answers one request. `connection` is the HTTP/1.1 connection it came on, told when the answer is sent;
+    /// `budget`, an HTTP/2 connection's bound on the answers it holds unread.
+    pub async fn answer(
+        &self,
+        request: Request<Incoming>,
+        connection: Option<Arc<ConnState>>,
+        budget: Option<&Arc<AnswerBudget>>,
+    ) -> Response<AnswerBody> {
         let closing = connection.as_ref().is_some_and(|c| c.is_closing());
         let http1_state = connection.clone();
         let framed_both_ways = connection.as_ref().is_some_and(|c| c.framed_both_ways());
@@ -94,6 +101,10 @@ impl RestDoor {
                 Ok(()) => self.handle(&parts, &mut body, &mut record).await,
                 Err(error) => Err(error),
             }
+        };
+        let reply = match (reply, budget) {
+            (Ok(reply), Some(budget)) => hold(reply, budget),
+            (reply, _) => reply,
         };
         let mut response = match reply {
             Ok(Reply::Json(status, json)) => answer::json(status, json, record),
@@ -339,6 +350,20 @@ fn body_error(error: RequestBodyError) -> Error {
 /// server refuse it, and as often as not it is request smuggling): it goes nowhere.
 fn both_lengths() -> Error {
     Error::invalid("the request has both Content-Length and Transfer-Encoding; send one")
+}
+
+/// Charges an answer made whole to its HTTP/2 connection's budget (answers relayed as they come are held back by
+/// flow control instead, and small JSON answers are not counted); one past the budget is let go and the call
+/// refused.
+fn hold(reply: Reply, budget: &Arc<AnswerBudget>) -> Result<Reply> {
+    Ok(match reply {
+        Reply::Encoded(mut encoded, headers) => {
+            encoded.chunks = budget.hold(std::mem::take(&mut encoded.chunks))?;
+            Reply::Encoded(encoded, headers)
+        }
+        Reply::Buffered(status, headers, chunks) => Reply::Buffered(status, headers, budget.hold(chunks)?),
+        other => other,
+    })
 }
 
 /// Names the caller when `[auth]` asks for one (health probes need none), and keeps the credential from the
