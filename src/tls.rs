@@ -347,7 +347,7 @@ impl Prepared {
             .as_ref()
             .and_then(|tls| ServerMaterial::load(tls).map_err(|p| problems.push(p)).ok());
         let backend_tls = config
-            .backends
+            .backends()
             .iter()
             .enumerate()
             .map(|(index, backend)| {

@@ -65,18 +65,18 @@ fn the_example_is_accepted_as_written() {
     assert_eq!(config.listen.rest, "127.0.0.1:8000".parse().unwrap());
     assert_eq!(config.limits.max_request_bytes, 64 << 20);
     assert_eq!(config.limits.request_timeout, Duration::from_secs(30));
-    assert_eq!(config.backends[0].protocol, BackendProtocol::Rest);
-    assert!(config.backends[0].binary_data);
-    assert_eq!(config.backends[0].stream, StreamDialect::Triton);
-    assert_eq!(config.backends[1].stream, StreamDialect::Mlserver);
+    assert_eq!(config.backends()[0].protocol, BackendProtocol::Rest);
+    assert!(config.backends()[0].binary_data);
+    assert_eq!(config.backends()[0].stream, StreamDialect::Triton);
+    assert_eq!(config.backends()[1].stream, StreamDialect::Mlserver);
     assert_eq!(
-        config.backends[1].endpoints,
+        config.backends()[1].endpoints,
         vec![Endpoint {
             host: "127.0.0.1".into(),
             port: 9101
         }]
     );
-    let classifier = &config.models[1];
+    let classifier = &config.models()[1];
     assert_eq!(classifier.versions[0].upstream_name, "distilbert");
     assert_eq!(classifier.versions[0].upstream_version, "7");
     assert_eq!(classifier.default_version, "3");
@@ -115,7 +115,7 @@ fn routes_resolve_public_names_to_backends() {
 fn latest_version_is_the_default_when_none_is_named() {
     let text = EXAMPLE.replace("default_version = \"1\"", "");
     let config = load(&text).unwrap();
-    assert_eq!(config.models[0].default_version, "2");
+    assert_eq!(config.models()[0].default_version, "2");
 }
 
 #[test]

@@ -328,11 +328,9 @@ async fn ping_and_settings_floods_hold_no_memory_and_stop_no_one() {
     assert!(after < before + 100, "RSS went from {before} to {after} MiB");
 }
 
-#[tokio::test]
-async fn clients_that_never_read_their_answers_hold_one_answer_each() {
-    let setup = setup();
-    // 32 MiB of INT32 in and out, over the gRPC backend: the gateway makes each answer whole before sending it.
-    let values: usize = 8 << 20;
+/// A binary-extension request for `identity` of `values` INT32 ones, asking for its answer in binary: its body and
+/// its JSON header's length.
+fn int32_binary_body(values: usize) -> (Bytes, String) {
     let tensor = oipgate::protocol::Tensor::new(
         "x",
         oipgate::protocol::DataType::Int32,
@@ -341,11 +339,18 @@ async fn clients_that_never_read_their_answers_hold_one_answer_each() {
     )
     .unwrap();
     let (body, headers) = common::binary_request(vec![tensor]);
-    let body: Vec<u8> = body.chunks.concat();
+    let [(_, header_length)] = headers;
+    (Bytes::from(body.chunks.concat()), header_length)
+}
+
+#[tokio::test]
+async fn clients_that_never_read_their_answers_hold_one_answer_each() {
+    let setup = setup();
+    // 32 MiB of INT32 in and out, over the gRPC backend: the gateway makes each answer whole before sending it.
+    let (body, header_length) = int32_binary_body(8 << 20);
     let mut request = format!(
         "POST /v2/models/identity/versions/2/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n\
-         inference-header-content-length: {}\r\ncontent-length: {}\r\n\r\n",
-        headers[0].1,
+         inference-header-content-length: {header_length}\r\ncontent-length: {}\r\n\r\n",
         body.len()
     )
     .into_bytes();
@@ -394,22 +399,14 @@ async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
     // 8 MB answers, made whole by the gateway (translated from the gRPC backend), none of them read: two fit in
     // the budget, the rest are refused.
     let values: usize = 2_000_000;
-    let tensor = oipgate::protocol::Tensor::new(
-        "x",
-        oipgate::protocol::DataType::Int32,
-        vec![values as u64],
-        Bytes::from(vec![1u8; 4 * values]),
-    )
-    .unwrap();
-    let (body, headers) = common::binary_request(vec![tensor]);
-    let body = Bytes::from(body.chunks.concat());
+    let (body, header_length) = int32_binary_body(values);
     let mut client = h2_client(gateway.rest).await;
     let mut answers = Vec::new();
     for _ in 0..6 {
         client = client.ready().await.unwrap();
         let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
             .header("content-type", "application/octet-stream")
-            .header(headers[0].0, headers[0].1.as_str())
+            .header("inference-header-content-length", header_length.as_str())
             .body(())
             .unwrap();
         let (answer, mut stream) = client.send_request(request, false).unwrap();
@@ -440,7 +437,7 @@ async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
     client = client.ready().await.unwrap();
     let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
         .header("content-type", "application/octet-stream")
-        .header(headers[0].0, headers[0].1.as_str())
+        .header("inference-header-content-length", header_length.as_str())
         .body(())
         .unwrap();
     let (answer, mut stream) = client.send_request(request, false).unwrap();

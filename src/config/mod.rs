@@ -36,8 +36,10 @@ pub struct Config {
     pub threads: usize,
     /// Who may call what; `None`: anyone, anything.
     pub auth: Option<Auth>,
-    pub backends: Vec<Backend>,
-    pub models: Vec<ModelConfig>,
+    /// Private, with the models: a model's version names its backend by a [`BackendId`] into this list, which
+    /// nothing outside validation can change.
+    backends: Vec<Backend>,
+    models: Vec<ModelConfig>,
 }
 
 impl Config {
@@ -75,6 +77,14 @@ impl Config {
     /// The backend a model's version is served by.
     pub fn backend(&self, id: BackendId) -> &Backend {
         &self.backends[id.index()]
+    }
+
+    pub fn backends(&self) -> &[Backend] {
+        &self.backends
+    }
+
+    pub fn models(&self) -> &[ModelConfig] {
+        &self.models
     }
 
     /// One line for logs and `check-config`.

@@ -129,7 +129,7 @@ impl Dispatcher {
     ) -> Result<Dispatcher> {
         let max_response = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
         let backends = config
-            .backends
+            .backends()
             .iter()
             .enumerate()
             .map(|(index, backend)| {

@@ -217,9 +217,11 @@ impl Guard {
             jwt: auth.jwt.clone().zip(jwt_keys),
             forward_credentials: auth.forward_credentials,
         });
+        // Only models with limits have a gate: a call of any other model looks in an empty map, which costs nothing.
         let models = config
-            .models
+            .models()
             .iter()
+            .filter(|model| model.limits.rate.is_some() || model.limits.max_concurrent.is_some())
             .map(|model| {
                 let before = previous.and_then(|p| p.models.get(&model.name));
                 let gate = ModelGate {
@@ -329,8 +331,8 @@ impl Guard {
     }
 
     /// Lets a call of `model` in under the principal's and the model's buckets and the model's bound on calls
-    /// under way; refused with 429 / RESOURCE_EXHAUSTED and when to come back. A model the configuration does not
-    /// have has no limits of its own.
+    /// under way; refused with 429 / RESOURCE_EXHAUSTED and when to come back. A model without limits (or one the
+    /// configuration does not have) is only held to the principal's.
     pub fn admit(&self, principal: Option<&Principal>, model: &str) -> Result<Admission> {
         self.admitted(principal, model).map_err(|(limited, error)| {
             self.metrics.rate_limited(limited);

@@ -177,13 +177,7 @@ impl Repository {
     /// version's statistics; a call dropped before it is answered (its client went away) counts as failed then.
     pub async fn infer(&self, name: &str, version: Option<&str>, request: InferRequest) -> Result<InferResponse> {
         let (served, number, model) = self.resolve(name, version)?;
-        let mut counted = Counted {
-            repository: self,
-            name,
-            number,
-            started: Instant::now(),
-            succeeded: false,
-        };
+        let mut counted = Counted::new(self, name, number);
         let answered = self.run(name, served, number, model, request).await;
         counted.succeeded = answered.is_ok();
         answered
@@ -211,13 +205,7 @@ impl Repository {
         }
         // Counted when it ends, however it ends: a stream whose client went away is dropped mid-request, and that
         // request counts as failed.
-        let mut counted = Counted {
-            repository: self,
-            name,
-            number,
-            started: Instant::now(),
-            succeeded: false,
-        };
+        let mut counted = Counted::new(self, name, number);
         let ran = self
             .run_decoupled(name, served, number, model, &request, &responses)
             .await;
@@ -412,6 +400,19 @@ struct Counted<'a> {
     number: u32,
     started: Instant,
     succeeded: bool,
+}
+
+impl<'a> Counted<'a> {
+    /// An inference of `name` at version `number` begun now, failed unless marked otherwise.
+    fn new(repository: &'a Repository, name: &'a str, number: u32) -> Counted<'a> {
+        Counted {
+            repository,
+            name,
+            number,
+            started: Instant::now(),
+            succeeded: false,
+        }
+    }
 }
 
 impl Drop for Counted<'_> {

@@ -192,7 +192,7 @@ impl Gateway {
             .filter(|(name, discovery)| {
                 !state
                     .config
-                    .backends
+                    .backends()
                     .iter()
                     .any(|b| &b.name == name && &b.discovery == discovery)
             })
@@ -226,7 +226,7 @@ impl Gateway {
         }
         state
             .discovered
-            .retain(|name, _| config.backends.iter().any(|b| &b.name == name));
+            .retain(|name, _| config.backends().iter().any(|b| &b.name == name));
         state.config = config;
         state.backend_tls = prepared.backend_tls;
         Ok(())
@@ -361,7 +361,7 @@ fn report_refused(problems: &[Problem]) {
 /// The backends found through DNS, by name.
 fn dns_backends(config: &Config) -> Vec<(String, Discovery)> {
     config
-        .backends
+        .backends()
         .iter()
         .filter(|b| matches!(b.discovery, Discovery::Dns { .. }))
         .map(|b| (b.name.clone(), b.discovery.clone()))

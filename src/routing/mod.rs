@@ -70,7 +70,7 @@ impl RouteTable {
     pub fn new(config: &Config) -> Result<RouteTable> {
         let mut all = Vec::new();
         let models = config
-            .models
+            .models()
             .iter()
             .map(|model| {
                 let timeout = model.limits.timeout.unwrap_or(config.limits.request_timeout);
