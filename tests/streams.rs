@@ -434,10 +434,11 @@ async fn long_streams_and_clients_that_stop_reading_keep_the_gateway_memory_flat
     // bounded by its buffers and the HTTP/2 windows, not by what the backend could send.
     let requests: Vec<_> = (0..1536).map(|id| identity_request(id, 64 << 10)).collect();
     let (mut answers, largest) = stalled(&gateway, requests, before, Duration::from_secs(3)).await;
-    // (Measured at about 8 MiB: the 2 MiB window of the backend's stream, the client's stream window, the buffers,
-    // and memory the allocator keeps from the requests that passed; unbounded, it would be the 96 MiB.)
+    // (Measured at 8.7 to 17.4 MiB over six runs, the same before and after #19: the 2 MiB window of the backend's
+    // stream, the client's stream window, the buffers, and memory the allocator keeps from the requests that passed.
+    // Once, on a loaded CI machine, 25.4 MiB. Unbounded, it would be the 96 MiB.)
     assert!(
-        largest < 24 << 20,
+        largest < 32 << 20,
         "a client that stopped reading grew the gateway by {largest} bytes"
     );
     // Then everything arrives.
