@@ -389,6 +389,25 @@ async fn clients_that_never_read_their_answers_hold_one_answer_each() {
     }
 }
 
+/// Sends a binary-extension `identity` request (see [`int32_binary_body`]) on an HTTP/2 connection of the REST
+/// door; gives its answer to come.
+async fn send_identity(
+    client: &mut h2::client::SendRequest<Bytes>,
+    rest: SocketAddr,
+    header_length: &str,
+    body: Bytes,
+) -> h2::client::ResponseFuture {
+    *client = client.clone().ready().await.unwrap();
+    let request = http::Request::post(format!("http://{rest}/v2/models/identity/infer"))
+        .header("content-type", "application/octet-stream")
+        .header("inference-header-content-length", header_length)
+        .body(())
+        .unwrap();
+    let (answer, mut stream) = client.send_request(request, false).unwrap();
+    stream.send_data(body, true).unwrap();
+    answer
+}
+
 #[tokio::test]
 async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
     let server = ModelServerProcess::both();
@@ -403,15 +422,7 @@ async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
     let mut client = h2_client(gateway.rest).await;
     let mut answers = Vec::new();
     for _ in 0..6 {
-        client = client.ready().await.unwrap();
-        let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
-            .header("content-type", "application/octet-stream")
-            .header("inference-header-content-length", header_length.as_str())
-            .body(())
-            .unwrap();
-        let (answer, mut stream) = client.send_request(request, false).unwrap();
-        stream.send_data(body.clone(), true).unwrap();
-        answers.push(answer);
+        answers.push(send_identity(&mut client, gateway.rest, &header_length, body.clone()).await);
     }
     let mut held = Vec::new();
     let mut refused = 0;
@@ -434,14 +445,7 @@ async fn an_http2_client_that_reads_no_answers_holds_no_more_than_its_budget() {
         let chunk = chunk.unwrap();
         let _ = read.flow_control().release_capacity(chunk.len());
     }
-    client = client.ready().await.unwrap();
-    let request = http::Request::post(format!("http://{}/v2/models/identity/infer", gateway.rest))
-        .header("content-type", "application/octet-stream")
-        .header("inference-header-content-length", header_length.as_str())
-        .body(())
-        .unwrap();
-    let (answer, mut stream) = client.send_request(request, false).unwrap();
-    stream.send_data(body, true).unwrap();
+    let answer = send_identity(&mut client, gateway.rest, &header_length, body).await;
     assert_eq!(answer.await.unwrap().status(), 200);
 
     // The gRPC door: the same, an answer refused past the budget being a trailers-only RESOURCE_EXHAUSTED.

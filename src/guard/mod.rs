@@ -334,31 +334,32 @@ impl Guard {
     /// under way; refused with 429 / RESOURCE_EXHAUSTED and when to come back. A model without limits (or one the
     /// configuration does not have) is only held to the principal's.
     pub fn admit(&self, principal: Option<&Principal>, model: &str) -> Result<Admission> {
-        self.admitted(principal, model).map_err(|(limited, error)| {
-            self.metrics.rate_limited(limited);
-            error
+        self.admit_principal(principal)?;
+        self.admit_model(model)
+    }
+
+    /// The principal's bucket alone: for a call whose model is not known until its body is read (a gRPC message
+    /// names it), so a principal over its rate is refused before that.
+    pub fn admit_principal(&self, principal: Option<&Principal>) -> Result<()> {
+        let Some(principal) = principal else { return Ok(()) };
+        let Some(bucket) = &principal.bucket else { return Ok(()) };
+        bucket.take(&self.clock).map_err(|wait| {
+            self.limited(
+                Limited::Principal,
+                format!("principal '{}' is over its rate limit", principal.name),
+                wait,
+            )
         })
     }
 
-    fn admitted(&self, principal: Option<&Principal>, model: &str) -> Result<Admission, (Limited, Error)> {
-        if let Some(bucket) = principal.and_then(|p| p.bucket.as_ref()) {
-            bucket.take(&self.clock).map_err(|wait| {
-                let who = principal.map_or("", |p| p.name.as_str());
-                (
-                    Limited::Principal,
-                    over_rate(format!("principal '{who}' is over its rate limit"), wait),
-                )
-            })?;
-        }
+    /// The model's bucket and its bound on calls under way.
+    pub fn admit_model(&self, model: &str) -> Result<Admission> {
         let Some(gate) = self.models.get(model) else {
             return Ok(Admission { under_way: None });
         };
         if let Some(bucket) = &gate.bucket {
             bucket.take(&self.clock).map_err(|wait| {
-                (
-                    Limited::Model,
-                    over_rate(format!("model '{model}' is over its rate limit"), wait),
-                )
+                self.limited(Limited::Model, format!("model '{model}' is over its rate limit"), wait)
             })?;
         }
         let Some(max) = gate.max_concurrent else {
@@ -371,14 +372,18 @@ impl Guard {
             Ok(_) => Ok(Admission {
                 under_way: Some(gate.under_way.clone()),
             }),
-            Err(_) => Err((
+            Err(_) => Err(self.limited(
                 Limited::Concurrency,
-                over_rate(
-                    format!("model '{model}' has its {max} calls under way (max_concurrent)"),
-                    Duration::from_secs(1),
-                ),
+                format!("model '{model}' has its {max} calls under way (max_concurrent)"),
+                Duration::from_secs(1),
             )),
         }
+    }
+
+    /// Counts a call refused by a limit: 429 / RESOURCE_EXHAUSTED, telling the client when to come back.
+    fn limited(&self, limited: Limited, message: String, wait: Duration) -> Error {
+        self.metrics.rate_limited(limited);
+        Error::new(ErrorKind::Overloaded, Origin::Client, message).with_retry_after(wait)
     }
 
     fn denied(&self, denied: Denied, error: Error) -> Error {
@@ -416,11 +421,6 @@ fn credential(headers: &HeaderMap) -> Option<&str> {
 
 fn unauthenticated(message: impl Into<String>) -> Error {
     Error::new(ErrorKind::Unauthenticated, Origin::Client, message)
-}
-
-/// 429 / RESOURCE_EXHAUSTED, telling the client when a call would be let in again.
-fn over_rate(message: String, wait: Duration) -> Error {
-    Error::new(ErrorKind::Overloaded, Origin::Client, message).with_retry_after(wait)
 }
 
 #[cfg(test)]

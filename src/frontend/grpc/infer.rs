@@ -14,7 +14,7 @@ use crate::codec::splice;
 use crate::dispatch::Dispatcher;
 use crate::error::Result;
 use crate::frontend::budget::AnswerBudget;
-use crate::guard::{Admission, Principal};
+use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::process::live::{Active, Gateway};
 use crate::process::metrics::{ClientProtocol, RequestTimer};
@@ -39,10 +39,16 @@ where
     let coding = answer_coding(request.headers());
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
-    let principal = match super::authenticate(&gateway, super::MODEL_INFER_PATH, &mut headers) {
-        Ok(principal) => principal,
-        Err(status) => return status.into_http(),
-    };
+    let dispatcher = gateway.dispatcher();
+    // The caller, and its rate, are settled before its message is read; its model is named inside the message.
+    let principal =
+        match super::authenticate(&dispatcher, super::MODEL_INFER_PATH, &mut headers).and_then(|principal| {
+            dispatcher.guard().admit_principal(principal.as_deref())?;
+            Ok(principal)
+        }) {
+            Ok(principal) => principal,
+            Err(status) => return status.into_http(),
+        };
     let message = match read_message(&headers, body, limit).await {
         Ok((message, trailers)) => {
             // Trailers sent with the request join its metadata, as tonic's unary calls have it.
@@ -53,7 +59,7 @@ where
         }
         Err(status) => return status.into_http(),
     };
-    match infer(&gateway.dispatcher(), &headers, message, principal).await {
+    match infer(&dispatcher, &headers, message, principal).await {
         Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active, budget.as_ref()),
         Err(status) => status.into_http(),
     }
@@ -161,7 +167,11 @@ async fn infer(
     context.principal = timer.principal.clone();
     // Refused by the name it gives, whether or not that model exists, before a backend is chosen.
     let admitted = match &fields {
-        Ok(fields) => admit(dispatcher, timer.principal.as_deref(), fields.name),
+        Ok(fields) => dispatcher
+            .guard()
+            .authorize(timer.principal.as_deref(), fields.name)
+            .and_then(|()| dispatcher.guard().admit_model(fields.name))
+            .map(Some),
         Err(_) => Ok(None),
     };
     let (routed, _admission) = match admitted {
@@ -191,12 +201,6 @@ async fn infer(
             Err(error.to_grpc_status())
         }
     }
-}
-
-/// Authorises and admits a call of `model`.
-fn admit(dispatcher: &Dispatcher, principal: Option<&Principal>, model: &str) -> Result<Option<Admission>> {
-    dispatcher.guard().authorize(principal, model)?;
-    dispatcher.guard().admit(principal, model).map(Some)
 }
 
 /// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's

@@ -91,11 +91,10 @@ struct Caller(Option<Arc<Principal>>);
 /// Names the caller of a call when `[auth]` asks for one (probes need none) and keeps its credential from the
 /// backend unless the configuration forwards it.
 fn authenticate(
-    gateway: &Gateway,
+    dispatcher: &Dispatcher,
     path: &str,
     headers: &mut http::HeaderMap,
 ) -> Result<Option<Arc<Principal>>, Status> {
-    let dispatcher = gateway.dispatcher();
     let guard = dispatcher.guard();
     if !guard.is_on() || PROBES.contains(&path) {
         return Ok(None);
@@ -366,7 +365,7 @@ where
         let active = self.gateway.begin();
         let started = Instant::now();
         let path = request.uri().path().to_owned();
-        let authenticated = authenticate(&self.gateway, &path, request.headers_mut());
+        let authenticated = authenticate(&self.gateway.dispatcher(), &path, request.headers_mut());
         let principal = authenticated.as_ref().ok().cloned().flatten();
         // Streams are logged with their model and backend on their own path; every other call is logged here.
         let log_here = request.uri().path() != MODEL_STREAM_INFER;
