@@ -323,6 +323,8 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
             "{direction} counted twice: {metrics}"
         );
     }
+    // Every family these requests used; those of series made at first use that they did not (retries, mirrors)
+    // are exposed once used.
     for family in [
         "oipgate_requests_total",
         "oipgate_request_duration_seconds",
@@ -332,11 +334,71 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
         "oipgate_request_bytes_total",
         "oipgate_response_bytes_total",
         "oipgate_endpoint_healthy",
-        "oipgate_retries_total",
-        "oipgate_mirror_requests_total",
         "oipgate_config_reloads_total",
         "oipgate_build_info",
     ] {
         assert!(metrics.contains(&format!("# TYPE {family} ")), "{family} missing");
     }
+}
+
+#[tokio::test]
+async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_across_reloads() {
+    let a = ModelServerProcess::named("a");
+    let config = |max_series: usize, models: &[&str]| {
+        let mut config = format!(
+            "[reload]\nwatch = false\n[metrics]\nmax_series = {max_series}\n{}",
+            backend("a", "rest", [a.rest.unwrap()])
+        );
+        for name in models {
+            config += &format!(
+                "[[models]]\nname = \"{name}\"\nversions = [ {{ version = \"1\", backend = \"a\", upstream_name = \"identity\" }} ]\n"
+            );
+        }
+        config
+    };
+    let series = |model: &str| {
+        format!(
+            "oipgate_requests_total{{backend=\"a\",code=\"200\",model=\"{model}\",principal=\"_other\",protocol=\"rest\",version=\"1\"}}"
+        )
+    };
+    let other = "oipgate_requests_total{backend=\"_other\",code=\"200\",model=\"_other\",principal=\"_other\",\
+                 protocol=\"rest\",version=\"_other\"}";
+    let dropped = "oipgate_metrics_series_dropped_total{metric=\"oipgate_requests_total\"}";
+    let gateway = GatewayProcess::start(&config(3, &["m0", "m1", "m2", "m3", "m4"]));
+    let client = http_client(false);
+    let infer = |model: &str| {
+        let (client, url) = (client.clone(), gateway.rest_url(&format!("/v2/models/{model}/infer")));
+        async move { assert_eq!(send(&client, "POST", &url, &[], BODY).await.status, 200) }
+    };
+
+    // Nothing is made up front: no request series, no backend series.
+    let before = gateway.metrics().await;
+    assert!(!before.contains("oipgate_requests_total{"), "{before}");
+    assert!(!before.contains("oipgate_upstream_duration_seconds_count{"), "{before}");
+    infer("m0").await;
+    let after = gateway.metrics().await;
+    assert!(after.contains(&format!("{} 1", series("m0"))), "{after}");
+    assert!(!after.contains("model=\"m1\""), "{after}");
+
+    // Past three series, a model's requests are counted under _other, and the series not made is counted once.
+    infer("m1").await;
+    infer("m2").await;
+    infer("m3").await;
+    infer("m3").await;
+    assert_eq!(gateway.metric(&series("m3")).await, 0.0);
+    assert_eq!(gateway.metric(other).await, 2.0);
+    assert_eq!(gateway.metric(dropped).await, 1.0);
+
+    // A reload that keeps m0 keeps its count; a larger bound lets m3 have its own series from now on.
+    gateway.rewrite(&config(10, &["m0", "m3"]));
+    gateway.signal("HUP");
+    eventually(Duration::from_secs(5), "the reload", || async {
+        gateway.metric("oipgate_config_reloads_total{result=\"ok\"}").await >= 1.0
+    })
+    .await;
+    infer("m0").await;
+    infer("m3").await;
+    assert_eq!(gateway.metric(&series("m0")).await, 2.0);
+    assert_eq!(gateway.metric(&series("m3")).await, 1.0);
+    assert_eq!(gateway.metric(other).await, 2.0);
 }

@@ -34,6 +34,8 @@ pub struct Config {
     pub reload: Reload,
     /// Worker threads of each front door.
     pub threads: usize,
+    /// Series each metric may have (`[metrics] max_series`).
+    pub max_series: usize,
     /// Who may call what; `None`: anyone, anything.
     pub auth: Option<Auth>,
     /// Private, with the models: a model's version names its backend by a [`BackendId`] into this list, which
@@ -204,6 +206,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     let shutdown = validate_shutdown(&raw.shutdown);
     let reload = validate_reload(&mut problems, &raw.reload);
     let threads = validate_threads(&mut problems, &raw.runtime);
+    let max_series = validate_metrics(&mut problems, &raw.metrics);
     match listen {
         Some(listen) if problems.0.is_empty() => Ok(Config {
             ready_policy: raw.ready_policy,
@@ -213,6 +216,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
             shutdown,
             reload,
             threads,
+            max_series,
             auth,
             backends,
             models,

@@ -76,6 +76,23 @@ pub struct RawRuntime {
     pub threads: Option<usize>,
 }
 
+/// Series per metric unless `[metrics] max_series` says otherwise.
+pub const DEFAULT_MAX_SERIES: u64 = 50_000;
+
+/// The `[metrics]` section.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetrics {
+    /// Series each metric may have; past it new combinations of labels are counted under `_other` (default 50,000).
+    pub max_series: Option<u64>,
+}
+
+/// Series each metric may have.
+pub(super) fn validate_metrics(problems: &mut Problems, metrics: &RawMetrics) -> usize {
+    let max = positive(problems, "metrics.max_series", metrics.max_series, DEFAULT_MAX_SERIES);
+    usize::try_from(max).unwrap_or(usize::MAX)
+}
+
 pub(super) fn validate_shutdown(shutdown: &RawShutdown) -> Shutdown {
     Shutdown {
         grace_period: Duration::from_millis(shutdown.grace_period_ms.unwrap_or(DEFAULT_GRACE_PERIOD_MS)),

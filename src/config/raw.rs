@@ -10,7 +10,7 @@ use super::backends::RawBackend;
 use super::limits::RawLimits;
 use super::listen::{RawListen, RawServerTls};
 use super::models::RawModel;
-use super::process::{RawReload, RawRuntime, RawShutdown, ReadyPolicy};
+use super::process::{RawMetrics, RawReload, RawRuntime, RawShutdown, ReadyPolicy};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -30,6 +30,8 @@ pub struct RawConfig {
     pub reload: RawReload,
     #[serde(default)]
     pub runtime: RawRuntime,
+    #[serde(default)]
+    pub metrics: RawMetrics,
     /// Who may call what; absent, anyone who reaches a door may call anything.
     pub auth: Option<RawAuth>,
     #[serde(default)]

@@ -31,6 +31,7 @@ pub mod fleet;
 mod mirror;
 mod passthrough;
 mod probe;
+mod readiness;
 mod repository;
 pub(crate) mod statistics;
 mod stream;
@@ -42,7 +43,8 @@ pub use config::{ConfigForm, ModelConfigAnswer};
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
-use probe::{endpoint_model_metadata, endpoint_model_ready, probe};
+use probe::{endpoint_model_metadata, probe};
+use readiness::AskedReadiness;
 pub use repository::RepositoryAction;
 pub use stream::{MODEL_STREAM_INFER, StreamAnswer, StreamSummary};
 
@@ -55,10 +57,10 @@ const SERVER_READY: &str = "/inference.GRPCInferenceService/ServerReady";
 const MAX_MIRRORS_IN_FLIGHT: usize = 256;
 /// How long a connection attempt to a backend may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long model metadata is reused.
-const METADATA_CACHE: Duration = Duration::from_secs(5);
-/// How long a server-ready answer is reused.
-const READY_CACHE: Duration = Duration::from_secs(1);
+/// How long model metadata is used without fetching it again.
+const METADATA_FRESH: Duration = Duration::from_secs(5);
+/// How long model metadata may be used while a newer one is fetched in the background.
+const METADATA_STALE: Duration = Duration::from_secs(60);
 /// Bound on each readiness probe of a backend.
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
@@ -87,8 +89,9 @@ pub struct Dispatcher {
     request_timeout: Duration,
     stream_idle_timeout: Duration,
     metadata: ServerMetadata,
-    ready_cache: Mutex<Option<(Instant, bool)>>,
-    metadata_cache: Mutex<HashMap<usize, (Instant, ModelMetadata)>>,
+    /// The kept readiness of the backends that are not health-checked.
+    asked: Arc<AskedReadiness>,
+    metadata_cache: MetadataCache,
     ready_policy: ReadyPolicy,
     metrics: Arc<Metrics>,
     /// Metric handles by route id.
@@ -128,6 +131,7 @@ impl Dispatcher {
         previous: Option<&Dispatcher>,
     ) -> Result<Dispatcher> {
         let max_response = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
+        metrics.bound_series(config.max_series);
         let backends = config
             .backends()
             .iter()
@@ -193,6 +197,7 @@ impl Dispatcher {
             .jwt_keys
             .clone()
             .or_else(|| previous.and_then(|p| p.guard.jwt_keys()));
+        let asked = Arc::new(AskedReadiness::new(routes.routes(), &backends, READY_PROBE_TIMEOUT));
         Ok(Dispatcher {
             guard: Guard::new(config, jwt_keys, previous.map(|p| &p.guard), metrics.clone()),
             rest_paths,
@@ -211,8 +216,8 @@ impl Dispatcher {
                 version: env!("CARGO_PKG_VERSION").to_owned(),
                 extensions: EXTENSIONS.iter().map(|e| (*e).to_owned()).collect(),
             },
-            ready_cache: Mutex::new(None),
-            metadata_cache: Mutex::new(HashMap::new()),
+            asked,
+            metadata_cache: MetadataCache::default(),
             ready_policy: config.ready_policy,
         })
     }
@@ -426,116 +431,131 @@ impl Dispatcher {
     }
 
     /// Model metadata from a healthy endpoint of the resolved version, with the public name and the versions the
-    /// gateway routes for the model; reused for a few seconds.
+    /// gateway routes for the model. Kept: an answer younger than [`METADATA_FRESH`] is used as it is; an older one,
+    /// until [`METADATA_STALE`], is used while it is fetched again in the background.
     pub async fn model_metadata(&self, model: &str, version: Option<&str>) -> Result<ModelMetadata> {
         let route = self.routes.resolve(model, version)?;
-        if let Ok(cache) = self.metadata_cache.lock()
-            && let Some((at, metadata)) = cache.get(&route.id)
-            && at.elapsed() < METADATA_CACHE
-        {
-            return Ok(metadata.clone());
-        }
         let backend = self.backend(route)?;
-        let mut metadata = backend
-            .attempt(
-                (&route.upstream_name, &route.upstream_version),
-                &Affinity::None,
-                self.request_timeout,
-                |index, left| endpoint_model_metadata(backend, index, route, left),
-            )
-            .await?;
-        metadata.name = route.model.clone();
-        metadata.versions = self.routes.versions(model).map(<[String]>::to_vec).unwrap_or_default();
-        if let Ok(mut cache) = self.metadata_cache.lock() {
-            cache.insert(route.id, (Instant::now(), metadata.clone()));
+        let versions = self.routes.versions(model).map(<[String]>::to_vec).unwrap_or_default();
+        let kept = self
+            .metadata_cache
+            .lock()
+            .ok()
+            .and_then(|cache| cache.get(&route.id).cloned());
+        if let Some(kept) = kept {
+            let age = kept.at.elapsed();
+            if age < METADATA_FRESH {
+                return Ok(kept.metadata);
+            }
+            if age < METADATA_STALE {
+                if !kept.refreshing.swap(true, std::sync::atomic::Ordering::Relaxed)
+                    && let Some(backend) = self.backends.get(route.backend.index()).cloned()
+                {
+                    let (cache, route) = (self.metadata_cache.clone(), route.clone());
+                    let timeout = self.request_timeout;
+                    tokio::spawn(async move {
+                        let _ = fetch_metadata(&cache, &backend, &route, versions, timeout).await;
+                    });
+                }
+                return Ok(kept.metadata);
+            }
         }
-        Ok(metadata)
+        fetch_metadata(&self.metadata_cache, backend, route, versions, self.request_timeout).await
     }
 
     /// Whether some endpoint serving the resolved version has the model ready: from the health checks' last probes
-    /// when the backend is checked, otherwise by asking its endpoints until one says ready.
+    /// when the backend is checked, otherwise by asking its endpoints (one model's answer is worth a call; the
+    /// fleet-wide answers read kept state).
     pub async fn model_ready(&self, model: &str, version: Option<&str>) -> Result<bool> {
-        self.route_ready(self.routes.resolve(model, version)?, self.request_timeout)
-            .await
+        let route = self.routes.resolve(model, version)?;
+        let unavailable = match (self.route_known(route, None), self.backend(route)) {
+            (Some(known), _) => known,
+            (None, Ok(backend)) => {
+                readiness::ask(
+                    backend,
+                    &route.upstream_name,
+                    &route.upstream_version,
+                    self.request_timeout,
+                )
+                .await
+            }
+            (None, Err(error)) => Some(error.message().to_owned()),
+        };
+        Ok(unavailable.is_none())
     }
 
     /// The model-repository index over the fleet: every public model version, READY when some endpoint serving it
-    /// has it ready (probe state, or asking the endpoints of unchecked backends), else UNAVAILABLE with the reason.
-    /// Only ready ones when `ready_only`.
+    /// has it ready (probe state, or the kept answers for backends that are not health-checked), else UNAVAILABLE
+    /// with the reason. Only ready ones when `ready_only`.
     pub async fn repository_index(&self, ready_only: bool) -> Vec<ModelIndexEntry> {
-        let states = self.routes.routes().iter().map(|route| async move {
-            let unavailable = self.route_unavailable(route, READY_PROBE_TIMEOUT).await;
-            ModelIndexEntry {
-                name: route.model.clone(),
-                version: route.version.clone(),
-                state: if unavailable.is_none() {
-                    ModelState::Ready
-                } else {
-                    ModelState::Unavailable
-                },
-                reason: unavailable.unwrap_or_default(),
-            }
-        });
-        let mut entries = futures_util::future::join_all(states).await;
-        if ready_only {
-            entries.retain(|entry| entry.state == ModelState::Ready);
-        }
-        entries
+        let sweep = self.sweep().await;
+        self.routes
+            .routes()
+            .iter()
+            .filter_map(|route| {
+                let unavailable = self.route_known(route, sweep.as_deref()).flatten();
+                if ready_only && unavailable.is_some() {
+                    return None;
+                }
+                Some(ModelIndexEntry {
+                    name: route.model.clone(),
+                    version: route.version.clone(),
+                    state: if unavailable.is_none() {
+                        ModelState::Ready
+                    } else {
+                        ModelState::Unavailable
+                    },
+                    reason: unavailable.unwrap_or_default(),
+                })
+            })
+            .collect()
     }
 
-    /// Why no endpoint can serve `route` (`None` when one can), asking every endpoint at once when the backend is
-    /// not health-checked.
-    async fn route_unavailable(&self, route: &VersionRoute, deadline: Duration) -> Option<String> {
+    /// The kept answers for the backends that are not health-checked (none when every backend is).
+    async fn sweep(&self) -> Option<Arc<readiness::Sweep>> {
+        if self.asked.asks() {
+            Some(self.asked.answers(&self.backends).await)
+        } else {
+            None
+        }
+    }
+
+    /// Why no endpoint can serve `route` (`Some(None)` when one can), from probe state or `sweep`; `None` when
+    /// neither knows.
+    fn route_known(&self, route: &VersionRoute, sweep: Option<&readiness::Sweep>) -> Option<Option<String>> {
         let backend = match self.backend(route) {
             Ok(backend) => backend,
-            Err(error) => return Some(error.message().to_owned()),
+            Err(error) => return Some(Some(error.message().to_owned())),
         };
         let (name, version) = (&route.upstream_name, &route.upstream_version);
         if backend.fleet.health_checked() {
-            return (!backend.fleet.can_serve(name, version)).then(|| {
+            return Some((!backend.fleet.can_serve(name, version)).then(|| {
                 format!(
                     "backend {}: {}",
                     backend.name,
                     backend.fleet.why_unavailable(name, version)
                 )
-            });
+            }));
         }
-        let answers = futures_util::future::join_all(
-            (0..backend.fleet.states.len()).map(|index| endpoint_model_ready(backend, index, route, deadline)),
-        )
-        .await;
-        if answers.iter().any(|answer| matches!(answer, Ok(true))) {
-            return None;
-        }
-        Some(match answers.into_iter().find_map(Result::err) {
-            Some(error) => format!("backend {}: {}", backend.name, error.message()),
-            None => format!(
-                "backend {}: no endpoint has model '{name}' version '{version}' ready",
-                backend.name
-            ),
-        })
-    }
-
-    /// Whether some endpoint can serve `route`; an endpoint that cannot be asked counts as not ready.
-    async fn route_ready(&self, route: &VersionRoute, deadline: Duration) -> Result<bool> {
-        Ok(self.route_unavailable(route, deadline).await.is_none())
+        sweep.map(|sweep| sweep.unavailable(route.backend.index(), name, version))
     }
 
     /// Probes every endpoint of every health-checked backend at its interval, for as long as the dispatcher lives:
-    /// server ready, then the ready check of each model version routed to the backend.
+    /// server ready, then the ready check of each distinct backend model routed to the backend.
     pub async fn run_health_checks(self: Arc<Self>) {
         let mut checks = Vec::new();
         for (index, backend) in self.backends.iter().enumerate() {
             let Some(health) = backend.fleet.policy.health else {
                 continue;
             };
-            let routes: Vec<Arc<VersionRoute>> = self
-                .routes
-                .routes()
-                .iter()
-                .filter(|r| r.backend.index() == index)
-                .cloned()
-                .collect();
+            let mut models: Vec<(String, String)> = Vec::new();
+            let mut seen = std::collections::HashSet::new();
+            for route in self.routes.routes().iter().filter(|r| r.backend.index() == index) {
+                let model = (route.upstream_name.clone(), route.upstream_version.clone());
+                if seen.insert(model.clone()) {
+                    models.push(model);
+                }
+            }
             let backend = backend.clone();
             checks.push(async move {
                 let mut ticker = tokio::time::interval(health.interval);
@@ -543,7 +563,7 @@ impl Dispatcher {
                 loop {
                     ticker.tick().await;
                     let probes = (0..backend.fleet.states.len())
-                        .map(|endpoint| probe(&backend, endpoint, &routes, health.timeout));
+                        .map(|endpoint| probe(&backend, endpoint, &models, health.timeout));
                     futures_util::future::join_all(probes).await;
                 }
             });
@@ -552,40 +572,63 @@ impl Dispatcher {
     }
 
     /// The gateway is ready when every configured model (or, by `ready_policy`, any) has a version that some
-    /// endpoint can serve: from probe state for health-checked backends, otherwise by asking, with answers reused
-    /// for up to a second (when any backend must be asked) so readiness probes cannot flood the backends.
+    /// endpoint can serve: from probe state for health-checked backends, otherwise from the kept answers of the
+    /// others (see [`readiness`]), so readiness probes cannot flood the backends.
     pub async fn server_ready(&self) -> bool {
-        // Probe state is read as it is; only answers that take asking backends are reused.
-        let asks = self.backends.iter().any(|backend| !backend.fleet.health_checked());
-        if asks
-            && let Ok(cache) = self.ready_cache.lock()
-            && let Some((at, ready)) = *cache
-            && at.elapsed() < READY_CACHE
-        {
-            return ready;
-        }
-        let models: Vec<&str> = self.routes.models().collect();
-        let checks = models.iter().map(|model| async move {
-            let versions = self.routes.versions(model).unwrap_or_default();
-            let checks = versions
-                .iter()
-                .filter_map(|version| self.routes.resolve(model, Some(version)).ok())
-                .map(|route| async move { self.route_ready(route, READY_PROBE_TIMEOUT).await.unwrap_or(false) });
-            futures_util::future::join_all(checks)
-                .await
-                .into_iter()
-                .any(|ready| ready)
+        let sweep = self.sweep().await;
+        let mut servable = self.routes.models().map(|model| {
+            self.routes.model_routes(model).is_ok_and(|routes| {
+                routes.iter().any(|route| {
+                    self.route_known(route, sweep.as_deref())
+                        .is_some_and(|known| known.is_none())
+                })
+            })
         });
-        let servable = futures_util::future::join_all(checks).await;
-        let ready = match self.ready_policy {
-            ReadyPolicy::AllModels => servable.iter().all(|&ready| ready),
-            ReadyPolicy::AnyModel => servable.iter().any(|&ready| ready),
-        };
-        if asks && let Ok(mut cache) = self.ready_cache.lock() {
-            *cache = Some((Instant::now(), ready));
+        match self.ready_policy {
+            ReadyPolicy::AllModels => servable.all(|ready| ready),
+            ReadyPolicy::AnyModel => servable.any(|ready| ready),
         }
-        ready
     }
+}
+
+/// Model metadata as it was last fetched, for one route.
+#[derive(Debug, Clone)]
+struct KeptMetadata {
+    at: Instant,
+    metadata: ModelMetadata,
+    /// Set once a background fetch of a newer one has started.
+    refreshing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+type MetadataCache = Arc<Mutex<HashMap<usize, KeptMetadata>>>;
+
+/// Fetches `route`'s metadata from an endpoint of `backend`, under its public name and `versions`, and keeps it.
+async fn fetch_metadata(
+    cache: &MetadataCache,
+    backend: &BackendClients,
+    route: &VersionRoute,
+    versions: Vec<String>,
+    timeout: Duration,
+) -> Result<ModelMetadata> {
+    let mut metadata = backend
+        .attempt(
+            (&route.upstream_name, &route.upstream_version),
+            &Affinity::None,
+            timeout,
+            |index, left| endpoint_model_metadata(backend, index, route, left),
+        )
+        .await?;
+    metadata.name = route.model.clone();
+    metadata.versions = versions;
+    if let Ok(mut cache) = cache.lock() {
+        let kept = KeptMetadata {
+            at: Instant::now(),
+            metadata: metadata.clone(),
+            refreshing: Arc::default(),
+        };
+        cache.insert(route.id, kept);
+    }
+    Ok(metadata)
 }
 
 /// Marks which public version served an answer.

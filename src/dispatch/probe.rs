@@ -1,6 +1,5 @@
 //! Readiness and metadata asked of one endpoint, over its backend's protocol, and the health probe built on them.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -42,24 +41,24 @@ async fn grpc_call<Answer: Message + Default>(
 /// endpoint is healthy when it answers and is ready or has one of its routed models ready: Triton's strict readiness
 /// (and the built-in model server) report the server not ready while any model is unloaded, which must take that
 /// model's traffic away from the endpoint, not every model's.
-pub(super) async fn probe(backend: &BackendClients, endpoint: usize, routes: &[Arc<VersionRoute>], timeout: Duration) {
+pub(super) async fn probe(backend: &BackendClients, endpoint: usize, models: &[(String, String)], timeout: Duration) {
     let server = endpoint_server_ready(backend, endpoint, timeout).await;
     let mut not_ready = std::collections::HashSet::new();
     let mut any_model_ready = false;
     if server.is_ok() {
-        for route in routes {
-            if endpoint_model_ready(backend, endpoint, route, timeout)
+        for (name, version) in models {
+            if endpoint_model_ready(backend, endpoint, name, version, timeout)
                 .await
                 .unwrap_or(false)
             {
                 any_model_ready = true;
             } else {
-                not_ready.insert((route.upstream_name.clone(), route.upstream_version.clone()));
+                not_ready.insert((name.clone(), version.clone()));
             }
         }
     }
     let healthy = match server {
-        Ok(ready) => ready || any_model_ready || routes.is_empty(),
+        Ok(ready) => ready || any_model_ready || models.is_empty(),
         Err(_) => false,
     };
     if let Some(state) = backend.fleet.states.get(endpoint) {
@@ -88,21 +87,23 @@ pub(super) async fn endpoint_server_ready(
     }
 }
 
+/// Whether the endpoint has the backend's model `name` at `version` (empty: its default) ready.
 pub(super) async fn endpoint_model_ready(
     backend: &BackendClients,
     endpoint: usize,
-    route: &VersionRoute,
+    name: &str,
+    version: &str,
     deadline: Duration,
 ) -> Result<bool> {
     match &backend.replicas {
         Replicas::Rest { endpoints, .. } => Ok(endpoints[endpoint]
-            .model_ready(&route.upstream_name, route.backend_version(), Some(deadline))
+            .model_ready(name, Some(version).filter(|v| !v.is_empty()), Some(deadline))
             .await?
             .ready),
         Replicas::Grpc { endpoints } => {
             let request = ModelReadyRequest {
-                name: route.upstream_name.clone(),
-                version: route.upstream_version.clone(),
+                name: name.to_owned(),
+                version: version.to_owned(),
             };
             let answer: ModelReadyResponse =
                 grpc_call(backend, &endpoints[endpoint], MODEL_READY, &request, deadline).await?;

@@ -64,7 +64,10 @@ impl Dispatcher {
             }
         }
         let total = calls.len();
-        let failures: Vec<(String, Error)> = join_all(calls).await.into_iter().filter_map(Result::err).collect();
+        let answers = join_all(calls).await;
+        // What the backends have ready changed: fleet answers ask again.
+        self.asked.invalidate();
+        let failures: Vec<(String, Error)> = answers.into_iter().filter_map(Result::err).collect();
         if failures.is_empty() {
             return Ok(());
         }

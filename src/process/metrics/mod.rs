@@ -1,9 +1,11 @@
 //! The gateway's Prometheus metrics: one registry for the process, handles resolved when the routes are built (a
 //! request increments counters it already holds, no label formatting per request), and the `/metrics` listener.
 
+mod family;
+
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,6 +20,7 @@ use prometheus::{
 };
 use tokio::net::TcpListener;
 
+use self::family::{Family, SeriesBound};
 use crate::error::{Error, Result};
 
 /// Label value for a model, version or backend a request named that the configuration does not have.
@@ -25,7 +28,7 @@ pub const UNKNOWN: &str = "_unknown";
 /// Label value for the backend of a request that reached none.
 pub const NO_BACKEND: &str = "_none";
 /// Label value for the principal of a call made by none that is configured (a JWT's subject, or no one).
-pub const OTHER_PRINCIPAL: &str = "_other";
+pub const OTHER_PRINCIPAL: &str = family::OTHER;
 
 /// HTTP statuses counted under their own `code` label; any other is counted as `other`.
 const CODES: [u16; 16] = [
@@ -78,14 +81,13 @@ impl ClientProtocol {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    requests: IntCounterVec,
+    /// The bound on series per family, `[metrics] max_series`.
+    bound: Arc<SeriesBound>,
+    requests: Arc<Family<IntCounterVec>>,
     auth_denied: IntCounterVec,
     rate_limited: IntCounterVec,
-    mirrors: IntCounterVec,
-    upstream_duration: HistogramVec,
-    in_flight: IntGaugeVec,
-    retries: IntCounterVec,
-    endpoint_healthy: IntGaugeVec,
+    mirrors: Arc<Family<IntCounterVec>>,
+    backends: Arc<BackendFamilies>,
     protocols: [ProtocolMetrics; 2],
     unknown_route: Arc<RouteMetrics>,
     /// `oipgate_translation_duration_seconds` by [`Direction`].
@@ -101,33 +103,30 @@ pub struct Metrics {
 #[derive(Debug)]
 struct StreamMetrics {
     open: IntGauge,
-    closed: IntCounterVec,
-    messages: IntCounterVec,
-    first_response: HistogramVec,
+    closed: Family<IntCounterVec>,
+    messages: Family<IntCounterVec>,
+    first_response: Family<HistogramVec>,
 }
 
 impl StreamMetrics {
-    fn new(registry: &Registry) -> Result<StreamMetrics> {
+    fn new(families: &Families<'_>) -> Result<StreamMetrics> {
         Ok(StreamMetrics {
             open: registered(
-                registry,
+                families.registry,
                 IntGauge::new("oipgate_streams_open", "Client inference streams under way.").map_err(metric_error)?,
             )?,
-            closed: counters(
-                registry,
+            closed: families.counters(
                 "oipgate_streams_total",
                 "Backend inference streams closed, by public model and version and result: ok, error or cancelled.",
                 &["model", "version", "result"],
             )?,
-            messages: counters(
-                registry,
+            messages: families.counters(
                 "oipgate_stream_messages_total",
                 "Messages carried on inference streams, by public model and version and direction: in (requests) or \
              out (responses).",
                 &["model", "version", "direction"],
             )?,
-            first_response: histograms(
-                registry,
+            first_response: families.histograms(
                 "oipgate_stream_first_response_seconds",
                 "Time from a stream's first request for a model version to its first response, by public model and \
              version.",
@@ -203,16 +202,28 @@ struct ProtocolMetrics {
     response_bytes: IntCounter,
 }
 
-/// `oipgate_requests_total` for one public model version and its backend, one counter per protocol and code.
+/// `oipgate_requests_total` and `oipgate_mirror_requests_total` for one public model version and its backend. The
+/// series are made when first used (a route never called adds none), then kept here, so a request's count is one
+/// increment with no label formatting or lookup.
 #[derive(Debug)]
 pub struct RouteMetrics {
-    /// The public model, version and backend, for access logs.
+    /// The public model, version and backend, for access logs and the series' labels.
     pub model: String,
     pub version: String,
     pub backend: String,
-    requests: [Vec<IntCounter>; 2],
-    /// `oipgate_mirror_requests_total` for copies sent to this version, by [`MirrorResult`].
-    mirrors: Vec<IntCounter>,
+    requests: Arc<Family<IntCounterVec>>,
+    mirrors: Arc<Family<IntCounterVec>>,
+    /// Allocated at the route's first request: most routes of a large fleet are never called.
+    series: OnceLock<Box<RouteSeries>>,
+}
+
+/// A route's series, each made on first use.
+#[derive(Debug, Default)]
+struct RouteSeries {
+    /// By client protocol, then by [`CODE_LABELS`] position.
+    requests: [[OnceLock<IntCounter>; CODE_LABELS.len()]; 2],
+    /// By [`MirrorResult`] position.
+    mirrors: [OnceLock<IntCounter>; 3],
 }
 
 /// What became of a mirrored copy.
@@ -237,40 +248,77 @@ impl MirrorResult {
 }
 
 impl RouteMetrics {
+    fn series(&self) -> &RouteSeries {
+        self.series.get_or_init(Box::default)
+    }
+
     /// Counts a copy mirrored to this version.
     pub fn mirrored(&self, result: MirrorResult) {
         let index = MirrorResult::ALL.iter().position(|&r| r == result).unwrap_or(0);
-        if let Some(counter) = self.mirrors.get(index) {
-            counter.inc();
-        }
+        self.series().mirrors[index]
+            .get_or_init(|| self.mirrors.series(&[&self.model, &self.version, result.label()]))
+            .inc();
     }
 
     fn counter(&self, protocol: ClientProtocol, status: u16) -> &IntCounter {
-        let counters = &self.requests[protocol.index()];
         let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
-        &counters[index]
+        self.series().requests[protocol.index()][index].get_or_init(|| {
+            self.requests.series(&[
+                &self.model,
+                &self.version,
+                protocol.label(),
+                &self.backend,
+                CODE_LABELS[index],
+                OTHER_PRINCIPAL,
+            ])
+        })
     }
 }
 
-/// A backend's in-flight gauge, upstream latency and retries.
+/// A backend's in-flight gauge, upstream latency and retries, made at its first call.
 #[derive(Debug, Clone)]
-pub struct BackendMetrics {
-    in_flight: IntGauge,
-    upstream_duration: Histogram,
-    retries: IntCounter,
+pub struct BackendMetrics(Arc<BackendSeries>);
+
+#[derive(Debug)]
+struct BackendSeries {
+    name: String,
+    families: Arc<BackendFamilies>,
+    in_flight: OnceLock<(IntGauge, Histogram)>,
+    retries: OnceLock<IntCounter>,
+}
+
+/// The families of per-backend series.
+#[derive(Debug)]
+struct BackendFamilies {
+    in_flight: Family<IntGaugeVec>,
+    upstream_duration: Family<HistogramVec>,
+    retries: Family<IntCounterVec>,
+    endpoint_healthy: Family<IntGaugeVec>,
 }
 
 impl BackendMetrics {
     /// Counts a call sent again to another endpoint after the first could not be reached.
     pub fn retried(&self) {
-        self.retries.inc();
+        let series = &self.0;
+        series
+            .retries
+            .get_or_init(|| series.families.retries.series(&[&series.name]))
+            .inc();
     }
 
     /// Counts a call as in flight until the returned guard is dropped (answered, failed or cancelled).
     pub fn call(&self) -> InFlight {
-        self.in_flight.inc();
+        let series = &self.0;
+        let (gauge, duration) = series.in_flight.get_or_init(|| {
+            (
+                series.families.in_flight.series(&[&series.name]),
+                series.families.upstream_duration.series(&[&series.name]),
+            )
+        });
+        gauge.inc();
         InFlight {
-            metrics: self.clone(),
+            gauge: gauge.clone(),
+            duration: duration.clone(),
             started: Instant::now(),
         }
     }
@@ -279,16 +327,15 @@ impl BackendMetrics {
 /// One backend call in flight; its end is recorded when dropped.
 #[derive(Debug)]
 pub struct InFlight {
-    metrics: BackendMetrics,
+    gauge: IntGauge,
+    duration: Histogram,
     started: Instant,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.metrics.in_flight.dec();
-        self.metrics
-            .upstream_duration
-            .observe(self.started.elapsed().as_secs_f64());
+        self.gauge.dec();
+        self.duration.observe(self.started.elapsed().as_secs_f64());
     }
 }
 
@@ -422,12 +469,53 @@ fn metric_error(error: prometheus::Error) -> Error {
     Error::internal(format!("cannot create a metric: {error}"))
 }
 
+/// Labels with few values, kept as they are past the bound on series; every other label becomes `_other` there.
+const FEW_VALUED_LABELS: [&str; 4] = ["protocol", "code", "result", "direction"];
+
+/// Registers bounded families, each counting its dropped series under its own name.
+struct Families<'a> {
+    registry: &'a Registry,
+    bound: Arc<SeriesBound>,
+    dropped: IntCounterVec,
+}
+
+impl Families<'_> {
+    fn family<V: family::Vector>(&self, name: &str, vec: V, labels: &[&str]) -> Family<V> {
+        let kept: Vec<bool> = labels.iter().map(|label| FEW_VALUED_LABELS.contains(label)).collect();
+        Family::new(vec, &kept, self.bound.clone(), self.dropped.with_label_values(&[name]))
+    }
+
+    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<IntCounterVec>> {
+        Ok(self.family(name, counters(self.registry, name, help, labels)?, labels))
+    }
+
+    fn gauges(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<IntGaugeVec>> {
+        Ok(self.family(name, gauges(self.registry, name, help, labels)?, labels))
+    }
+
+    fn histograms(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<HistogramVec>> {
+        Ok(self.family(name, histograms(self.registry, name, help, labels)?, labels))
+    }
+}
+
 impl Metrics {
+    /// The process's metrics, bounded to the default `[metrics] max_series` until a configuration says
+    /// otherwise ([`Metrics::bound_series`]).
     pub fn new() -> Result<Arc<Metrics>> {
         let registry = Registry::new();
         register_build_info(&registry)?;
-        let requests = counters(
-            &registry,
+        let families = Families {
+            registry: &registry,
+            bound: SeriesBound::new(usize::try_from(crate::config::DEFAULT_MAX_SERIES).unwrap_or(usize::MAX)),
+            dropped: counters(
+                &registry,
+                "oipgate_metrics_series_dropped_total",
+                "Series not made because their metric had [metrics] max_series already; what they would have counted \
+                 is counted under _other labels.",
+                &["metric"],
+            )?,
+        };
+        let requests = families.counters(
             "oipgate_requests_total",
             "Inference requests by public model and version, client protocol, backend, HTTP status and principal \
              (a configured API key's name, else _other).",
@@ -445,8 +533,7 @@ impl Metrics {
             "Calls refused with 429 by scope: a principal's or a model's rate limit, or a model's max_concurrent.",
             &["scope"],
         )?;
-        let mirrors = counters(
-            &registry,
+        let mirrors = families.counters(
             "oipgate_mirror_requests_total",
             "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
             &["model", "version", "result"],
@@ -457,30 +544,28 @@ impl Metrics {
             "Whole requests, from the first byte read to the last written, by client protocol.",
             &["protocol"],
         )?;
-        let upstream_duration = histograms(
-            &registry,
-            "oipgate_upstream_duration_seconds",
-            "Backend calls, from sending to the whole answer, by backend.",
-            &["backend"],
-        )?;
-        let in_flight = gauges(
-            &registry,
-            "oipgate_in_flight",
-            "Backend calls under way, by backend.",
-            &["backend"],
-        )?;
-        let retries = counters(
-            &registry,
-            "oipgate_retries_total",
-            "Calls sent again to another endpoint of a backend because the first could not be reached.",
-            &["backend"],
-        )?;
-        let endpoint_healthy = gauges(
-            &registry,
-            "oipgate_endpoint_healthy",
-            "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
-            &["backend", "endpoint"],
-        )?;
+        let backends = BackendFamilies {
+            upstream_duration: families.histograms(
+                "oipgate_upstream_duration_seconds",
+                "Backend calls, from sending to the whole answer, by backend.",
+                &["backend"],
+            )?,
+            in_flight: families.gauges(
+                "oipgate_in_flight",
+                "Backend calls under way, by backend.",
+                &["backend"],
+            )?,
+            retries: families.counters(
+                "oipgate_retries_total",
+                "Calls sent again to another endpoint of a backend because the first could not be reached.",
+                &["backend"],
+            )?,
+            endpoint_healthy: families.gauges(
+                "oipgate_endpoint_healthy",
+                "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
+                &["backend", "endpoint"],
+            )?,
+        };
         let request_bytes = counters(
             &registry,
             "oipgate_request_bytes_total",
@@ -505,63 +590,52 @@ impl Metrics {
             "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
             &["result"],
         )?;
-        let streams = StreamMetrics::new(&registry)?;
+        let streams = StreamMetrics::new(&families)?;
         let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
             duration: request_duration.with_label_values(&[protocol.label()]),
             request_bytes: request_bytes.with_label_values(&[protocol.label()]),
             response_bytes: response_bytes.with_label_values(&[protocol.label()]),
         });
-        let mut metrics = Metrics {
-            registry,
+        let requests = Arc::new(requests);
+        let mirrors = Arc::new(mirrors);
+        let unknown_route = Arc::new(RouteMetrics {
+            model: UNKNOWN.to_owned(),
+            version: UNKNOWN.to_owned(),
+            backend: NO_BACKEND.to_owned(),
+            requests: requests.clone(),
+            mirrors: mirrors.clone(),
+            series: OnceLock::new(),
+        });
+        Ok(Arc::new(Metrics {
+            bound: families.bound.clone(),
             requests,
             auth_denied,
             rate_limited,
             mirrors,
-            upstream_duration,
-            in_flight,
-            retries,
-            endpoint_healthy,
+            backends: Arc::new(backends),
             protocols,
-            unknown_route: Arc::new(RouteMetrics {
-                model: String::new(),
-                version: String::new(),
-                backend: String::new(),
-                requests: [Vec::new(), Vec::new()],
-                mirrors: Vec::new(),
-            }),
+            unknown_route,
             translation: Direction::ALL.map(|direction| translation.with_label_values(&[direction.label()])),
             reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
             streams,
-        };
-        metrics.unknown_route = metrics.route(UNKNOWN, UNKNOWN, NO_BACKEND);
-        Ok(Arc::new(metrics))
+            registry,
+        }))
     }
 
-    /// The handles for one public model version served by `backend`.
+    /// Bounds every family to `max` series (a configuration's `[metrics] max_series`); series made already stay.
+    pub fn bound_series(&self, max: usize) {
+        self.bound.set(max);
+    }
+
+    /// The handles for one public model version served by `backend`; its series are made at first use.
     pub fn route(&self, model: &str, version: &str, backend: &str) -> Arc<RouteMetrics> {
-        let counters = |protocol: ClientProtocol| {
-            CODE_LABELS
-                .iter()
-                .map(|code| {
-                    self.requests
-                        .with_label_values(&[model, version, protocol.label(), backend, code, OTHER_PRINCIPAL])
-                })
-                .collect()
-        };
-        let mirrors = if model == UNKNOWN {
-            Vec::new()
-        } else {
-            MirrorResult::ALL
-                .iter()
-                .map(|result| self.mirrors.with_label_values(&[model, version, result.label()]))
-                .collect()
-        };
         Arc::new(RouteMetrics {
             model: model.to_owned(),
             version: version.to_owned(),
             backend: backend.to_owned(),
-            requests: ClientProtocol::ALL.map(counters),
-            mirrors,
+            requests: self.requests.clone(),
+            mirrors: self.mirrors.clone(),
+            series: OnceLock::new(),
         })
     }
 
@@ -570,18 +644,19 @@ impl Metrics {
         self.unknown_route.clone()
     }
 
-    /// The handles for one backend.
+    /// The handles for one backend; its series are made at its first call.
     pub fn backend(&self, name: &str) -> BackendMetrics {
-        BackendMetrics {
-            in_flight: self.in_flight.with_label_values(&[name]),
-            upstream_duration: self.upstream_duration.with_label_values(&[name]),
-            retries: self.retries.with_label_values(&[name]),
-        }
+        BackendMetrics(Arc::new(BackendSeries {
+            name: name.to_owned(),
+            families: self.backends.clone(),
+            in_flight: OnceLock::new(),
+            retries: OnceLock::new(),
+        }))
     }
 
     /// The health gauge of one endpoint of `backend`, set to 1 (an endpoint starts healthy).
     pub fn endpoint_healthy(&self, backend: &str, endpoint: &str) -> IntGauge {
-        let gauge = self.endpoint_healthy.with_label_values(&[backend, endpoint]);
+        let gauge = self.backends.endpoint_healthy.series(&[backend, endpoint]);
         gauge.set(1);
         gauge
     }
@@ -596,7 +671,7 @@ impl Metrics {
         match (route, request.principal.map(crate::guard::Principal::label)) {
             (Some(route), Some(principal)) if principal != OTHER_PRINCIPAL => self
                 .requests
-                .with_label_values(&[
+                .series(&[
                     route.model.as_str(),
                     &route.version,
                     request.protocol.label(),
@@ -634,21 +709,15 @@ impl Metrics {
     /// Records what one backend stream of `model` at `version` carried, once it has closed.
     pub fn stream_leg(&self, model: &str, version: &str, leg: &StreamLeg) {
         if let Some(result) = leg.result {
-            self.streams
-                .closed
-                .with_label_values(&[model, version, result.label()])
-                .inc();
+            self.streams.closed.series(&[model, version, result.label()]).inc();
         }
         for (direction, count) in [("in", leg.messages_in), ("out", leg.messages_out)] {
-            self.streams
-                .messages
-                .with_label_values(&[model, version, direction])
-                .inc_by(count);
+            self.streams.messages.series(&[model, version, direction]).inc_by(count);
         }
         if let Some(took) = leg.first_response {
             self.streams
                 .first_response
-                .with_label_values(&[model, version])
+                .series(&[model, version])
                 .observe(took.as_secs_f64());
         }
     }
@@ -660,7 +729,7 @@ impl Metrics {
 
     /// Drops the health series of an endpoint no longer configured or discovered.
     pub fn forget_endpoint(&self, backend: &str, endpoint: &str) {
-        let _ = self.endpoint_healthy.remove_label_values(&[backend, endpoint]);
+        self.backends.endpoint_healthy.forget(&[backend, endpoint]);
     }
 
     /// The registry in Prometheus' text exposition format.

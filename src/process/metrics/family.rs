@@ -1,0 +1,168 @@
+//! Metric families whose series are made on first use, at most `[metrics] max_series` of them per family: past the
+//! bound a new combination of labels is recorded under `_other`, and counted as dropped.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus::IntCounter;
+use prometheus::core::{MetricVec, MetricVecBuilder};
+
+/// A prometheus vector of series by label values (counters, gauges, histograms alike).
+pub trait Vector {
+    type Series;
+    fn series(&self, values: &[&str]) -> Self::Series;
+    fn remove(&self, values: &[&str]);
+}
+
+impl<T: MetricVecBuilder> Vector for MetricVec<T> {
+    type Series = T::M;
+
+    fn series(&self, values: &[&str]) -> T::M {
+        self.with_label_values(values)
+    }
+
+    fn remove(&self, values: &[&str]) {
+        let _ = self.remove_label_values(values);
+    }
+}
+
+/// Label value standing for every series refused past the bound.
+pub const OTHER: &str = "_other";
+
+/// The bound on series per family, shared by every family of the process (changed by a reload).
+#[derive(Debug)]
+pub struct SeriesBound {
+    max: AtomicUsize,
+}
+
+impl SeriesBound {
+    pub fn new(max: usize) -> Arc<SeriesBound> {
+        Arc::new(SeriesBound {
+            max: AtomicUsize::new(max),
+        })
+    }
+
+    pub fn set(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> usize {
+        self.max.load(Ordering::Relaxed)
+    }
+}
+
+/// The combinations a family has made and refused, by the hash of their label values.
+#[derive(Debug, Default)]
+struct Made {
+    made: HashSet<u64>,
+    /// Remembered so that asking again does not count twice; bounded like the series, past which every refusal
+    /// counts.
+    refused: HashSet<u64>,
+}
+
+/// One metric family (a prometheus vector) made on first use and bounded.
+#[derive(Debug)]
+pub struct Family<V> {
+    vec: V,
+    /// For each label, whether it stays as it is past the bound (a label with few values, such as a status code or
+    /// a protocol) or becomes [`OTHER`] (a model, a version, a backend, a principal).
+    kept: Vec<bool>,
+    made: Mutex<Made>,
+    bound: Arc<SeriesBound>,
+    /// `oipgate_metrics_series_dropped_total` for this family.
+    dropped: IntCounter,
+}
+
+impl<V: Vector> Family<V> {
+    pub fn new(vec: V, kept: &[bool], bound: Arc<SeriesBound>, dropped: IntCounter) -> Family<V> {
+        Family {
+            vec,
+            kept: kept.to_vec(),
+            made: Mutex::new(Made::default()),
+            bound,
+            dropped,
+        }
+    }
+
+    /// The series of `values`: made now if it is new and the family is within its bound, else the `_other` series
+    /// standing for it. Callers keep what it returns (a route keeps its handles), so this runs once per series.
+    pub fn series(&self, values: &[&str]) -> V::Series {
+        let key = hash(values);
+        let mut made = self.made.lock().unwrap_or_else(PoisonError::into_inner);
+        if made.made.contains(&key) {
+            return self.vec.series(values);
+        }
+        let max = self.bound.get();
+        if made.made.len() < max {
+            made.made.insert(key);
+            return self.vec.series(values);
+        }
+        if made.refused.len() < max {
+            if made.refused.insert(key) {
+                self.dropped.inc();
+            }
+        } else {
+            self.dropped.inc();
+        }
+        drop(made);
+        let other: Vec<&str> = values
+            .iter()
+            .zip(&self.kept)
+            .map(|(value, kept)| if *kept { *value } else { OTHER })
+            .collect();
+        self.vec.series(&other)
+    }
+
+    /// Removes the series of `values`, if it was made.
+    pub fn forget(&self, values: &[&str]) {
+        let key = hash(values);
+        let mut made = self.made.lock().unwrap_or_else(PoisonError::into_inner);
+        if made.made.remove(&key) {
+            self.vec.remove(values);
+        }
+    }
+
+    /// How many series it has made (not counting the `_other` ones).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.made.lock().unwrap_or_else(PoisonError::into_inner).made.len()
+    }
+}
+
+/// A 64-bit hash of label values, each ended by a byte no label value holds, so ("ab", "c") and ("a", "bc") differ.
+fn hash(values: &[&str]) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for value in values {
+        hasher.update(value.as_bytes());
+        hasher.update(&[0xff]);
+    }
+    hasher.digest()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus::{IntCounterVec, Opts};
+
+    #[test]
+    fn past_the_bound_new_series_go_to_other_and_count_once() {
+        let bound = SeriesBound::new(2);
+        let vec = IntCounterVec::new(Opts::new("t", "t"), &["model", "code"]).unwrap();
+        let dropped = IntCounter::new("d", "d").unwrap();
+        let family = Family::new(vec.clone(), &[false, true], bound.clone(), dropped.clone());
+        family.series(&["a", "200"]).inc();
+        family.series(&["b", "200"]).inc();
+        family.series(&["a", "200"]).inc();
+        family.series(&["c", "500"]).inc();
+        family.series(&["c", "500"]).inc();
+        assert_eq!(vec.with_label_values(&["a", "200"]).get(), 2);
+        assert_eq!(vec.with_label_values(&[OTHER, "500"]).get(), 2);
+        assert_eq!(dropped.get(), 1);
+        assert_eq!(family.len(), 2);
+        family.forget(&["b", "200"]);
+        bound.set(3);
+        family.series(&["c", "500"]).inc();
+        assert_eq!(vec.with_label_values(&["c", "500"]).get(), 1);
+    }
+}
