@@ -7,7 +7,8 @@ gRPC) and the smallest hyper (HTTP/1.1 and HTTP/2) and pingora proxies (benches/
 with wrk (HTTP/1.1) or h2load (gRPC unary over HTTP/2; scenario 2 at 4x8 and, as 2b, 16x8 connections x streams)
 at a fixed concurrency and duration, alternating the setups
 (A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
-requests of each process, and the gateway's peak RSS. Writes target/bench/results.json and target/bench/report.md.
+requests of each process, and the gateway's peak RSS. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
+and 10,000 models instead. Writes target/bench/results.json and target/bench/report.md.
 """
 
 import argparse
@@ -572,7 +573,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10, help="duration of each run")
     parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
     parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
-    parser.add_argument("--only", default="1,2,3,4,5,6", help="scenarios to run, e.g. 1,2,6")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="scenarios to run, e.g. 1,2,6")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="worker threads of oipgate's doors and nginx's worker processes (default: cores)")
     args = parser.parse_args()
@@ -586,11 +587,18 @@ def main():
         if done.returncode != 0:
             sys.stderr.write(done.stdout + done.stderr)
             raise SystemExit("bench: the codec bench failed")
+    results = {"machine": machine(), "args": vars(args), "scenarios": {}}
+    if 7 in only:
+        # Scenario 7 runs its own gateways (1, 1,000 and 10,000 models), alone, before the others start.
+        import bench_scale
+
+        results["scenarios"]["7"] = bench_scale.scale(args.seconds, args.rounds, args.connections, args.workers)
+        if only == {7}:
+            return finish(results)
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
     ports, backend, gateway, gateway_auth, nginx, haproxy, floors = start_all(work, args.workers)
     processes = {"model-server": backend, "oipgate": gateway, "oipgate_auth": gateway_auth, "nginx": nginx,
                  "haproxy": haproxy, **floors}
-    results = {"machine": machine(), "args": vars(args), "scenarios": {}}
     seconds, c = args.seconds, args.connections
     threads = min(2, os.cpu_count() or 1)
     try:
@@ -682,6 +690,10 @@ def main():
     finally:
         for server in (gateway, nginx, haproxy, *floors.values(), backend):
             server.stop()
+    return finish(results)
+
+
+def finish(results):
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
     (OUT / "report.md").write_text(report(results))
     print(f"bench: wrote {OUT / 'report.md'} and {OUT / 'results.json'}")
@@ -791,6 +803,11 @@ def report(results):
               f"{m['wrk']}, {m['h2load']}; {m['date']}. Settings: {results['args']}.", ""]
     for name, runs in results["scenarios"].items():
         lines += [f"## Scenario {name}", ""]
+        if name == "7":
+            import bench_scale
+
+            lines += bench_scale.report(runs)
+            continue
         if name == "6":
             lines += ["| | idle RSS | RSS with 1,000 idle keep-alive connections | per connection |", "|---|---|---|---|"]
             for proc, r in runs.items():
@@ -874,6 +891,10 @@ def targets(results):
     if idle:
         lines.append(f"| 6 | - | idle {idle['idle_rss_mib']:.1f} MiB; {idle['per_connection_kib']:.1f} KiB a connection | "
                      f"<= 30 MiB; <= 16 KiB | {verdict(idle['idle_rss_mib'] <= 30 and idle['per_connection_kib'] <= 16)} |")
+    if "7" in scenarios:
+        import bench_scale
+
+        lines += bench_scale.targets(scenarios["7"])
     lines.append("")
     return lines
 

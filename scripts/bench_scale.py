@@ -28,7 +28,7 @@ TOUCHED = 100  # models that get traffic before the second /metrics
 REPEAT = 5  # samples of each timed call; the median is reported
 
 
-def config_text(models, rest, grpc, metrics, backend_rest):
+def config_text(models, rest, grpc, metrics, backend_rest, backends=BACKENDS):
     lines = [
         "[listen]",
         f'rest = "127.0.0.1:{rest}"',
@@ -37,13 +37,13 @@ def config_text(models, rest, grpc, metrics, backend_rest):
         "[reload]",
         "watch = false",
     ]
-    for b in range(BACKENDS):
+    for b in range(backends):
         lines += ["[[backends]]", f'name = "b{b:03}"', 'protocol = "rest"', f'endpoints = ["127.0.0.1:{backend_rest}"]']
     for m in range(models):
         lines += [
             "[[models]]",
             f'name = "m{m:05}"',
-            f'versions = [ {{ version = "1", backend = "b{m % BACKENDS:03}", upstream_name = "add_sub" }} ]',
+            f'versions = [ {{ version = "1", backend = "b{m % backends:03}", upstream_name = "add_sub" }} ]',
         ]
     return "\n".join(lines) + "\n"
 
@@ -86,17 +86,17 @@ def settle_rss(pid, seconds=1.5):
     return bench.status_kib(pid, "VmRSS") / 1024
 
 
-def start(work, models, backend_rest, env):
+def start(work, models, backend_rest, env, backends=BACKENDS):
     ports = {k: bench.free_port() for k in ("rest", "grpc", "metrics")}
-    path = work / f"scale-{models}.toml"
-    path.write_text(config_text(models, ports["rest"], ports["grpc"], ports["metrics"], backend_rest))
+    path = work / f"scale-{models}-{backends}.toml"
+    path.write_text(config_text(models, ports["rest"], ports["grpc"], ports["metrics"], backend_rest, backends))
     started = time.perf_counter()
     done = subprocess.run([str(bench.BINARY), "check-config", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench: the {models}-model configuration is refused: {done.stderr[-2000:]}")
     check_ms = (time.perf_counter() - started) * 1e3
     started = time.perf_counter()
-    server = bench.Server(f"oipgate-{models}", [str(bench.BINARY), "serve", "--config", str(path)],
+    server = bench.Server(f"oipgate-{models}-{backends}", [str(bench.BINARY), "serve", "--config", str(path)],
                           [ports["rest"], ports["metrics"]], env)
     if not wait_ready(ports["rest"]):
         raise SystemExit(f"bench: the {models}-model gateway does not answer")
@@ -144,6 +144,10 @@ def scale(seconds, rounds, connections, workers):
     body_file = bench.write(bench.OUT / "add_sub_scale.json", body)
     gateways, results = {}, {"gateways": [], "load": []}
     try:
+        # What 199 more backends cost: the 1-model gateway with one backend, for the per-backend figure.
+        server, _, _ = start(work, 1, ports["backend_rest"], env, backends=1)
+        results["one_backend_rss_mib"] = settle_rss(server.pid)
+        server.stop()
         for models in SIZES:
             server, gateway_ports, figures = start(work, models, ports["backend_rest"], env)
             gateways[models] = (server, gateway_ports)
@@ -182,6 +186,12 @@ def report(results):
                      f"{g['rss_start_mib']:.1f} MiB | {g['rss_reload_mib']:.1f} MiB ({g['reload_ms']:.0f} ms) | "
                      f"{g['metrics_bytes']:,} B, {g['metrics_ms']:.1f} ms | {g['metrics_traffic_bytes']:,} B, "
                      f"{g['metrics_traffic_ms']:.1f} ms | {g['index_ms']:.1f} ms | {rps:.0f} | {cpu:.4f} |")
+    by = {g["models"]: g for g in results["gateways"]}
+    if 1 in by and 10000 in by and "one_backend_rss_mib" in results:
+        per_model = (by[10000]["rss_start_mib"] - by[1]["rss_start_mib"]) * 1024 / 9999
+        per_backend = (by[1]["rss_start_mib"] - results["one_backend_rss_mib"]) * 1024 / (BACKENDS - 1)
+        lines += ["", f"Memory: {per_model:.2f} KiB per model version (10,000 against 1 model), {per_backend:.1f} KiB per "
+                  f"backend of one endpoint (200 against 1 backend, {results['one_backend_rss_mib']:.1f} MiB)."]
     lines.append("")
     return lines
 

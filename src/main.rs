@@ -15,18 +15,16 @@ use oipgate::process::logging::LogFormat;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// mimalloc returns freed pages to the kernel only when the heap is next used, so memory freed by a thread that then
-/// goes quiet stays resident: a thousand keep-alive connections going idle at once free hyper's buffers (about 12 KiB
-/// each) and the door threads then wait. A housekeeping thread asks for the purge once a second.
+/// mimalloc returns freed pages to the kernel only when the heap that owns them is next used, so memory freed by a
+/// thread that then goes quiet stays resident: a thousand keep-alive connections going idle at once free hyper's
+/// buffers (about 12 KiB each) and the door threads then wait; a reload frees the previous snapshot. The gateway's
+/// builder thread (which builds every snapshot) asks for the purge once a second.
 fn return_freed_memory_periodically() {
-    let _ = std::thread::Builder::new().name("oipgate-allocator".into()).spawn(|| {
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(1));
-            // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
-            #[allow(unsafe_code)]
-            unsafe {
-                libmimalloc_sys::mi_collect(false);
-            }
+    oipgate::process::on_release_freed_memory(|| {
+        // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
+        #[allow(unsafe_code)]
+        unsafe {
+            libmimalloc_sys::mi_collect(true);
         }
     });
 }
@@ -245,11 +243,14 @@ fn run_serve(
     path: &std::path::Path,
     process: &oipgate::process::app::Process,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let config =
-        oipgate::config::Config::load(path, &oipgate::config::environment_overrides()).map_err(|problems| {
-            let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
-            lines.join("\n")
-        })?;
+    let owned = path.to_path_buf();
+    let config = oipgate::process::on_builder_thread(move || {
+        oipgate::config::Config::load(&owned, &oipgate::config::environment_overrides())
+    })
+    .map_err(|problems| {
+        let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
+        lines.join("\n")
+    })?;
     oipgate::process::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
     Ok(())
 }

@@ -345,7 +345,8 @@ fn drain(gateway: &Gateway, grace: Duration) {
 pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Process) -> Result<()> {
     let streams = SignalStreams::listen().map_err(|e| Error::internal(format!("cannot listen for signals: {e}")))?;
     let metrics = Metrics::new()?;
-    let gateway = Gateway::new(config.clone(), name, path, metrics.clone())
+    let (built, owned_name, owned_metrics) = (config.clone(), name.to_owned(), metrics.clone());
+    let gateway = super::on_builder_thread(move || Gateway::new(built, &owned_name, path, owned_metrics))
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
     // A fresh start binds now, so a taken port fails it with the address named; an upgrade takes the sockets over.
     let bind = |address: Option<SocketAddr>, what: &str| -> Result<Option<std::net::TcpListener>> {

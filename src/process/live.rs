@@ -179,8 +179,12 @@ impl Gateway {
             return Err(vec![problem("no configuration file to reload")]);
         };
         state.fingerprint = fingerprint(path, &state.config);
-        let config = Config::load(path, &crate::config::environment_overrides())?;
-        let prepared = Prepared::load(&config)?;
+        let owned = path.clone();
+        let (config, prepared) = super::on_builder_thread(move || {
+            let config = Config::load(&owned, &crate::config::environment_overrides())?;
+            let prepared = Prepared::load(&config)?;
+            Ok::<_, Vec<Problem>>((config, prepared))
+        })?;
         state.fingerprint = fingerprint(path, &config);
         for change in restart_only_changes(&state.config, &config) {
             tracing::warn!("{change} takes a restart; the running one stays");
@@ -211,15 +215,12 @@ impl Gateway {
     fn install(&self, state: &mut State, config: Config, mut prepared: Prepared) -> Result<(), Vec<Problem>> {
         let previous = self.dispatcher();
         let server = prepared.server.take();
-        let dispatcher = Dispatcher::build(
-            &config,
-            &self.name,
-            self.metrics.clone(),
-            &prepared,
-            &state.discovered,
-            Some(&previous),
-        )
-        .map_err(|e| vec![problem(e.message())])?;
+        let (name, metrics, discovered) = (self.name.clone(), self.metrics.clone(), state.discovered.clone());
+        let (dispatcher, config, prepared) = super::on_builder_thread(move || {
+            let dispatcher = Dispatcher::build(&config, &name, metrics, &prepared, &discovered, Some(&previous));
+            (dispatcher, config, prepared)
+        });
+        let dispatcher = dispatcher.map_err(|e| vec![problem(e.message())])?;
         self.current.store(Arc::new(dispatcher));
         if let (Some(identity), Some(server)) = (&self.identity, server) {
             identity.replace(server);

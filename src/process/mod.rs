@@ -5,3 +5,71 @@ pub mod app;
 pub mod live;
 pub mod logging;
 pub mod metrics;
+
+use std::sync::{OnceLock, mpsc};
+use std::time::Duration;
+
+/// What returns memory freed in the process to the kernel, when the binary's allocator needs asking (mimalloc:
+/// `mi_collect`); set by the binary.
+static RELEASE_FREED_MEMORY: OnceLock<fn()> = OnceLock::new();
+/// The builder thread's queue.
+static BUILDER: OnceLock<mpsc::Sender<Job>> = OnceLock::new();
+type Job = Box<dyn FnOnce() + Send>;
+/// How often the builder thread returns freed memory when idle.
+const RELEASE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Sets how freed memory is returned to the kernel, and starts the builder thread, which does it once a second.
+pub fn on_release_freed_memory(release: fn()) {
+    let _ = RELEASE_FREED_MEMORY.set(release);
+    builder();
+}
+
+fn release_freed_memory() {
+    if let Some(release) = RELEASE_FREED_MEMORY.get() {
+        release();
+    }
+}
+
+/// Runs `work` on the builder thread (inside the caller's tokio runtime, if any) and waits for its result.
+///
+/// Configurations are loaded and snapshots built there, at start and on every reload. A snapshot of ten thousand
+/// models is tens of MiB, allocated and freed (the configuration's parse) or kept until the next reload frees it, from
+/// whichever thread drops it last. An allocator with thread-local heaps (mimalloc) returns such memory only when
+/// the thread that allocated it comes back to it: the main thread never does, a runtime worker may not for long, and
+/// each reload would keep another snapshot's worth. The builder thread comes back to it every second.
+pub fn on_builder_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    let runtime = tokio::runtime::Handle::try_current().ok();
+    let (answer, answered) = mpsc::sync_channel(1);
+    let job: Job = Box::new(move || {
+        let _entered = runtime.as_ref().map(tokio::runtime::Handle::enter);
+        let _ = answer.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)));
+    });
+    let sent = builder().send(job);
+    match (sent, answered.recv()) {
+        (Ok(()), Ok(Ok(value))) => value,
+        (Ok(()), Ok(Err(panic))) => std::panic::resume_unwind(panic),
+        _ => panic!("the builder thread is gone"),
+    }
+}
+
+fn builder() -> &'static mpsc::Sender<Job> {
+    BUILDER.get_or_init(|| {
+        let (queue, jobs) = mpsc::channel::<Job>();
+        let started = std::thread::Builder::new()
+            .name("oipgate-builder".into())
+            .spawn(move || {
+                loop {
+                    match jobs.recv_timeout(RELEASE_INTERVAL) {
+                        Ok(job) => job(),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                    }
+                    release_freed_memory();
+                }
+            });
+        if let Err(error) = started {
+            tracing::error!(%error, "cannot start the builder thread");
+        }
+        queue
+    })
+}
