@@ -328,3 +328,54 @@ async fn metadata_and_readiness_from_the_serving_backend() {
     fleet.grpc.state.repository.set_ready("add_sub", false).unwrap();
     assert!(!fleet.dispatcher.model_ready("classifier", Some("3")).await.unwrap());
 }
+
+#[tokio::test]
+async fn fleet_answers_read_kept_state_asking_once_per_backend_model_not_per_call_or_alias() {
+    let (rest, grpc) = common::in_process_backends().await;
+    let mut text = format!(
+        "{}{}",
+        backend("r", "rest", [rest.rest_addr.unwrap()]),
+        backend("g", "grpc", [grpc.grpc_addr.unwrap()])
+    );
+    // A hundred public names for two backend models on each backend: four distinct questions in all.
+    for index in 0..100 {
+        let (backend, upstream) = (["r", "g"][index % 2], ["identity", "add_sub"][index / 2 % 2]);
+        text += &format!(
+            "[[models]]\nname = \"m{index}\"\nversions = [ {{ version = \"1\", backend = \"{backend}\", upstream_name = \"{upstream}\" }} ]\n"
+        );
+    }
+    let config: Config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
+    let dispatcher = Dispatcher::new(&config, "gateway-under-test").unwrap();
+    let asked = || rest.state.repository.readiness_asked() + grpc.state.repository.readiness_asked();
+
+    let index = dispatcher.repository_index(false).await;
+    assert_eq!(index.len(), 100);
+    assert!(index.iter().all(|entry| entry.reason.is_empty()), "{index:?}");
+    assert_eq!(asked(), 4, "one question per endpoint and backend model");
+    for _ in 0..10 {
+        assert_eq!(dispatcher.repository_index(true).await.len(), 100);
+        assert!(dispatcher.server_ready().await);
+    }
+    assert_eq!(asked(), 4, "answers within a second read what was kept");
+
+    // A change made through the gateway is seen by the next answer.
+    dispatcher
+        .repository_change(
+            "m0",
+            oipgate::dispatch::RepositoryAction::Unload,
+            &Default::default(),
+            &http::HeaderMap::new(),
+        )
+        .await
+        .unwrap();
+    let index = dispatcher.repository_index(false).await;
+    let unavailable: Vec<&str> = index
+        .iter()
+        .filter(|entry| !entry.reason.is_empty())
+        .map(|entry| entry.name.as_str())
+        .collect();
+    // m0 is identity on r, as every fourth name is.
+    assert_eq!(unavailable.len(), 25, "{unavailable:?}");
+    assert!(unavailable.contains(&"m0") && unavailable.contains(&"m4"));
+    assert!(!dispatcher.server_ready().await);
+}

@@ -27,6 +27,8 @@ struct Served {
 #[derive(Debug)]
 pub struct Repository {
     models: BTreeMap<String, Served>,
+    /// Model-ready questions answered, over both protocols: what a gateway in front asks of it.
+    readiness_asked: std::sync::atomic::AtomicU64,
     /// The `slow` model's delay when a request sets none.
     slow_delay: Duration,
     /// The stateful model's sequences under way.
@@ -90,6 +92,7 @@ impl Repository {
         }
         Ok(Repository {
             models,
+            readiness_asked: std::sync::atomic::AtomicU64::new(0),
             slow_delay: Duration::ZERO,
             sequences: Sequences::default(),
             statistics: Mutex::new(BTreeMap::new()),
@@ -128,12 +131,18 @@ impl Repository {
         Ok((served, number, model))
     }
 
+    /// How many model-ready questions it has answered.
+    pub fn readiness_asked(&self) -> u64 {
+        self.readiness_asked.load(Ordering::Relaxed)
+    }
+
     /// True when every served model is ready: the protocol's server-ready.
     pub fn all_ready(&self) -> bool {
         self.models.values().all(|m| m.ready.load(Ordering::Acquire))
     }
 
     pub fn model_ready(&self, name: &str, version: Option<&str>) -> Result<bool> {
+        self.readiness_asked.fetch_add(1, Ordering::Relaxed);
         let (served, _, _) = self.resolve(name, version)?;
         Ok(served.ready.load(Ordering::Acquire))
     }
