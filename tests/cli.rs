@@ -85,6 +85,12 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         assert!(answer.contains(&format!(r#""data":[{sum}]"#)), "{answer}");
     }
     assert!(answers.iter().any(|a| a.contains(r#""versions":["1","2"]"#)));
+    assert!(
+        answers
+            .iter()
+            .any(|a| a.contains(r#"{"name":"metered","version":"1","state":"READY","reason":""}"#)),
+        "{answers:?}"
+    );
     assert!(answers.iter().any(|a| a == r#"{"ready":true}"#), "{answers:?}");
     // The front door: no key, the demo key unloading, and the metered model's third call in a row.
     assert!(answers.iter().any(|a| a.contains("no credential")), "{answers:?}");
@@ -96,6 +102,7 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         "{answers:?}"
     );
     let exposition = answers.last().unwrap();
+    assert!(!exposition.contains("model=\"identity\""), "identity was never called:\n{exposition}");
     for version in ["1", "2"] {
         let line = format!(
             r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",principal="demo",protocol="rest",version="{version}"}} 1"#,

@@ -139,12 +139,17 @@ The model `metered` lets two calls in at once, then one a second: the third call
   curl -s -i {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
 
 Metadata, Triton's model configuration (version 2's translated from the gRPC backend's), statistics summed over
-both replicas; then the probes and metrics, which need no key:
+both replicas:
   curl -s {auth} http://{rest}/v2/models/add_sub
   curl -s {auth} http://{rest}/v2/models/add_sub/versions/2/config
   curl -s {auth} http://{rest}/v2/models/add_sub/stats
+
+The fleet's index and readiness, read from state the gateway keeps (not asked of every replica per call); then the
+metrics, whose series are made at first use, so only what was called so far is there ([metrics] max_series bounds
+each metric). The probes and metrics need no key:
+  curl -s {auth} -X POST http://{rest}/v2/repository/index
   curl -s http://{rest}/v2/health/ready
-  curl -s http://{metrics}/metrics
+  curl -s http://{metrics}/metrics | grep '^oipgate_requests_total'
 
 Python (pip install "tritonclient[http,grpc]" numpy):
 python3 - <<'EOF'
