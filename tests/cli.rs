@@ -102,7 +102,10 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         "{answers:?}"
     );
     let exposition = answers.last().unwrap();
-    assert!(!exposition.contains("model=\"identity\""), "identity was never called:\n{exposition}");
+    assert!(
+        !exposition.contains("model=\"identity\""),
+        "identity was never called:\n{exposition}"
+    );
     for version in ["1", "2"] {
         let line = format!(
             r#"oipgate_requests_total{{backend="{}",code="200",model="add_sub",principal="demo",protocol="rest",version="{version}"}} 1"#,

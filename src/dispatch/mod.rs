@@ -176,6 +176,7 @@ impl Dispatcher {
             }
         }
         let routes = RouteTable::new(config)?;
+        let principals = config.auth.as_ref().map_or(0, |auth| auth.api_keys.len());
         let route_metrics = routes
             .routes()
             .iter()
@@ -183,7 +184,7 @@ impl Dispatcher {
                 let backend = backends
                     .get(route.backend.index())
                     .map_or(metrics::NO_BACKEND, |b| b.name.as_str());
-                metrics.route(&route.model, &route.version, backend)
+                metrics.route(&route.model, &route.version, backend, principals)
             })
             .collect();
         let rest_paths = routes

@@ -118,7 +118,7 @@ impl JwtKeys {
             .is_some_and(|claim| claims.get(claim) == Some(&Value::Bool(true)));
         Ok(Arc::new(Principal {
             name,
-            configured: false,
+            counted: None,
             models: Arc::new(models),
             admin,
             bucket: None,

@@ -70,8 +70,9 @@ impl Bucket {
 #[derive(Debug)]
 pub struct Principal {
     name: String,
-    /// Configured principals are counted under their own name; the rest under one label.
-    configured: bool,
+    /// A configured key's position among the keys: its requests are counted under its own name. The rest (JWT
+    /// principals) are counted under one label.
+    counted: Option<usize>,
     models: Arc<ModelScope>,
     admin: bool,
     bucket: Option<Arc<Bucket>>,
@@ -84,7 +85,16 @@ impl Principal {
 
     /// The `principal` label of the request counter: bounded to configured principals.
     pub fn label(&self) -> &str {
-        if self.configured { &self.name } else { OTHER_PRINCIPAL }
+        if self.counted.is_some() {
+            &self.name
+        } else {
+            OTHER_PRINCIPAL
+        }
+    }
+
+    /// The position of its key among the configured keys, when it is counted under its own name.
+    pub fn counted(&self) -> Option<usize> {
+        self.counted
     }
 
     /// Whether the principal may use the public model `model`.
@@ -201,11 +211,12 @@ impl Guard {
             keys: auth
                 .api_keys
                 .iter()
-                .map(|key| Key {
+                .enumerate()
+                .map(|(index, key)| Key {
                     sha256: key.sha256,
                     principal: Arc::new(Principal {
                         name: key.name.clone(),
-                        configured: true,
+                        counted: Some(index),
                         models: Arc::new(key.models.clone()),
                         admin: key.admin,
                         bucket: key

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use prometheus::IntCounter;
 use prometheus::core::{MetricVec, MetricVecBuilder};
@@ -68,7 +68,7 @@ pub struct Family<V> {
     /// For each label, whether it stays as it is past the bound (a label with few values, such as a status code or
     /// a protocol) or becomes [`OTHER`] (a model, a version, a backend, a principal).
     kept: Vec<bool>,
-    made: Mutex<Made>,
+    made: RwLock<Made>,
     bound: Arc<SeriesBound>,
     /// `oipgate_metrics_series_dropped_total` for this family.
     dropped: IntCounter,
@@ -79,22 +79,35 @@ impl<V: Vector> Family<V> {
         Family {
             vec,
             kept: kept.to_vec(),
-            made: Mutex::new(Made::default()),
+            made: RwLock::new(Made::default()),
             bound,
             dropped,
         }
     }
 
     /// The series of `values`: made now if it is new and the family is within its bound, else the `_other` series
-    /// standing for it. Callers keep what it returns (a route keeps its handles), so this runs once per series.
+    /// standing for it. Routes keep what it returns, so for them this runs once per series; a series looked up per
+    /// call (a named principal's) takes the shared read lock only.
     pub fn series(&self, values: &[&str]) -> V::Series {
         let key = hash(values);
-        let mut made = self.made.lock().unwrap_or_else(PoisonError::into_inner);
+        {
+            let made = self.made.read().unwrap_or_else(PoisonError::into_inner);
+            if made.made.contains(&key) {
+                return self.vec.series(values);
+            }
+            // Refused before, and still no room (a reload may have raised the bound).
+            if made.refused.contains(&key) && made.made.len() >= self.bound.get() {
+                drop(made);
+                return self.other(values);
+            }
+        }
+        let mut made = self.made.write().unwrap_or_else(PoisonError::into_inner);
         if made.made.contains(&key) {
             return self.vec.series(values);
         }
         let max = self.bound.get();
         if made.made.len() < max {
+            made.refused.remove(&key);
             made.made.insert(key);
             return self.vec.series(values);
         }
@@ -106,6 +119,11 @@ impl<V: Vector> Family<V> {
             self.dropped.inc();
         }
         drop(made);
+        self.other(values)
+    }
+
+    /// The `_other` series standing for `values`.
+    fn other(&self, values: &[&str]) -> V::Series {
         let other: Vec<&str> = values
             .iter()
             .zip(&self.kept)
@@ -117,7 +135,7 @@ impl<V: Vector> Family<V> {
     /// Removes the series of `values`, if it was made.
     pub fn forget(&self, values: &[&str]) {
         let key = hash(values);
-        let mut made = self.made.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut made = self.made.write().unwrap_or_else(PoisonError::into_inner);
         if made.made.remove(&key) {
             self.vec.remove(values);
         }
@@ -126,7 +144,7 @@ impl<V: Vector> Family<V> {
     /// How many series it has made (not counting the `_other` ones).
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.made.lock().unwrap_or_else(PoisonError::into_inner).made.len()
+        self.made.read().unwrap_or_else(PoisonError::into_inner).made.len()
     }
 }
 

@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 
 use self::family::{Family, SeriesBound};
 use crate::error::{Error, Result};
+use crate::guard::Principal;
 
 /// Label value for a model, version or backend a request named that the configuration does not have.
 pub const UNKNOWN: &str = "_unknown";
@@ -40,12 +41,6 @@ const CODE_LABELS: [&str; 17] = [
     "200", "400", "401", "403", "404", "405", "408", "409", "413", "429", "499", "500", "501", "502", "503", "504",
     OTHER_CODE,
 ];
-
-/// The `code` label of an HTTP status.
-fn code_label(status: u16) -> &'static str {
-    let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
-    CODE_LABELS[index]
-}
 
 /// Seconds, from a tenth of a millisecond (the gateway's own overhead) to a minute (a slow model).
 const DURATION_BUCKETS: [f64; 16] = [
@@ -215,15 +210,22 @@ pub struct RouteMetrics {
     mirrors: Arc<Family<IntCounterVec>>,
     /// Allocated at the route's first request: most routes of a large fleet are never called.
     series: OnceLock<Box<RouteSeries>>,
+    /// How many configured principals (API keys) are counted under their own names.
+    principals: usize,
 }
+
+/// Request counters by client protocol, then by [`CODE_LABELS`] position.
+type RequestSeries = [[OnceLock<IntCounter>; CODE_LABELS.len()]; 2];
 
 /// A route's series, each made on first use.
 #[derive(Debug, Default)]
 struct RouteSeries {
-    /// By client protocol, then by [`CODE_LABELS`] position.
-    requests: [[OnceLock<IntCounter>; CODE_LABELS.len()]; 2],
+    /// Requests of no configured principal.
+    requests: RequestSeries,
     /// By [`MirrorResult`] position.
     mirrors: [OnceLock<IntCounter>; 3],
+    /// Requests of each configured principal, by its key's position; allocated at the first of them.
+    principals: OnceLock<Box<[OnceLock<Box<RequestSeries>>]>>,
 }
 
 /// What became of a mirrored copy.
@@ -260,18 +262,37 @@ impl RouteMetrics {
             .inc();
     }
 
-    fn counter(&self, protocol: ClientProtocol, status: u16) -> &IntCounter {
+    /// Counts a request of `protocol` answered with `status`, under `principal` when it is a configured one.
+    fn count(&self, protocol: ClientProtocol, status: u16, principal: Option<&Principal>) {
         let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
-        self.series().requests[protocol.index()][index].get_or_init(|| {
+        let make = |name: &str| {
             self.requests.series(&[
                 &self.model,
                 &self.version,
                 protocol.label(),
                 &self.backend,
                 CODE_LABELS[index],
-                OTHER_PRINCIPAL,
+                name,
             ])
-        })
+        };
+        let series = self.series();
+        let Some(principal) = principal.filter(|p| p.counted().is_some()) else {
+            series.requests[protocol.index()][index]
+                .get_or_init(|| make(OTHER_PRINCIPAL))
+                .inc();
+            return;
+        };
+        let slots = series
+            .principals
+            .get_or_init(|| (0..self.principals).map(|_| OnceLock::new()).collect());
+        match principal.counted().and_then(|position| slots.get(position)) {
+            Some(slot) => slot.get_or_init(Box::default)[protocol.index()][index]
+                .get_or_init(|| make(principal.name()))
+                .inc(),
+            // The route of an unknown model, or a principal of another configuration than the route's: found by its
+            // labels.
+            None => make(principal.name()).inc(),
+        }
     }
 }
 
@@ -353,7 +374,7 @@ pub struct RequestTimer {
     pub request_id: Option<String>,
     pub endpoint: Option<Arc<str>>,
     pub translated: bool,
-    pub principal: Option<Arc<crate::guard::Principal>>,
+    pub principal: Option<Arc<Principal>>,
 }
 
 impl RequestTimer {
@@ -421,7 +442,7 @@ pub struct Finished<'a> {
     /// Whether the request crossed between REST and gRPC (or was re-encoded) on its way.
     pub translated: bool,
     /// Who made it, when `[auth]` asked.
-    pub principal: Option<&'a crate::guard::Principal>,
+    pub principal: Option<&'a Principal>,
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
@@ -605,6 +626,7 @@ impl Metrics {
             requests: requests.clone(),
             mirrors: mirrors.clone(),
             series: OnceLock::new(),
+            principals: 0,
         });
         Ok(Arc::new(Metrics {
             bound: families.bound.clone(),
@@ -628,7 +650,8 @@ impl Metrics {
     }
 
     /// The handles for one public model version served by `backend`; its series are made at first use.
-    pub fn route(&self, model: &str, version: &str, backend: &str) -> Arc<RouteMetrics> {
+    /// `principals` is how many configured principals are counted under their own names.
+    pub fn route(&self, model: &str, version: &str, backend: &str, principals: usize) -> Arc<RouteMetrics> {
         Arc::new(RouteMetrics {
             model: model.to_owned(),
             version: version.to_owned(),
@@ -636,6 +659,7 @@ impl Metrics {
             requests: self.requests.clone(),
             mirrors: self.mirrors.clone(),
             series: OnceLock::new(),
+            principals,
         })
     }
 
@@ -668,20 +692,8 @@ impl Metrics {
         protocol.duration.observe(request.duration.as_secs_f64());
         protocol.request_bytes.inc_by(request.request_bytes);
         protocol.response_bytes.inc_by(request.response_bytes);
-        match (route, request.principal.map(crate::guard::Principal::label)) {
-            (Some(route), Some(principal)) if principal != OTHER_PRINCIPAL => self
-                .requests
-                .series(&[
-                    route.model.as_str(),
-                    &route.version,
-                    request.protocol.label(),
-                    &route.backend,
-                    code_label(request.status),
-                    principal,
-                ])
-                .inc(),
-            (Some(route), _) => route.counter(request.protocol, request.status).inc(),
-            (None, _) => {}
+        if let Some(route) = route {
+            route.count(request.protocol, request.status, request.principal);
         }
         crate::process::logging::access(route, request);
     }
@@ -799,7 +811,7 @@ mod tests {
     #[test]
     fn handles_count_under_configured_labels_only() {
         let metrics = Metrics::new().unwrap();
-        let route = metrics.route("add_sub", "1", "fleet-a");
+        let route = metrics.route("add_sub", "1", "fleet-a", 0);
         let finished = |status| Finished {
             protocol: ClientProtocol::Grpc,
             status,
