@@ -8,6 +8,7 @@
 //! gateway) the caller waits for the sweep.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,8 @@ pub(super) struct AskedReadiness {
     last: RwLock<Option<Arc<Sweep>>>,
     /// Held while a sweep runs, so concurrent callers share one.
     sweeping: tokio::sync::Mutex<()>,
+    /// Moved on by each invalidation: a sweep that began before one does not keep its answers.
+    generation: AtomicU64,
     timeout: Duration,
 }
 
@@ -71,6 +74,7 @@ impl AskedReadiness {
             keys,
             last: RwLock::new(None),
             sweeping: tokio::sync::Mutex::new(()),
+            generation: AtomicU64::new(0),
             timeout,
         }
     }
@@ -82,7 +86,9 @@ impl AskedReadiness {
 
     /// Forgets the last sweep, so the next answer waits for a new one (the gateway just loaded or unloaded a model).
     pub(super) fn invalidate(&self) {
-        *self.last.write().unwrap_or_else(PoisonError::into_inner) = None;
+        let mut last = self.last.write().unwrap_or_else(PoisonError::into_inner);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        *last = None;
     }
 
     fn last(&self) -> Option<Arc<Sweep>> {
@@ -122,6 +128,7 @@ impl AskedReadiness {
             return last;
         }
         let at = Instant::now();
+        let generation = self.generation.load(Ordering::Acquire);
         // The calls are made up front (not by a closure over the keys), which keeps the future `Send` for every
         // lifetime the front doors' tasks need.
         let calls: Vec<_> = self
@@ -134,7 +141,10 @@ impl AskedReadiness {
             .collect::<HashMap<_, _>>()
             .await;
         let sweep = Arc::new(Sweep { at, answers });
-        *self.last.write().unwrap_or_else(PoisonError::into_inner) = Some(sweep.clone());
+        let mut last = self.last.write().unwrap_or_else(PoisonError::into_inner);
+        if self.generation.load(Ordering::Acquire) == generation {
+            *last = Some(sweep.clone());
+        }
         sweep
     }
 }
