@@ -254,3 +254,60 @@ fn check_config_command() {
     assert_eq!(missing.status.code(), Some(1));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn load_sources_presets_and_metrics_addresses() {
+    let with = |backend_keys: &str| {
+        EXAMPLE.replace(
+            "endpoints = [\"127.0.0.1:9101\"]",
+            &format!("endpoints = [\"127.0.0.1:9101\", {{ address = \"127.0.0.1:9102\", metrics = \"127.0.0.1:9202\" }}]\n{backend_keys}"),
+        )
+    };
+    let config = load(&with(
+        "lb = \"least_load\"\nload = { preset = \"triton\", port = 8002 }",
+    ))
+    .unwrap();
+    let source = config.backends()[1].policy.load.clone().unwrap();
+    assert_eq!(source.metrics, ["nv_inference_pending_request_count"]);
+    assert_eq!(source.interval, Duration::from_millis(500));
+    let at = |text: &str| source.address(&Endpoint::parse(text).unwrap()).to_string();
+    assert_eq!(at("127.0.0.1:9101"), "127.0.0.1:8002");
+    assert_eq!(at("127.0.0.1:9102"), "127.0.0.1:9202");
+    let config = load(&with(
+        "load = { metric = [\"a_queue\", \"b:queue\"], path = \"/q\", interval_ms = 50 }",
+    ))
+    .unwrap();
+    let source = config.backends()[1].policy.load.clone().unwrap();
+    assert_eq!((source.metrics.len(), source.path.as_str()), (2, "/q"));
+
+    for (keys, message) in [
+        (
+            "lb = \"least_load\"",
+            "backends[1].lb: \"least_load\" needs `load`: where the endpoints' queues are read",
+        ),
+        (
+            "",
+            "backends[1].endpoints: a metrics address is read by `load`, which is not set",
+        ),
+        (
+            "load = { preset = \"tgi\" }",
+            "backends[1].load.preset: \"tgi\" is not \"triton\", \"mlserver\", \"vllm\" or \"sglang\"",
+        ),
+        ("load = { port = 8002 }", "backends[1].load: needs a preset or a metric"),
+        (
+            "load = { metric = \"9lives\" }",
+            "backends[1].load.metric[0]: \"9lives\" is not a metric name",
+        ),
+        (
+            "load = { preset = \"vllm\", path = \"metrics\" }",
+            "backends[1].load.path: must start with /",
+        ),
+        (
+            "load = { preset = \"vllm\", interval_ms = 0 }",
+            "backends[1].load.interval_ms: must be at least 1",
+        ),
+    ] {
+        let found = problems(&with(keys));
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+}

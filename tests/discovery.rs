@@ -164,8 +164,11 @@ async fn the_system_resolver_serves_names_without_a_dns_server() {
         gateway.metrics().await.contains(&series)
     })
     .await;
-    let answer = post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await;
-    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    // The series appears as the configuration with the endpoint is built, a moment before it serves.
+    eventually(Duration::from_secs(5), "a call to reach localhost", || async {
+        post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await.status == 200
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -601,3 +601,144 @@ async fn a_model_configuration_reaches_both_doors_under_the_public_name_from_bot
     }
     assert_eq!(get(&gateway.rest_url("/v2/models/nope/config")).await.status, 404);
 }
+
+#[tokio::test]
+async fn least_load_follows_the_queue_each_replica_reports_in_its_own_metrics() {
+    let a = ModelServerProcess::rest_only(&["--name", "a"]);
+    let b = ModelServerProcess::rest_only(&["--name", "b"]);
+    let gateway = GatewayProcess::start(&format!(
+        "{}lb = \"least_load\"\nload = {{ preset = \"triton\", interval_ms = 50 }}\n{}",
+        backend("pair", "rest", [a.rest.unwrap(), b.rest.unwrap()]),
+        model("slow", "pair"),
+    ));
+    let share_of_a = |counts: &HashMap<String, usize>, total: usize| {
+        assert_eq!(counts.values().sum::<usize>(), total, "{counts:?}");
+        #[allow(clippy::cast_precision_loss)]
+        let share = *counts.get("a").unwrap_or(&0) as f64 / total as f64;
+        share
+    };
+    let queue = |replica: &ModelServerProcess| {
+        format!(
+            "oipgate_endpoint_queue{{backend=\"pair\",endpoint=\"{}\"}}",
+            replica.rest.unwrap()
+        )
+    };
+
+    // Both idle: an even split.
+    let idle = share_of_a(&spread(&gateway, "/v2/models/slow/infer", 200).await, 200);
+    assert!((0.4..=0.6).contains(&idle), "idle: {idle}");
+
+    // A client that bypasses the gateway keeps 32 calls waiting at replica a: the gateway's calls go to b.
+    let client = http_client(false);
+    let held =
+        r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}],"parameters":{"delay_ms":10000}}"#;
+    let bypass: Vec<_> = (0..32)
+        .map(|_| {
+            let (client, url) = (client.clone(), a.rest_url("/v2/models/slow/infer"));
+            tokio::spawn(async move { send(&client, "POST", &url, &[], held).await })
+        })
+        .collect();
+    common::eventually(Duration::from_secs(5), "replica a's queue to be scraped", || async {
+        gateway.metric(&queue(&a)).await >= 32.0
+    })
+    .await;
+    let loaded = share_of_a(&spread(&gateway, "/v2/models/slow/infer", 100).await, 100);
+    assert!(loaded <= 0.1, "with a's queue at 32: {loaded}");
+    assert!(
+        gateway
+            .metric("oipgate_load_scrapes_total{backend=\"pair\",result=\"ok\"}")
+            .await
+            >= 2.0
+    );
+    for call in bypass {
+        call.abort();
+    }
+}
+
+/// A metrics address answering as `behaviour` says: "garbage" (200 with a body that is not the exposition format),
+/// "huge" (200 with a 50 MB body) or "silent" (accepts and never answers).
+async fn bad_metrics(behaviour: &'static str) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut request = [0u8; 4096];
+                let _ = stream.read(&mut request).await;
+                match behaviour {
+                    "garbage" => {
+                        let body = "<html>not metrics</html>\n";
+                        let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                        let _ = stream.write_all((head + body).as_bytes()).await;
+                    }
+                    "huge" => {
+                        let size = 50 << 20;
+                        let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
+                        let _ = stream.write_all(head.as_bytes()).await;
+                        let line = "nv_inference_pending_request_count 1\n".repeat(1000);
+                        let mut sent = 0;
+                        while sent < size && stream.write_all(line.as_bytes()).await.is_ok() {
+                            sent += line.len();
+                        }
+                    }
+                    _ => tokio::time::sleep(Duration::from_secs(60)).await,
+                }
+            });
+        }
+    });
+    address
+}
+
+#[tokio::test]
+async fn metrics_that_are_garbage_huge_or_silent_are_failed_scrapes_and_calls_go_on() {
+    let replica = ModelServerProcess::rest_only(&["--name", "a"]);
+    let other = ModelServerProcess::rest_only(&["--name", "b"]);
+    let (garbage, huge, silent) = (
+        bad_metrics("garbage").await,
+        bad_metrics("huge").await,
+        bad_metrics("silent").await,
+    );
+    let (a, b) = (replica.rest.unwrap(), other.rest.unwrap());
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+        [[backends]]
+        name = "pair"
+        protocol = "rest"
+        endpoints = [ {{ address = "{a}", metrics = "{garbage}" }}, {{ address = "{b}", metrics = "{huge}" }} ]
+        lb = "least_load"
+        load = {{ preset = "triton", interval_ms = 100 }}
+        [[backends]]
+        name = "solo"
+        protocol = "rest"
+        endpoints = [ {{ address = "{a}", metrics = "{silent}" }} ]
+        lb = "least_load"
+        load = {{ preset = "triton", interval_ms = 100 }}
+        {}{}"#,
+        model("slow", "pair"),
+        model("identity", "solo"),
+    ));
+    let failed = |backend: &str| format!("oipgate_load_scrapes_total{{backend=\"{backend}\",result=\"error\"}}");
+    common::eventually(Duration::from_secs(10), "failed scrapes to be counted", || async {
+        gateway.metric(&failed("pair")).await >= 4.0 && gateway.metric(&failed("solo")).await >= 2.0
+    })
+    .await;
+    let spread_pair = spread(&gateway, "/v2/models/slow/infer", 40).await;
+    assert_eq!(spread_pair.values().sum::<usize>(), 40);
+    assert!(
+        spread_pair.keys().all(|name| name == "a" || name == "b"),
+        "{spread_pair:?}"
+    );
+    let solo = spread(&gateway, "/v2/models/identity/infer", 10).await;
+    assert_eq!(solo.get("a"), Some(&10), "{solo:?}");
+    assert_eq!(
+        gateway
+            .metric("oipgate_load_scrapes_total{backend=\"pair\",result=\"ok\"}")
+            .await,
+        0.0
+    );
+    assert!(gateway.metric("oipgate_load_fallbacks_total{backend=\"pair\"}").await >= 1.0);
+}

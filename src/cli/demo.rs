@@ -62,7 +62,10 @@ pub fn run(options: DemoOptions) -> Result<()> {
         } else {
             &rest_backends
         };
-        backend.endpoints = addresses.iter().map(ToString::to_string).collect();
+        backend.endpoints = addresses
+            .iter()
+            .map(|a| config::RawEndpoint::Address(a.to_string()))
+            .collect();
     }
     let config = config::validate(raw)
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
@@ -106,8 +109,9 @@ pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backend
     let admin = "-H 'Authorization: Bearer demo-admin-key'";
     format!(
         r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}, metrics at http://{metrics}/metrics
-  backends: two built-in model servers, balanced round robin: version 1 of each model on their REST listeners
-            ({rest_backends}), version 2 on their gRPC ones ({grpc_backends}); Ctrl-C stops everything.
+  backends: two built-in model servers: version 1 of each model on their REST listeners ({rest_backends}),
+            balanced on the queue each reports at /metrics (least_load); version 2 on their gRPC ones
+            ({grpc_backends}), round robin. Ctrl-C stops everything.
 
 REST (version 1 is proxied to the REST backend as it is; version 2 is translated to gRPC):
   curl -s {auth} http://{rest}/v2/models/add_sub/versions/1/infer -d '{body}'
@@ -149,7 +153,7 @@ metrics, whose series are made at first use, so only what was called so far is t
 each metric). The probes and metrics need no key:
   curl -s {auth} -X POST http://{rest}/v2/repository/index
   curl -s http://{rest}/v2/health/ready
-  curl -s http://{metrics}/metrics | grep '^oipgate_requests_total'
+  curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
 
 Python (pip install "tritonclient[http,grpc]" numpy):
 python3 - <<'EOF'

@@ -2,6 +2,7 @@
 
 pub mod compression;
 pub mod decthings;
+pub mod exposition;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 pub mod model_config;

@@ -33,9 +33,10 @@ pub struct RawBackendTls {
 pub struct RawBackend {
     pub name: String,
     pub protocol: BackendProtocol,
-    /// Replicas, as `host:port`.
+    /// Replicas, as `host:port`, or `{ address = "host:port", metrics = "host:port" }` for one whose metrics
+    /// (read by `load`) are served at an address of their own.
     #[serde(default)]
-    pub endpoints: Vec<String>,
+    pub endpoints: Vec<RawEndpoint>,
     /// Instead of endpoints: `host:port` whose every A/AAAA record is a replica, re-resolved at an interval.
     pub dns: Option<String>,
     /// How often `dns` is re-resolved, in milliseconds.
@@ -57,9 +58,11 @@ pub struct RawBackend {
     /// with inference requests and responses).
     #[serde(default)]
     pub stream: StreamDialect,
-    /// "round_robin" (default), "least_request" or "consistent_hash".
+    /// "round_robin" (default), "least_request", "least_load" (needs `load`) or "consistent_hash".
     #[serde(default)]
     pub lb: LoadBalancing,
+    /// Where each endpoint reports its own queue.
+    pub load: Option<super::load::RawLoad>,
     /// Calls one endpoint may have under way; more wait briefly, then are refused.
     pub max_in_flight: Option<u32>,
     /// How long a call waits for a full endpoint, in milliseconds.
@@ -73,6 +76,14 @@ pub struct RawBackend {
     pub health: Option<RawHealth>,
     /// Passive outlier detection.
     pub outlier: Option<RawOutlier>,
+}
+
+/// An endpoint as written.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawEndpoint {
+    Address(String),
+    WithMetrics { address: String, metrics: String },
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -217,6 +228,8 @@ pub enum LoadBalancing {
     RoundRobin,
     /// Power of two choices on calls under way.
     LeastRequest,
+    /// Power of two choices on each endpoint's own queue (its metrics, scraped) plus the calls sent since.
+    LeastLoad,
     /// By the model's sticky key; round robin for calls without one.
     ConsistentHash,
 }
@@ -230,6 +243,8 @@ pub struct BackendPolicy {
     pub retries: u32,
     pub health: Option<HealthCheck>,
     pub outlier: Outlier,
+    /// Where each endpoint's own queue is read, for `least_load`.
+    pub load: Option<super::load::LoadSource>,
 }
 
 impl Default for BackendPolicy {
@@ -241,6 +256,7 @@ impl Default for BackendPolicy {
             retries: DEFAULT_RETRIES,
             health: None,
             outlier: Outlier::default(),
+            load: None,
         }
     }
 }
@@ -307,6 +323,7 @@ impl TryFrom<String> for LoadBalancing {
             &[
                 ("round_robin", LoadBalancing::RoundRobin),
                 ("least_request", LoadBalancing::LeastRequest),
+                ("least_load", LoadBalancing::LeastLoad),
                 ("consistent_hash", LoadBalancing::ConsistentHash),
             ],
         )
@@ -362,8 +379,26 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &RawBackend, b
     }
     let discovery = backend_discovery(problems, path, backend);
     let tls = backend_tls(problems, path, backend, base);
-    let endpoints = backend_endpoints(problems, path, backend);
-    let policy = backend_policy(problems, path, backend);
+    let (endpoints, metrics_addresses) = backend_endpoints(problems, path, backend);
+    let mut policy = backend_policy(problems, path, backend);
+    policy.load = backend
+        .load
+        .as_ref()
+        .map(|load| super::load::validate_load(problems, path, load, metrics_addresses.clone()));
+    if policy.load.is_none() {
+        if policy.lb == LoadBalancing::LeastLoad {
+            problems.add(
+                format!("{path}.lb"),
+                "\"least_load\" needs `load`: where the endpoints' queues are read",
+            );
+        }
+        if !metrics_addresses.is_empty() {
+            problems.add(
+                format!("{path}.endpoints"),
+                "a metrics address is read by `load`, which is not set",
+            );
+        }
+    }
     Backend {
         name: backend.name.clone(),
         protocol,
@@ -491,19 +526,35 @@ fn backend_tls(problems: &mut Problems, path: &str, backend: &RawBackend, base: 
     })
 }
 
-/// A backend's listed endpoints, each parsed and none twice.
-fn backend_endpoints(problems: &mut Problems, path: &str, backend: &RawBackend) -> Vec<Endpoint> {
+/// A backend's listed endpoints, each parsed and none twice, and the metrics addresses some of them name.
+fn backend_endpoints(
+    problems: &mut Problems,
+    path: &str,
+    backend: &RawBackend,
+) -> (Vec<Endpoint>, Vec<(Endpoint, Endpoint)>) {
     let mut endpoints = Vec::with_capacity(backend.endpoints.len());
-    for (j, text) in backend.endpoints.iter().enumerate() {
+    let mut metrics_addresses = Vec::new();
+    for (j, raw) in backend.endpoints.iter().enumerate() {
+        let (text, metrics) = match raw {
+            RawEndpoint::Address(text) => (text, None),
+            RawEndpoint::WithMetrics { address, metrics } => (address, Some(metrics)),
+        };
         match Endpoint::parse(text) {
             Ok(endpoint) if endpoints.contains(&endpoint) => {
                 problems.add(format!("{path}.endpoints[{j}]"), format!("{endpoint} is listed twice"));
             }
-            Ok(endpoint) => endpoints.push(endpoint),
+            Ok(endpoint) => {
+                match metrics.map(|metrics| Endpoint::parse(metrics)) {
+                    Some(Ok(metrics)) => metrics_addresses.push((endpoint.clone(), metrics)),
+                    Some(Err(message)) => problems.add(format!("{path}.endpoints[{j}].metrics"), message),
+                    None => {}
+                }
+                endpoints.push(endpoint);
+            }
             Err(message) => problems.add(format!("{path}.endpoints[{j}]"), message),
         }
     }
-    endpoints
+    (endpoints, metrics_addresses)
 }
 
 fn backend_policy(problems: &mut Problems, path: &str, backend: &RawBackend) -> BackendPolicy {
@@ -543,5 +594,6 @@ fn backend_policy(problems: &mut Problems, path: &str, backend: &RawBackend) -> 
         retries: backend.retries.unwrap_or(DEFAULT_RETRIES),
         health,
         outlier,
+        load: None,
     }
 }

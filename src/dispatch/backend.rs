@@ -109,7 +109,12 @@ impl BackendClients {
             tls,
             endpoints: endpoints.to_vec(),
             replicas,
-            fleet: Endpoints::from_states(states, backend.policy.clone()),
+            fleet: Endpoints::from_states(
+                states,
+                backend.policy.clone(),
+                (backend.policy.lb == crate::config::LoadBalancing::LeastLoad)
+                    .then(|| metrics.load_fallbacks(&backend.name)),
+            ),
             metrics: metrics.backend(&backend.name),
         }
     }

@@ -11,7 +11,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::Sequence;
-use prometheus::IntGauge;
+use arc_swap::ArcSwapOption;
+use prometheus::{IntCounter, IntGauge};
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
 /// still retry).
@@ -40,6 +41,19 @@ pub struct EndpointState {
     health_checked: bool,
     /// `oipgate_endpoint_healthy` for this endpoint.
     healthy_gauge: IntGauge,
+    /// What the endpoint's own metrics said of its queue at the last good scrape (`load`).
+    scraped: ArcSwapOption<Scraped>,
+    /// Calls sent to it since that scrape and still under way: what the scrape could not count.
+    sent_since_scrape: AtomicUsize,
+    /// Moved on by each good scrape, so a call sent before one is not taken off the count after it.
+    scrape_generation: AtomicU64,
+}
+
+/// One good scrape of an endpoint's metrics.
+#[derive(Debug)]
+pub struct Scraped {
+    pub at: Instant,
+    pub reported: crate::codec::exposition::Reported,
 }
 
 impl EndpointState {
@@ -60,11 +74,39 @@ impl EndpointState {
             max_in_flight,
             health_checked: policy.health.is_some(),
             healthy_gauge,
+            scraped: ArcSwapOption::empty(),
+            sent_since_scrape: AtomicUsize::new(0),
+            scrape_generation: AtomicU64::new(0),
         }
     }
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Records a good scrape of its metrics; the calls sent since the previous one are in it now.
+    pub fn scraped(&self, reported: crate::codec::exposition::Reported) {
+        self.scrape_generation.fetch_add(1, Ordering::AcqRel);
+        self.sent_since_scrape.store(0, Ordering::Relaxed);
+        self.scraped.store(Some(Arc::new(Scraped {
+            at: Instant::now(),
+            reported,
+        })));
+    }
+
+    /// The last good scrape, if any.
+    pub fn last_scrape(&self) -> Option<Arc<Scraped>> {
+        self.scraped.load_full()
+    }
+
+    /// The queue of the backend's model `model` at this endpoint: what its metrics said, plus the calls sent since;
+    /// `None` when it has no scrape younger than `fresh`.
+    fn load(&self, model: &str, fresh: std::time::Duration) -> Option<f64> {
+        let scraped = self.scraped.load();
+        let scraped = scraped.as_ref().filter(|s| s.at.elapsed() <= fresh)?;
+        #[allow(clippy::cast_precision_loss)]
+        let sent = self.sent_since_scrape.load(Ordering::Relaxed) as f64;
+        Some(scraped.reported.of(model) + sent)
     }
 
     /// Healthy by its probes and not ejected (a passed cool-down counts as returned when nothing probes it). Also
@@ -176,11 +218,19 @@ pub struct Lease {
     pub index: usize,
     pub state: Arc<EndpointState>,
     _permit: Option<OwnedSemaphorePermit>,
+    /// The endpoint's scrape generation when the call was sent.
+    generation: u64,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.state.scrape_generation.load(Ordering::Acquire) == self.generation {
+            let _ = self
+                .state
+                .sent_since_scrape
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
     }
 }
 
@@ -192,17 +242,24 @@ pub struct Endpoints {
     next: AtomicUsize,
     calls: AtomicU64,
     retries: AtomicU64,
+    /// Counts `least_load` choices made on calls under way for want of a recent scrape.
+    fallbacks: Option<IntCounter>,
 }
 
 impl Endpoints {
     /// Endpoints with the given states (some carried over from a previous configuration).
-    pub fn from_states(states: Vec<Arc<EndpointState>>, policy: BackendPolicy) -> Endpoints {
+    pub fn from_states(
+        states: Vec<Arc<EndpointState>>,
+        policy: BackendPolicy,
+        fallbacks: Option<IntCounter>,
+    ) -> Endpoints {
         Endpoints {
             states,
             policy,
             next: AtomicUsize::new(0),
             calls: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            fallbacks,
         }
     }
 
@@ -231,6 +288,9 @@ impl Endpoints {
     /// Why no endpoint can serve `model` at `version` now: how many endpoints fail their health checks, are
     /// ejected after failed calls, or do not have the model ready.
     pub fn why_unavailable(&self, model: &str, version: &str) -> String {
+        if self.states.is_empty() {
+            return "it has no endpoints (a backend found through DNS has none until its name resolves)".to_owned();
+        }
         let (mut failing, mut ejected, mut not_ready) = (0, 0, 0);
         for state in &self.states {
             // An endpoint that answers its probes but has the model unloaded says so first: it is the likelier cause
@@ -272,8 +332,12 @@ impl Endpoints {
     ) -> Result<Lease> {
         let index = match affinity {
             Affinity::Sequence(sequence) => self.sequence_endpoint(backend, model, version, sequence, tried)?,
-            Affinity::Sticky(key) => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, Some(*key)),
-            Affinity::None => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, None),
+            Affinity::Sticky(key) => self.choose(
+                &self.eligible_or_refuse(backend, model, version, tried)?,
+                model,
+                Some(*key),
+            ),
+            Affinity::None => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, model, None),
         };
         let state = self.states[index].clone();
         self.calls.fetch_add(1, Ordering::Relaxed);
@@ -297,10 +361,13 @@ impl Endpoints {
             }),
         };
         state.in_flight.fetch_add(1, Ordering::Relaxed);
+        let generation = state.scrape_generation.load(Ordering::Acquire);
+        state.sent_since_scrape.fetch_add(1, Ordering::Relaxed);
         Ok(Lease {
             index,
             state,
             _permit: permit,
+            generation,
         })
     }
 
@@ -380,7 +447,8 @@ impl Endpoints {
         ))
     }
 
-    fn choose(&self, eligible: &[usize], sticky: Option<u64>) -> usize {
+    /// Picks one of the `eligible` endpoints for a call to the backend's model `model`.
+    fn choose(&self, eligible: &[usize], model: &str, sticky: Option<u64>) -> usize {
         match (self.policy.lb, sticky) {
             (LoadBalancing::ConsistentHash, Some(key)) => {
                 // Rendezvous hashing: each key goes to the eligible endpoint scoring highest for it, so losing an
@@ -391,18 +459,43 @@ impl Endpoints {
                     .unwrap_or(&eligible[0])
             }
             (LoadBalancing::LeastRequest, _) if eligible.len() > 1 => {
-                let a = eligible[fastrand::usize(..eligible.len())];
-                let mut b = eligible[fastrand::usize(..eligible.len() - 1)];
-                if b == a {
-                    b = eligible[eligible.len() - 1];
-                }
-                if self.states[b].in_flight() < self.states[a].in_flight() {
-                    b
-                } else {
-                    a
+                let (a, b) = two_of(eligible);
+                self.fewer_in_flight(a, b)
+            }
+            (LoadBalancing::LeastLoad, _) if eligible.len() > 1 => {
+                let (a, b) = two_of(eligible);
+                // A scrape missed twice over is stale: the pair is compared on the gateway's own calls instead.
+                let fresh = self
+                    .policy
+                    .load
+                    .as_ref()
+                    .map_or(std::time::Duration::ZERO, |l| l.interval * 3);
+                match (self.states[a].load(model, fresh), self.states[b].load(model, fresh)) {
+                    (Some(load_a), Some(load_b)) => {
+                        if load_b < load_a {
+                            b
+                        } else {
+                            a
+                        }
+                    }
+                    _ => {
+                        if let Some(fallbacks) = &self.fallbacks {
+                            fallbacks.inc();
+                        }
+                        self.fewer_in_flight(a, b)
+                    }
                 }
             }
             _ => eligible[self.next.fetch_add(1, Ordering::Relaxed) % eligible.len()],
+        }
+    }
+
+    /// Of two endpoints, the one with fewer calls under way (the first of equals).
+    fn fewer_in_flight(&self, a: usize, b: usize) -> usize {
+        if self.states[b].in_flight() < self.states[a].in_flight() {
+            b
+        } else {
+            a
         }
     }
 
@@ -422,6 +515,16 @@ impl Endpoints {
         self.retries.fetch_add(1, Ordering::Relaxed);
         true
     }
+}
+
+/// Two different endpoints of `eligible` (at least two), chosen at random.
+fn two_of(eligible: &[usize]) -> (usize, usize) {
+    let a = eligible[fastrand::usize(..eligible.len())];
+    let mut b = eligible[fastrand::usize(..eligible.len() - 1)];
+    if b == a {
+        b = eligible[eligible.len() - 1];
+    }
+    (a, b)
 }
 
 fn overloaded(backend: &str, authority: &str) -> Error {

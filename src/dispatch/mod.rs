@@ -28,6 +28,7 @@ use crate::upstream::Replied;
 mod backend;
 mod config;
 pub mod fleet;
+mod load;
 mod mirror;
 mod passthrough;
 mod probe;
@@ -542,9 +543,19 @@ impl Dispatcher {
     }
 
     /// Probes every endpoint of every health-checked backend at its interval, for as long as the dispatcher lives:
-    /// server ready, then the ready check of each distinct backend model routed to the backend.
+    /// server ready, then the ready check of each distinct backend model routed to the backend; and scrapes the
+    /// metrics of every endpoint of a backend with `load`.
     pub async fn run_health_checks(self: Arc<Self>) {
-        let mut checks = Vec::new();
+        let mut checks: Vec<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>> = Vec::new();
+        for backend in &self.backends {
+            if let Some(source) = backend.fleet.policy.load.clone() {
+                checks.push(Box::pin(load::scrape_endpoints(
+                    backend.clone(),
+                    source,
+                    self.metrics.clone(),
+                )));
+            }
+        }
         for (index, backend) in self.backends.iter().enumerate() {
             let Some(health) = backend.fleet.policy.health else {
                 continue;
@@ -558,7 +569,7 @@ impl Dispatcher {
                 }
             }
             let backend = backend.clone();
-            checks.push(async move {
+            checks.push(Box::pin(async move {
                 let mut ticker = tokio::time::interval(health.interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -567,7 +578,7 @@ impl Dispatcher {
                         .map(|endpoint| probe(&backend, endpoint, &models, health.timeout));
                     futures_util::future::join_all(probes).await;
                 }
-            });
+            }));
         }
         futures_util::future::join_all(checks).await;
     }

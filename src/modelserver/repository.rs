@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
@@ -21,6 +21,9 @@ struct Served {
     versions: BTreeMap<u32, Model>,
     version_names: Vec<String>,
     ready: AtomicBool,
+    /// Inferences under way (or waiting), over its versions: what Triton's `nv_inference_pending_request_count`
+    /// reports, and a gateway's `least_load` reads.
+    pending: AtomicU64,
 }
 
 /// What a model server serves. Readiness flips through load/unload; everything else is fixed at start.
@@ -28,7 +31,7 @@ struct Served {
 pub struct Repository {
     models: BTreeMap<String, Served>,
     /// Model-ready questions answered, over both protocols: what a gateway in front asks of it.
-    readiness_asked: std::sync::atomic::AtomicU64,
+    readiness_asked: AtomicU64,
     /// The `slow` model's delay when a request sets none.
     slow_delay: Duration,
     /// The stateful model's sequences under way.
@@ -84,6 +87,7 @@ impl Repository {
                     versions: served,
                     version_names,
                     ready: AtomicBool::new(true),
+                    pending: AtomicU64::new(0),
                 },
             );
         }
@@ -92,7 +96,7 @@ impl Repository {
         }
         Ok(Repository {
             models,
-            readiness_asked: std::sync::atomic::AtomicU64::new(0),
+            readiness_asked: AtomicU64::new(0),
             slow_delay: Duration::ZERO,
             sequences: Sequences::default(),
             statistics: Mutex::new(BTreeMap::new()),
@@ -129,6 +133,19 @@ impl Repository {
             ))
         })?;
         Ok((served, number, model))
+    }
+
+    /// Its inferences under way by model, in Prometheus' text format under Triton's name for them.
+    pub fn pending_exposition(&self) -> String {
+        let mut text = String::from(
+            "# HELP nv_inference_pending_request_count Inferences under way or waiting, by model.\n\
+             # TYPE nv_inference_pending_request_count gauge\n",
+        );
+        for (name, served) in &self.models {
+            let pending = served.pending.load(Ordering::Relaxed);
+            text += &format!("nv_inference_pending_request_count{{model=\"{name}\"}} {pending}\n");
+        }
+        text
     }
 
     /// How many model-ready questions it has answered.
@@ -186,7 +203,7 @@ impl Repository {
     /// version's statistics; a call dropped before it is answered (its client went away) counts as failed then.
     pub async fn infer(&self, name: &str, version: Option<&str>, request: InferRequest) -> Result<InferResponse> {
         let (served, number, model) = self.resolve(name, version)?;
-        let mut counted = Counted::new(self, name, number);
+        let mut counted = Counted::new(self, served, name, number);
         let answered = self.run(name, served, number, model, request).await;
         counted.succeeded = answered.is_ok();
         answered
@@ -214,7 +231,7 @@ impl Repository {
         }
         // Counted when it ends, however it ends: a stream whose client went away is dropped mid-request, and that
         // request counts as failed.
-        let mut counted = Counted::new(self, name, number);
+        let mut counted = Counted::new(self, served, name, number);
         let ran = self
             .run_decoupled(name, served, number, model, &request, &responses)
             .await;
@@ -405,6 +422,7 @@ impl Repository {
 /// One inference that is counted in its model's statistics when dropped.
 struct Counted<'a> {
     repository: &'a Repository,
+    served: &'a Served,
     name: &'a str,
     number: u32,
     started: Instant,
@@ -413,9 +431,11 @@ struct Counted<'a> {
 
 impl<'a> Counted<'a> {
     /// An inference of `name` at version `number` begun now, failed unless marked otherwise.
-    fn new(repository: &'a Repository, name: &'a str, number: u32) -> Counted<'a> {
+    fn new(repository: &'a Repository, served: &'a Served, name: &'a str, number: u32) -> Counted<'a> {
+        served.pending.fetch_add(1, Ordering::Relaxed);
         Counted {
             repository,
+            served,
             name,
             number,
             started: Instant::now(),
@@ -426,6 +446,7 @@ impl<'a> Counted<'a> {
 
 impl Drop for Counted<'_> {
     fn drop(&mut self) {
+        self.served.pending.fetch_sub(1, Ordering::Relaxed);
         self.repository
             .count(self.name, self.number, self.started.elapsed(), self.succeeded);
     }

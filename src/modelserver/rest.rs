@@ -80,6 +80,16 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     let path = request.uri().path().to_owned();
+    if path == "/metrics" && request.method() == Method::GET {
+        let mut response = Response::new(ChunksBody::new(vec![Bytes::from(
+            state.repository.pending_exposition(),
+        )]));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        return Ok(response);
+    }
     let route = route(&path).ok_or_else(|| Error::not_found(format!("no endpoint at {path}")))?;
     if request.method() != route.method() {
         let mut response = error_response(&Error::new(

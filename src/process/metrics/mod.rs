@@ -15,7 +15,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
 use tokio::net::TcpListener;
@@ -315,6 +315,11 @@ struct BackendFamilies {
     upstream_duration: Family<HistogramVec>,
     retries: Family<IntCounterVec>,
     endpoint_healthy: Family<IntGaugeVec>,
+    /// `least_load`: scrapes of endpoints' metrics by result, the queue each last reported, and the choices made
+    /// without a recent scrape.
+    load_scrapes: Family<IntCounterVec>,
+    endpoint_queue: Family<GaugeVec>,
+    load_fallbacks: Family<IntCounterVec>,
 }
 
 impl BackendMetrics {
@@ -586,6 +591,33 @@ impl Metrics {
                 "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
                 &["backend", "endpoint"],
             )?,
+            load_scrapes: families.counters(
+                "oipgate_load_scrapes_total",
+                "Scrapes of backend endpoints' own metrics (a backend's `load`), by result: ok or error (no answer \
+                 in time, too large, not the exposition format).",
+                &["backend", "result"],
+            )?,
+            endpoint_queue: families.family(
+                "oipgate_endpoint_queue",
+                registered(
+                    &registry,
+                    GaugeVec::new(
+                        Opts::new(
+                            "oipgate_endpoint_queue",
+                            "The queue an endpoint's own metrics reported at its last good scrape, summed over its \
+                             models.",
+                        ),
+                        &["backend", "endpoint"],
+                    )
+                    .map_err(metric_error)?,
+                )?,
+                &["backend", "endpoint"],
+            ),
+            load_fallbacks: families.counters(
+                "oipgate_load_fallbacks_total",
+                "least_load choices made on the gateway's own calls under way, for want of a recent scrape.",
+                &["backend"],
+            )?,
         };
         let request_bytes = counters(
             &registry,
@@ -678,6 +710,20 @@ impl Metrics {
         }))
     }
 
+    /// `oipgate_load_fallbacks_total` of `backend`.
+    pub fn load_fallbacks(&self, backend: &str) -> IntCounter {
+        self.backends.load_fallbacks.series(&[backend])
+    }
+
+    /// Records a scrape of an endpoint's metrics: the queue it reported, or a failure.
+    pub fn scraped(&self, backend: &str, endpoint: &str, queue: Option<f64>) {
+        let result = if queue.is_some() { "ok" } else { "error" };
+        self.backends.load_scrapes.series(&[backend, result]).inc();
+        if let Some(queue) = queue {
+            self.backends.endpoint_queue.series(&[backend, endpoint]).set(queue);
+        }
+    }
+
     /// The health gauge of one endpoint of `backend`, set to 1 (an endpoint starts healthy).
     pub fn endpoint_healthy(&self, backend: &str, endpoint: &str) -> IntGauge {
         let gauge = self.backends.endpoint_healthy.series(&[backend, endpoint]);
@@ -742,6 +788,7 @@ impl Metrics {
     /// Drops the health series of an endpoint no longer configured or discovered.
     pub fn forget_endpoint(&self, backend: &str, endpoint: &str) {
         self.backends.endpoint_healthy.forget(&[backend, endpoint]);
+        self.backends.endpoint_queue.forget(&[backend, endpoint]);
     }
 
     /// The registry in Prometheus' text exposition format.
