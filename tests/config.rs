@@ -310,4 +310,31 @@ fn load_sources_presets_and_metrics_addresses() {
         let found = problems(&with(keys));
         assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
     }
+    // Shedding reads the queues of every backend the model is served by.
+    let shedding = |model_keys: &str| {
+        with("load = { preset = \"triton\" }").replace(
+            "default_version = \"1\"",
+            &format!("default_version = \"1\"\n{model_keys}"),
+        )
+    };
+    for (keys, message) in [
+        (
+            "max_queue = 8",
+            "models[0].max_queue: needs the queues of backend \"fleet-a\": it has no `load`",
+        ),
+        (
+            "shed_priority_below = 1",
+            "models[0].shed_priority_below: applies with max_queue only",
+        ),
+    ] {
+        let found = problems(&shedding(keys));
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+    let served_by_b = with("load = { preset = \"triton\" }").replace(
+        "name = \"classifier\"",
+        "name = \"classifier\"\nmax_queue = 8\nshed_priority_below = 1",
+    );
+    let config = load(&served_by_b).unwrap();
+    let shed = config.models()[1].limits.shed.unwrap();
+    assert_eq!((shed.max_queue, shed.keep_priority), (8, 1));
 }

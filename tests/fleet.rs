@@ -742,3 +742,100 @@ async fn metrics_that_are_garbage_huge_or_silent_are_failed_scrapes_and_calls_go
     );
     assert!(gateway.metric("oipgate_load_fallbacks_total{backend=\"pair\"}").await >= 1.0);
 }
+
+#[tokio::test]
+async fn with_every_replica_over_max_queue_calls_are_refused_at_once_but_high_priority_ones() {
+    let a = ModelServerProcess::rest_only(&["--name", "a"]);
+    let b = ModelServerProcess::rest_only(&["--name", "b"]);
+    let gateway = GatewayProcess::start_with(
+        &format!(
+            "{}lb = \"least_load\"\nload = {{ preset = \"triton\", interval_ms = 50 }}\n{}max_queue = 4\nshed_priority_below = 2\n",
+            backend("pair", "rest", [a.rest.unwrap(), b.rest.unwrap()]),
+            model("slow", "pair"),
+        ),
+        &[],
+        true,
+    );
+    let client = http_client(false);
+    let pending = |replica: &ModelServerProcess| {
+        let (client, url) = (client.clone(), replica.rest_url("/metrics"));
+        async move {
+            let text = String::from_utf8(send(&client, "GET", &url, &[], "").await.body.to_vec()).unwrap();
+            text.lines()
+                .find_map(|line| line.strip_prefix("nv_inference_pending_request_count{model=\"slow\"} "))
+                .map(|value| value.trim().parse::<u32>().unwrap())
+                .unwrap()
+        }
+    };
+    let body = |parameters: &str| {
+        format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}}],"parameters":{{{parameters}}}}}"#
+        )
+    };
+
+    // Under the bound, calls pass.
+    let url = gateway.rest_url("/v2/models/slow/infer");
+    assert_eq!(send(&client, "POST", &url, &[], body("")).await.status, 200);
+
+    // Clients that bypass the gateway keep 6 calls waiting at each replica.
+    let held = body(r#""delay_ms":10000"#);
+    let bypass: Vec<_> = [&a, &a, &a, &a, &a, &a, &b, &b, &b, &b, &b, &b]
+        .iter()
+        .map(|replica| {
+            let (client, url, held) = (client.clone(), replica.rest_url("/v2/models/slow/infer"), held.clone());
+            tokio::spawn(async move { send(&client, "POST", &url, &[], held).await })
+        })
+        .collect();
+    for replica in [&a, &b] {
+        let queue = format!(
+            "oipgate_endpoint_queue{{backend=\"pair\",endpoint=\"{}\"}}",
+            replica.rest.unwrap()
+        );
+        common::eventually(Duration::from_secs(5), "both queues to be scraped", || async {
+            gateway.metric(&queue).await >= 6.0
+        })
+        .await;
+    }
+
+    // Every replica over 4: refused at once, with Retry-After, and nothing more reaches the replicas.
+    for _ in 0..20 {
+        let answer = send(&client, "POST", &url, &[("x-request-id", "shed".to_owned())], body("")).await;
+        assert_eq!(answer.status, 429, "{}", String::from_utf8_lossy(&answer.body));
+        assert!(String::from_utf8_lossy(&answer.body).contains("shedding load"));
+        assert!(answer.header("retry-after").is_some());
+    }
+    assert_eq!((pending(&a).await, pending(&b).await), (6, 6));
+    assert_eq!(
+        gateway.metric("oipgate_rate_limited_total{scope=\"queue\"}").await,
+        20.0
+    );
+    // The refusals take the gateway no time to speak of: their median is under a millisecond.
+    let mut durations: Vec<f64> = gateway
+        .log_lines()
+        .iter()
+        .filter(|line| line.contains("request_id=shed"))
+        .filter_map(|line| {
+            line.split("duration_ms=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    durations.sort_by(f64::total_cmp);
+    assert_eq!(durations.len(), 20);
+    assert!(durations[10] < 1.0, "{durations:?}");
+
+    // Priority 1 and 2 pass; 3 is shed like the rest.
+    for (priority, status) in [(1, 200), (2, 200), (3, 429)] {
+        let answer = send(&client, "POST", &url, &[], body(&format!(r#""priority":{priority}"#))).await;
+        assert_eq!(answer.status, status, "priority {priority}");
+    }
+    // A priority that is no number is refused as such.
+    let answer = send(&client, "POST", &url, &[], body(r#""priority":"high""#)).await;
+    assert_eq!(answer.status, 400);
+    for call in bypass {
+        call.abort();
+    }
+}

@@ -199,6 +199,21 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     let limits = validate_limits(&mut problems, &raw.limits);
     let (backends, backend_index) = validate_backends(&mut problems, &raw.backends, base);
     let models = validate_models(&mut problems, &raw.models, &backend_index);
+    for (i, model) in models.iter().enumerate() {
+        if model.limits.shed.is_none() {
+            continue;
+        }
+        for version in &model.versions {
+            if let Some(backend) = backends.get(version.backend.index())
+                && backend.policy.load.is_none()
+            {
+                problems.add(
+                    format!("models[{i}].max_queue"),
+                    format!("needs the queues of backend \"{}\": it has no `load`", backend.name),
+                );
+            }
+        }
+    }
     let model_names: HashSet<&str> = raw.models.iter().map(|m| m.name.as_str()).collect();
     let auth = raw
         .auth

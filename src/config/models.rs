@@ -31,6 +31,11 @@ pub struct RawModel {
     pub max_concurrent: Option<u32>,
     /// Bound on each of the model's backend calls, in milliseconds (a client's deadline can only shorten it).
     pub timeout_ms: Option<u64>,
+    /// When every endpoint serving the model reports more than this many of its requests waiting (its backend's
+    /// `load`), new calls are refused at once (429 / RESOURCE_EXHAUSTED).
+    pub max_queue: Option<u32>,
+    /// Calls whose `priority` parameter is 1 (the highest) to this are never refused by `max_queue`.
+    pub shed_priority_below: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -77,6 +82,16 @@ pub struct ModelLimits {
     pub rate: Option<Rate>,
     pub max_concurrent: Option<std::num::NonZeroU32>,
     pub timeout: Option<std::time::Duration>,
+    pub shed: Option<Shed>,
+}
+
+/// Refusing a model's calls while every endpoint serving it reports a long queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shed {
+    /// Requests waiting at an endpoint (for the model) above which it counts as full.
+    pub max_queue: u32,
+    /// Calls of `priority` 1 to this pass regardless; 0: none.
+    pub keep_priority: u32,
 }
 
 /// Mirroring of a model's requests to one of its versions.
@@ -186,6 +201,17 @@ fn model_limits(problems: &mut Problems, path: &str, model: &RawModel) -> ModelL
         timeout: model
             .timeout_ms
             .map(|ms| std::time::Duration::from_millis(positive(problems, &format!("{path}.timeout_ms"), Some(ms), 1))),
+        shed: match (model.max_queue, model.shed_priority_below) {
+            (Some(max_queue), keep) => Some(Shed {
+                max_queue,
+                keep_priority: keep.unwrap_or(0),
+            }),
+            (None, Some(_)) => {
+                problems.add(format!("{path}.shed_priority_below"), "applies with max_queue only");
+                None
+            }
+            (None, None) => None,
+        },
     }
 }
 

@@ -285,6 +285,19 @@ impl Endpoints {
         !self.eligible(model, version, &[]).is_empty()
     }
 
+    /// The shortest queue of `model` (the backend's name) among the endpoints that may take a call for it at
+    /// `version`, when every one of them has a recent scrape reporting more than `max` waiting; `None` otherwise
+    /// (one has room, one has not been read lately, or none can serve: refusing is then for others to do).
+    pub fn queued_everywhere(&self, model: &str, version: &str, max: f64) -> Option<f64> {
+        let fresh = self.policy.load.as_ref()?.interval * 3;
+        let mut shortest: Option<f64> = None;
+        for index in self.eligible(model, version, &[]) {
+            let queue = self.states[index].load(model, fresh).filter(|queue| *queue > max)?;
+            shortest = Some(shortest.map_or(queue, |s| s.min(queue)));
+        }
+        shortest
+    }
+
     /// Why no endpoint can serve `model` at `version` now: how many endpoints fail their health checks, are
     /// ejected after failed calls, or do not have the model ready.
     pub fn why_unavailable(&self, model: &str, version: &str) -> String {

@@ -261,6 +261,43 @@ impl Dispatcher {
         (routed, metrics)
     }
 
+    /// Refuses a call of `route` at once (429 / RESOURCE_EXHAUSTED, with `Retry-After`) while every endpoint that
+    /// could serve it reports more than the model's `max_queue` of its requests waiting; a call whose `priority`
+    /// is kept passes.
+    pub fn shed(&self, route: &VersionRoute, priority: Option<u64>) -> Result<()> {
+        let Some(shed) = route.shed else {
+            return Ok(());
+        };
+        if priority.is_some_and(|level| level <= u64::from(shed.keep_priority)) {
+            return Ok(());
+        }
+        let backend = self.backend(route)?;
+        let Some(shortest) =
+            backend
+                .fleet
+                .queued_everywhere(&route.upstream_name, &route.upstream_version, f64::from(shed.max_queue))
+        else {
+            return Ok(());
+        };
+        self.metrics.rate_limited(crate::guard::Limited::Queue);
+        let wait = backend
+            .fleet
+            .policy
+            .load
+            .as_ref()
+            .map_or(Duration::from_secs(1), |load| load.interval);
+        Err(Error::new(
+            ErrorKind::Overloaded,
+            Origin::Gateway,
+            format!(
+                "model '{}' is shedding load: every endpoint of backend {} reports more than {} requests waiting \
+                 (the shortest queue is {shortest})",
+                route.model, backend.name, shed.max_queue
+            ),
+        )
+        .with_retry_after(wait))
+    }
+
     pub fn server_metadata(&self) -> &ServerMetadata {
         &self.metadata
     }

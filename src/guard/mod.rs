@@ -161,6 +161,8 @@ pub enum Limited {
     Principal,
     Model,
     Concurrency,
+    /// Every endpoint serving the model reports more than its `max_queue` waiting.
+    Queue,
 }
 
 impl Limited {
@@ -169,6 +171,7 @@ impl Limited {
             Limited::Principal => "principal",
             Limited::Model => "model",
             Limited::Concurrency => "concurrency",
+            Limited::Queue => "queue",
         }
     }
 }

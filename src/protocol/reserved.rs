@@ -10,6 +10,9 @@ use crate::error::{Error, Result};
 /// Request parameter: the longest time, in microseconds, the request may take; it bounds the backend call as
 /// `grpc-timeout` does (and still reaches the backend, which applies it too).
 pub const TIMEOUT: &str = "timeout";
+/// Request parameter: the request's priority, 1 the highest (Triton's); a model's `max_queue` never refuses a call of
+/// priority 1 to its `shed_priority_below`.
+pub const PRIORITY: &str = "priority";
 /// Tensor parameters that point at a shared-memory region registered with one server: they mean nothing to another.
 pub const SHARED_MEMORY: [&str; 3] = [
     "shared_memory_region",
@@ -29,6 +32,8 @@ pub struct Reserved {
     pub sequence: Option<Sequence>,
     /// The request's own bound on its time, from `timeout`.
     pub timeout: Option<Duration>,
+    /// Its `priority`, when it set one (0 is Triton's "the model's default": none).
+    pub priority: Option<u64>,
 }
 
 impl Reserved {
@@ -45,9 +50,21 @@ impl Reserved {
                 )));
             }
         };
+        let priority = match parameters.get(PRIORITY) {
+            None => None,
+            Some(ParamValue::Int64(level)) if *level >= 0 => Some(level.unsigned_abs()),
+            Some(ParamValue::Uint64(level)) => Some(*level),
+            Some(other) => {
+                return Err(Error::invalid(format!(
+                    "parameter {PRIORITY} must be an unsigned integer (1 is the highest), not {}",
+                    describe(other)
+                )));
+            }
+        };
         Ok(Reserved {
             sequence: Sequence::from_parameters(parameters)?,
             timeout: timeout.filter(|t| !t.is_zero()),
+            priority: priority.filter(|level| *level > 0),
         })
     }
 }

@@ -25,6 +25,8 @@ pub struct VersionRoute {
     pub upstream_version: String,
     /// The model answers any number of responses per request (configured `decoupled`).
     pub decoupled: bool,
+    /// Calls refused while every endpoint reports a long queue (the model's `max_queue`).
+    pub shed: Option<crate::config::Shed>,
 }
 
 impl VersionRoute {
@@ -196,6 +198,7 @@ fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<V
                 upstream_name: v.upstream_name.clone(),
                 upstream_version: v.upstream_version.clone(),
                 decoupled: model.decoupled,
+                shed: model.limits.shed,
             });
             all.push(route.clone());
             (v.version.clone(), route)

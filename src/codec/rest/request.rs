@@ -33,8 +33,14 @@ pub enum RestRequest {
 
 /// Searchers for the names [`reserved_parameters`] looks for, built once: a searcher's set-up costs more than
 /// searching a small body.
-static RESERVED_SEARCHERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 3]> = std::sync::LazyLock::new(|| {
-    [reserved::SHARED_MEMORY_PREFIX, SEQUENCE_ID, "\"timeout\""].map(memchr::memmem::Finder::new)
+static RESERVED_SEARCHERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 4]> = std::sync::LazyLock::new(|| {
+    [
+        reserved::SHARED_MEMORY_PREFIX,
+        SEQUENCE_ID,
+        "\"timeout\"",
+        "\"priority\"",
+    ]
+    .map(memchr::memmem::Finder::new)
 });
 /// The longest of those names: a name split across two chunks lies within this many bytes of their seam.
 pub const LONGEST_RESERVED_NAME: usize = 16;
@@ -46,11 +52,11 @@ pub fn mentions_reserved(text: &[u8]) -> bool {
 
 /// The request-level `parameters` of a JSON request header, read without decoding the rest (a proxied body goes on
 /// as it came), with its tensors refused when they point at shared memory. Looked at only when the text mentions
-/// `sequence_id`, `"timeout"` or `shared_memory_` (a search for each; most requests mention none): else, and when the
+/// `sequence_id`, `"timeout"`, `"priority"` or `shared_memory_` (a search for each; most requests mention none): else, and when the
 /// header has no `parameters`, `None`. When `whole` is false only the start of the header is at hand, and what lies
 /// beyond it is not seen; a header at hand whole that is not a JSON object is refused.
 pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
-    let [shared, _, _] = &*RESERVED_SEARCHERS;
+    let [shared, _, _, _] = &*RESERVED_SEARCHERS;
     let shared_memory = shared.find(json).is_some();
     if !shared_memory && !mentions_reserved(json) {
         return Ok(None);

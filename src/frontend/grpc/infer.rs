@@ -141,6 +141,7 @@ async fn infer(
     {
         context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
     }
+    let priority = reserved.as_ref().ok().and_then(|reserved| reserved.priority);
     let sequence = reserved.map(|reserved| reserved.sequence);
     let fields = splice::model_fields(&message);
     let (routed, route) = match &fields {
@@ -179,10 +180,14 @@ async fn infer(
         Err(error) => (Err(error), None),
     };
     let answer = match routed {
-        Ok(routed) => {
-            timer.translated = dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
-            dispatcher.infer_grpc_routed(&routed, message, &context).await
-        }
+        Ok(routed) => match dispatcher.shed(&routed.route, priority) {
+            Ok(()) => {
+                timer.translated =
+                    dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
+                dispatcher.infer_grpc_routed(&routed, message, &context).await
+            }
+            Err(error) => Err(error),
+        },
         Err(error) => Err(error),
     };
     match answer {

@@ -85,6 +85,7 @@ impl RestDoor {
         record.route = Some(route_metrics);
         let routed = routed?;
         let (start, reserved) = start?;
+        dispatcher.shed(&routed.route, reserved.priority)?;
         if !asked.decthings_in
             && !asked.decthings_out
             && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?

@@ -556,7 +556,8 @@ impl Metrics {
         let rate_limited = counters(
             &registry,
             "oipgate_rate_limited_total",
-            "Calls refused with 429 by scope: a principal's or a model's rate limit, or a model's max_concurrent.",
+            "Calls refused with 429 by scope: a principal's or a model's rate limit, a model's max_concurrent, or its \
+             max_queue (queue).",
             &["scope"],
         )?;
         let mirrors = families.counters(
