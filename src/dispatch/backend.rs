@@ -159,7 +159,7 @@ impl BackendClients {
             let _call = self.metrics.call();
             let outcome = call(lease.index, left).await;
             let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
-            lease.state.observed(failed, &self.fleet.policy);
+            lease.observed(failed, &self.fleet.policy);
             match outcome {
                 Err(error)
                     if error.is_unsent()

@@ -47,6 +47,25 @@ pub struct EndpointState {
     sent_since_scrape: AtomicUsize,
     /// Moved on by each good scrape, so a call sent before one is not taken off the count after it.
     scrape_generation: AtomicU64,
+    /// Its calls over the last minute, for the status page.
+    window: super::window::Window,
+}
+
+/// An endpoint as the status page shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EndpointStatus {
+    pub endpoint: String,
+    /// It may take calls.
+    pub available: bool,
+    /// Why not, when it may not.
+    pub why: Option<String>,
+    pub in_flight: usize,
+    /// The queue its metrics last reported (summed over models), and how many milliseconds ago.
+    pub queue: Option<f64>,
+    pub queue_age_ms: Option<u64>,
+    /// That report is too old to balance on.
+    pub queue_stale: bool,
+    pub last_minute: super::window::Summary,
 }
 
 /// One good scrape of an endpoint's metrics.
@@ -77,11 +96,45 @@ impl EndpointState {
             scraped: ArcSwapOption::empty(),
             sent_since_scrape: AtomicUsize::new(0),
             scrape_generation: AtomicU64::new(0),
+            window: super::window::Window::default(),
         }
     }
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// What the status page shows of it; a scrape older than `fresh` is stale.
+    pub fn status(&self, fresh: std::time::Duration) -> EndpointStatus {
+        let available = self.is_available();
+        let why = if available {
+            None
+        } else if !self.probe_healthy.load(Ordering::Relaxed) {
+            Some("failing its health checks".to_owned())
+        } else {
+            let until = *self
+                .ejected_until
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let left = until.map_or(0, |until| until.saturating_duration_since(Instant::now()).as_millis());
+            Some(format!(
+                "ejected after {} failed calls in a row ({left} ms of its cool-down left)",
+                self.consecutive_failures.load(Ordering::Relaxed).max(1)
+            ))
+        };
+        let scraped = self.last_scrape();
+        EndpointStatus {
+            endpoint: self.authority.clone(),
+            available,
+            why,
+            in_flight: self.in_flight(),
+            queue: scraped.as_ref().map(|s| s.reported.total),
+            queue_age_ms: scraped
+                .as_ref()
+                .map(|s| u64::try_from(s.at.elapsed().as_millis()).unwrap_or(u64::MAX)),
+            queue_stale: scraped.as_ref().is_some_and(|s| s.at.elapsed() > fresh),
+            last_minute: self.window.summary(),
+        }
     }
 
     /// Records a good scrape of its metrics; the calls sent since the previous one are in it now.
@@ -220,6 +273,16 @@ pub struct Lease {
     _permit: Option<OwnedSemaphorePermit>,
     /// The endpoint's scrape generation when the call was sent.
     generation: u64,
+    started: Instant,
+}
+
+impl Lease {
+    /// Records the call's outcome: for outlier detection (`failed` is a connection failure, 5xx or UNAVAILABLE)
+    /// and the endpoint's last minute.
+    pub fn observed(&self, failed: bool, policy: &BackendPolicy) {
+        self.state.observed(failed, policy);
+        self.state.window.record(failed, self.started.elapsed());
+    }
 }
 
 impl Drop for Lease {
@@ -381,6 +444,7 @@ impl Endpoints {
             state,
             _permit: permit,
             generation,
+            started: Instant::now(),
         })
     }
 

@@ -35,7 +35,9 @@ mod probe;
 mod readiness;
 mod repository;
 pub(crate) mod statistics;
+pub mod status;
 mod stream;
+mod window;
 
 use backend::{BackendClients, Replicas};
 pub use fleet::Affinity;

@@ -117,13 +117,11 @@ impl Dispatcher {
             let left = until.saturating_duration_since(Instant::now());
             match client.forward(&target.path, headers.clone(), body.body(), left).await {
                 Ok(response) => {
-                    lease
-                        .state
-                        .observed(response.status().is_server_error(), &backend.fleet.policy);
+                    lease.observed(response.status().is_server_error(), &backend.fleet.policy);
                     return Ok((response, lease));
                 }
                 Err(error) => {
-                    lease.state.observed(error.is_endpoint_failure(), &backend.fleet.policy);
+                    lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
                     tried.push(lease.index);
                     let retry = error.is_unsent()
                         && body.resendable()

@@ -312,7 +312,7 @@ impl Dispatcher {
                     let upstream = match opened {
                         Ok(upstream) => upstream,
                         Err(error) => {
-                            lease.state.observed(error.is_endpoint_failure(), &backend.fleet.policy);
+                            lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
                             return Err(error);
                         }
                     };
@@ -477,7 +477,7 @@ async fn relay(
     }
     .await;
     let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
-    lease.state.observed(failed, &backend.fleet.policy);
+    lease.observed(failed, &backend.fleet.policy);
     record.leg.result = Some(match &outcome {
         Ok(()) if answers.sender.is_closed() => StreamResult::Cancelled,
         Ok(()) => StreamResult::Ok,

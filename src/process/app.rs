@@ -50,7 +50,7 @@ enum Serves {
         limits: grpc::GrpcLimits,
         tls: Option<tokio_rustls::TlsAcceptor>,
     },
-    Metrics(Arc<Metrics>),
+    Metrics(Arc<Gateway>),
 }
 
 /// A listening socket and what is served on it, as one of pingora's services: the socket comes from the previous
@@ -169,14 +169,14 @@ impl Listener {
                         std::future::pending::<()>().await;
                     })?;
                 }
-                Serves::Metrics(registry) => {
-                    let registry = registry.clone();
+                Serves::Metrics(gateway) => {
+                    let gateway = gateway.clone();
                     crate::frontend::spawn_door_thread(name, async move {
                         let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                             return;
                         };
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        metrics::serve(listener, registry, stopping).await;
+                        metrics::serve(listener, gateway, stopping).await;
                     })?;
                 }
             }
@@ -422,7 +422,12 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     };
     server.add_service(listener("grpc", config.listen.grpc, grpc_socket, grpc));
     if let Some(address) = config.listen.metrics {
-        server.add_service(listener("metrics", address, metrics_socket, Serves::Metrics(metrics)));
+        server.add_service(listener(
+            "metrics",
+            address,
+            metrics_socket,
+            Serves::Metrics(gateway.clone()),
+        ));
     }
     server.add_service(background_service(
         "control",

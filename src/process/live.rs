@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -36,6 +36,10 @@ pub struct Gateway {
     /// Set when a shutdown's grace period has run out: streams still open end with UNAVAILABLE.
     streams_ending: tokio::sync::watch::Sender<bool>,
     active: AtomicUsize,
+    /// Snapshots installed since start (1: the first).
+    generation: AtomicU64,
+    /// The last reload's outcome: when, and the problems that refused it.
+    last_reload: std::sync::Mutex<Option<(std::time::SystemTime, Result<(), String>)>>,
 }
 
 #[derive(Debug)]
@@ -89,6 +93,8 @@ impl Gateway {
             draining: AtomicBool::new(false),
             streams_ending: tokio::sync::watch::Sender::new(false),
             active: AtomicUsize::new(0),
+            generation: AtomicU64::new(1),
+            last_reload: std::sync::Mutex::new(None),
         }))
     }
 
@@ -99,6 +105,19 @@ impl Gateway {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
+    }
+
+    /// Snapshots installed since start: 1 until the first reload or DNS change.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The last reload's time and outcome (the problems that refused it), if there was one.
+    pub fn last_reload(&self) -> Option<(std::time::SystemTime, Result<(), String>)> {
+        self.last_reload
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// The front doors' certificate and client verification, when they speak TLS.
@@ -167,6 +186,13 @@ impl Gateway {
         let mut state = self.state.lock().await;
         let outcome = self.reload_locked(&mut state).await;
         self.metrics.reloaded(outcome.is_ok());
+        let recorded = outcome
+            .clone()
+            .map_err(|problems| problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "));
+        *self
+            .last_reload
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((std::time::SystemTime::now(), recorded));
         match &outcome {
             Ok(()) => tracing::info!(summary = %state.config.summary(), "configuration reloaded"),
             Err(problems) => report_refused(problems),
@@ -222,6 +248,7 @@ impl Gateway {
         });
         let dispatcher = dispatcher.map_err(|e| vec![problem(e.message())])?;
         self.current.store(Arc::new(dispatcher));
+        self.generation.fetch_add(1, Ordering::AcqRel);
         if let (Some(identity), Some(server)) = (&self.identity, server) {
             identity.replace(server);
         }

@@ -5,6 +5,7 @@ pub mod app;
 pub mod live;
 pub mod logging;
 pub mod metrics;
+pub mod status;
 
 use std::sync::{OnceLock, mpsc};
 use std::time::Duration;

@@ -27,6 +27,8 @@ pub struct VersionRoute {
     pub decoupled: bool,
     /// Calls refused while every endpoint reports a long queue (the model's `max_queue`).
     pub shed: Option<crate::config::Shed>,
+    /// Its share of the model's requests that name no version.
+    pub weight: u32,
 }
 
 impl VersionRoute {
@@ -199,6 +201,7 @@ fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<V
                 upstream_version: v.upstream_version.clone(),
                 decoupled: model.decoupled,
                 shed: model.limits.shed,
+                weight: v.weight,
             });
             all.push(route.clone());
             (v.version.clone(), route)

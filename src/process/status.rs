@@ -1,0 +1,52 @@
+//! The fleet status page on the metrics listener: `GET /status`, a page that refreshes itself from
+//! `GET /status.json` (no external assets), and that JSON: the configuration's generation and last reload, every
+//! public model version and every endpoint.
+
+use std::time::SystemTime;
+
+use serde::Serialize;
+
+use super::live::Gateway;
+use crate::dispatch::status::FleetStatus;
+
+/// The page: plain HTML and a script that reads `/status.json` every two seconds.
+pub const PAGE: &str = include_str!("status.html");
+
+#[derive(Serialize)]
+struct Status {
+    name: &'static str,
+    version: &'static str,
+    /// Snapshots installed since start.
+    generation: u64,
+    last_reload: Option<LastReload>,
+    /// Readiness: what load balancers are told.
+    ready: bool,
+    #[serde(flatten)]
+    fleet: FleetStatus,
+}
+
+#[derive(Serialize)]
+struct LastReload {
+    ok: bool,
+    seconds_ago: u64,
+    /// The problems that refused it.
+    problems: Option<String>,
+}
+
+/// `/status.json`.
+pub async fn json(gateway: &Gateway) -> Vec<u8> {
+    let dispatcher = gateway.dispatcher();
+    let status = Status {
+        name: "oipgate",
+        version: env!("CARGO_PKG_VERSION"),
+        generation: gateway.generation(),
+        last_reload: gateway.last_reload().map(|(at, outcome)| LastReload {
+            ok: outcome.is_ok(),
+            seconds_ago: SystemTime::now().duration_since(at).map_or(0, |d| d.as_secs()),
+            problems: outcome.err(),
+        }),
+        ready: gateway.server_ready().await,
+        fleet: dispatcher.fleet_status().await,
+    };
+    serde_json::to_vec(&status).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes())
+}
