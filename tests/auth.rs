@@ -26,14 +26,6 @@ const AUDIENCE: &str = "oipgate";
 /// A header the backends are configured to add; the model server echoes every `x-echo-*` header it receives.
 const BACKEND_TOKEN: &str = "x-echo-backend-token";
 
-fn sha256_hex(key: &str) -> String {
-    ring::digest::digest(&ring::digest::SHA256, key.as_bytes())
-        .as_ref()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect()
-}
-
 /// The issuer's two signing keys, made for this run, and the JWK set of their public halves.
 struct Issuer {
     ec_pkcs8: Vec<u8>,
@@ -181,9 +173,9 @@ name = "metered"
 versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "identity" }} ]
 rate = {{ per_second = 0.5, burst = 1 }}
 "#,
-        team = sha256_hex(TEAM_KEY),
-        ops = sha256_hex(OPS_KEY),
-        metered = sha256_hex(METERED_KEY),
+        team = common::sha256_hex(TEAM_KEY),
+        ops = common::sha256_hex(OPS_KEY),
+        metered = common::sha256_hex(METERED_KEY),
         jwks = jwks_file.display(),
     );
     Setup {

@@ -693,3 +693,12 @@ pub fn answered_ok(answer: &HttpAnswer) -> Result<(), String> {
         ))
     }
 }
+
+/// The lower-case hex SHA-256 of `key`: an API key as `[[auth.api_keys]] sha256` holds it.
+pub fn sha256_hex(key: &str) -> String {
+    ring::digest::digest(&ring::digest::SHA256, key.as_bytes())
+        .as_ref()
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
