@@ -279,6 +279,9 @@ fn load_sources_presets_and_metrics_addresses() {
     .unwrap();
     let source = config.backends()[1].policy.load.clone().unwrap();
     assert_eq!((source.metrics.len(), source.path.as_str()), (2, "/q"));
+    let vllm = load(&with("load = { preset = \"vllm\" }")).unwrap();
+    let source = vllm.backends()[1].policy.load.clone().unwrap();
+    assert_eq!(source.tie_break.as_deref(), Some("vllm:kv_cache_usage_perc"));
 
     for (keys, message) in [
         (

@@ -11,6 +11,8 @@ pub struct Reported {
     pub total: f64,
     /// Samples with a `model` label, summed by it.
     pub by_model: HashMap<String, f64>,
+    /// The tie-break metric's samples, summed (vLLM's KV-cache use): of two equal queues, the lower wins.
+    pub tie_break: f64,
 }
 
 impl Reported {
@@ -25,8 +27,9 @@ impl Reported {
     }
 }
 
-/// Sums the samples of `metrics` in `text`; the line and why, for text that is not the exposition format.
-pub fn read(text: &str, metrics: &[String]) -> Result<Reported, String> {
+/// Sums the samples of `metrics` in `text`, and apart those of `tie_break`; the line and why, for text that is not
+/// the exposition format.
+pub fn read(text: &str, metrics: &[String], tie_break: Option<&str>) -> Result<Reported, String> {
     let mut reported = Reported::default();
     for (number, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -34,10 +37,14 @@ pub fn read(text: &str, metrics: &[String]) -> Result<Reported, String> {
             continue;
         }
         let sample = sample(line).map_err(|why| format!("line {}: {why}", number + 1))?;
-        if !metrics.iter().any(|metric| metric == sample.name) {
+        if !sample.value.is_finite() {
             continue;
         }
-        if !sample.value.is_finite() {
+        if tie_break == Some(sample.name) {
+            reported.tie_break += sample.value;
+            continue;
+        }
+        if !metrics.iter().any(|metric| metric == sample.name) {
             continue;
         }
         reported.total += sample.value;
@@ -153,7 +160,7 @@ mod tests {
                     nv_inference_pending_request_count{model=\"slow\",version=\"2\"} 2\n\
                     nv_inference_pending_request_count{model=\"add_sub\",version=\"1\"} 0\n\
                     nv_inference_count{model=\"slow\",version=\"1\"} 1000\n";
-        let reported = read(text, &names(&["nv_inference_pending_request_count"])).unwrap();
+        let reported = read(text, &names(&["nv_inference_pending_request_count"]), None).unwrap();
         assert_eq!(reported.of("slow"), 9.0);
         assert_eq!(reported.of("add_sub"), 0.0);
         assert_eq!(reported.of("other"), 0.0);
@@ -170,15 +177,24 @@ mod tests {
                 "batch_request_queue_sum",
                 "vllm:num_requests_waiting",
             ]),
+            None,
         )
         .unwrap();
+        let vllm = "vllm:num_requests_waiting{model_name=\"m\"} 2\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.75\n";
+        let tied = read(
+            vllm,
+            &names(&["vllm:num_requests_waiting"]),
+            Some("vllm:kv_cache_usage_perc"),
+        )
+        .unwrap();
+        assert_eq!((tied.of("m"), tied.tie_break), (2.0, 0.75));
         assert_eq!(reported.of("anything"), 9.5);
     }
 
     #[test]
     fn escapes_in_label_values_are_read() {
         let text = "q{path=\"a\\\\b\\\"c\\n\",model=\"m\"} 1\n";
-        assert_eq!(read(text, &names(&["q"])).unwrap().of("m"), 1.0);
+        assert_eq!(read(text, &names(&["q"]), None).unwrap().of("m"), 1.0);
     }
 
     #[test]
@@ -191,7 +207,7 @@ mod tests {
             ("q 1 2 3\n", "more than"),
             ("9q 1\n", "not a metric name"),
         ] {
-            let error = read(text, &names(&["q"])).unwrap_err();
+            let error = read(text, &names(&["q"]), None).unwrap_err();
             assert!(error.contains(why), "{text:?}: {error}");
         }
     }

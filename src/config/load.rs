@@ -41,6 +41,8 @@ pub struct LoadSource {
     pub path: String,
     /// Summed; a sample with a `model` label counts for that model only.
     pub metrics: Vec<String>,
+    /// Of two endpoints with equal queues, the one reporting less of this wins (the `vllm` preset's KV-cache use).
+    pub tie_break: Option<String>,
     pub interval: Duration,
     /// Endpoints that name their own metrics address (several replicas on one host), with it.
     pub addresses: Vec<(Endpoint, Endpoint)>,
@@ -57,6 +59,11 @@ impl LoadSource {
             port: self.port.unwrap_or(endpoint.port),
         }
     }
+}
+
+/// The tie-break metric of the servers that have one.
+fn preset_tie_break(name: &str) -> Option<&'static str> {
+    (name == "vllm").then_some("vllm:kv_cache_usage_perc")
 }
 
 /// The queue metrics of the servers oipgate knows by name.
@@ -129,6 +136,7 @@ pub(super) fn validate_load(
         port: load.port,
         path: metrics_path,
         metrics,
+        tie_break: load.preset.as_deref().and_then(preset_tie_break).map(str::to_owned),
         interval: Duration::from_millis(interval),
         addresses,
     }

@@ -154,12 +154,13 @@ impl EndpointState {
 
     /// The queue of the backend's model `model` at this endpoint: what its metrics said, plus the calls sent since;
     /// `None` when it has no scrape younger than `fresh`.
-    fn load(&self, model: &str, fresh: std::time::Duration) -> Option<f64> {
+    /// With it, the tie-break the metrics reported.
+    fn load(&self, model: &str, fresh: std::time::Duration) -> Option<(f64, f64)> {
         let scraped = self.scraped.load();
         let scraped = scraped.as_ref().filter(|s| s.at.elapsed() <= fresh)?;
         #[allow(clippy::cast_precision_loss)]
         let sent = self.sent_since_scrape.load(Ordering::Relaxed) as f64;
-        Some(scraped.reported.of(model) + sent)
+        Some((scraped.reported.of(model) + sent, scraped.reported.tie_break))
     }
 
     /// Healthy by its probes and not ejected (a passed cool-down counts as returned when nothing probes it). Also
@@ -355,7 +356,9 @@ impl Endpoints {
         let fresh = self.policy.load.as_ref()?.interval * 3;
         let mut shortest: Option<f64> = None;
         for index in self.eligible(model, version, &[]) {
-            let queue = self.states[index].load(model, fresh).filter(|queue| *queue > max)?;
+            let (queue, _) = self.states[index]
+                .load(model, fresh)
+                .filter(|(queue, _)| *queue > max)?;
             shortest = Some(shortest.map_or(queue, |s| s.min(queue)));
         }
         shortest
@@ -549,7 +552,7 @@ impl Endpoints {
                     .map_or(std::time::Duration::ZERO, |l| l.interval * 3);
                 match (self.states[a].load(model, fresh), self.states[b].load(model, fresh)) {
                     (Some(load_a), Some(load_b)) => {
-                        if load_b < load_a {
+                        if load_b.partial_cmp(&load_a) == Some(std::cmp::Ordering::Less) {
                             b
                         } else {
                             a

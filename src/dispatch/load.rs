@@ -43,7 +43,7 @@ pub(super) async fn scrape_endpoints(backend: Arc<BackendClients>, source: LoadS
             let (client, source, metrics, backend) = (&client, &source, &metrics, &backend);
             async move {
                 let scraped = match uri {
-                    Some(uri) => tokio::time::timeout(source.interval, scrape(client, uri.clone(), &source.metrics))
+                    Some(uri) => tokio::time::timeout(source.interval, scrape(client, uri.clone(), source))
                         .await
                         .unwrap_or_else(|_| Err("no answer within the interval".to_owned())),
                     None => Err("the metrics address is not a URI".to_owned()),
@@ -67,7 +67,7 @@ pub(super) async fn scrape_endpoints(backend: Arc<BackendClients>, source: LoadS
 }
 
 /// One scrape: the metrics at `uri`, read whole (up to the bound) and summed.
-async fn scrape(client: &ScrapeClient, uri: http::Uri, metrics: &[String]) -> Result<Reported, String> {
+async fn scrape(client: &ScrapeClient, uri: http::Uri, source: &LoadSource) -> Result<Reported, String> {
     let answer = client.get(uri).await.map_err(|e| e.to_string())?;
     if !answer.status().is_success() {
         return Err(format!("answered {}", answer.status()));
@@ -78,5 +78,5 @@ async fn scrape(client: &ScrapeClient, uri: http::Uri, metrics: &[String]) -> Re
         .map_err(|e| format!("cannot read the metrics (more than {MAX_SCRAPE_BYTES} bytes?): {e}"))?
         .to_bytes();
     let text = std::str::from_utf8(&body).map_err(|_| "the metrics are not UTF-8".to_owned())?;
-    exposition::read(text, metrics)
+    exposition::read(text, &source.metrics, source.tie_break.as_deref())
 }
