@@ -8,7 +8,7 @@ with wrk (HTTP/1.1) or h2load (gRPC unary over HTTP/2; scenario 2 at 4x8 and, as
 at a fixed concurrency and duration, alternating the setups
 (A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
 requests of each process, and the gateway's peak RSS. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
-and 10,000 models instead. Writes target/bench/results.json and target/bench/report.md.
+and 10,000 models instead, scenario 8 (scripts/bench_load.py) what `least_load` costs. Writes target/bench/results.json and target/bench/report.md.
 """
 
 import argparse
@@ -573,7 +573,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10, help="duration of each run")
     parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
     parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="scenarios to run, e.g. 1,2,6")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="scenarios to run, e.g. 1,2,6")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="worker threads of oipgate's doors and nginx's worker processes (default: cores)")
     args = parser.parse_args()
@@ -593,8 +593,13 @@ def main():
         import bench_scale
 
         results["scenarios"]["7"] = bench_scale.scale(args.seconds, args.rounds, args.connections, args.workers)
-        if only == {7}:
-            return finish(results)
+    if 8 in only:
+        # Scenario 8 too: gateways with and without `load` (scripts/bench_load.py).
+        import bench_load
+
+        results["scenarios"]["8"] = bench_load.load_costs(args.seconds, args.rounds, args.connections, args.workers)
+    if only <= {7, 8}:
+        return finish(results)
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
     ports, backend, gateway, gateway_auth, nginx, haproxy, floors = start_all(work, args.workers)
     processes = {"model-server": backend, "oipgate": gateway, "oipgate_auth": gateway_auth, "nginx": nginx,
@@ -807,6 +812,11 @@ def report(results):
             import bench_scale
 
             lines += bench_scale.report(runs)
+            continue
+        if name == "8":
+            import bench_load
+
+            lines += bench_load.report(runs)
             continue
         if name == "6":
             lines += ["| | idle RSS | RSS with 1,000 idle keep-alive connections | per connection |", "|---|---|---|---|"]
