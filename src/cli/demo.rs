@@ -154,6 +154,7 @@ each metric). The probes and metrics need no key:
   curl -s {auth} -X POST http://{rest}/v2/repository/index
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
+The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
 
 Python (pip install "tritonclient[http,grpc]" numpy):
 python3 - <<'EOF'

@@ -86,6 +86,36 @@ def test_a_stateless_model_answers_as_triton_alone(triton):  # noqa: F811
                 assert np.array_equal(through.as_numpy(output), direct.as_numpy(output)), (protocol, model, output)
 
 
+def test_least_load_reads_the_queue_tritons_own_metrics_report(triton):  # noqa: F811
+    """Each replica's Prometheus text, as Triton writes it (histograms, summaries, every family), is read strictly
+    and its pending-request gauge balances the gateway's calls."""
+    import time
+    import urllib.request
+
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [triton_http.InferInput("INPUT0", [1, 16], "INT32"), triton_http.InferInput("INPUT1", [1, 16], "INT32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    gateway = triton.gateways[0]
+    through = client("http", gateway.rest)
+    for _ in range(10):
+        assert np.array_equal(through.infer("add_sub_load", inputs).as_numpy("OUTPUT0"), a + a)
+
+    def metric(line_start):
+        text = urllib.request.urlopen(f"http://{gateway.metrics}/metrics", timeout=10).read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+
+    deadline = time.time() + 10
+    while metric('oipgate_load_scrapes_total{backend="triton-load",result="ok"}') < 4 and time.time() < deadline:
+        time.sleep(0.1)
+    assert metric('oipgate_load_scrapes_total{backend="triton-load",result="ok"}') >= 4
+    assert metric('oipgate_load_scrapes_total{backend="triton-load",result="error"}') == 0
+    for replica in triton.replicas:
+        queue = f'oipgate_endpoint_queue{{backend="triton-load",endpoint="{replica.rest}"}}'
+        text = urllib.request.urlopen(f"http://{gateway.metrics}/metrics", timeout=10).read().decode()
+        assert any(line.startswith(queue) for line in text.splitlines()), queue
+
+
 def test_repository_unload_and_load_reach_both_replicas(triton):  # noqa: F811
     for protocol, door in (("http", "rest"), ("grpc", "grpc")):
         through = client(protocol, getattr(triton.gateways[0], door))

@@ -21,6 +21,8 @@ ATTEMPTS = 3
 class Replica:
     rest: str
     grpc: str
+    # Triton's metrics port; the gateway's metrics listener.
+    metrics: str = ""
 
 
 @dataclass
@@ -52,7 +54,7 @@ def start_triton(name: str, logs: Path) -> tuple:
                 "LD_LIBRARY_PATH": str(libraries),
             },
         )
-        replica = Replica(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}")
+        replica = Replica(f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}")
         try:
             wait_until_ready(process, replica.rest, replica.grpc, seconds=60)
             return process, replica
@@ -66,10 +68,22 @@ def gateway_config(replicas: list) -> str:
     def endpoints(protocol):
         return ", ".join(f'"{getattr(r, protocol)}"' for r in replicas)
 
+    # The same replicas balanced on the queue Triton's own metrics report.
+    read_at = ", ".join(f'{{ address = "{r.rest}", metrics = "{r.metrics}" }}' for r in replicas)
     lines = [
         "[listen]",
         'rest = "127.0.0.1:0"',
         'grpc = "127.0.0.1:0"',
+        'metrics = "127.0.0.1:0"',
+        "[[backends]]",
+        'name = "triton-load"',
+        'protocol = "rest"',
+        f"endpoints = [{read_at}]",
+        'lb = "least_load"',
+        'load = { preset = "triton", interval_ms = 100 }',
+        "[[models]]",
+        'name = "add_sub_load"',
+        'versions = [ { version = "1", backend = "triton-load", upstream_name = "add_sub" } ]',
         "[[backends]]",
         'name = "triton-rest"',
         'protocol = "rest"',
@@ -116,7 +130,7 @@ def start_gateway(name: str, config: Path, logs: Path) -> tuple:
     if not line.startswith("oipgate serving") or "rest" not in words:
         process.stop()
         raise RuntimeError(f"{name} did not start: {line!r}\n{process.tail()}")
-    replica = Replica(words["rest"], words["grpc"])
+    replica = Replica(words["rest"], words["grpc"], words.get("metrics", ""))
     wait_until_ready(process, replica.rest, replica.grpc)
     return process, replica
 
