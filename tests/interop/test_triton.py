@@ -116,6 +116,52 @@ def test_least_load_reads_the_queue_tritons_own_metrics_report(triton):  # noqa:
         assert any(line.startswith(queue) for line in text.splitlines()), queue
 
 
+def slow_call(address: str, model: str, delay_ms: int) -> int:
+    tensor = triton_http.InferInput("INPUT0", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([delay_ms], dtype=np.int32))
+    return int(client("http", address).infer(model, [tensor]).as_numpy("OUTPUT0")[0])
+
+
+def inference_count(replica, model: str) -> int:
+    statistics = client("http", replica.rest).get_inference_statistics(model)
+    return int(statistics["model_stats"][0]["inference_count"])
+
+
+def test_least_load_sends_the_gateways_calls_away_from_a_triton_replica_with_a_queue(triton):  # noqa: F811
+    """Both replicas idle, the gateway's calls split evenly; with a queue at one replica from a client that bypasses
+    the gateway (Triton's `slow` model has one instance, so calls wait), at least 90% go to the other."""
+    import time
+    import urllib.request
+
+    gateway = triton.gateways[0]
+    a, b = triton.replicas
+    before = (inference_count(a, "slow"), inference_count(b, "slow"))
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: slow_call(gateway.rest, "slow_load", 5), range(100))) == [5] * 100
+    to_a = inference_count(a, "slow") - before[0]
+    to_b = inference_count(b, "slow") - before[1]
+    assert to_a + to_b == 100 and 40 <= to_a <= 60, (to_a, to_b)
+
+    # Twelve calls of 3 s each at replica a: one runs, eleven wait in its queue.
+    bypass = ThreadPoolExecutor(12)
+    for _ in range(12):
+        bypass.submit(slow_call, a.rest, "slow", 3000)
+    queue = f'oipgate_endpoint_queue{{backend="triton-load",endpoint="{a.rest}"}}'
+    deadline, seen = time.time() + 20, 0.0
+    while seen < 5 and time.time() < deadline:
+        text = urllib.request.urlopen(f"http://{gateway.metrics}/metrics", timeout=10).read().decode()
+        seen = next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(queue)), 0.0)
+        time.sleep(0.05)
+    assert seen >= 5, f"replica a's queue as scraped: {seen}"
+    before_b = inference_count(b, "slow")
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: slow_call(gateway.rest, "slow_load", 5), range(20))) == [5] * 20
+    to_b = inference_count(b, "slow") - before_b
+    assert to_b >= 18, f"{to_b} of 20 calls went to the replica without a queue"
+    # The bypassing calls drain on their own; the replicas stop with the session.
+    bypass.shutdown(wait=False, cancel_futures=True)
+
+
 def test_repository_unload_and_load_reach_both_replicas(triton):  # noqa: F811
     for protocol, door in (("http", "rest"), ("grpc", "grpc")):
         through = client(protocol, getattr(triton.gateways[0], door))
