@@ -702,3 +702,31 @@ pub fn sha256_hex(key: &str) -> String {
         .map(|byte| format!("{byte:02x}"))
         .collect()
 }
+
+/// Sends `count` identity requests, 8 at a time, over `path`; gives how many each replica answered (by name), with
+/// `failed` for those that did not get a 200.
+pub async fn spread(gateway: &GatewayProcess, path: &str, count: usize) -> std::collections::HashMap<String, usize> {
+    use futures_util::StreamExt;
+    let client = http_client(false);
+    let url = gateway.rest_url(path);
+    let answers: Vec<String> = futures_util::stream::iter(0..count)
+        .map(|_| {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                let answer = send(&client, "POST", &url, &[("x-echo-probe", "1".to_owned())], INT32_BODY).await;
+                if answer.status == 200 {
+                    answer.header("x-echo-server").unwrap_or("unnamed").to_owned()
+                } else {
+                    format!("failed {} {}", answer.status, String::from_utf8_lossy(&answer.body))
+                }
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut counts = std::collections::HashMap::new();
+    for answer in answers {
+        *counts.entry(answer).or_insert(0) += 1;
+    }
+    counts
+}

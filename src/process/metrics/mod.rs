@@ -1,24 +1,22 @@
-//! The gateway's Prometheus metrics: one registry for the process, handles resolved when the routes are built (a
-//! request increments counters it already holds, no label formatting per request), and the `/metrics` listener.
+//! The gateway's Prometheus metrics: one registry for the process, series made at first use and kept by the routes
+//! and backends that use them (a request increments counters it already holds, no label formatting per request),
+//! and the `/metrics` listener.
 
 mod family;
+mod handles;
+mod listener;
 
-use std::convert::Infallible;
-use std::future::Future;
+use handles::{BackendFamilies, BackendSeries};
+pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
+pub use listener::serve;
+
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
-use tokio::net::TcpListener;
 
 use self::family::{Family, SeriesBound};
 use crate::error::{Error, Result};
@@ -195,174 +193,6 @@ struct ProtocolMetrics {
     duration: Histogram,
     request_bytes: IntCounter,
     response_bytes: IntCounter,
-}
-
-/// `oipgate_requests_total` and `oipgate_mirror_requests_total` for one public model version and its backend. The
-/// series are made when first used (a route never called adds none), then kept here, so a request's count is one
-/// increment with no label formatting or lookup.
-#[derive(Debug)]
-pub struct RouteMetrics {
-    /// The public model, version and backend, for access logs and the series' labels.
-    pub model: String,
-    pub version: String,
-    pub backend: String,
-    requests: Arc<Family<IntCounterVec>>,
-    mirrors: Arc<Family<IntCounterVec>>,
-    /// Allocated at the route's first request: most routes of a large fleet are never called.
-    series: OnceLock<Box<RouteSeries>>,
-    /// How many configured principals (API keys) are counted under their own names.
-    principals: usize,
-}
-
-/// Request counters by client protocol, then by [`CODE_LABELS`] position.
-type RequestSeries = [[OnceLock<IntCounter>; CODE_LABELS.len()]; 2];
-
-/// A route's series, each made on first use.
-#[derive(Debug, Default)]
-struct RouteSeries {
-    /// Requests of no configured principal.
-    requests: RequestSeries,
-    /// By [`MirrorResult`] position.
-    mirrors: [OnceLock<IntCounter>; 3],
-    /// Requests of each configured principal, by its key's position; allocated at the first of them.
-    principals: OnceLock<Box<[OnceLock<Box<RequestSeries>>]>>,
-}
-
-/// What became of a mirrored copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MirrorResult {
-    Ok,
-    Error,
-    /// Not sent: too many mirrored calls were under way.
-    Shed,
-}
-
-impl MirrorResult {
-    const ALL: [MirrorResult; 3] = [MirrorResult::Ok, MirrorResult::Error, MirrorResult::Shed];
-
-    fn label(self) -> &'static str {
-        match self {
-            MirrorResult::Ok => "ok",
-            MirrorResult::Error => "error",
-            MirrorResult::Shed => "shed",
-        }
-    }
-}
-
-impl RouteMetrics {
-    fn series(&self) -> &RouteSeries {
-        self.series.get_or_init(Box::default)
-    }
-
-    /// Counts a copy mirrored to this version.
-    pub fn mirrored(&self, result: MirrorResult) {
-        let index = MirrorResult::ALL.iter().position(|&r| r == result).unwrap_or(0);
-        self.series().mirrors[index]
-            .get_or_init(|| self.mirrors.series(&[&self.model, &self.version, result.label()]))
-            .inc();
-    }
-
-    /// Counts a request of `protocol` answered with `status`, under `principal` when it is a configured one.
-    fn count(&self, protocol: ClientProtocol, status: u16, principal: Option<&Principal>) {
-        let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
-        let make = |name: &str| {
-            self.requests.series(&[
-                &self.model,
-                &self.version,
-                protocol.label(),
-                &self.backend,
-                CODE_LABELS[index],
-                name,
-            ])
-        };
-        let series = self.series();
-        let Some(principal) = principal.filter(|p| p.counted().is_some()) else {
-            series.requests[protocol.index()][index]
-                .get_or_init(|| make(OTHER_PRINCIPAL))
-                .inc();
-            return;
-        };
-        let slots = series
-            .principals
-            .get_or_init(|| (0..self.principals).map(|_| OnceLock::new()).collect());
-        match principal.counted().and_then(|position| slots.get(position)) {
-            Some(slot) => slot.get_or_init(Box::default)[protocol.index()][index]
-                .get_or_init(|| make(principal.name()))
-                .inc(),
-            // The route of an unknown model, or a principal of another configuration than the route's: found by its
-            // labels.
-            None => make(principal.name()).inc(),
-        }
-    }
-}
-
-/// A backend's in-flight gauge, upstream latency and retries, made at its first call.
-#[derive(Debug, Clone)]
-pub struct BackendMetrics(Arc<BackendSeries>);
-
-#[derive(Debug)]
-struct BackendSeries {
-    name: String,
-    families: Arc<BackendFamilies>,
-    in_flight: OnceLock<(IntGauge, Histogram)>,
-    retries: OnceLock<IntCounter>,
-}
-
-/// The families of per-backend series.
-#[derive(Debug)]
-struct BackendFamilies {
-    in_flight: Family<IntGaugeVec>,
-    upstream_duration: Family<HistogramVec>,
-    retries: Family<IntCounterVec>,
-    endpoint_healthy: Family<IntGaugeVec>,
-    /// `least_load`: scrapes of endpoints' metrics by result, the queue each last reported, and the choices made
-    /// without a recent scrape.
-    load_scrapes: Family<IntCounterVec>,
-    endpoint_queue: Family<GaugeVec>,
-    load_fallbacks: Family<IntCounterVec>,
-}
-
-impl BackendMetrics {
-    /// Counts a call sent again to another endpoint after the first could not be reached.
-    pub fn retried(&self) {
-        let series = &self.0;
-        series
-            .retries
-            .get_or_init(|| series.families.retries.series(&[&series.name]))
-            .inc();
-    }
-
-    /// Counts a call as in flight until the returned guard is dropped (answered, failed or cancelled).
-    pub fn call(&self) -> InFlight {
-        let series = &self.0;
-        let (gauge, duration) = series.in_flight.get_or_init(|| {
-            (
-                series.families.in_flight.series(&[&series.name]),
-                series.families.upstream_duration.series(&[&series.name]),
-            )
-        });
-        gauge.inc();
-        InFlight {
-            gauge: gauge.clone(),
-            duration: duration.clone(),
-            started: Instant::now(),
-        }
-    }
-}
-
-/// One backend call in flight; its end is recorded when dropped.
-#[derive(Debug)]
-pub struct InFlight {
-    gauge: IntGauge,
-    duration: Histogram,
-    started: Instant,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.gauge.dec();
-        self.duration.observe(self.started.elapsed().as_secs_f64());
-    }
 }
 
 /// One request being counted: recorded when finished, or as 499 (client closed) when dropped unfinished, which is
@@ -798,73 +628,6 @@ impl Metrics {
             .encode_to_string(&self.registry.gather())
             .unwrap_or_else(|e| format!("# metrics could not be encoded: {e}\n"))
     }
-}
-
-/// Serves `GET /metrics` (and `/`), and the fleet status page (`GET /status`, `GET /status.json`), on `listener`
-/// until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    gateway: Arc<crate::process::live::Gateway>,
-    shutdown: impl Future<Output = ()>,
-) {
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = &mut shutdown => return,
-        };
-        let Ok((stream, _)) = accepted else { continue };
-        let _ = stream.set_nodelay(true);
-        let gateway = gateway.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request: Request<hyper::body::Incoming>| {
-                let gateway = gateway.clone();
-                async move { Ok::<_, Infallible>(answer(&gateway, &request).await) }
-            });
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
-}
-
-async fn answer<B>(gateway: &crate::process::live::Gateway, request: &Request<B>) -> Response<Full<Bytes>> {
-    let (status, content_type, body) = match (request.method(), request.uri().path()) {
-        (&Method::GET, "/metrics" | "/") => (
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            Bytes::from(gateway.metrics().render()),
-        ),
-        (&Method::GET, "/status") => (
-            StatusCode::OK,
-            "text/html; charset=utf-8",
-            Bytes::from_static(crate::process::status::PAGE.as_bytes()),
-        ),
-        (&Method::GET, "/status.json") => (
-            StatusCode::OK,
-            "application/json",
-            Bytes::from(crate::process::status::json(gateway).await),
-        ),
-        (_, "/metrics" | "/" | "/status" | "/status.json") => (
-            StatusCode::METHOD_NOT_ALLOWED,
-            "application/json",
-            Bytes::from_static(b"{\"error\":\"the metrics listener answers GET only\"}"),
-        ),
-        (_, path) => (
-            StatusCode::NOT_FOUND,
-            "application/json",
-            Bytes::from(format!(
-                "{{\"error\":\"no endpoint at {}; metrics are at /metrics, the fleet's status at /status\"}}",
-                path.escape_default()
-            )),
-        ),
-    };
-    let mut response = Response::new(Full::new(body));
-    *response.status_mut() = status;
-    if let Ok(value) = http::HeaderValue::from_str(content_type) {
-        response.headers_mut().insert(http::header::CONTENT_TYPE, value);
-    }
-    response
 }
 
 #[cfg(test)]
