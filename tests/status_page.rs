@@ -27,7 +27,7 @@ fn render(url: &str, screenshot: &Path) -> String {
                 url,
             ])
             .output()
-            .expect("chromium runs (scripts/setup installs Debian's chromium)");
+            .expect("chromium runs (scripts/setup --tests installs Debian's chromium)");
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         String::from_utf8(output.stdout).unwrap()
     };
