@@ -342,7 +342,7 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
 }
 
 #[tokio::test]
-async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_across_reloads() {
+async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_across_reloads_that_keep_their_model() {
     let a = ModelServerProcess::named("a");
     let config = |max_series: usize, models: &[&str]| {
         let mut config = format!(
@@ -401,4 +401,10 @@ async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_acr
     assert_eq!(gateway.metric(&series("m0")).await, 2.0);
     assert_eq!(gateway.metric(&series("m3")).await, 1.0);
     assert_eq!(gateway.metric(other).await, 2.0);
+    // The series of models the reload removed are gone with them, and no longer count against the bound.
+    let after = gateway.metrics().await;
+    assert!(
+        !after.contains("model=\"m1\"") && !after.contains("model=\"m2\""),
+        "{after}"
+    );
 }

@@ -179,6 +179,12 @@ impl Dispatcher {
             }
         }
         let routes = RouteTable::new(config)?;
+        if previous.is_some() {
+            metrics.forget_removed(
+                |model, version| routes.resolve(model, Some(version)).is_ok(),
+                |backend| config.backends().iter().any(|b| b.name == backend),
+            );
+        }
         let principals = config.auth.as_ref().map_or(0, |auth| auth.api_keys.len());
         let route_metrics = routes
             .routes()

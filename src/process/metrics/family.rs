@@ -13,6 +13,8 @@ pub trait Vector {
     type Series;
     fn series(&self, values: &[&str]) -> Self::Series;
     fn remove(&self, values: &[&str]);
+    /// The label values of every series, in the labels' order.
+    fn made(&self) -> Vec<Vec<String>>;
 }
 
 impl<T: MetricVecBuilder> Vector for MetricVec<T> {
@@ -24,6 +26,29 @@ impl<T: MetricVecBuilder> Vector for MetricVec<T> {
 
     fn remove(&self, values: &[&str]) {
         let _ = self.remove_label_values(values);
+    }
+
+    fn made(&self) -> Vec<Vec<String>> {
+        let names: Vec<String> = prometheus::core::Collector::desc(self)
+            .first()
+            .map(|desc| desc.variable_labels.clone())
+            .unwrap_or_default();
+        prometheus::core::Collector::collect(self)
+            .iter()
+            .flat_map(|family| family.get_metric().iter())
+            .map(|metric| {
+                names
+                    .iter()
+                    .map(|name| {
+                        metric
+                            .get_label()
+                            .iter()
+                            .find(|pair| pair.name() == name)
+                            .map_or_else(String::new, |pair| pair.value().to_owned())
+                    })
+                    .collect()
+            })
+            .collect()
     }
 }
 
@@ -138,6 +163,21 @@ impl<V: Vector> Family<V> {
         let mut made = self.made.write().unwrap_or_else(PoisonError::into_inner);
         if made.made.remove(&key) {
             self.vec.remove(values);
+        }
+    }
+
+    /// Removes every series whose label values `keep` refuses (they are given in the labels' order).
+    pub fn retain(&self, keep: impl Fn(&[String]) -> bool) {
+        for values in self.vec.made() {
+            if !keep(&values) {
+                let values: Vec<&str> = values.iter().map(String::as_str).collect();
+                let key = hash(&values);
+                let mut made = self.made.write().unwrap_or_else(PoisonError::into_inner);
+                made.made.remove(&key);
+                made.refused.remove(&key);
+                drop(made);
+                self.vec.remove(&values);
+            }
         }
     }
 

@@ -616,6 +616,28 @@ impl Metrics {
         self.reloads[usize::from(!ok)].inc();
     }
 
+    /// Drops the series of model versions and backends a new configuration no longer has, so that a fleet whose
+    /// models come and go does not fill `max_series` with series nothing counts any more. The `_other` and
+    /// `_unknown` series stay.
+    pub fn forget_removed(&self, serves: impl Fn(&str, &str) -> bool, has_backend: impl Fn(&str) -> bool) {
+        let fixed = |value: &str| value == family::OTHER || value == UNKNOWN || value == NO_BACKEND;
+        let model_version = |values: &[String]| fixed(&values[0]) || serves(&values[0], &values[1]);
+        // oipgate_requests_total: model, version, protocol, backend, code, principal.
+        self.requests
+            .retain(|values| model_version(values) && (fixed(&values[3]) || has_backend(&values[3])));
+        self.mirrors.retain(model_version);
+        self.streams.closed.retain(model_version);
+        self.streams.messages.retain(model_version);
+        self.streams.first_response.retain(model_version);
+        let backend = |values: &[String]| fixed(&values[0]) || has_backend(&values[0]);
+        let families = &self.backends;
+        families.in_flight.retain(backend);
+        families.upstream_duration.retain(backend);
+        families.retries.retain(backend);
+        families.load_scrapes.retain(backend);
+        families.load_fallbacks.retain(backend);
+    }
+
     /// Drops the health series of an endpoint no longer configured or discovered.
     pub fn forget_endpoint(&self, backend: &str, endpoint: &str) {
         self.backends.endpoint_healthy.forget(&[backend, endpoint]);
