@@ -344,33 +344,74 @@ fn drain(gateway: &Gateway, grace: Duration) {
 /// process. `path` is the configuration file reloads read.
 pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Process) -> Result<()> {
     let streams = SignalStreams::listen().map_err(|e| Error::internal(format!("cannot listen for signals: {e}")))?;
-    let metrics = Metrics::new()?;
-    let (built, owned_name, owned_metrics) = (config.clone(), name.to_owned(), metrics.clone());
-    let gateway = super::on_builder_thread(move || Gateway::new(built, &owned_name, path, owned_metrics))
-        .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
-    // A fresh start binds now, so a taken port fails it with the address named; an upgrade takes the sockets over.
-    let bind = |address: Option<SocketAddr>, what: &str| -> Result<Option<std::net::TcpListener>> {
-        match address {
-            Some(address) if !process.upgrade => crate::frontend::bind(address)
-                .map(Some)
-                .map_err(|e| Error::internal(format!("cannot listen for {what} on {address}: {e}"))),
-            _ => Ok(None),
-        }
+    let gateway = start_gateway(&config, name, path)?;
+    let sockets = Sockets::bind(&config, process)?;
+    let bound = sockets.bound();
+    let mut server = pingora_server(process);
+    let failure = Arc::new(tokio::sync::Notify::new());
+    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    add_services(&mut server, &config, &gateway, sockets, &failure);
+    announce(&config, bound);
+    let signals = Signals {
+        streams: std::sync::Mutex::new(Some(streams)),
+        gateway: gateway.clone(),
+        shutdown: config.shutdown,
+        failure,
+        failed: failed.clone(),
     };
-    let rest_socket = bind(Some(config.listen.rest), "REST")?;
-    let grpc_socket = bind(Some(config.listen.grpc), "gRPC")?;
-    let metrics_socket = bind(config.listen.metrics, "metrics")?;
-    let local = |socket: &Option<std::net::TcpListener>| socket.as_ref().and_then(|s| s.local_addr().ok());
-    let (rest_bound, grpc_bound, metrics_bound) = (local(&rest_socket), local(&grpc_socket), local(&metrics_socket));
-    let max_request_bytes = config.limits.max_request_bytes;
-    let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
-        config
-            .tls
-            .as_ref()
-            .filter(|tls| door(tls))
-            .and_then(|_| gateway.identity().cloned())
-    };
+    server.run(RunArgs {
+        shutdown_signal: Box::new(signals),
+    });
+    drain(&gateway, config.shutdown.grace_period);
+    if failed.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(Error::internal("a listener could not start (see the log)"));
+    }
+    Ok(())
+}
 
+/// The gateway's first snapshot, built on the builder thread, counting into the process's metrics.
+fn start_gateway(config: &Config, name: &str, path: Option<PathBuf>) -> Result<Arc<Gateway>> {
+    let metrics = Metrics::new()?;
+    let (built, name) = (config.clone(), name.to_owned());
+    super::on_builder_thread(move || Gateway::new(built, &name, path, metrics))
+        .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))
+}
+
+/// The listening sockets of a fresh start; none in an upgrade, which takes the running process's over.
+struct Sockets {
+    rest: Option<std::net::TcpListener>,
+    grpc: Option<std::net::TcpListener>,
+    metrics: Option<std::net::TcpListener>,
+}
+
+impl Sockets {
+    /// Binds now, so a taken port fails the start with the address named.
+    fn bind(config: &Config, process: &Process) -> Result<Sockets> {
+        let bind = |address: Option<SocketAddr>, what: &str| -> Result<Option<std::net::TcpListener>> {
+            match address {
+                Some(address) if !process.upgrade => crate::frontend::bind(address)
+                    .map(Some)
+                    .map_err(|e| Error::internal(format!("cannot listen for {what} on {address}: {e}"))),
+                _ => Ok(None),
+            }
+        };
+        Ok(Sockets {
+            rest: bind(Some(config.listen.rest), "REST")?,
+            grpc: bind(Some(config.listen.grpc), "gRPC")?,
+            metrics: bind(config.listen.metrics, "metrics")?,
+        })
+    }
+
+    /// Their bound addresses (a port 0 made real), by REST, gRPC and metrics.
+    fn bound(&self) -> [Option<SocketAddr>; 3] {
+        let local = |socket: &Option<std::net::TcpListener>| socket.as_ref().and_then(|s| s.local_addr().ok());
+        [local(&self.rest), local(&self.grpc), local(&self.metrics)]
+    }
+}
+
+/// pingora's server, bootstrapped: in an upgrade this waits for the running process's sockets (it sends them on
+/// SIGQUIT).
+fn pingora_server(process: &Process) -> Server {
     let conf = ServerConf {
         threads: 1,
         // pingora would wait out the whole grace period; the drain is waited for here once it returns, and ends
@@ -385,11 +426,18 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
         ..Default::default()
     };
     let mut server = Server::new_with_opt_and_conf(Some(options), conf);
-    // In an upgrade, this waits for the running process's sockets (it sends them on SIGQUIT).
     server.bootstrap();
+    server
+}
 
-    let failure = Arc::new(tokio::sync::Notify::new());
-    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+/// The two doors, the metrics listener and the control service (health checks, discovery, reloads).
+fn add_services(
+    server: &mut Server,
+    config: &Config,
+    gateway: &Arc<Gateway>,
+    sockets: Sockets,
+    failure: &Arc<tokio::sync::Notify>,
+) {
     let listener = |name, address, bound, serves| Listener {
         name,
         address,
@@ -398,34 +446,42 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
         serves,
         failure: failure.clone(),
     };
+    let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
+        config
+            .tls
+            .as_ref()
+            .filter(|tls| door(tls))
+            .and_then(|_| gateway.identity().cloned())
+    };
+    let limits = &config.limits;
     let rest = RestConnections {
         door: Arc::new(RestDoor::new(
             gateway.clone(),
-            max_request_bytes,
-            config.limits.body_read_timeout,
+            limits.max_request_bytes,
+            limits.body_read_timeout,
         )),
         tls: tls_on(|tls| tls.rest)
             .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2", b"http/1.1"]))),
-        header_timeout: config.limits.header_read_timeout,
-        max_concurrent_streams: config.limits.max_concurrent_streams,
-        max_buffered_answer_bytes: config.limits.max_buffered_answer_bytes,
+        header_timeout: limits.header_read_timeout,
+        max_concurrent_streams: limits.max_concurrent_streams,
+        max_buffered_answer_bytes: limits.max_buffered_answer_bytes,
     };
-    server.add_service(listener("rest", config.listen.rest, rest_socket, Serves::Rest(rest)));
+    server.add_service(listener("rest", config.listen.rest, sockets.rest, Serves::Rest(rest)));
     let grpc = Serves::Grpc {
         gateway: gateway.clone(),
         limits: grpc::GrpcLimits {
-            max_message_bytes: usize::try_from(max_request_bytes).unwrap_or(usize::MAX),
-            max_concurrent_streams: config.limits.max_concurrent_streams,
-            max_buffered_answer_bytes: config.limits.max_buffered_answer_bytes,
+            max_message_bytes: usize::try_from(limits.max_request_bytes).unwrap_or(usize::MAX),
+            max_concurrent_streams: limits.max_concurrent_streams,
+            max_buffered_answer_bytes: limits.max_buffered_answer_bytes,
         },
         tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
     };
-    server.add_service(listener("grpc", config.listen.grpc, grpc_socket, grpc));
+    server.add_service(listener("grpc", config.listen.grpc, sockets.grpc, grpc));
     if let Some(address) = config.listen.metrics {
         server.add_service(listener(
             "metrics",
             address,
-            metrics_socket,
+            sockets.metrics,
             Serves::Metrics(gateway.clone()),
         ));
     }
@@ -435,7 +491,11 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
             gateway: gateway.clone(),
         },
     ));
-    // Where each listener is: the bound address (a port 0 made real), or in an upgrade the configured one.
+}
+
+/// The log line and the first line on stdout (which tests and scripts read): where each listener is, the bound
+/// address (a port 0 made real) or in an upgrade the configured one.
+fn announce(config: &Config, [rest, grpc, metrics]: [Option<SocketAddr>; 3]) {
     let shown = |bound: Option<SocketAddr>, configured: Option<SocketAddr>| {
         bound
             .or(configured)
@@ -444,27 +504,11 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     tracing::info!(summary = %config.summary(), pid = std::process::id(), "configuration loaded");
     println!(
         "oipgate serving: rest={} grpc={} metrics={} pid={} ({})",
-        shown(rest_bound, Some(config.listen.rest)),
-        shown(grpc_bound, Some(config.listen.grpc)),
-        shown(metrics_bound, config.listen.metrics),
+        shown(rest, Some(config.listen.rest)),
+        shown(grpc, Some(config.listen.grpc)),
+        shown(metrics, config.listen.metrics),
         std::process::id(),
         config.summary()
     );
     let _ = std::io::Write::flush(&mut std::io::stdout());
-    let signals = Signals {
-        streams: std::sync::Mutex::new(Some(streams)),
-        gateway: gateway.clone(),
-        shutdown: config.shutdown,
-        failure,
-        failed: failed.clone(),
-    };
-    let grace = config.shutdown.grace_period;
-    server.run(RunArgs {
-        shutdown_signal: Box::new(signals),
-    });
-    drain(&gateway, grace);
-    if failed.load(std::sync::atomic::Ordering::Relaxed) {
-        return Err(Error::internal("a listener could not start (see the log)"));
-    }
-    Ok(())
 }

@@ -63,6 +63,25 @@ impl MirrorResult {
 }
 
 impl RouteMetrics {
+    /// The handles of the public `[model, version, backend]`, none made yet; `principals` configured principals are
+    /// counted under their own names.
+    pub(super) fn new(
+        requests: &Arc<Family<IntCounterVec>>,
+        mirrors: &Arc<Family<IntCounterVec>>,
+        [model, version, backend]: [&str; 3],
+        principals: usize,
+    ) -> Arc<RouteMetrics> {
+        Arc::new(RouteMetrics {
+            model: model.to_owned(),
+            version: version.to_owned(),
+            backend: backend.to_owned(),
+            requests: requests.clone(),
+            mirrors: mirrors.clone(),
+            series: OnceLock::new(),
+            principals,
+        })
+    }
+
     fn series(&self) -> &RouteSeries {
         self.series.get_or_init(Box::default)
     }

@@ -335,7 +335,22 @@ struct Families<'a> {
     dropped: IntCounterVec,
 }
 
-impl Families<'_> {
+impl<'a> Families<'a> {
+    /// Families in `registry`, bounded to the default `[metrics] max_series` until a configuration says otherwise.
+    fn new(registry: &'a Registry) -> Result<Families<'a>> {
+        Ok(Families {
+            registry,
+            bound: SeriesBound::new(usize::try_from(crate::config::DEFAULT_MAX_SERIES).unwrap_or(usize::MAX)),
+            dropped: counters(
+                registry,
+                "oipgate_metrics_series_dropped_total",
+                "Series not made because their metric had [metrics] max_series already; what they would have counted \
+                 is counted under _other labels.",
+                &["metric"],
+            )?,
+        })
+    }
+
     fn family<V: family::Vector>(&self, name: &str, vec: V, labels: &[&str]) -> Family<V> {
         let kept: Vec<bool> = labels.iter().map(|label| FEW_VALUED_LABELS.contains(label)).collect();
         Family::new(vec, &kept, self.bound.clone(), self.dropped.with_label_values(&[name]))
@@ -349,8 +364,85 @@ impl Families<'_> {
         Ok(self.family(name, gauges(self.registry, name, help, labels)?, labels))
     }
 
+    /// Gauges of fractional values.
+    fn real_gauges(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<GaugeVec>> {
+        let vec = GaugeVec::new(Opts::new(name, help), labels).map_err(metric_error)?;
+        Ok(self.family(name, registered(self.registry, vec)?, labels))
+    }
+
     fn histograms(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<HistogramVec>> {
         Ok(self.family(name, histograms(self.registry, name, help, labels)?, labels))
+    }
+
+    /// The families of per-backend and per-endpoint series.
+    fn backends(&self) -> Result<BackendFamilies> {
+        Ok(BackendFamilies {
+            upstream_duration: self.histograms(
+                "oipgate_upstream_duration_seconds",
+                "Backend calls, from sending to the whole answer, by backend.",
+                &["backend"],
+            )?,
+            in_flight: self.gauges(
+                "oipgate_in_flight",
+                "Backend calls under way, by backend.",
+                &["backend"],
+            )?,
+            retries: self.counters(
+                "oipgate_retries_total",
+                "Calls sent again to another endpoint of a backend because the first could not be reached.",
+                &["backend"],
+            )?,
+            endpoint_healthy: self.gauges(
+                "oipgate_endpoint_healthy",
+                "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
+                &["backend", "endpoint"],
+            )?,
+            load_scrapes: self.counters(
+                "oipgate_load_scrapes_total",
+                "Scrapes of backend endpoints' own metrics (a backend's `load`), by result: ok or error (no answer \
+                 in time, too large, not the exposition format).",
+                &["backend", "result"],
+            )?,
+            endpoint_queue: self.real_gauges(
+                "oipgate_endpoint_queue",
+                "The queue an endpoint's own metrics reported at its last good scrape, summed over its models.",
+                &["backend", "endpoint"],
+            )?,
+            load_fallbacks: self.counters(
+                "oipgate_load_fallbacks_total",
+                "least_load choices made on the gateway's own calls under way, for want of a recent scrape.",
+                &["backend"],
+            )?,
+        })
+    }
+}
+
+impl ProtocolMetrics {
+    /// Whole-request duration and bytes, for each client protocol.
+    fn all(registry: &Registry) -> Result<[ProtocolMetrics; 2]> {
+        let duration = histograms(
+            registry,
+            "oipgate_request_duration_seconds",
+            "Whole requests, from the first byte read to the last written, by client protocol.",
+            &["protocol"],
+        )?;
+        let request_bytes = counters(
+            registry,
+            "oipgate_request_bytes_total",
+            "Request body bytes received, by client protocol.",
+            &["protocol"],
+        )?;
+        let response_bytes = counters(
+            registry,
+            "oipgate_response_bytes_total",
+            "Response body bytes sent, by client protocol.",
+            &["protocol"],
+        )?;
+        Ok(ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
+            duration: duration.with_label_values(&[protocol.label()]),
+            request_bytes: request_bytes.with_label_values(&[protocol.label()]),
+            response_bytes: response_bytes.with_label_values(&[protocol.label()]),
+        }))
     }
 }
 
@@ -360,23 +452,18 @@ impl Metrics {
     pub fn new() -> Result<Arc<Metrics>> {
         let registry = Registry::new();
         register_build_info(&registry)?;
-        let families = Families {
-            registry: &registry,
-            bound: SeriesBound::new(usize::try_from(crate::config::DEFAULT_MAX_SERIES).unwrap_or(usize::MAX)),
-            dropped: counters(
-                &registry,
-                "oipgate_metrics_series_dropped_total",
-                "Series not made because their metric had [metrics] max_series already; what they would have counted \
-                 is counted under _other labels.",
-                &["metric"],
-            )?,
-        };
-        let requests = families.counters(
+        let families = Families::new(&registry)?;
+        let requests = Arc::new(families.counters(
             "oipgate_requests_total",
             "Inference requests by public model and version, client protocol, backend, HTTP status and principal \
              (a configured API key's name, else _other).",
             &["model", "version", "protocol", "backend", "code", "principal"],
-        )?;
+        )?);
+        let mirrors = Arc::new(families.counters(
+            "oipgate_mirror_requests_total",
+            "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
+            &["model", "version", "result"],
+        )?);
         let auth_denied = counters(
             &registry,
             "oipgate_auth_denied_total",
@@ -390,78 +477,6 @@ impl Metrics {
              max_queue (queue).",
             &["scope"],
         )?;
-        let mirrors = families.counters(
-            "oipgate_mirror_requests_total",
-            "Copies of requests mirrored to a version, by result: ok, error, or shed (not sent, too many under way).",
-            &["model", "version", "result"],
-        )?;
-        let request_duration = histograms(
-            &registry,
-            "oipgate_request_duration_seconds",
-            "Whole requests, from the first byte read to the last written, by client protocol.",
-            &["protocol"],
-        )?;
-        let backends = BackendFamilies {
-            upstream_duration: families.histograms(
-                "oipgate_upstream_duration_seconds",
-                "Backend calls, from sending to the whole answer, by backend.",
-                &["backend"],
-            )?,
-            in_flight: families.gauges(
-                "oipgate_in_flight",
-                "Backend calls under way, by backend.",
-                &["backend"],
-            )?,
-            retries: families.counters(
-                "oipgate_retries_total",
-                "Calls sent again to another endpoint of a backend because the first could not be reached.",
-                &["backend"],
-            )?,
-            endpoint_healthy: families.gauges(
-                "oipgate_endpoint_healthy",
-                "1 when a backend endpoint may take calls (passing its health checks, not ejected), else 0.",
-                &["backend", "endpoint"],
-            )?,
-            load_scrapes: families.counters(
-                "oipgate_load_scrapes_total",
-                "Scrapes of backend endpoints' own metrics (a backend's `load`), by result: ok or error (no answer \
-                 in time, too large, not the exposition format).",
-                &["backend", "result"],
-            )?,
-            endpoint_queue: families.family(
-                "oipgate_endpoint_queue",
-                registered(
-                    &registry,
-                    GaugeVec::new(
-                        Opts::new(
-                            "oipgate_endpoint_queue",
-                            "The queue an endpoint's own metrics reported at its last good scrape, summed over its \
-                             models.",
-                        ),
-                        &["backend", "endpoint"],
-                    )
-                    .map_err(metric_error)?,
-                )?,
-                &["backend", "endpoint"],
-            ),
-            load_fallbacks: families.counters(
-                "oipgate_load_fallbacks_total",
-                "least_load choices made on the gateway's own calls under way, for want of a recent scrape.",
-                &["backend"],
-            )?,
-        };
-        let request_bytes = counters(
-            &registry,
-            "oipgate_request_bytes_total",
-            "Request body bytes received, by client protocol.",
-            &["protocol"],
-        )?;
-        let response_bytes = counters(
-            &registry,
-            "oipgate_response_bytes_total",
-            "Response body bytes sent, by client protocol.",
-            &["protocol"],
-        )?;
         let translation = histograms(
             &registry,
             "oipgate_translation_duration_seconds",
@@ -474,35 +489,18 @@ impl Metrics {
             "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
             &["result"],
         )?;
-        let streams = StreamMetrics::new(&families)?;
-        let protocols = ClientProtocol::ALL.map(|protocol| ProtocolMetrics {
-            duration: request_duration.with_label_values(&[protocol.label()]),
-            request_bytes: request_bytes.with_label_values(&[protocol.label()]),
-            response_bytes: response_bytes.with_label_values(&[protocol.label()]),
-        });
-        let requests = Arc::new(requests);
-        let mirrors = Arc::new(mirrors);
-        let unknown_route = Arc::new(RouteMetrics {
-            model: UNKNOWN.to_owned(),
-            version: UNKNOWN.to_owned(),
-            backend: NO_BACKEND.to_owned(),
-            requests: requests.clone(),
-            mirrors: mirrors.clone(),
-            series: OnceLock::new(),
-            principals: 0,
-        });
         Ok(Arc::new(Metrics {
             bound: families.bound.clone(),
+            unknown_route: RouteMetrics::new(&requests, &mirrors, [UNKNOWN, UNKNOWN, NO_BACKEND], 0),
             requests,
             auth_denied,
             rate_limited,
             mirrors,
-            backends: Arc::new(backends),
-            protocols,
-            unknown_route,
+            backends: Arc::new(families.backends()?),
+            protocols: ProtocolMetrics::all(&registry)?,
             translation: Direction::ALL.map(|direction| translation.with_label_values(&[direction.label()])),
             reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
-            streams,
+            streams: StreamMetrics::new(&families)?,
             registry,
         }))
     }
@@ -515,15 +513,7 @@ impl Metrics {
     /// The handles for one public model version served by `backend`; its series are made at first use.
     /// `principals` is how many configured principals are counted under their own names.
     pub fn route(&self, model: &str, version: &str, backend: &str, principals: usize) -> Arc<RouteMetrics> {
-        Arc::new(RouteMetrics {
-            model: model.to_owned(),
-            version: version.to_owned(),
-            backend: backend.to_owned(),
-            requests: self.requests.clone(),
-            mirrors: self.mirrors.clone(),
-            series: OnceLock::new(),
-            principals,
-        })
+        RouteMetrics::new(&self.requests, &self.mirrors, [model, version, backend], principals)
     }
 
     /// The handles for requests that named no configured model or version.
