@@ -99,6 +99,7 @@ pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backend
     let rest = options.rest;
     let grpc = options.grpc;
     let metrics = options.metrics;
+    let python = python_example(rest, grpc);
     let data = (0..16).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let ones = vec!["1"; 16].join(",");
     let body = format!(
@@ -156,7 +157,14 @@ each metric). The probes and metrics need no key:
   curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
 The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
 
-Python (pip install "tritonclient[http,grpc]" numpy):
+{python}"#
+    )
+}
+
+/// The printed Python example: tritonclient over both doors, and a stream.
+fn python_example(rest: SocketAddr, grpc: SocketAddr) -> String {
+    format!(
+        r#"Python (pip install "tritonclient[http,grpc]" numpy):
 python3 - <<'EOF'
 import numpy as np
 import tritonclient.grpc as grpcclient

@@ -163,27 +163,9 @@ impl Dispatcher {
                 ))
             })
             .collect::<Vec<_>>();
-        if let Some(previous) = previous {
-            for old in &previous.backends {
-                for state in &old.fleet.states {
-                    let kept = backends
-                        .iter()
-                        .any(|b| b.name == old.name && b.fleet.states.iter().any(|s| Arc::ptr_eq(s, state)));
-                    let same_series = backends
-                        .iter()
-                        .any(|b| b.name == old.name && b.endpoints.iter().any(|e| e.to_string() == state.authority));
-                    if !kept && !same_series {
-                        metrics.forget_endpoint(&old.name, &state.authority);
-                    }
-                }
-            }
-        }
         let routes = RouteTable::new(config)?;
-        if previous.is_some() {
-            metrics.forget_removed(
-                |model, version| routes.resolve(model, Some(version)).is_ok(),
-                |backend| config.backends().iter().any(|b| b.name == backend),
-            );
+        if let Some(previous) = previous {
+            forget_removed(&metrics, previous, &backends, &routes, config);
         }
         let principals = config.auth.as_ref().map_or(0, |auth| auth.api_keys.len());
         let route_metrics = routes
@@ -686,6 +668,34 @@ async fn fetch_metadata(
         cache.insert(route.id, kept);
     }
     Ok(metadata)
+}
+
+/// Drops the series of what a rebuild over `previous` removed: endpoints (unless the new configuration has the
+/// same one, whose series goes on), model versions and backends.
+fn forget_removed(
+    metrics: &Metrics,
+    previous: &Dispatcher,
+    backends: &[Arc<BackendClients>],
+    routes: &RouteTable,
+    config: &Config,
+) {
+    for old in &previous.backends {
+        for state in &old.fleet.states {
+            let kept = backends
+                .iter()
+                .any(|b| b.name == old.name && b.fleet.states.iter().any(|s| Arc::ptr_eq(s, state)));
+            let same_series = backends
+                .iter()
+                .any(|b| b.name == old.name && b.endpoints.iter().any(|e| e.to_string() == state.authority));
+            if !kept && !same_series {
+                metrics.forget_endpoint(&old.name, &state.authority);
+            }
+        }
+    }
+    metrics.forget_removed(
+        |model, version| routes.resolve(model, Some(version)).is_ok(),
+        |backend| config.backends().iter().any(|b| b.name == backend),
+    );
 }
 
 /// Marks which public version served an answer.
