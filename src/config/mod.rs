@@ -11,6 +11,7 @@ pub mod load;
 pub mod models;
 pub mod process;
 pub mod raw;
+pub mod telemetry;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ pub use load::{LoadSource, RawLoad};
 pub use models::*;
 pub use process::*;
 pub use raw::{Problem, RawConfig};
+pub use telemetry::{LogMode, LoggedTensors, PayloadLog, Tracing};
 
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +42,10 @@ pub struct Config {
     pub max_series: usize,
     /// Who may call what; `None`: anyone, anything.
     pub auth: Option<Auth>,
+    /// Traces sent to an OTLP collector; `None`: no spans are made.
+    pub tracing: Option<Tracing>,
+    /// Inference payloads sent to a CloudEvents sink; `None`: none are.
+    pub payload_log: Option<PayloadLog>,
     /// Private, with the models: a model's version names its backend by a [`BackendId`] into this list, which
     /// nothing outside validation can change.
     backends: Vec<Backend>,
@@ -224,6 +230,18 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     let reload = validate_reload(&mut problems, &raw.reload);
     let threads = validate_threads(&mut problems, &raw.runtime);
     let max_series = validate_metrics(&mut problems, &raw.metrics);
+    let tracing = raw
+        .tracing
+        .as_ref()
+        .and_then(|tracing| telemetry::validate_tracing(&mut problems, tracing));
+    let payload_log = raw
+        .payload_log
+        .as_ref()
+        .and_then(|log| telemetry::validate_payload_log(&mut problems, log, &model_names));
+    let mut models = models;
+    for model in &mut models {
+        model.payload_log &= payload_log.as_ref().is_some_and(|log| log.covers(&model.name));
+    }
     match listen {
         Some(listen) if problems.0.is_empty() => Ok(Config {
             ready_policy: raw.ready_policy,
@@ -235,6 +253,8 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
             threads,
             max_series,
             auth,
+            tracing,
+            payload_log,
             backends,
             models,
         }),

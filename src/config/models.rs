@@ -36,6 +36,8 @@ pub struct RawModel {
     pub max_queue: Option<u32>,
     /// Calls whose `priority` parameter is 1 (the highest) to this are never refused by `max_queue`.
     pub shed_priority_below: Option<u32>,
+    /// `false`: the model's payloads are never sent to `[payload_log]`'s sink (private data).
+    pub payload_log: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -74,6 +76,9 @@ pub struct ModelConfig {
     pub decoupled: bool,
     /// How fast, how many at once and for how long the model is called.
     pub limits: ModelLimits,
+    /// Its inferences are sent to `[payload_log]`'s sink: the section is configured and covers it, and the model
+    /// does not opt out.
+    pub payload_log: bool,
 }
 
 /// A model's own limits, across all callers.
@@ -184,6 +189,7 @@ fn validate_model(
         versions,
         decoupled: model.decoupled,
         limits: model_limits(problems, path, model),
+        payload_log: model.payload_log.unwrap_or(true),
     }
 }
 

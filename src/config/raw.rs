@@ -11,6 +11,7 @@ use super::limits::RawLimits;
 use super::listen::{RawListen, RawServerTls};
 use super::models::RawModel;
 use super::process::{RawMetrics, RawReload, RawRuntime, RawShutdown, ReadyPolicy};
+use super::telemetry::{RawPayloadLog, RawTracing};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -34,6 +35,10 @@ pub struct RawConfig {
     pub metrics: RawMetrics,
     /// Who may call what; absent, anyone who reaches a door may call anything.
     pub auth: Option<RawAuth>,
+    /// OpenTelemetry traces; absent, none are made.
+    pub tracing: Option<RawTracing>,
+    /// Inference payloads sent as CloudEvents; absent, none are.
+    pub payload_log: Option<RawPayloadLog>,
     #[serde(default)]
     pub backends: Vec<RawBackend>,
     #[serde(default)]

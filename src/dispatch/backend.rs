@@ -1,6 +1,7 @@
 //! A backend's clients: one per endpoint over the backend's protocol (and TLS), the endpoints' shared state, the
 //! carry-over of both when a configuration is rebuilt, and the attempt loop (retries within budget and deadline).
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +11,7 @@ use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
 use crate::dispatch::fleet::{Affinity, EndpointState, Endpoints};
 use crate::error::{Error, Result};
 use crate::process::metrics::{BackendMetrics, Metrics};
+use crate::process::traces::Trace;
 use crate::tls::BackendMaterial;
 use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
 
@@ -23,6 +25,15 @@ pub(super) enum Replicas {
     Grpc {
         endpoints: Vec<GrpcUpstream>,
     },
+}
+
+/// One try of a call: the endpoint chosen (its index), the time left, and the end-to-end headers to send, which
+/// carry the try's span when the call is traced.
+#[derive(Debug)]
+pub(super) struct Try<'a> {
+    pub(super) index: usize,
+    pub(super) left: Duration,
+    pub(super) forward: Cow<'a, http::HeaderMap>,
 }
 
 #[derive(Debug)]
@@ -128,18 +139,21 @@ impl BackendClients {
         a == b && self.tls.as_ref() == tls
     }
 
-    /// Runs `call` on a chosen endpoint (its index and the time left), and on further endpoints while the call
-    /// failed before reaching one, within the backend's retries and retry budget and the deadline. Each outcome feeds
-    /// the endpoint's outlier detection.
-    pub(super) async fn attempt<T, F, Fut>(
+    /// Runs `call` on a chosen endpoint, and on further endpoints while the call failed before reaching one, within
+    /// the backend's retries and retry budget and the deadline. Each outcome feeds the endpoint's outlier detection.
+    /// Each try is a span of `trace`, carried to the backend in the try's `forward` headers.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn attempt<'a, T, F, Fut>(
         &self,
         upstream: (&str, &str),
         affinity: &Affinity,
         deadline: Duration,
+        forward: &'a http::HeaderMap,
+        trace: &Trace,
         mut call: F,
     ) -> Result<T>
     where
-        F: FnMut(usize, Duration) -> Fut,
+        F: FnMut(Try<'a>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
         let until = Instant::now() + deadline;
@@ -157,7 +171,14 @@ impl BackendClients {
             };
             let left = until.saturating_duration_since(Instant::now());
             let _call = self.metrics.call();
-            let outcome = call(lease.index, left).await;
+            let span = self.try_span(trace, lease.index, tried.len());
+            let outcome = call(Try {
+                index: lease.index,
+                left,
+                forward: span.carried(forward),
+            })
+            .await;
+            span.outcome(&outcome);
             let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
             lease.observed(failed, &self.fleet.policy);
             match outcome {
@@ -174,5 +195,23 @@ impl BackendClients {
                 outcome => return outcome,
             }
         }
+    }
+
+    /// The span of one try at endpoint `index`, the `retry`th after the first.
+    pub(super) fn try_span(&self, trace: &Trace, index: usize, retry: usize) -> Trace {
+        trace.child("backend attempt", opentelemetry::trace::SpanKind::Client, || {
+            vec![
+                opentelemetry::KeyValue::new("oip.backend", self.name.clone()),
+                opentelemetry::KeyValue::new(
+                    "server.address",
+                    self.fleet
+                        .states
+                        .get(index)
+                        .map(|state| state.authority.clone())
+                        .unwrap_or_default(),
+                ),
+                opentelemetry::KeyValue::new("oip.retry", i64::try_from(retry).unwrap_or(i64::MAX)),
+            ]
+        })
     }
 }

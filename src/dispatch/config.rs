@@ -7,10 +7,11 @@ use http::{HeaderMap, Method, StatusCode};
 use prost::Message;
 
 use super::Dispatcher;
-use super::backend::Replicas;
+use super::backend::{Replicas, Try};
 use super::fleet::Affinity;
 use crate::codec::{model_config, rest, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::process::traces::Trace;
 use crate::proto::{ModelConfigRequest, ModelConfigResponse};
 
 const MODEL_CONFIG: &str = "/inference.GRPCInferenceService/ModelConfig";
@@ -50,68 +51,80 @@ impl Dispatcher {
             )
         };
         let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
+        let no_headers = HeaderMap::new();
         let answer = backend
-            .attempt(upstream, &Affinity::None, self.request_timeout, |index, left| {
-                let route = &route;
-                async move {
-                    match &backend.replicas {
-                        Replicas::Rest { endpoints, .. } => {
-                            let endpoint = &endpoints[index];
-                            let path = crate::upstream::rest::model_path(
-                                &route.upstream_name,
-                                route.backend_version(),
-                                "/config",
-                            );
-                            let answer = endpoint
-                                .send(Method::GET, &path, &HeaderMap::new(), Vec::new(), Some(left))
-                                .await?;
-                            if matches!(answer.status, StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED) {
-                                let why = format!("{} answered {path} with {}", endpoint.authority(), answer.status);
-                                return Err(not_kept(why));
-                            }
-                            endpoint.check(&answer)?;
-                            match form {
-                                ConfigForm::Json => {
-                                    rest::rename_model_config(&answer.body, &route.model).map(ModelConfigAnswer::Json)
+            .attempt(
+                upstream,
+                &Affinity::None,
+                self.request_timeout,
+                &no_headers,
+                &Trace::default(),
+                |Try { index, left, .. }| {
+                    let route = &route;
+                    async move {
+                        match &backend.replicas {
+                            Replicas::Rest { endpoints, .. } => {
+                                let endpoint = &endpoints[index];
+                                let path = crate::upstream::rest::model_path(
+                                    &route.upstream_name,
+                                    route.backend_version(),
+                                    "/config",
+                                );
+                                let answer = endpoint
+                                    .send(Method::GET, &path, &HeaderMap::new(), Vec::new(), Some(left))
+                                    .await?;
+                                if matches!(answer.status, StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED) {
+                                    let why =
+                                        format!("{} answered {path} with {}", endpoint.authority(), answer.status);
+                                    return Err(not_kept(why));
                                 }
-                                ConfigForm::Protobuf => model_config::protobuf_from_json(&answer.body, &route.model)
-                                    .map(ModelConfigAnswer::Protobuf),
-                            }
-                            .map_err(Error::into_upstream_protocol_error)
-                        }
-                        Replicas::Grpc { endpoints } => {
-                            let endpoint = &endpoints[index];
-                            let request = ModelConfigRequest {
-                                name: route.upstream_name.clone(),
-                                version: route.upstream_version.clone(),
-                            };
-                            let message = vec![request.encode_to_vec().into()];
-                            let answer = endpoint
-                                .unary(MODEL_CONFIG, message, Some(left), &HeaderMap::new(), None)
-                                .await
-                                .map_err(|error| match error.kind() {
-                                    ErrorKind::Unimplemented => not_kept(format!(
-                                        "{} answered UNIMPLEMENTED: {}",
-                                        endpoint.authority(),
-                                        error.message()
-                                    )),
-                                    _ => error,
-                                })?;
-                            ModelConfigResponse::decode(answer.value)
-                                .map_err(|e| Error::invalid(format!("invalid model configuration: {e}")))
-                                .and_then(|response| match form {
-                                    ConfigForm::Protobuf => splice::rename_model_config(&response.config, &route.model)
-                                        .map(ModelConfigAnswer::Protobuf),
-                                    ConfigForm::Json => {
-                                        model_config::json_from_protobuf(&response.config, &route.model)
-                                            .map(ModelConfigAnswer::Json)
+                                endpoint.check(&answer)?;
+                                match form {
+                                    ConfigForm::Json => rest::rename_model_config(&answer.body, &route.model)
+                                        .map(ModelConfigAnswer::Json),
+                                    ConfigForm::Protobuf => {
+                                        model_config::protobuf_from_json(&answer.body, &route.model)
+                                            .map(ModelConfigAnswer::Protobuf)
                                     }
-                                })
+                                }
                                 .map_err(Error::into_upstream_protocol_error)
+                            }
+                            Replicas::Grpc { endpoints } => {
+                                let endpoint = &endpoints[index];
+                                let request = ModelConfigRequest {
+                                    name: route.upstream_name.clone(),
+                                    version: route.upstream_version.clone(),
+                                };
+                                let message = vec![request.encode_to_vec().into()];
+                                let answer = endpoint
+                                    .unary(MODEL_CONFIG, message, Some(left), &HeaderMap::new(), None)
+                                    .await
+                                    .map_err(|error| match error.kind() {
+                                        ErrorKind::Unimplemented => not_kept(format!(
+                                            "{} answered UNIMPLEMENTED: {}",
+                                            endpoint.authority(),
+                                            error.message()
+                                        )),
+                                        _ => error,
+                                    })?;
+                                ModelConfigResponse::decode(answer.value)
+                                    .map_err(|e| Error::invalid(format!("invalid model configuration: {e}")))
+                                    .and_then(|response| match form {
+                                        ConfigForm::Protobuf => {
+                                            splice::rename_model_config(&response.config, &route.model)
+                                                .map(ModelConfigAnswer::Protobuf)
+                                        }
+                                        ConfigForm::Json => {
+                                            model_config::json_from_protobuf(&response.config, &route.model)
+                                                .map(ModelConfigAnswer::Json)
+                                        }
+                                    })
+                                    .map_err(Error::into_upstream_protocol_error)
+                            }
                         }
                     }
-                }
-            })
+                },
+            )
             .await?;
         Ok(answer)
     }

@@ -4,9 +4,10 @@ use bytes::Bytes;
 use http::HeaderMap;
 use std::time::Duration;
 
-use super::{Affinity, BackendClients, MODEL_INFER, Replicas, call_infer, decode_grpc_request};
+use super::{Affinity, BackendClients, CallContext, MODEL_INFER, Replicas, Try, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
+use crate::process::traces::Trace;
 use crate::protocol::InferRequest;
 use crate::routing::VersionRoute;
 
@@ -38,9 +39,21 @@ pub(super) async fn mirror_call(
         (MirrorPayload::Grpc(message), Replicas::Grpc { endpoints }) => {
             let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
             backend
-                .attempt(upstream, affinity, timeout, |index, left| {
-                    endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), forward, None)
-                })
+                .attempt(
+                    upstream,
+                    affinity,
+                    timeout,
+                    forward,
+                    &Trace::default(),
+                    |Try { index, left, forward }| {
+                        let message = renamed.clone();
+                        async move {
+                            endpoints[index]
+                                .unary(MODEL_INFER, message, Some(left), &forward, None)
+                                .await
+                        }
+                    },
+                )
                 .await?;
             return Ok(());
         }
@@ -61,9 +74,22 @@ pub(super) async fn mirror_call(
             }
             let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
             let answer = backend
-                .attempt(upstream, affinity, timeout, |index, left| {
-                    endpoints[index].send(http::Method::POST, &path, &headers, body.clone(), Some(left))
-                })
+                .attempt(
+                    upstream,
+                    affinity,
+                    timeout,
+                    &headers,
+                    &Trace::default(),
+                    |Try { index, left, forward }| {
+                        let body = body.clone();
+                        let path = &path;
+                        async move {
+                            endpoints[index]
+                                .send(http::Method::POST, path, &forward, body, Some(left))
+                                .await
+                        }
+                    },
+                )
                 .await?;
             return if answer.status.is_success() {
                 Ok(())
@@ -88,7 +114,11 @@ pub(super) async fn mirror_call(
             }
         }
     };
-    call_infer(backend, route, request, forward, None, timeout, affinity)
+    let context = CallContext {
+        forward: forward.clone(),
+        ..CallContext::default()
+    };
+    call_infer(backend, route, request, &context, timeout, affinity)
         .await
         .map(drop)
 }

@@ -17,6 +17,8 @@ use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::Guard;
 use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
+use crate::process::payload_log::PayloadLogger;
+use crate::process::traces::{Trace, Traces};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{
     InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, Sequence, ServerMetadata,
@@ -24,6 +26,8 @@ use crate::protocol::{
 use crate::routing::{RouteTable, Routed, VersionRoute};
 use crate::tls::Prepared;
 use crate::upstream::Replied;
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 
 mod backend;
 mod config;
@@ -39,7 +43,7 @@ pub mod status;
 mod stream;
 mod window;
 
-use backend::{BackendClients, Replicas};
+use backend::{BackendClients, Replicas, Try};
 pub use fleet::Affinity;
 
 pub use config::{ConfigForm, ModelConfigAnswer};
@@ -80,6 +84,8 @@ pub struct CallContext {
     pub compressed: Option<Coding>,
     /// Who is calling, when `[auth]` asks: each request of a stream is authorised for the model it names.
     pub principal: Option<Arc<crate::guard::Principal>>,
+    /// The span the backend calls are steps of (empty when the call is not traced).
+    pub trace: Trace,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.
@@ -103,6 +109,9 @@ pub struct Dispatcher {
     rest_paths: Vec<Arc<str>>,
     /// Who may call what, and how fast.
     guard: Guard,
+    /// Where spans and payloads go, when configured; kept across reloads that leave their sections alone.
+    traces: Option<Arc<Traces>>,
+    payload_log: Option<Arc<PayloadLogger>>,
 }
 
 /// Extensions the gateway supports, as its server metadata reports them.
@@ -190,7 +199,19 @@ impl Dispatcher {
             .clone()
             .or_else(|| previous.and_then(|p| p.guard.jwt_keys()));
         let asked = Arc::new(AskedReadiness::new(routes.routes(), &backends, READY_PROBE_TIMEOUT));
+        let traces = match (&config.tracing, previous.and_then(|p| p.traces.as_ref())) {
+            (None, _) => None,
+            (Some(config), Some(kept)) if kept.made_from(config) => Some(kept.clone()),
+            (Some(config), _) => Some(Arc::new(Traces::start(config, &metrics)?)),
+        };
+        let payload_log = match (&config.payload_log, previous.and_then(|p| p.payload_log.as_ref())) {
+            (None, _) => None,
+            (Some(config), Some(kept)) if kept.made_from(config) => Some(kept.clone()),
+            (Some(config), _) => Some(Arc::new(PayloadLogger::start(config, &metrics))),
+        };
         Ok(Dispatcher {
+            traces,
+            payload_log,
             guard: Guard::new(config, jwt_keys, previous.map(|p| &p.guard), metrics.clone()),
             rest_paths,
             routes,
@@ -217,6 +238,25 @@ impl Dispatcher {
     /// Who may call what, and how fast.
     pub fn guard(&self) -> &Guard {
         &self.guard
+    }
+
+    /// The tracer, when `[tracing]` is configured.
+    pub fn traces(&self) -> Option<&Traces> {
+        self.traces.as_deref()
+    }
+
+    /// The payload log of `route`'s inferences, when `[payload_log]` covers it; sampled here, once per inference.
+    pub fn payload_log(&self, route: &VersionRoute) -> Option<&Arc<PayloadLogger>> {
+        self.payload_log
+            .as_ref()
+            .filter(|log| route.payload_log && log.sampled())
+    }
+
+    /// The name of the backend serving `route`.
+    pub fn backend_name(&self, route: &VersionRoute) -> &str {
+        self.backends
+            .get(route.backend.index())
+            .map_or(metrics::NO_BACKEND, |b| b.name.as_str())
     }
 
     /// The protocol of the backend serving `route`.
@@ -341,8 +381,7 @@ impl Dispatcher {
             backend,
             route,
             request,
-            &context.forward,
-            context.compressed,
+            context,
             Self::deadline(context, route),
             &routed.affinity,
         )
@@ -388,8 +427,15 @@ impl Dispatcher {
                         (&route.upstream_name, &route.upstream_version),
                         &routed.affinity,
                         Self::deadline(context, route),
-                        |index, left| {
-                            endpoints[index].unary(MODEL_INFER, renamed.clone(), Some(left), &context.forward, coding)
+                        &context.forward,
+                        &context.trace,
+                        |Try { index, left, forward }| {
+                            let message = renamed.clone();
+                            async move {
+                                endpoints[index]
+                                    .unary(MODEL_INFER, message, Some(left), &forward, coding)
+                                    .await
+                            }
                         },
                     )
                     .await?;
@@ -402,7 +448,16 @@ impl Dispatcher {
             }
             Replicas::Rest { .. } => {
                 let started = Instant::now();
-                let request = decode_grpc_request(message)?;
+                let step = context.trace.child("decode", SpanKind::Internal, || {
+                    vec![KeyValue::new(
+                        "oip.bytes",
+                        i64::try_from(message.len()).unwrap_or(i64::MAX),
+                    )]
+                });
+                let request = decode_grpc_request(message);
+                step.outcome(&request);
+                drop(step);
+                let request = request?;
                 self.metrics.translated(Direction::GrpcToRest, started.elapsed());
                 // Boxed: the translated call's state is large, and would otherwise be part of every passthrough
                 // call's too.
@@ -410,14 +465,19 @@ impl Dispatcher {
                     backend,
                     route,
                     request,
-                    &context.forward,
-                    context.compressed,
+                    context,
                     Self::deadline(context, route),
                     &routed.affinity,
                 ))
                 .await?;
                 let started = Instant::now();
+                let step = context.trace.child("encode", SpanKind::Internal, Vec::new);
                 let value = protobuf::encode_response(replied.value).chunks;
+                if step.is_on() {
+                    let bytes: usize = value.iter().map(Bytes::len).sum();
+                    step.set("oip.bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
+                }
+                drop(step);
                 self.metrics.translated(Direction::RestToGrpc, started.elapsed());
                 Replied {
                     value,
@@ -654,7 +714,9 @@ async fn fetch_metadata(
             (&route.upstream_name, &route.upstream_version),
             &Affinity::None,
             timeout,
-            |index, left| endpoint_model_metadata(backend, index, route, left),
+            &HeaderMap::new(),
+            &Trace::default(),
+            |Try { index, left, .. }| endpoint_model_metadata(backend, index, route, left),
         )
         .await?;
     metadata.name = route.model.clone();
@@ -718,11 +780,11 @@ async fn call_infer(
     backend: &BackendClients,
     route: &VersionRoute,
     mut request: InferRequest,
-    forward: &HeaderMap,
-    compressed: Option<Coding>,
+    context: &CallContext,
     deadline: Duration,
     affinity: &Affinity,
 ) -> Result<Replied<InferResponse>> {
+    let (forward, trace) = (&context.forward, &context.trace);
     request.model_name = route.upstream_name.clone();
     request.model_version = route.backend_version().map(str::to_owned);
     let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
@@ -742,18 +804,42 @@ async fn call_infer(
             let body = rest::encode_request(&request, *binary_data)?;
             let version = request.model_version.as_deref();
             backend
-                .attempt(upstream, affinity, deadline, |index, left| {
-                    endpoints[index].infer(&route.upstream_name, version, body.clone(), forward, Some(left))
-                })
+                .attempt(
+                    upstream,
+                    affinity,
+                    deadline,
+                    forward,
+                    trace,
+                    |Try { index, left, forward }| {
+                        let body = body.clone();
+                        async move {
+                            endpoints[index]
+                                .infer(&route.upstream_name, version, body, &forward, Some(left))
+                                .await
+                        }
+                    },
+                )
                 .await?
         }
         Replicas::Grpc { endpoints } => {
             let message = protobuf::encode_request(request);
-            let coding = compressed.filter(|_| backend.config.compression);
+            let coding = context.compressed.filter(|_| backend.config.compression);
             let answer = backend
-                .attempt(upstream, affinity, deadline, |index, left| {
-                    endpoints[index].unary(MODEL_INFER, message.chunks.clone(), Some(left), forward, coding)
-                })
+                .attempt(
+                    upstream,
+                    affinity,
+                    deadline,
+                    forward,
+                    trace,
+                    |Try { index, left, forward }| {
+                        let chunks = message.chunks.clone();
+                        async move {
+                            endpoints[index]
+                                .unary(MODEL_INFER, chunks, Some(left), &forward, coding)
+                                .await
+                        }
+                    },
+                )
                 .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
             Replied {

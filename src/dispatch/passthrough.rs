@@ -13,6 +13,7 @@ use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
 use crate::dispatch::fleet::{Affinity, Lease};
 use crate::error::{Error, Result};
 use crate::process::metrics::BackendMetrics;
+use crate::process::traces::Trace;
 use crate::routing::{Routed, VersionRoute};
 
 /// A REST request proxied to a backend unchanged but for its path.
@@ -94,6 +95,7 @@ impl Dispatcher {
         headers: &HeaderMap,
         body: &Outgoing,
         until: Instant,
+        trace: &Trace,
     ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
         let backend = self.backend(&target.route)?;
         let (model, version) = (&target.route.upstream_name, &target.route.upstream_version);
@@ -115,12 +117,18 @@ impl Dispatcher {
                 .get(lease.index)
                 .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
             let left = until.saturating_duration_since(Instant::now());
-            match client.forward(&target.path, headers.clone(), body.body(), left).await {
+            let span = backend.try_span(trace, lease.index, tried.len());
+            let sent = client
+                .forward(&target.path, span.carried(headers).into_owned(), body.body(), left)
+                .await;
+            match sent {
                 Ok(response) => {
+                    span.set("http.response.status_code", i64::from(response.status().as_u16()));
                     lease.observed(response.status().is_server_error(), &backend.fleet.policy);
                     return Ok((response, lease));
                 }
                 Err(error) => {
+                    span.failed(&error);
                     lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
                     tried.push(lease.index);
                     let retry = error.is_unsent()

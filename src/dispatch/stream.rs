@@ -13,7 +13,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::backend::{BackendClients, Replicas};
+use super::backend::{BackendClients, Replicas, Try};
 use super::fleet::Lease;
 use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::rest::generate as rest_generate;
@@ -21,6 +21,7 @@ use crate::codec::{protobuf, splice};
 use crate::config::StreamDialect;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::metrics::{Metrics, StreamLeg, StreamResult};
+use crate::process::traces::Trace;
 use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
 use crate::protocol::{ParamValue, Reserved, StreamCall};
 use crate::routing::VersionRoute;
@@ -59,12 +60,15 @@ struct Answers {
     opened: Instant,
     /// Milliseconds from `opened` to the last message either way.
     last_active: Arc<AtomicU64>,
+    /// The stream's span, which notes each message passing.
+    trace: Trace,
 }
 
 impl Answers {
-    fn new(sender: mpsc::Sender<StreamAnswer>) -> Answers {
+    fn new(sender: mpsc::Sender<StreamAnswer>, trace: Trace) -> Answers {
         Answers {
             sender,
+            trace,
             responses: Arc::default(),
             failed: Arc::default(),
             opened: Instant::now(),
@@ -87,7 +91,11 @@ impl Answers {
 
     /// Sends a response; false once the client is gone.
     async fn respond(&self, response: Vec<Bytes>) -> bool {
-        self.responses.fetch_add(1, Ordering::Relaxed);
+        let count = self.responses.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.trace.is_on() {
+            let bytes: usize = response.iter().map(Bytes::len).sum();
+            self.trace.event("response", message_attributes(count, bytes));
+        }
         let sent = self.sender.send(Ok(response)).await.is_ok();
         self.active();
         sent
@@ -170,7 +178,7 @@ impl Dispatcher {
         answers: mpsc::Sender<StreamAnswer>,
         ending: impl Future<Output = ()>,
     ) -> StreamSummary {
-        let answers = Answers::new(answers);
+        let answers = Answers::new(answers, context.trace.clone());
         let received = Arc::new(AtomicU64::new(0));
         let (result, error) = self.carry_stream(requests, &context, &answers, &received, ending).await;
         StreamSummary {
@@ -205,7 +213,10 @@ impl Dispatcher {
             tokio::select! {
                 next = requests.next(), if reading => match next {
                     Some(Ok(message)) => {
-                        received.fetch_add(1, Ordering::Relaxed);
+                        let count = received.fetch_add(1, Ordering::Relaxed) + 1;
+                        if context.trace.is_on() {
+                            context.trace.event("request", message_attributes(count, message.len()));
+                        }
                         answers.active();
                         // Sending can wait (a backend that reads slowly, or holds its stream's headers until its
                         // first response): the client going away, the deadline and a shutdown still count.
@@ -307,7 +318,13 @@ impl Dispatcher {
                     };
                     let coding = context.compressed.filter(|_| backend.config.compression);
                     let opened = endpoints[lease.index]
-                        .open_stream(MODEL_STREAM_INFER, renamed, context.deadline, &context.forward, coding)
+                        .open_stream(
+                            MODEL_STREAM_INFER,
+                            renamed,
+                            context.deadline,
+                            &context.trace.carried(&context.forward),
+                            coding,
+                        )
                         .await;
                     let upstream = match opened {
                         Ok(upstream) => upstream,
@@ -416,16 +433,7 @@ async fn unary_over_rest(
     id: String,
     mut record: LegRecord,
 ) -> Result<()> {
-    let replied = call_infer(
-        &backend,
-        &routed.route,
-        request,
-        &context.forward,
-        context.compressed,
-        deadline,
-        &routed.affinity,
-    )
-    .await;
+    let replied = call_infer(&backend, &routed.route, request, &context, deadline, &routed.affinity).await;
     record.responded();
     match replied {
         Ok(replied) => {
@@ -492,6 +500,14 @@ async fn relay(
     }
 }
 
+/// A stream span's event for its `count`th message one way, of `bytes`.
+fn message_attributes(count: u64, bytes: usize) -> Vec<opentelemetry::KeyValue> {
+    vec![
+        opentelemetry::KeyValue::new("oip.message", i64::try_from(count).unwrap_or(i64::MAX)),
+        opentelemetry::KeyValue::new("oip.bytes", i64::try_from(bytes).unwrap_or(i64::MAX)),
+    ]
+}
+
 fn past_deadline(context: &CallContext) -> Error {
     Error::new(
         ErrorKind::Timeout,
@@ -546,6 +562,7 @@ impl Dispatcher {
         call: StreamCall,
         body: Bytes,
         forward: &http::HeaderMap,
+        trace: &Trace,
     ) -> Result<http::Response<hyper::body::Incoming>> {
         let route = &routed.route;
         let backend = self.backend(route)?;
@@ -568,10 +585,17 @@ impl Dispatcher {
         );
         let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
         backend
-            .attempt(upstream, &routed.affinity, route.timeout, |index, left| {
-                let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
-                endpoints[index].forward(&path, headers.clone(), body, left)
-            })
+            .attempt(
+                upstream,
+                &routed.affinity,
+                route.timeout,
+                &headers,
+                trace,
+                |Try { index, left, forward }| {
+                    let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
+                    endpoints[index].forward(&path, forward.into_owned(), body, left)
+                },
+            )
             .await
     }
 
@@ -582,7 +606,7 @@ impl Dispatcher {
         &self,
         routed: &crate::routing::Routed,
         request: &crate::protocol::InferRequest,
-        forward: &http::HeaderMap,
+        context: &CallContext,
     ) -> Result<(hyper::body::Incoming, Option<crate::protocol::ModelMetadata>)> {
         use http_body_util::BodyExt;
 
@@ -598,7 +622,9 @@ impl Dispatcher {
                 (StreamCall::InferStream, body, None)
             }
         };
-        let answer = self.rest_stream_call(routed, call, Bytes::from(body), forward).await?;
+        let answer = self
+            .rest_stream_call(routed, call, Bytes::from(body), &context.forward, &context.trace)
+            .await?;
         let (head, mut body) = answer.into_parts();
         if head.status.is_success() {
             return Ok((body, metadata));
@@ -647,7 +673,7 @@ impl Dispatcher {
         };
         let outcome: Result<bool> = async {
             let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
-            let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context.forward).await?;
+            let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context).await?;
             let mut pending = Vec::new();
             loop {
                 let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {

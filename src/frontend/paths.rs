@@ -45,6 +45,27 @@ impl Route<'_> {
 }
 
 impl<'a> Route<'a> {
+    /// The endpoint's path with its model and version left as placeholders: a request's span name, the same for
+    /// every model.
+    pub fn template(&self) -> &'static str {
+        match self {
+            Route::ServerMetadata => "GET /v2",
+            Route::Live => "GET /v2/health/live",
+            Route::Ready => "GET /v2/health/ready",
+            Route::ModelMetadata(..) => "GET /v2/models/{model}",
+            Route::ModelReady(..) => "GET /v2/models/{model}/ready",
+            Route::Infer(..) => "POST /v2/models/{model}/infer",
+            Route::Generate(.., StreamCall::Generate) => "POST /v2/models/{model}/generate",
+            Route::Generate(.., StreamCall::GenerateStream) => "POST /v2/models/{model}/generate_stream",
+            Route::Generate(.., StreamCall::InferStream) => "POST /v2/models/{model}/infer_stream",
+            Route::ModelConfig(..) => "GET /v2/models/{model}/config",
+            Route::ModelStatistics(..) => "GET /v2/models/{model}/stats",
+            Route::RepositoryIndex => "POST /v2/repository/index",
+            Route::RepositoryLoad(_) => "POST /v2/repository/models/{model}/load",
+            Route::RepositoryUnload(_) => "POST /v2/repository/models/{model}/unload",
+        }
+    }
+
     /// The public model the endpoint is about, if one.
     pub fn model(&self) -> Option<&'a str> {
         match *self {

@@ -154,6 +154,7 @@ impl GrpcInferenceService for GrpcModelServer {
         &self,
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        self.state.saw(request.metadata().as_ref());
         let (answers, receiver) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(serve_stream(self.state.clone(), request.into_inner(), answers));
         Ok(Response::new(Box::pin(ReceiverStream::new(receiver))))
@@ -161,6 +162,7 @@ impl GrpcInferenceService for GrpcModelServer {
 
     async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         let (metadata, _, message) = request.into_parts();
+        self.state.saw(metadata.as_ref());
         let model = message.model_name.clone();
         let model_version = message.model_version.clone();
         let request = protobuf::request_from_proto(message)?;

@@ -97,6 +97,34 @@ pub struct ModelServerState {
     pub repository: Repository,
     pub metadata: ServerMetadata,
     pub max_request_bytes: usize,
+    /// The W3C `traceparent` of the latest traced requests, oldest first, as a traced backend would join them.
+    traceparents: std::sync::Mutex<std::collections::VecDeque<String>>,
+}
+
+/// Traced requests whose `traceparent` is kept.
+const KEPT_TRACEPARENTS: usize = 1024;
+
+impl ModelServerState {
+    /// Keeps the request's `traceparent`, if it carries one.
+    fn saw(&self, headers: &http::HeaderMap) {
+        let Some(parent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) else {
+            return;
+        };
+        if let Ok(mut kept) = self.traceparents.lock() {
+            if kept.len() == KEPT_TRACEPARENTS {
+                kept.pop_front();
+            }
+            kept.push_back(parent.to_owned());
+        }
+    }
+
+    /// The `traceparent` of the latest traced requests, oldest first.
+    pub fn traceparents(&self) -> Vec<String> {
+        self.traceparents
+            .lock()
+            .map(|kept| kept.iter().cloned().collect())
+            .unwrap_or_default()
+    }
 }
 
 /// A running model server: its bound addresses and the handle that stops it.
@@ -146,6 +174,7 @@ pub async fn start(config: ModelServerConfig) -> Result<RunningModelServer> {
             extensions: EXTENSIONS.iter().map(|e| (*e).to_owned()).collect(),
         },
         max_request_bytes: config.max_request_bytes,
+        traceparents: std::sync::Mutex::default(),
     });
     let (shutdown, _) = watch::channel(false);
     let mut tasks = Vec::new();

@@ -50,6 +50,7 @@ where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
+    state.saw(request.headers());
     let echoed = super::echoed_headers(request.headers(), &state.metadata.name);
     let path = request.uri().path().to_owned();
     let generating = match route(&path) {

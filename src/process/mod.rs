@@ -1,11 +1,13 @@
 //! The running gateway process: its wiring, signals and binary upgrade (`app`), the live state swapped on reload and
-//! discovery (`live`), and what it reports (`metrics`, `logging`).
+//! discovery (`live`), and what it reports (`metrics`, `logging`, `traces`, `payload_log`).
 
 pub mod app;
 pub mod live;
 pub mod logging;
 pub mod metrics;
+pub mod payload_log;
 pub mod status;
+pub mod traces;
 
 use std::sync::{OnceLock, mpsc};
 use std::time::Duration;
@@ -51,6 +53,26 @@ pub fn on_builder_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
         (Ok(()), Ok(Err(panic))) => std::panic::resume_unwind(panic),
         _ => panic!("the builder thread is gone"),
     }
+}
+
+/// The runtime that sends what the gateway reports to others (spans, payload events): one thread of its own, so a
+/// slow collector or sink never takes a door's time.
+pub fn telemetry_runtime() -> &'static tokio::runtime::Handle {
+    static TELEMETRY: OnceLock<tokio::runtime::Handle> = OnceLock::new();
+    TELEMETRY.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for the telemetry thread");
+        let handle = runtime.handle().clone();
+        let started = std::thread::Builder::new()
+            .name("oipgate-telemetry".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()));
+        if let Err(error) = started {
+            tracing::error!(%error, "cannot start the telemetry thread");
+        }
+        handle
+    })
 }
 
 fn builder() -> &'static mpsc::Sender<Job> {

@@ -29,6 +29,8 @@ pub struct VersionRoute {
     pub shed: Option<crate::config::Shed>,
     /// Its share of the model's requests that name no version.
     pub weight: u32,
+    /// Its inferences are sent to the payload log's sink.
+    pub payload_log: bool,
 }
 
 impl VersionRoute {
@@ -202,6 +204,7 @@ fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<V
                 decoupled: model.decoupled,
                 shed: model.limits.shed,
                 weight: v.weight,
+                payload_log: model.payload_log,
             });
             all.push(route.clone());
             (v.version.clone(), route)

@@ -18,7 +18,10 @@ use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::process::live::{Active, Gateway};
 use crate::process::metrics::{ClientProtocol, RequestTimer};
+use crate::process::payload_log::{Form, Inference, Logged};
+use crate::process::traces::Trace;
 use crate::protocol::Reserved;
+use opentelemetry::trace::SpanKind;
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
 const FRAME_HEADER: usize = 5;
@@ -40,6 +43,9 @@ where
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
     let dispatcher = gateway.dispatcher();
+    let trace = dispatcher.traces().map_or_else(Trace::default, |traces| {
+        super::call_span(traces, super::MODEL_INFER_PATH, &headers)
+    });
     // The caller, and its rate, are settled before its message is read; its model is named inside the message.
     let principal =
         match super::authenticate(&dispatcher, super::MODEL_INFER_PATH, &mut headers).and_then(|principal| {
@@ -57,9 +63,17 @@ where
             }
             message
         }
-        Err(status) => return status.into_http(),
+        Err(status) => {
+            trace.set("rpc.grpc.status_code", status.code() as i64);
+            return status.into_http();
+        }
     };
-    match infer(&dispatcher, &headers, message, principal).await {
+    let answered = infer(&dispatcher, &headers, message, principal, &trace).await;
+    if trace.is_on() {
+        let code = answered.as_ref().err().map_or(tonic::Code::Ok, Status::code);
+        trace.set("rpc.grpc.status_code", code as i64);
+    }
+    match answered {
         Ok((chunks, metadata)) => framed_answer(chunks, metadata, coding, active, budget.as_ref()),
         Err(status) => status.into_http(),
     }
@@ -131,8 +145,10 @@ async fn infer(
     headers: &HeaderMap,
     message: Bytes,
     principal: Option<Arc<Principal>>,
+    trace: &Trace,
 ) -> Result<(Vec<Bytes>, HeaderMap), Status> {
     let mut context = context_of(headers);
+    context.trace = trace.clone();
     let request_id = context.forward.get(super::super::REQUEST_ID).cloned();
     let reserved = reserved(&message);
     if let Ok(Reserved {
@@ -144,6 +160,7 @@ async fn infer(
     let priority = reserved.as_ref().ok().and_then(|reserved| reserved.priority);
     let sequence = reserved.map(|reserved| reserved.sequence);
     let fields = splice::model_fields(&message);
+    let routing = trace.child("route", SpanKind::Internal, Vec::new);
     let (routed, route) = match &fields {
         Ok(fields) => match sequence {
             Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
@@ -179,9 +196,30 @@ async fn infer(
         Ok(admission) => (routed, admission),
         Err(error) => (Err(error), None),
     };
+    let mut capture = None;
     let answer = match routed {
         Ok(routed) => match dispatcher.shed(&routed.route, priority) {
             Ok(()) => {
+                if routing.is_on() {
+                    routing.set("oip.backend", dispatcher.backend_name(&routed.route).to_owned());
+                    routing.set("oip.upstream_model", routed.route.upstream_name.clone());
+                    trace.set("oip.model", routed.route.model.clone());
+                    trace.set("oip.version", routed.route.version.clone());
+                }
+                drop(routing);
+                capture = dispatcher.payload_log(&routed.route).map(|logger| {
+                    let inference = Inference {
+                        id: request_id.clone().unwrap_or_else(crate::headers::new_request_id),
+                        model: routed.route.model.clone(),
+                        version: routed.route.version.clone(),
+                        request: Some(Logged {
+                            chunks: vec![message.clone()],
+                            form: Form::GrpcRequest,
+                        }),
+                        response: None,
+                    };
+                    (logger.clone(), inference)
+                });
                 timer.translated =
                     dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
                 dispatcher.infer_grpc_routed(&routed, message, &context).await
@@ -190,6 +228,15 @@ async fn infer(
         },
         Err(error) => Err(error),
     };
+    if let Some((logger, mut inference)) = capture {
+        if let Ok(replied) = &answer {
+            inference.response = Some(Logged {
+                chunks: replied.value.clone(),
+                form: Form::GrpcResponse,
+            });
+        }
+        logger.log(inference);
+    }
     match answer {
         Ok(replied) => {
             let length: usize = replied.value.iter().map(Bytes::len).sum();

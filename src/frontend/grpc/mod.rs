@@ -28,6 +28,7 @@ use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
 use crate::process::live::Gateway;
 use crate::process::metrics::{ClientProtocol, Finished};
+use crate::process::traces::{Trace, Traces};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
@@ -36,6 +37,7 @@ use crate::proto::{
     RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
+use opentelemetry::KeyValue;
 
 mod infer;
 mod stream;
@@ -107,6 +109,7 @@ fn authenticate(
 fn context_of(headers: &http::HeaderMap) -> CallContext {
     CallContext {
         principal: None,
+        trace: Trace::default(),
         deadline: headers
             .get(GRPC_TIMEOUT)
             .and_then(|v| v.to_str().ok())
@@ -118,6 +121,24 @@ fn context_of(headers: &http::HeaderMap) -> CallContext {
             _ => None,
         },
     }
+}
+
+/// The span of a call at the door, named for its method (`inference.GRPCInferenceService/ModelInfer`).
+fn call_span(traces: &Traces, path: &str, headers: &http::HeaderMap) -> Trace {
+    let method: std::borrow::Cow<'static, str> = match path {
+        MODEL_INFER_PATH => "inference.GRPCInferenceService/ModelInfer".into(),
+        MODEL_STREAM_INFER => "inference.GRPCInferenceService/ModelStreamInfer".into(),
+        other => other.trim_start_matches('/').to_owned().into(),
+    };
+    traces.request(method, headers, || {
+        let (service, method) = path.trim_start_matches('/').split_once('/').unwrap_or(("", path));
+        vec![
+            KeyValue::new("rpc.system", "grpc"),
+            KeyValue::new("rpc.service", service.to_owned()),
+            KeyValue::new("rpc.method", method.to_owned()),
+            KeyValue::new("oip.protocol", "grpc"),
+        ]
+    })
 }
 
 /// A response carrying the backend's end-to-end metadata and the request id.
@@ -382,6 +403,11 @@ where
                 principal.clone(),
             )
         });
+        let dispatcher = self.gateway.dispatcher();
+        let trace = match dispatcher.traces() {
+            Some(traces) if log_here => call_span(traces, &path, request.headers()),
+            _ => Trace::default(),
+        };
         let answer: Self::Future = match authenticated {
             Err(status) => Box::pin(std::future::ready(Ok(status.into_http()))),
             Ok(principal) if path == MODEL_STREAM_INFER => {
@@ -398,13 +424,19 @@ where
             // The request counts as under way until its answer's body is sent or dropped, so a shutdown waits for
             // a large answer still streaming.
             finish_answer(&mut response, limit, active);
-            if let Some((path, request_id, metrics, principal)) = logged {
-                let code = response
+            let code = || {
+                response
                     .headers()
                     .get(GRPC_STATUS)
                     .and_then(|c| c.to_str().ok())
                     .and_then(|c| c.parse::<i32>().ok())
-                    .map_or(tonic::Code::Ok, tonic::Code::from_i32);
+                    .map_or(tonic::Code::Ok, tonic::Code::from_i32)
+            };
+            if trace.is_on() {
+                trace.set("rpc.grpc.status_code", code() as i64);
+            }
+            if let Some((path, request_id, metrics, principal)) = logged {
+                let code = code();
                 let status = if code == tonic::Code::Ok {
                     200
                 } else {

@@ -12,7 +12,7 @@ use tonic::Status;
 use super::{answer_coding, context_of, message_encoding};
 use crate::codec::compression::{self, Coding};
 use crate::codec::protobuf::RawDecoder;
-use crate::dispatch::StreamAnswer;
+use crate::dispatch::{MODEL_STREAM_INFER, StreamAnswer};
 use crate::error::Error;
 use crate::headers::{GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS};
 use crate::process::live::Gateway;
@@ -37,6 +37,11 @@ where
     };
     let mut context = context_of(request.headers());
     context.principal = principal;
+    let dispatcher = gateway.dispatcher();
+    if let Some(traces) = dispatcher.traces() {
+        context.trace = super::call_span(traces, MODEL_STREAM_INFER, request.headers());
+    }
+    let trace = context.trace.clone();
     let coding = answer_coding(request.headers());
     let (_, body) = request.into_parts();
     let requests = futures_util::StreamExt::map(
@@ -57,7 +62,6 @@ where
         .get(crate::frontend::REQUEST_ID)
         .and_then(|id| id.to_str().ok())
         .map(str::to_owned);
-    let dispatcher = gateway.dispatcher();
     let metrics = dispatcher.metrics().clone();
     let started = Instant::now();
     tokio::spawn(async move {
@@ -67,6 +71,15 @@ where
             .await;
         metrics.streams_open().dec();
         crate::process::logging::stream(request_id.as_deref(), &summary, started.elapsed());
+        if trace.is_on() {
+            trace.set("oip.requests", i64::try_from(summary.requests).unwrap_or(i64::MAX));
+            trace.set("oip.responses", i64::try_from(summary.responses).unwrap_or(i64::MAX));
+            let code = summary.error.as_ref().map_or(tonic::Code::Ok, Error::grpc_code);
+            trace.set("rpc.grpc.status_code", code as i64);
+            if let Some(error) = &summary.error {
+                trace.failed(error);
+            }
+        }
     });
     let mut response = http::Response::new(tonic::body::Body::new(StreamBody {
         answers: receiver,

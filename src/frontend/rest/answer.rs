@@ -22,6 +22,9 @@ use crate::frontend::REQUEST_ID;
 use crate::guard::{Admission, Principal};
 use crate::process::live::Active;
 use crate::process::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
+use crate::process::payload_log::{Form, Inference, Logged, PayloadLogger};
+use crate::process::traces::Trace;
+use crate::routing::VersionRoute;
 
 /// One request on its way through the door; reported to the metrics and the access log when dropped, which is when
 /// its answer's body has been sent (or the client left: then its status is 499).
@@ -55,6 +58,88 @@ pub(super) struct Record {
     pub(super) principal: Option<Arc<Principal>>,
     /// The call's place among its model's calls under way, held until the answer is sent.
     pub(super) admission: Option<Admission>,
+    /// The request's span at the door; it ends with the record.
+    pub(super) trace: Trace,
+    /// The inference's payloads, when they are logged.
+    pub(super) capture: Option<Capture>,
+}
+
+/// An inference's request and answer on their way to the payload log, sent when the request is reported: the
+/// buffers the door sent on, shared, never copied.
+#[derive(Debug)]
+pub(super) struct Capture {
+    logger: Arc<PayloadLogger>,
+    model: String,
+    version: String,
+    request: Option<Logged>,
+    /// A relayed request's chunks, set once the whole body has passed.
+    pub(super) relayed: Arc<std::sync::OnceLock<Vec<Bytes>>>,
+    request_form: Form,
+    response: Option<Logged>,
+}
+
+impl Capture {
+    pub(super) fn new(logger: Arc<PayloadLogger>, route: &VersionRoute, request_form: Form) -> Capture {
+        Capture {
+            logger,
+            model: route.model.clone(),
+            version: route.version.clone(),
+            request: None,
+            relayed: Arc::default(),
+            request_form,
+            response: None,
+        }
+    }
+
+    /// The request's whole body, as it went on.
+    pub(super) fn request(&mut self, body: Bytes) {
+        self.request = Some(Logged {
+            chunks: vec![body],
+            form: self.request_form.clone(),
+        });
+    }
+
+    /// The answer's body (before it is compressed for the client), and its form read from its `headers`.
+    pub(super) fn response(&mut self, chunks: Vec<Bytes>, headers: &HeaderMap) {
+        self.response = Some(Logged {
+            chunks,
+            form: form_of(headers),
+        });
+    }
+
+    /// Sends the events: the request's, and the answer's when it succeeded.
+    fn send(self, id: Option<&HeaderValue>, status: Option<u16>) {
+        let Some(id) = id.cloned() else { return };
+        let request = self.request.or_else(|| {
+            self.relayed.get().map(|chunks| Logged {
+                chunks: chunks.clone(),
+                form: self.request_form.clone(),
+            })
+        });
+        self.logger.log(Inference {
+            id,
+            model: self.model,
+            version: self.version,
+            request,
+            response: self.response.filter(|_| status == Some(200)),
+        });
+    }
+}
+
+/// What a body is, from its headers: the binary extension's when it says its JSON header's length, JSON when it
+/// says so or says nothing, else what its content type says.
+pub(super) fn form_of(headers: &HeaderMap) -> Form {
+    let header_length = headers
+        .get(INFERENCE_HEADER_CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    let content_type = headers.get(http::header::CONTENT_TYPE);
+    match header_length {
+        Some(length) if length > 0 => Form::Binary(length),
+        Some(_) => Form::Other(content_type.cloned()),
+        None if content_type.is_none_or(|t| t.as_bytes().starts_with(b"application/json")) => Form::Json,
+        None => Form::Other(content_type.cloned()),
+    }
 }
 
 impl Record {
@@ -83,6 +168,8 @@ impl Record {
             answer_coding: None,
             principal: None,
             admission: None,
+            trace: Trace::default(),
+            capture: None,
         }
     }
 
@@ -96,6 +183,27 @@ impl Drop for Record {
         self.in_flight = None;
         self.lease = None;
         self.admission = None;
+        if let Some(capture) = self.capture.take() {
+            capture.send(self.request_id.as_ref(), self.status);
+        }
+        if self.trace.is_on() {
+            let status = self.status.unwrap_or(crate::error::CLIENT_CLOSED_REQUEST);
+            self.trace.set("http.response.status_code", i64::from(status));
+            self.trace.set(
+                "oip.request_bytes",
+                i64::try_from(self.request_bytes).unwrap_or(i64::MAX),
+            );
+            self.trace.set(
+                "oip.response_bytes",
+                i64::try_from(self.response_bytes).unwrap_or(i64::MAX),
+            );
+            if let Some(endpoint) = &self.endpoint {
+                self.trace.set("oip.endpoint", endpoint.to_string());
+            }
+            if status >= 500 {
+                self.trace.fail(format!("answered {status}"));
+            }
+        }
         let request_bytes = self
             .relayed
             .as_ref()
@@ -149,6 +257,29 @@ struct Proxied {
     finished: bool,
     /// Compresses the answer for the client, when the backend did not.
     compressor: Option<Compressor>,
+    /// The answer's chunks as they passed (before compression), when its payload is logged, and their form.
+    tee: Option<(Vec<Bytes>, Form)>,
+}
+
+impl AnswerBody {
+    /// Reports the request: a proxied answer that was read to its end goes to the payload log first.
+    fn report(&mut self) {
+        if let (Source::Proxied(proxied), Some(record)) = (&mut self.source, &mut self.record)
+            // Read to its end: hyper stops asking for more of an answer whose length it knows once it has it all.
+            && (proxied.finished || (proxied.rename.is_none() && proxied.body.is_end_stream()))
+            && let (Some((chunks, form)), Some(capture)) = (proxied.tee.take(), &mut record.capture)
+        {
+            capture.response = Some(Logged { chunks, form });
+        }
+        self.record = None;
+    }
+}
+
+impl Drop for AnswerBody {
+    fn drop(&mut self) {
+        // hyper lets go of a body without polling it again once it says it has ended.
+        self.report();
+    }
 }
 
 impl Body for AnswerBody {
@@ -173,7 +304,7 @@ impl Body for AnswerBody {
             Some(Err(error)) => tracing::warn!(error = %error.message(), "proxied answer broken off"),
             None => {
                 // Sent: the request is reported now rather than when hyper lets go of the body.
-                this.record = None;
+                this.report();
             }
         }
         Poll::Ready(frame)
@@ -234,6 +365,7 @@ impl Proxied {
                 Poll::Pending => {
                     if self.deadline.as_mut().poll(cx).is_ready() {
                         self.finished = true;
+                        self.tee = None;
                         return Poll::Ready(Some(Err(broken_answer(format!(
                             "backend {} did not finish its answer in time",
                             self.authority
@@ -249,10 +381,14 @@ impl Proxied {
                         Some(rename) => rename.take(None, true).transpose(),
                         None => None,
                     };
+                    if let (Some((tee, _)), Some(Ok(chunk))) = (&mut self.tee, &last) {
+                        tee.push(chunk.clone());
+                    }
                     return Poll::Ready(last);
                 }
                 Some(Err(error)) => {
                     self.finished = true;
+                    self.tee = None;
                     return Poll::Ready(Some(Err(broken_answer(format!(
                         "backend {} broke off its answer: {error}",
                         self.authority
@@ -266,11 +402,15 @@ impl Proxied {
                             Ok(None) => continue,
                             Err(error) => {
                                 self.finished = true;
+                                self.tee = None;
                                 return Poll::Ready(Some(Err(error)));
                             }
                         },
                         None => chunk,
                     };
+                    if let Some((tee, _)) = &mut self.tee {
+                        tee.push(chunk.clone());
+                    }
                     return Poll::Ready(Some(Ok(chunk)));
                 }
             }
@@ -315,6 +455,9 @@ pub(super) fn buffered(
         headers.insert(REQUEST_ID, id.clone());
     }
     record.status = Some(status.as_u16());
+    if let Some(capture) = &mut record.capture {
+        capture.response(chunks.clone(), &headers);
+    }
     let length: usize = chunks.iter().map(Bytes::len).sum();
     let chunks = match record.answer_coding {
         Some(coding) if length >= MIN_COMPRESSED_BYTES && !headers.contains_key(http::header::CONTENT_ENCODING) => {
@@ -366,6 +509,7 @@ pub(super) fn proxied(
         }
         _ => None,
     };
+    let tee = record.capture.as_ref().map(|_| (Vec::new(), form_of(&head.headers)));
     Response::from_parts(
         head,
         AnswerBody {
@@ -376,6 +520,7 @@ pub(super) fn proxied(
                 authority,
                 finished: false,
                 compressor,
+                tee,
             })),
             record: Some(record),
         },

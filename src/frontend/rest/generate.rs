@@ -68,7 +68,9 @@ impl RestDoor {
         let (routed, _) = dispatcher.route(model, version, &forward, sequence);
         let routed = routed?;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
-            let answer = dispatcher.rest_stream_call(&routed, call, raw, &forward).await?;
+            let answer = dispatcher
+                .rest_stream_call(&routed, call, raw, &forward, &record.trace)
+                .await?;
             return relay(answer, &routed.route, call.streams(), dispatcher.stream_idle_timeout()).await;
         }
         let route = routed.route;
@@ -96,6 +98,7 @@ impl RestDoor {
             forward,
             compressed: None,
             principal: record.principal.clone(),
+            trace: record.trace.clone(),
         };
         let (answers, mut received) = mpsc::channel(EVENTS);
         let gateway = self.gateway.clone();

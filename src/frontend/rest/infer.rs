@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
 
-use super::answer::{Record, Rename};
+use super::answer::{Capture, Record, Rename, form_of};
 use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
 use crate::body::{RelayError, RelaySource, RequestBody, Tap};
 use crate::codec::compression::{self, Coding};
@@ -20,8 +20,11 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
+use crate::process::traces::Trace;
 use crate::protocol::{InferRequest, Reserved};
 use crate::routing::{Routed, VersionRoute};
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
 /// a longer one, or one of unknown length, is relayed as it arrives.
@@ -81,11 +84,19 @@ impl RestDoor {
             Err(error) => Err(error),
         };
         let sequence = start.as_ref().ok().and_then(|(_, reserved)| reserved.sequence.clone());
+        let routing = record.trace.child("route", SpanKind::Internal, Vec::new);
         let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward, sequence);
         record.route = Some(route_metrics);
         let routed = routed?;
         let (start, reserved) = start?;
         dispatcher.shed(&routed.route, reserved.priority)?;
+        if routing.is_on() {
+            routed_attributes(&routing, &record.trace, &dispatcher, &routed.route);
+        }
+        drop(routing);
+        record.capture = dispatcher
+            .payload_log(&routed.route)
+            .map(|logger| Capture::new(logger.clone(), &routed.route, form_of(headers)));
         if !asked.decthings_in
             && !asked.decthings_out
             && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
@@ -111,10 +122,22 @@ impl RestDoor {
             BodyStart::Partial(read) => self.read_body(body, asked.declared, read).await?,
         };
         record.request_bytes = payload.len() as u64;
+        if let Some(capture) = &mut record.capture {
+            capture.request(payload.clone());
+        }
         // Only a crossing to a gRPC backend is a translation between the protocols; the rest is re-encoding.
         let crossing = dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Grpc);
         let decoding = Instant::now();
-        let (request, binary_outputs) = self.decode(payload, &asked, model, version, record).await?;
+        let step = record.trace.child("decode", SpanKind::Internal, || {
+            vec![KeyValue::new(
+                "oip.bytes",
+                i64::try_from(payload.len()).unwrap_or(i64::MAX),
+            )]
+        });
+        let decoded = self.decode(payload, &asked, model, version, record).await;
+        step.outcome(&decoded);
+        drop(step);
+        let (request, binary_outputs) = decoded?;
         if crossing {
             dispatcher
                 .metrics()
@@ -126,12 +149,14 @@ impl RestDoor {
             forward: asked.forward,
             compressed: asked.coding,
             principal: record.principal.clone(),
+            trace: record.trace.clone(),
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
         let response = replied.value;
         let mut headers = replied.headers;
         let encoding = Instant::now();
+        let step = record.trace.child("encode", SpanKind::Internal, Vec::new);
         let reply = if asked.decthings_out {
             headers.insert(
                 http::header::CONTENT_TYPE,
@@ -153,6 +178,15 @@ impl RestDoor {
         } else {
             Reply::Encoded(rest::encode_response(&response, &binary_outputs)?, headers)
         };
+        if step.is_on() {
+            let bytes = match &reply {
+                Reply::Encoded(body, _) => body.chunks.iter().map(Bytes::len).sum(),
+                Reply::Buffered(_, _, chunks) => chunks.iter().map(Bytes::len).sum(),
+                _ => 0,
+            };
+            step.set("oip.bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        drop(step);
         if crossing {
             dispatcher
                 .metrics()
@@ -221,7 +255,8 @@ impl RestDoor {
         if asked.coding.is_some() && !keep_compressed {
             send.remove(http::header::CONTENT_ENCODING);
         }
-        if target.aliased {
+        // An answer whose payload is logged is asked for uncompressed too: the log gets it as the client reads it.
+        if target.aliased || record.capture.is_some() {
             send.remove(http::header::ACCEPT_ENCODING);
         }
         let mirror = routed.mirror.map(|route| Mirror {
@@ -233,7 +268,10 @@ impl RestDoor {
         });
         let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
         let until = Instant::now() + target.timeout;
-        let (response, lease) = match dispatcher.passthrough_send(&target, &send, &outgoing, until).await {
+        let sent = dispatcher
+            .passthrough_send(&target, &send, &outgoing, until, &record.trace)
+            .await;
+        let (response, lease) = match sent {
             Ok(sent) => sent,
             Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
         };
@@ -312,6 +350,9 @@ impl RestDoor {
         let read = match start {
             BodyStart::Whole(whole) => {
                 record.request_bytes = whole.len() as u64;
+                if let Some(capture) = &mut record.capture {
+                    capture.request(whole.clone());
+                }
                 if let Some(mirror) = mirror {
                     mirror.send(record.dispatcher(), vec![whole.clone()]);
                 }
@@ -319,6 +360,9 @@ impl RestDoor {
             }
             BodyStart::Decompressed { body, compressed } => {
                 record.request_bytes = compressed.len() as u64;
+                if let Some(capture) = &mut record.capture {
+                    capture.request(body.clone());
+                }
                 if let Some(mirror) = mirror {
                     mirror.send(record.dispatcher(), vec![body.clone()]);
                 }
@@ -329,9 +373,18 @@ impl RestDoor {
         let Some(incoming) = body.take() else {
             return Err(Error::internal("the request body was already read"));
         };
-        let tap = mirror.map(|mirror| {
+        // The mirror and the payload log get the relayed body's chunks once all of them have passed.
+        let logged = record.capture.as_ref().map(|capture| capture.relayed.clone());
+        let tap = (mirror.is_some() || logged.is_some()).then(|| {
             let dispatcher = record.dispatcher().clone();
-            Tap::new(Box::new(move |chunks: Vec<Bytes>| mirror.send(&dispatcher, chunks)))
+            Tap::new(Box::new(move |chunks: Vec<Bytes>| {
+                if let Some(logged) = logged {
+                    let _ = logged.set(chunks.clone());
+                }
+                if let Some(mirror) = mirror {
+                    mirror.send(&dispatcher, chunks);
+                }
+            }))
         });
         let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap));
         record.relayed = Some(source.clone());
@@ -353,6 +406,14 @@ impl RestDoor {
             )),
         }
     }
+}
+
+/// What routing chose, on the routing step's span and the request's.
+fn routed_attributes(routing: &Trace, request: &Trace, dispatcher: &Dispatcher, route: &VersionRoute) {
+    routing.set("oip.backend", dispatcher.backend_name(route).to_owned());
+    routing.set("oip.upstream_model", route.upstream_name.clone());
+    request.set("oip.model", route.model.clone());
+    request.set("oip.version", route.version.clone());
 }
 
 /// The start of a request's body, read before the request is routed.

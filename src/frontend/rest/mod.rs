@@ -28,7 +28,9 @@ use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::live::Gateway;
+use crate::process::traces::Trace;
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
+use opentelemetry::KeyValue;
 
 /// Content type of Decthings request and response bodies.
 pub const DECTHINGS_CONTENT_TYPE: &str = "application/x-decthings-tensors";
@@ -93,6 +95,9 @@ impl RestDoor {
             connection,
         );
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
+        if let Some(traces) = record.dispatcher().traces() {
+            record.trace = request_span(traces, &parts);
+        }
         let mut body = Some(RequestBody::new(body, self.body_stall));
         let reply = if framed_both_ways {
             Err(both_lengths())
@@ -328,6 +333,18 @@ impl Joined {
 
 /// What a client's body that could not be read is answered with: 408 for a stall, 499 for a client that went away
 /// (its connection closed, or its HTTP/2 stream cancelled), else 400.
+/// The span of a request at the door, named for its endpoint.
+fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::Parts) -> Trace {
+    let name = route(parts.uri.path()).map_or("unknown endpoint", |route| route.template());
+    traces.request(name, &parts.headers, || {
+        vec![
+            KeyValue::new("http.request.method", parts.method.to_string()),
+            KeyValue::new("url.path", parts.uri.path().to_owned()),
+            KeyValue::new("oip.protocol", "rest"),
+        ]
+    })
+}
+
 fn body_error(error: RequestBodyError) -> Error {
     let cancelled = |cause: &(dyn std::error::Error + 'static)| {
         crate::error::is_closed_connection(cause)

@@ -88,6 +88,10 @@ pub struct Metrics {
     /// `oipgate_config_reloads_total` for `ok` and `error`.
     reloads: [IntCounter; 2],
     streams: StreamMetrics,
+    /// `oipgate_spans_total` and `oipgate_payload_log_events_total` by result; series made when the sections are
+    /// configured.
+    spans: IntCounterVec,
+    payload_events: IntCounterVec,
 }
 
 /// Inference streams: the client streams open, and per public model version the backend streams closed, their
@@ -489,8 +493,24 @@ impl Metrics {
             "Configuration reloads, by result: ok (applied) or error (refused; the running configuration stays).",
             &["result"],
         )?;
+        let spans = counters(
+            &registry,
+            "oipgate_spans_total",
+            "Finished trace spans, by result: exported, failed (the collector refused or could not be reached) or \
+             dropped (the export queue, [tracing] max_queue, was full).",
+            &["result"],
+        )?;
+        let payload_events = counters(
+            &registry,
+            "oipgate_payload_log_events_total",
+            "Inference payload events for [payload_log]'s sink, by result: sent, failed (after its retries) or dropped \
+             (the queue, [payload_log] max_queue, was full).",
+            &["result"],
+        )?;
         Ok(Arc::new(Metrics {
             bound: families.bound.clone(),
+            spans,
+            payload_events,
             unknown_route: RouteMetrics::new(&requests, &mirrors, [UNKNOWN, UNKNOWN, NO_BACKEND], 0),
             requests,
             auth_denied,
@@ -529,6 +549,24 @@ impl Metrics {
             in_flight: OnceLock::new(),
             retries: OnceLock::new(),
         }))
+    }
+
+    /// `oipgate_spans_total` of spans exported and of spans that failed to be.
+    pub fn spans_exported(&self) -> (IntCounter, IntCounter) {
+        (
+            self.spans.with_label_values(&["exported"]),
+            self.spans.with_label_values(&["failed"]),
+        )
+    }
+
+    /// `oipgate_spans_total` of spans dropped, the export queue full.
+    pub fn spans_dropped(&self) -> IntCounter {
+        self.spans.with_label_values(&["dropped"])
+    }
+
+    /// `oipgate_payload_log_events_total` for `result`: sent, failed or dropped.
+    pub fn payload_events(&self, result: &str) -> IntCounter {
+        self.payload_events.with_label_values(&[result])
     }
 
     /// `oipgate_load_fallbacks_total` of `backend`.

@@ -1,0 +1,302 @@
+//! Payload logging, wire-compatible with KServe's inference logger: each sampled inference's request and answer as
+//! a CloudEvent in HTTP binary mode (`Ce-Id` the request id, `Ce-Type` `org.kubeflow.serving.inference.request` or
+//! `.response`, `Ce-Inferenceservicename` the public model, `Ce-Endpoint` its version), POSTed to the configured sink
+//! from a bounded queue by a task on the telemetry thread, with retries. A full queue drops the event (counted);
+//! nothing here ever slows or fails a request. Bodies are shared buffers, never copied on a request's path; their
+//! translation to JSON, when asked, happens on the telemetry thread.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, StatusCode};
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use prometheus::IntCounter;
+use prost::Message;
+use tokio::sync::{Semaphore, mpsc};
+
+use crate::codec::protobuf;
+use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
+use crate::config::{LoggedTensors, PayloadLog};
+use crate::process::metrics::Metrics;
+
+/// How often the queue is sent: the sending task sleeps rather than waits on the queue, so a request that queues
+/// an event never wakes another thread.
+const SEND_INTERVAL: Duration = Duration::from_millis(50);
+/// Deliveries under way at once.
+const DELIVERIES: usize = 32;
+/// The first retry's wait; each further one waits twice as long.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+
+pub const CE_REQUEST: &str = "org.kubeflow.serving.inference.request";
+pub const CE_RESPONSE: &str = "org.kubeflow.serving.inference.response";
+
+type SinkClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The payload log of one `[payload_log]` configuration, kept across reloads that leave the section as it was.
+#[derive(Debug)]
+pub struct PayloadLogger {
+    config: PayloadLog,
+    queue: mpsc::Sender<Event>,
+    dropped: IntCounter,
+}
+
+/// A body as it crossed the door: its buffers, and what they are.
+#[derive(Debug, Clone)]
+pub struct Logged {
+    pub chunks: Vec<Bytes>,
+    pub form: Form,
+}
+
+#[derive(Debug, Clone)]
+pub enum Form {
+    /// JSON.
+    Json,
+    /// The binary tensor extension: a JSON header of this many bytes, then the tensors.
+    Binary(u64),
+    /// An encoded `ModelInferRequest`.
+    GrpcRequest,
+    /// An encoded `ModelInferResponse`.
+    GrpcResponse,
+    /// Anything else (Decthings tensors, a raw binary body), sent as it is with its content type.
+    Other(Option<HeaderValue>),
+}
+
+/// One inference's events: its request, and its answer once there is one that succeeded.
+#[derive(Debug)]
+pub struct Inference {
+    pub id: HeaderValue,
+    pub model: String,
+    pub version: String,
+    pub request: Option<Logged>,
+    pub response: Option<Logged>,
+}
+
+#[derive(Debug)]
+struct Event {
+    kind: &'static str,
+    id: HeaderValue,
+    model: String,
+    version: String,
+    body: Logged,
+    time: SystemTime,
+}
+
+impl PayloadLogger {
+    /// Starts the sending task on the telemetry thread.
+    pub fn start(config: &PayloadLog, metrics: &Metrics) -> PayloadLogger {
+        let (queue, events) = mpsc::channel(config.max_queue);
+        let runtime = super::telemetry_runtime();
+        let _entered = runtime.enter();
+        runtime.spawn(send(
+            config.clone(),
+            events,
+            (metrics.payload_events("sent"), metrics.payload_events("failed")),
+        ));
+        PayloadLogger {
+            config: config.clone(),
+            queue,
+            dropped: metrics.payload_events("dropped"),
+        }
+    }
+
+    /// Whether this logger was made from `config`.
+    pub fn made_from(&self, config: &PayloadLog) -> bool {
+        self.config == *config
+    }
+
+    /// Whether the next inference is logged: the configured share of them, decided once per inference.
+    pub fn sampled(&self) -> bool {
+        self.config.sample_ratio >= 1.0 || fastrand::f64() < self.config.sample_ratio
+    }
+
+    /// Whether requests, and answers, are logged.
+    pub fn logs_requests(&self) -> bool {
+        self.config.mode.requests()
+    }
+
+    pub fn logs_responses(&self) -> bool {
+        self.config.mode.responses()
+    }
+
+    /// Queues an inference's events; those that do not fit are dropped and counted.
+    pub fn log(&self, inference: Inference) {
+        let time = SystemTime::now();
+        let kinds = [
+            (CE_REQUEST, inference.request.filter(|_| self.logs_requests())),
+            (CE_RESPONSE, inference.response.filter(|_| self.logs_responses())),
+        ];
+        for (kind, body) in kinds {
+            let Some(body) = body else { continue };
+            let event = Event {
+                kind,
+                id: inference.id.clone(),
+                model: inference.model.clone(),
+                version: inference.version.clone(),
+                body,
+                time,
+            };
+            if self.queue.try_send(event).is_err() {
+                self.dropped.inc();
+            }
+        }
+    }
+}
+
+/// Sends the queued events until the queue's sender is gone, each in its own delivery, at most [`DELIVERIES`] at
+/// once.
+async fn send(config: PayloadLog, mut events: mpsc::Receiver<Event>, counted: (IntCounter, IntCounter)) {
+    let client = sink_client();
+    let config = Arc::new(config);
+    let slots = Arc::new(Semaphore::new(DELIVERIES));
+    loop {
+        tokio::time::sleep(SEND_INTERVAL).await;
+        loop {
+            let event = match events.try_recv() {
+                Ok(event) => event,
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return,
+            };
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let (client, config, (sent, failed)) = (client.clone(), config.clone(), counted.clone());
+            tokio::spawn(async move {
+                let _slot = slot;
+                if deliver(&client, &config, event).await {
+                    sent.inc();
+                } else {
+                    failed.inc();
+                }
+            });
+        }
+    }
+}
+
+fn sink_client() -> SinkClient {
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in rustls_native_certs::load_native_certs().unwrap_or_default() {
+        let _ = roots.add(certificate);
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map(|builder| builder.with_root_certificates(roots.clone()).with_no_client_auth())
+        .unwrap_or_else(|_| {
+            rustls::ClientConfig::builder()
+                .with_root_certificates(roots)
+                .with_no_client_auth()
+        });
+    let mut tcp = HttpConnector::new();
+    tcp.set_nodelay(true);
+    tcp.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(tcp);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+/// Delivers one event, retrying a failed delivery (no answer, or a 5xx or 429) up to the configured retries;
+/// whether the sink took it.
+async fn deliver(client: &SinkClient, config: &PayloadLog, event: Event) -> bool {
+    let Some((content_type, header_length, body)) = event_body(&event.body, config.tensors) else {
+        return false;
+    };
+    // CloudEvents' `time`: RFC 3339, in UTC.
+    let time = humantime::format_rfc3339_micros(event.time).to_string();
+    let mut wait = FIRST_RETRY;
+    for attempt in 0..=config.retries {
+        if attempt > 0 {
+            tokio::time::sleep(wait).await;
+            wait *= 2;
+        }
+        let mut request = Request::builder()
+            .method(Method::POST)
+            .uri(config.url.clone())
+            .header("ce-specversion", "1.0")
+            .header("ce-id", event.id.clone())
+            .header("ce-type", event.kind)
+            .header("ce-source", config.source.as_str())
+            .header("ce-time", time.as_str())
+            .header("ce-inferenceservicename", event.model.as_str())
+            .header("ce-namespace", config.namespace.as_str())
+            .header("ce-component", "predictor")
+            .header("ce-endpoint", event.version.as_str())
+            .header("ce-metadata", "{}")
+            .header(http::header::CONTENT_TYPE, content_type.clone());
+        if let Some(length) = header_length {
+            request = request.header(INFERENCE_HEADER_CONTENT_LENGTH, length);
+        }
+        let Ok(request) = request.body(Full::new(body.clone())) else {
+            return false;
+        };
+        match tokio::time::timeout(config.timeout, client.request(request)).await {
+            Ok(Ok(answer)) if answer.status().is_success() => return true,
+            Ok(Ok(answer)) if !retried(answer.status()) => {
+                tracing::debug!(status = %answer.status(), "the payload log's sink refused an event");
+                return false;
+            }
+            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {}
+        }
+    }
+    false
+}
+
+fn retried(status: StatusCode) -> bool {
+    status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+/// The event's content type, its `Inference-Header-Content-Length` when it keeps the binary extension, and its
+/// body; `None` for a body that cannot be read as it claims to be.
+fn event_body(logged: &Logged, tensors: LoggedTensors) -> Option<(HeaderValue, Option<u64>, Bytes)> {
+    let joined = || match logged.chunks.as_slice() {
+        [one] => one.clone(),
+        chunks => Bytes::from(chunks.concat()),
+    };
+    let json = HeaderValue::from_static("application/json");
+    let as_json = |encoded: rest::EncodedBody| Some((json.clone(), None, Bytes::from(encoded.chunks.concat())));
+    match (&logged.form, tensors) {
+        (Form::Json, _) => Some((json, None, joined())),
+        (Form::Other(content_type), _) => Some((
+            content_type
+                .clone()
+                .unwrap_or(HeaderValue::from_static("application/octet-stream")),
+            None,
+            joined(),
+        )),
+        (Form::Binary(length), LoggedTensors::AsSent) => Some((
+            HeaderValue::from_static("application/octet-stream"),
+            Some(*length),
+            joined(),
+        )),
+        (Form::GrpcRequest | Form::GrpcResponse, LoggedTensors::AsSent) => {
+            Some((HeaderValue::from_static("application/x-protobuf"), None, joined()))
+        }
+        (Form::Binary(length), LoggedTensors::Json) => {
+            // A request and an answer are told apart by what they decode as: only an answer has no `inputs`.
+            let body = joined();
+            match rest::decode_request(body.clone(), Some(*length)) {
+                Ok(RestRequest::Request { request, .. }) if !request.inputs.is_empty() => {
+                    as_json(rest::encode_request(&request, false).ok()?)
+                }
+                _ => {
+                    let response = rest::decode_response(body, Some(*length)).ok()?;
+                    as_json(rest::encode_response(&response, &BinaryOutputs::default()).ok()?)
+                }
+            }
+        }
+        (Form::GrpcRequest, LoggedTensors::Json) => {
+            let message = crate::proto::ModelInferRequest::decode(joined()).ok()?;
+            as_json(rest::encode_request(&protobuf::request_from_proto(message).ok()?, false).ok()?)
+        }
+        (Form::GrpcResponse, LoggedTensors::Json) => {
+            let message = crate::proto::ModelInferResponse::decode(joined()).ok()?;
+            let response = protobuf::response_from_proto(message).ok()?;
+            as_json(rest::encode_response(&response, &BinaryOutputs::default()).ok()?)
+        }
+    }
+}
