@@ -341,3 +341,54 @@ fn load_sources_presets_and_metrics_addresses() {
     let shed = config.models()[1].limits.shed.unwrap();
     assert_eq!((shed.max_queue, shed.keep_priority), (8, 1));
 }
+
+#[test]
+fn tracing_and_payload_log_sections_are_validated_with_their_defaults() {
+    let text = format!(
+        "{EXAMPLE}\n[tracing]\notlp_endpoint = \"http://collector:4317\"\n\n[payload_log]\nurl = \"http://sink:8080\"\n\
+         models = [\"add_sub\"]\n"
+    );
+    let config = load(&text).unwrap();
+    let tracing = config.tracing.as_ref().unwrap();
+    assert_eq!(tracing.otlp_endpoint, "http://collector:4317");
+    assert_eq!((tracing.sample_ratio, tracing.service_name.as_str()), (0.01, "oipgate"));
+    let log = config.payload_log.as_ref().unwrap();
+    assert_eq!(log.mode, oipgate::config::LogMode::All);
+    assert_eq!(log.sample_ratio, 1.0);
+    assert_eq!(log.max_queue, 1000);
+    assert_eq!(log.tensors, oipgate::config::LoggedTensors::Json);
+    // The section covers add_sub only; classifier is not logged.
+    assert!(config.models()[0].payload_log);
+    assert!(!config.models()[1].payload_log);
+    // Without the section nothing is logged, whatever a model says.
+    assert!(!load(EXAMPLE).unwrap().models()[0].payload_log);
+    // A model opts out.
+    let opted_out = text.replace(
+        "default_version = \"1\"",
+        "default_version = \"1\"\npayload_log = false",
+    );
+    assert!(!load(&opted_out).unwrap().models()[0].payload_log);
+}
+
+#[test]
+fn bad_tracing_and_payload_log_sections_are_refused_with_their_key_paths() {
+    let text = format!(
+        "{EXAMPLE}\n[tracing]\notlp_endpoint = \"collector:4317\"\nsample_ratio = 1.5\nmax_queue = 0\n\n\
+         [payload_log]\nurl = \"ftp://sink\"\nmode = \"everything\"\nsample_ratio = -0.1\nmodels = [\"nope\"]\n\
+         tensors = \"base64\"\n"
+    );
+    let found = problems(&text);
+    let expected = [
+        "tracing.otlp_endpoint: \"collector:4317\" is not an http:// or https:// URL with a host",
+        "tracing.sample_ratio: 1.5 is not a share between 0 and 1",
+        "tracing.max_queue: must be at least 1",
+        "payload_log.url: \"ftp://sink\" is not an http:// or https:// URL with a host",
+        "payload_log.mode: \"everything\" is not \"all\", \"request\" or \"response\"",
+        "payload_log.sample_ratio: -0.1 is not a share between 0 and 1",
+        "payload_log.models[0]: \"nope\" is not a configured model",
+        "payload_log.tensors: \"base64\" is not \"json\" or \"as_sent\"",
+    ];
+    for message in expected {
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+}
