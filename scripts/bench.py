@@ -8,7 +8,8 @@ with wrk (HTTP/1.1) or h2load (gRPC unary over HTTP/2; scenario 2 at 4x8 and, as
 at a fixed concurrency and duration, alternating the setups
 (A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
 requests of each process, and the gateway's peak RSS. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
-and 10,000 models instead, scenario 8 (scripts/bench_load.py) what `least_load` costs. Writes target/bench/results.json and target/bench/report.md.
+and 10,000 models instead, scenario 8 (scripts/bench_load.py) what `least_load` costs, scenario 9
+(scripts/bench_telemetry.py) what traces and payload logging cost. Writes target/bench/results.json and target/bench/report.md.
 """
 
 import argparse
@@ -386,14 +387,18 @@ backend grpc
 
 def floor_binaries():
     """The smallest hyper and pingora proxies (benches/floor_*.rs), built with the bench profile; their paths."""
-    done = subprocess.run(
-        ["cargo", "bench", "--locked", "--no-run", "--message-format=json", "--bench", "floor_hyper", "--bench",
-         "floor_pingora"],
-        cwd=ROOT, capture_output=True, text=True,
-    )
+    return bench_binaries(("floor_hyper", "floor_pingora"))
+
+
+def bench_binaries(names):
+    """The programs of benches/ named `names`, built with the bench profile; their paths by name."""
+    command = ["cargo", "bench", "--locked", "--no-run", "--message-format=json"]
+    for name in names:
+        command += ["--bench", name]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit("bench: the floor proxies did not build")
+        raise SystemExit(f"bench: {', '.join(names)} did not build")
     found = {}
     for line in done.stdout.splitlines():
         try:
@@ -401,7 +406,7 @@ def floor_binaries():
         except ValueError:
             continue
         name = message.get("target", {}).get("name")
-        if message.get("executable") and name in ("floor_hyper", "floor_pingora"):
+        if message.get("executable") and name in names:
             found[name] = message["executable"]
     return found
 
@@ -573,7 +578,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10, help="duration of each run")
     parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
     parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8", help="scenarios to run, e.g. 1,2,6")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9", help="scenarios to run, e.g. 1,2,6")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="worker threads of oipgate's doors and nginx's worker processes (default: cores)")
     args = parser.parse_args()
@@ -598,7 +603,13 @@ def main():
         import bench_load
 
         results["scenarios"]["8"] = bench_load.load_costs(args.seconds, args.rounds, args.connections, args.workers)
-    if only <= {7, 8}:
+    if 9 in only:
+        # Scenario 9 too: gateways with and without [tracing] and [payload_log] (scripts/bench_telemetry.py).
+        import bench_telemetry
+
+        results["scenarios"]["9"] = bench_telemetry.telemetry_costs(args.seconds, args.rounds, args.connections,
+                                                                    args.workers)
+    if only <= {7, 8, 9}:
         return finish(results)
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
     ports, backend, gateway, gateway_auth, nginx, haproxy, floors = start_all(work, args.workers)
@@ -818,6 +829,11 @@ def report(results):
 
             lines += bench_load.report(runs)
             continue
+        if name == "9":
+            import bench_telemetry
+
+            lines += bench_telemetry.report(runs)
+            continue
         if name == "6":
             lines += ["| | idle RSS | RSS with 1,000 idle keep-alive connections | per connection |", "|---|---|---|---|"]
             for proc, r in runs.items():
@@ -905,6 +921,10 @@ def targets(results):
         import bench_scale
 
         lines += bench_scale.targets(scenarios["7"])
+    if "9" in scenarios:
+        import bench_telemetry
+
+        lines += bench_telemetry.targets(scenarios["9"])
     lines.append("")
     return lines
 

@@ -101,7 +101,15 @@ fn demo_runs_and_its_printed_curl_examples_work() {
             .any(|a| a.starts_with("HTTP/1.1 429") && a.to_lowercase().contains("retry-after:")),
         "{answers:?}"
     );
-    let exposition = answers.last().unwrap();
+    // The traced call, with its request id, answers as any other.
+    assert!(
+        answers.last().unwrap().contains(r#""model_version":"2""#),
+        "{answers:?}"
+    );
+    let exposition = answers
+        .iter()
+        .find(|a| a.contains("oipgate_requests_total"))
+        .expect("the metrics example's answer");
     assert!(
         !exposition.contains("model=\"identity\""),
         "identity was never called:\n{exposition}"

@@ -42,6 +42,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
         }
         Ok::<_, Error>(replicas)
     })?;
+    let sink = runtime.block_on(payload_sink())?;
     let addresses = |protocol: fn(&modelserver::RunningModelServer) -> Option<SocketAddr>| {
         replicas
             .iter()
@@ -56,6 +57,9 @@ pub fn run(options: DemoOptions) -> Result<()> {
     raw.listen.rest = Some(options.rest.to_string());
     raw.listen.grpc = Some(options.grpc.to_string());
     raw.listen.metrics = Some(options.metrics.to_string());
+    if let Some(log) = &mut raw.payload_log {
+        log.url = format!("http://{sink}/");
+    }
     for backend in &mut raw.backends {
         let addresses = if backend.protocol == config::BackendProtocol::Grpc {
             &grpc_backends
@@ -77,6 +81,49 @@ pub fn run(options: DemoOptions) -> Result<()> {
         }
     });
     served
+}
+
+/// A CloudEvents sink for the payload log: one line on stderr per event, as KServe's message dumper prints them.
+async fn payload_sink() -> Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| Error::internal(format!("cannot listen for the payload log: {e}")))?;
+    let address = listener
+        .local_addr()
+        .map_err(|e| Error::internal(format!("the payload sink's address: {e}")))?;
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let service = hyper::service::service_fn(|request: http::Request<hyper::body::Incoming>| async move {
+                let (parts, body) = request.into_parts();
+                let bytes = http_body_util::BodyExt::collect(body)
+                    .await
+                    .map(|body| body.to_bytes().len())
+                    .unwrap_or(0);
+                let header = |name: &str| {
+                    parts
+                        .headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("-")
+                        .to_owned()
+                };
+                tracing::info!(
+                    target: "oipgate::demo::payload_sink",
+                    ce_type = header("ce-type"),
+                    ce_id = header("ce-id"),
+                    model = header("ce-inferenceservicename"),
+                    version = header("ce-endpoint"),
+                    bytes,
+                    "payload event"
+                );
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+            });
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(tcp), service),
+            );
+        }
+    });
+    Ok(address)
 }
 
 /// The text printed at start: where things are and what to try.
@@ -156,6 +203,11 @@ each metric). The probes and metrics need no key:
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
 The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
+
+Every inference is also logged as KServe's CloudEvents (request and answer, Ce-Id the request id) to a sink the
+demo runs, which prints a `payload event` line for each. With [tracing] set (config/demo.toml), a request that
+carries a W3C traceparent joins the caller's trace, and each backend call carries its own span on:
+  curl -s {auth} -H 'x-request-id: demo-1' -H 'traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01' http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
 
 {python}"#
     )

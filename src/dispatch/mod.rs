@@ -3,7 +3,7 @@
 //! the public names restored.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -20,9 +20,7 @@ use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetri
 use crate::process::payload_log::PayloadLogger;
 use crate::process::traces::{Trace, Traces};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
-use crate::protocol::{
-    InferRequest, InferResponse, ModelIndexEntry, ModelMetadata, ModelState, ParamValue, Sequence, ServerMetadata,
-};
+use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelState, ParamValue, Sequence, ServerMetadata};
 use crate::routing::{RouteTable, Routed, VersionRoute};
 use crate::tls::Prepared;
 use crate::upstream::Replied;
@@ -33,6 +31,7 @@ mod backend;
 mod config;
 pub mod fleet;
 mod load;
+mod metadata;
 mod mirror;
 mod passthrough;
 mod probe;
@@ -47,10 +46,11 @@ use backend::{BackendClients, Replicas, Try};
 pub use fleet::Affinity;
 
 pub use config::{ConfigForm, ModelConfigAnswer};
+use metadata::MetadataCache;
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
-use probe::{endpoint_model_metadata, probe};
+use probe::probe;
 use readiness::AskedReadiness;
 pub use repository::RepositoryAction;
 pub use stream::{MODEL_STREAM_INFER, StreamAnswer, StreamSummary};
@@ -64,10 +64,6 @@ const SERVER_READY: &str = "/inference.GRPCInferenceService/ServerReady";
 const MAX_MIRRORS_IN_FLIGHT: usize = 256;
 /// How long a connection attempt to a backend may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long model metadata is used without fetching it again.
-const METADATA_FRESH: Duration = Duration::from_secs(5);
-/// How long model metadata may be used while a newer one is fetched in the background.
-const METADATA_STALE: Duration = Duration::from_secs(60);
 /// Bound on each readiness probe of a backend.
 const READY_PROBE_TIMEOUT: Duration = Duration::from_millis(800);
 
@@ -519,39 +515,6 @@ impl Dispatcher {
         });
     }
 
-    /// Model metadata from a healthy endpoint of the resolved version, with the public name and the versions the
-    /// gateway routes for the model. Kept: an answer younger than [`METADATA_FRESH`] is used as it is; an older one,
-    /// until [`METADATA_STALE`], is used while it is fetched again in the background.
-    pub async fn model_metadata(&self, model: &str, version: Option<&str>) -> Result<ModelMetadata> {
-        let route = self.routes.resolve(model, version)?;
-        let backend = self.backend(route)?;
-        let versions = self.routes.versions(model).map(<[String]>::to_vec).unwrap_or_default();
-        let kept = self
-            .metadata_cache
-            .lock()
-            .ok()
-            .and_then(|cache| cache.get(&route.id).cloned());
-        if let Some(kept) = kept {
-            let age = kept.at.elapsed();
-            if age < METADATA_FRESH {
-                return Ok(kept.metadata);
-            }
-            if age < METADATA_STALE {
-                if !kept.refreshing.swap(true, std::sync::atomic::Ordering::Relaxed)
-                    && let Some(backend) = self.backends.get(route.backend.index()).cloned()
-                {
-                    let (cache, route) = (self.metadata_cache.clone(), route.clone());
-                    let timeout = self.request_timeout;
-                    tokio::spawn(async move {
-                        let _ = fetch_metadata(&cache, &backend, &route, versions, timeout).await;
-                    });
-                }
-                return Ok(kept.metadata);
-            }
-        }
-        fetch_metadata(&self.metadata_cache, backend, route, versions, self.request_timeout).await
-    }
-
     /// Whether some endpoint serving the resolved version has the model ready: from the health checks' last probes
     /// when the backend is checked, otherwise by asking its endpoints (one model's answer is worth a call; the
     /// fleet-wide answers read kept state).
@@ -688,48 +651,6 @@ impl Dispatcher {
             ReadyPolicy::AnyModel => servable.any(|ready| ready),
         }
     }
-}
-
-/// Model metadata as it was last fetched, for one route.
-#[derive(Debug, Clone)]
-struct KeptMetadata {
-    at: Instant,
-    metadata: ModelMetadata,
-    /// Set once a background fetch of a newer one has started.
-    refreshing: Arc<std::sync::atomic::AtomicBool>,
-}
-
-type MetadataCache = Arc<Mutex<HashMap<usize, KeptMetadata>>>;
-
-/// Fetches `route`'s metadata from an endpoint of `backend`, under its public name and `versions`, and keeps it.
-async fn fetch_metadata(
-    cache: &MetadataCache,
-    backend: &BackendClients,
-    route: &VersionRoute,
-    versions: Vec<String>,
-    timeout: Duration,
-) -> Result<ModelMetadata> {
-    let mut metadata = backend
-        .attempt(
-            (&route.upstream_name, &route.upstream_version),
-            &Affinity::None,
-            timeout,
-            &HeaderMap::new(),
-            &Trace::default(),
-            |Try { index, left, .. }| endpoint_model_metadata(backend, index, route, left),
-        )
-        .await?;
-    metadata.name = route.model.clone();
-    metadata.versions = versions;
-    if let Ok(mut cache) = cache.lock() {
-        let kept = KeptMetadata {
-            at: Instant::now(),
-            metadata: metadata.clone(),
-            refreshing: Arc::default(),
-        };
-        cache.insert(route.id, kept);
-    }
-    Ok(metadata)
 }
 
 /// Drops the series of what a rebuild over `previous` removed: endpoints (unless the new configuration has the
