@@ -4,7 +4,7 @@ Four gateways on the same backends, alike but for one section: none (tracing off
 `[tracing]` at 1.0, and `[payload_log]` at sample_ratio 1.0. The spans go to a real OTLP collector and the events to
 a CloudEvents sink (benches/telemetry_sinks.rs, both decoding what they get). Each runs scenario 1's small add_sub
 request proxied to the REST backend (9a) and scenario 3a's, translated from REST JSON to the gRPC backend (9b), wrk
-2 threads x 32 connections, the four alternated round by round.
+2 threads x 32 connections, the four alternated, each round starting from the next.
 
 `--baseline BINARY` adds a fifth gateway: another build of oipgate (one from before `[tracing]` existed) with the
 same configuration as "off", to show what tracing off costs against not having it at all.
@@ -72,9 +72,12 @@ def telemetry_costs(seconds, rounds, connections, workers, baseline=None):
         body_file = bench.write(bench.OUT / "add_sub_telemetry.json", body)
         headers = {"Content-Type": "application/json"}
         threads = min(2, os.cpu_count() or 1)
-        for _ in range(rounds):
+        for round_index in range(rounds):
+            # Each round starts from the next gateway, so no setup always runs right after the same other one.
+            start = round_index % len(gateways)
+            order = gateways[start:] + gateways[:start]
             for key, _, target in PATHS:
-                for name, server, rest in gateways:
+                for name, server, rest in order:
                     url = f"http://127.0.0.1:{rest}{target}"
                     run = bench.run_one(name, lambda: bench.wrk(url, body_file, headers, seconds, connections, threads),
                                         {"oipgate": server, "model-server": backend, "sinks": sinks})

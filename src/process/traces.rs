@@ -90,26 +90,23 @@ impl Traces {
     ///
     /// A new trace is sampled here, with one random draw, before the SDK is asked for anything: building a span the
     /// SDK then drops (ids drawn, a builder and a span made) cost more than the 1% of traces kept at 0.01. The
-    /// draw is the ratio sampler's own decision in distribution, as a new trace's id is random.
-    pub fn request(
-        &self,
-        name: impl Into<Cow<'static, str>>,
-        headers: &HeaderMap,
-        attributes: impl FnOnce() -> Vec<KeyValue>,
-    ) -> Trace {
+    /// draw is the ratio sampler's own decision in distribution, as a new trace's id is random. The span's name and
+    /// attributes (`describe`) are made only for a span that may be recorded.
+    pub fn request(&self, headers: &HeaderMap, describe: impl FnOnce() -> (Cow<'static, str>, Vec<KeyValue>)) -> Trace {
         if !headers.contains_key(TRACEPARENT) && !self.draw() {
             return Trace::default();
         }
+        let (name, attributes) = describe();
         let parent = self.propagator.extract(&Headers(headers));
-        let mut span = self
+        let span = self
             .tracer
             .span_builder(name)
             .with_kind(SpanKind::Server)
+            .with_attributes(attributes)
             .start_with_context(&self.tracer, &parent);
         if !span.is_recording() {
             return Trace::default();
         }
-        span.set_attributes(attributes());
         Trace(Some(Recording {
             context: Context::new().with_span(span),
             tracer: self.tracer.clone(),

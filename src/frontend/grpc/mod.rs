@@ -125,19 +125,16 @@ fn context_of(headers: &http::HeaderMap) -> CallContext {
 
 /// The span of a call at the door, named for its method (`inference.GRPCInferenceService/ModelInfer`).
 fn call_span(traces: &Traces, path: &str, headers: &http::HeaderMap) -> Trace {
-    let method: std::borrow::Cow<'static, str> = match path {
-        MODEL_INFER_PATH => "inference.GRPCInferenceService/ModelInfer".into(),
-        MODEL_STREAM_INFER => "inference.GRPCInferenceService/ModelStreamInfer".into(),
-        other => other.trim_start_matches('/').to_owned().into(),
-    };
-    traces.request(method, headers, || {
-        let (service, method) = path.trim_start_matches('/').split_once('/').unwrap_or(("", path));
-        vec![
+    traces.request(headers, || {
+        let name = path.trim_start_matches('/');
+        let (service, method) = name.split_once('/').unwrap_or(("", name));
+        let attributes = vec![
             KeyValue::new("rpc.system", "grpc"),
             KeyValue::new("rpc.service", service.to_owned()),
             KeyValue::new("rpc.method", method.to_owned()),
             KeyValue::new("oip.protocol", "grpc"),
-        ]
+        ];
+        (name.to_owned().into(), attributes)
     })
 }
 

@@ -335,13 +335,14 @@ impl Joined {
 /// (its connection closed, or its HTTP/2 stream cancelled), else 400.
 /// The span of a request at the door, named for its endpoint.
 fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::Parts) -> Trace {
-    let name = route(parts.uri.path()).map_or("unknown endpoint", |route| route.template());
-    traces.request(name, &parts.headers, || {
-        vec![
+    traces.request(&parts.headers, || {
+        let name = route(parts.uri.path()).map_or("unknown endpoint", |route| route.template());
+        let attributes = vec![
             KeyValue::new("http.request.method", parts.method.to_string()),
             KeyValue::new("url.path", parts.uri.path().to_owned()),
             KeyValue::new("oip.protocol", "rest"),
-        ]
+        ];
+        (name.into(), attributes)
     })
 }
 
