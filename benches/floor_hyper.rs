@@ -6,6 +6,10 @@
 //! `floor_hyper --listen ADDR --upstream ADDR --threads N [--http2]`; without arguments (as `cargo test` runs it) it
 //! does nothing.
 
+#[path = "support/arguments.rs"]
+mod arguments;
+use arguments::argument;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -15,14 +19,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
-
-fn argument(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
 
 fn main() -> Result<(), Failure> {
     let (Some(listen), Some(upstream)) = (argument("--listen"), argument("--upstream")) else {

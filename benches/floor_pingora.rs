@@ -3,6 +3,10 @@
 //! `floor_pingora --listen ADDR --upstream ADDR --threads N`; without arguments (as `cargo test` runs it) it does
 //! nothing.
 
+#[path = "support/arguments.rs"]
+mod arguments;
+use arguments::argument;
+
 use async_trait::async_trait;
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session, http_proxy_service};
@@ -22,14 +26,6 @@ impl ProxyHttp for Proxy {
     async fn upstream_peer(&self, _session: &mut Session, _context: &mut ()) -> pingora::Result<Box<HttpPeer>> {
         Ok(Box::new(HttpPeer::new(self.upstream.as_str(), false, String::new())))
     }
-}
-
-fn argument(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
 }
 
 fn main() {

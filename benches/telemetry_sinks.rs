@@ -4,6 +4,10 @@
 //! stderr.
 //! `telemetry_sinks --otlp ADDR --events ADDR`; without arguments (as `cargo test` runs it) it does nothing.
 
+#[path = "support/arguments.rs"]
+mod arguments;
+use arguments::argument;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -13,14 +17,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{Tra
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
-
-fn argument(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
 
 #[derive(Clone, Default)]
 struct Collector(Arc<AtomicU64>);
