@@ -21,7 +21,7 @@ use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
 use crate::process::traces::Trace;
-use crate::protocol::{InferRequest, Reserved};
+use crate::protocol::{InferRequest, InferResponse, Reserved};
 use crate::routing::{Routed, VersionRoute};
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
@@ -110,8 +110,27 @@ impl RestDoor {
                 .pass_through(headers, body, record, target, routed, asked, start)
                 .await;
         }
+        self.translate(parts, body, record, routed, (asked, start, reserved), (model, version))
+            .await
+    }
+
+    /// Decodes the request, dispatches it to the backend over its protocol, and encodes the answer: each a step of
+    /// the request's span, the crossing between the protocols timed.
+    async fn translate(
+        &self,
+        parts: &http::request::Parts,
+        body: &mut Option<RequestBody>,
+        record: &mut Record,
+        routed: Routed,
+        (asked, start, reserved): (Asked, BodyStart, Reserved),
+        (model, version): (&str, Option<&str>),
+    ) -> Result<Reply> {
         record.translated = true;
-        let deadline = text(http::header::HeaderName::from_static("grpc-timeout"))
+        let dispatcher = record.dispatcher().clone();
+        let deadline = parts
+            .headers
+            .get(http::header::HeaderName::from_static("grpc-timeout"))
+            .and_then(|v| v.to_str().ok())
             .and_then(crate::frontend::grpc::parse_grpc_timeout);
         let deadline = match (deadline, reserved.timeout) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -153,31 +172,9 @@ impl RestDoor {
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
-        let response = replied.value;
-        let mut headers = replied.headers;
         let encoding = Instant::now();
         let step = record.trace.child("encode", SpanKind::Internal, Vec::new);
-        let reply = if asked.decthings_out {
-            headers.insert(
-                http::header::CONTENT_TYPE,
-                HeaderValue::from_static(DECTHINGS_CONTENT_TYPE),
-            );
-            let named = |value: &str| HeaderValue::from_str(value).map_err(|_| Error::internal("an unsendable name"));
-            headers.insert("model-name", named(&response.model_name)?);
-            if let Some(version) = &response.model_version {
-                headers.insert("model-version", named(version)?);
-            }
-            if let Some(id) = &response.id {
-                headers.insert("inference-id", named(id)?);
-            }
-            Reply::Buffered(
-                StatusCode::OK,
-                headers,
-                vec![decthings::encode_entries(&response.outputs)?],
-            )
-        } else {
-            Reply::Encoded(rest::encode_response(&response, &binary_outputs)?, headers)
-        };
+        let reply = encode_answer(&replied.value, replied.headers, asked.decthings_out, &binary_outputs)?;
         if step.is_on() {
             let bytes = match &reply {
                 Reply::Encoded(body, _) => body.chunks.iter().map(Bytes::len).sum(),
@@ -406,6 +403,39 @@ impl RestDoor {
             )),
         }
     }
+}
+
+/// An answer for the client: Decthings tensors with the names in headers when it asked for them, else JSON or the
+/// binary extension as its request asked.
+fn encode_answer(
+    response: &InferResponse,
+    mut headers: HeaderMap,
+    decthings_out: bool,
+    binary_outputs: &BinaryOutputs,
+) -> Result<Reply> {
+    if !decthings_out {
+        return Ok(Reply::Encoded(
+            rest::encode_response(response, binary_outputs)?,
+            headers,
+        ));
+    }
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(DECTHINGS_CONTENT_TYPE),
+    );
+    let named = |value: &str| HeaderValue::from_str(value).map_err(|_| Error::internal("an unsendable name"));
+    headers.insert("model-name", named(&response.model_name)?);
+    if let Some(version) = &response.model_version {
+        headers.insert("model-version", named(version)?);
+    }
+    if let Some(id) = &response.id {
+        headers.insert("inference-id", named(id)?);
+    }
+    Ok(Reply::Buffered(
+        StatusCode::OK,
+        headers,
+        vec![decthings::encode_entries(&response.outputs)?],
+    ))
 }
 
 /// What routing chose, on the routing step's span and the request's.
