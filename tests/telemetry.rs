@@ -133,19 +133,48 @@ async fn spans_of(received: &Received, trace: &str, expected: &[&str]) -> Vec<Sp
     received.of_trace(trace)
 }
 
+/// A gateway tracing at ratio 0 (only the traces the clients sampled are followed) in front of two in-process model
+/// servers, its spans sent to a real OTLP receiver.
+struct TraceSetup {
+    gateway: GatewayProcess,
+    received: Received,
+    collector: SocketAddr,
+    rest_backend: oipgate::modelserver::RunningModelServer,
+    grpc_backend: oipgate::modelserver::RunningModelServer,
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
     let (rest_backend, grpc_backend) = in_process_backends().await;
     let (collector, received) = otlp_receiver().await;
-    let rest_address = rest_backend.rest_addr.unwrap();
-    let grpc_address = grpc_backend.grpc_addr.unwrap();
-    // Ratio 0: only the traces the clients sampled are followed.
     let gateway = GatewayProcess::start(&format!(
         "[tracing]\notlp_endpoint = \"http://{collector}\"\nsample_ratio = 0.0\nservice_name = \"gateway-under-test\"\n\
          {}{ADD_SUB_ON_BOTH}",
-        fleet_backends(rest_address, grpc_address)
+        fleet_backends(rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap())
     ));
+    let setup = TraceSetup {
+        gateway,
+        received,
+        collector,
+        rest_backend,
+        grpc_backend,
+    };
+    let rest_trace = rest_to_grpc_is_one_trace(&setup).await;
+    let grpc_trace = grpc_to_rest_is_one_trace(&setup).await;
+    let stream_trace = a_stream_is_one_span(&setup).await;
+    unsampled_requests_record_nothing(&setup, [rest_trace, grpc_trace, stream_trace]).await;
+    a_full_export_queue_drops_spans(&setup).await;
+}
 
+/// REST -> gRPC: decoded, sent to the gRPC backend, encoded back; the trace's id.
+async fn rest_to_grpc_is_one_trace(setup: &TraceSetup) -> &'static str {
+    let TraceSetup {
+        gateway,
+        received,
+        grpc_backend,
+        ..
+    } = setup;
+    let grpc_address = grpc_backend.grpc_addr.unwrap();
     // REST -> gRPC: decoded, sent to the gRPC backend, encoded back.
     let rest_trace = "0af7651916cd43dd8448eb211c80319c";
     let answer = post_with_headers(
@@ -156,7 +185,7 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
     .await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     let spans = spans_of(
-        &received,
+        received,
         rest_trace,
         &[
             "POST /v2/models/{model}/infer",
@@ -199,7 +228,18 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
         "the gRPC backend saw the attempt's span as its parent: {:?}",
         grpc_backend.state.traceparents()
     );
+    rest_trace
+}
 
+/// gRPC -> REST: the message decoded and sent to the REST backend; the trace's id.
+async fn grpc_to_rest_is_one_trace(setup: &TraceSetup) -> &'static str {
+    let TraceSetup {
+        gateway,
+        received,
+        rest_backend,
+        ..
+    } = setup;
+    let rest_address = rest_backend.rest_addr.unwrap();
     // gRPC -> REST: the message decoded and sent to the REST backend.
     let grpc_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let mut client = gateway.grpc_client().await;
@@ -210,7 +250,7 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
     );
     client.model_infer(request).await.unwrap();
     let spans = spans_of(
-        &received,
+        received,
         grpc_trace,
         &[
             "inference.GRPCInferenceService/ModelInfer",
@@ -238,7 +278,18 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
         "the REST backend saw the attempt's span as its parent: {:?}",
         rest_backend.state.traceparents()
     );
+    grpc_trace
+}
 
+/// A stream: one span, an event per message either way, its backend stream a child of it; the trace's id.
+async fn a_stream_is_one_span(setup: &TraceSetup) -> &'static str {
+    let TraceSetup {
+        gateway,
+        received,
+        grpc_backend,
+        ..
+    } = setup;
+    let mut client = gateway.grpc_client().await;
     // A stream: one span, an event per message either way, its backend stream a child of it.
     let stream_trace = "5b8aa5a2d2c872e8321cf37308d69df2";
     let messages = (0..3).map(|i| grpc_add_sub_request("2", i, 1));
@@ -255,7 +306,7 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
     }
     assert_eq!(count, 3);
     let spans = spans_of(
-        &received,
+        received,
         stream_trace,
         &["inference.GRPCInferenceService/ModelStreamInfer"],
     )
@@ -281,7 +332,17 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
             .contains(&traceparent(stream_trace, &to_hex(&root.span_id))),
         "the backend's stream carries the stream's span"
     );
+    stream_trace
+}
 
+/// Not sampled (no parent, ratio 0): nothing recorded, nothing added for the backend; only `sampled` are there.
+async fn unsampled_requests_record_nothing(setup: &TraceSetup, sampled: [&str; 3]) {
+    let TraceSetup {
+        gateway,
+        received,
+        rest_backend,
+        ..
+    } = setup;
     // Not sampled (no parent, ratio 0): nothing recorded, nothing added for the backend.
     let before = rest_backend.state.traceparents().len();
     let answer = common::post(
@@ -292,15 +353,20 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
     assert_eq!(answer.status, 200);
     tokio::time::sleep(Duration::from_millis(600)).await;
     let traces: std::collections::HashSet<String> = received.all().iter().map(|s| to_hex(&s.trace_id)).collect();
-    assert_eq!(
-        traces,
-        [rest_trace, grpc_trace, stream_trace].map(str::to_owned).into(),
-        "only the sampled traces"
-    );
+    assert_eq!(traces, sampled.map(str::to_owned).into(), "only the sampled traces");
     assert_eq!(rest_backend.state.traceparents().len(), before);
     assert!(gateway.metric("oipgate_spans_total{result=\"exported\"}").await >= 11.0);
+}
 
-    // An export queue of one span: what does not fit is dropped and counted, and no request waits for it.
+/// An export queue of one span: what does not fit is dropped and counted, and no request waits for it.
+async fn a_full_export_queue_drops_spans(setup: &TraceSetup) {
+    let TraceSetup {
+        collector,
+        rest_backend,
+        grpc_backend,
+        ..
+    } = setup;
+    let (rest_address, grpc_address) = (rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap());
     let small = GatewayProcess::start(&format!(
         "[tracing]\notlp_endpoint = \"http://{collector}\"\nsample_ratio = 1.0\nmax_queue = 1\n{}{ADD_SUB_ON_BOTH}",
         fleet_backends(rest_address, grpc_address)
@@ -471,11 +537,21 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
     let (request, response) = logged(&events, "binary", "add_sub", "1").await;
     assert_eq!(request.json()["inputs"][1]["data"][0], 1);
     assert_eq!(response.json()["outputs"][0]["data"][0], 4);
-    // A model that opts out is never logged; a failed inference logs its request only.
+    an_opted_out_model_and_a_refused_call(&gateway, &events, &json).await;
+    assert_eq!(
+        gateway
+            .metric("oipgate_payload_log_events_total{result=\"sent\"}")
+            .await,
+        11.0
+    );
+}
+
+/// A model that opts out is never logged; a failed inference logs its request only.
+async fn an_opted_out_model_and_a_refused_call(gateway: &GatewayProcess, events: &Mutex<Vec<Event>>, json: &str) {
     let answer = post_with_headers(
         &gateway.rest_url("/v2/models/private/infer"),
         &[("x-request-id", "private".to_owned())],
-        json.clone(),
+        json.to_owned(),
     )
     .await;
     assert_eq!(answer.status, 200);
@@ -487,23 +563,17 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
     .await;
     assert_eq!(answer.status, 400);
     eventually(Duration::from_secs(10), "the refused request's event", || async {
-        events_of(&events, "refused").contains_key(REQUEST)
+        events_of(events, "refused").contains_key(REQUEST)
     })
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
-        events_of(&events, "private").is_empty(),
+        events_of(events, "private").is_empty(),
         "an opted-out model is not logged"
     );
     assert!(
-        !events_of(&events, "refused").contains_key(RESPONSE),
+        !events_of(events, "refused").contains_key(RESPONSE),
         "only answers that succeeded"
-    );
-    assert_eq!(
-        gateway
-            .metric("oipgate_payload_log_events_total{result=\"sent\"}")
-            .await,
-        11.0
     );
 }
 

@@ -248,11 +248,20 @@ impl Dispatcher {
             .filter(|log| route.payload_log && log.sampled())
     }
 
-    /// The name of the backend serving `route`.
-    pub fn backend_name(&self, route: &VersionRoute) -> &str {
-        self.backends
+    /// Notes what routing chose on the routing step's span (the backend, its name for the model) and on the
+    /// request's (the public model and version).
+    pub fn note_route(&self, routing: &Trace, request: &Trace, route: &VersionRoute) {
+        if !routing.is_on() {
+            return;
+        }
+        let backend = self
+            .backends
             .get(route.backend.index())
-            .map_or(metrics::NO_BACKEND, |b| b.name.as_str())
+            .map_or(metrics::NO_BACKEND, |b| b.name.as_str());
+        routing.set("oip.backend", backend.to_owned());
+        routing.set("oip.upstream_model", route.upstream_name.clone());
+        request.set("oip.model", route.model.clone());
+        request.set("oip.version", route.version.clone());
     }
 
     /// The protocol of the backend serving `route`.

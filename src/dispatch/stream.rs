@@ -303,36 +303,7 @@ impl Dispatcher {
                             Err(error) => return Err(error),
                         }
                     }
-                    let lease = backend
-                        .fleet
-                        .lease(
-                            &backend.name,
-                            &route.upstream_name,
-                            &route.upstream_version,
-                            &routed.affinity,
-                            &[],
-                        )
-                        .await?;
-                    let Replicas::Grpc { endpoints } = &backend.replicas else {
-                        unreachable!("matched above")
-                    };
-                    let coding = context.compressed.filter(|_| backend.config.compression);
-                    let opened = endpoints[lease.index]
-                        .open_stream(
-                            MODEL_STREAM_INFER,
-                            renamed,
-                            context.deadline,
-                            &context.trace.carried(&context.forward),
-                            coding,
-                        )
-                        .await;
-                    let upstream = match opened {
-                        Ok(upstream) => upstream,
-                        Err(error) => {
-                            lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
-                            return Err(error);
-                        }
-                    };
+                    let (upstream, lease) = open_leg(&backend, &routed, renamed, context).await?;
                     let sent = Arc::new(AtomicU64::new(1));
                     let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled));
                     legs.insert(
@@ -497,6 +468,42 @@ async fn relay(
             Ok(())
         }
         outcome => outcome,
+    }
+}
+
+/// Opens a backend stream for `routed` on an endpoint of its gRPC `backend`, `first` its first message, carrying
+/// the client stream's deadline, compression and span; gives it with the place it holds at the endpoint.
+async fn open_leg(
+    backend: &BackendClients,
+    routed: &crate::routing::Routed,
+    first: Vec<Bytes>,
+    context: &CallContext,
+) -> Result<(crate::upstream::grpc::UpstreamStream, Lease)> {
+    let route = &routed.route;
+    let lease = backend
+        .fleet
+        .lease(
+            &backend.name,
+            &route.upstream_name,
+            &route.upstream_version,
+            &routed.affinity,
+            &[],
+        )
+        .await?;
+    let Replicas::Grpc { endpoints } = &backend.replicas else {
+        return Err(Error::internal("a gRPC stream to a REST backend"));
+    };
+    let coding = context.compressed.filter(|_| backend.config.compression);
+    let forward = context.trace.carried(&context.forward);
+    let opened = endpoints[lease.index]
+        .open_stream(MODEL_STREAM_INFER, first, context.deadline, &forward, coding)
+        .await;
+    match opened {
+        Ok(upstream) => Ok((upstream, lease)),
+        Err(error) => {
+            lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
+            Err(error)
+        }
     }
 }
 

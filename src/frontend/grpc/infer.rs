@@ -18,9 +18,10 @@ use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::process::live::{Active, Gateway};
 use crate::process::metrics::{ClientProtocol, RequestTimer};
-use crate::process::payload_log::{Form, Inference, Logged};
+use crate::process::payload_log::{Form, Inference, Logged, PayloadLogger};
 use crate::process::traces::Trace;
 use crate::protocol::Reserved;
+use crate::routing::VersionRoute;
 use opentelemetry::trace::SpanKind;
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
@@ -200,26 +201,9 @@ async fn infer(
     let answer = match routed {
         Ok(routed) => match dispatcher.shed(&routed.route, priority) {
             Ok(()) => {
-                if routing.is_on() {
-                    routing.set("oip.backend", dispatcher.backend_name(&routed.route).to_owned());
-                    routing.set("oip.upstream_model", routed.route.upstream_name.clone());
-                    trace.set("oip.model", routed.route.model.clone());
-                    trace.set("oip.version", routed.route.version.clone());
-                }
+                dispatcher.note_route(&routing, trace, &routed.route);
                 drop(routing);
-                capture = dispatcher.payload_log(&routed.route).map(|logger| {
-                    let inference = Inference {
-                        id: request_id.clone().unwrap_or_else(crate::headers::new_request_id),
-                        model: routed.route.model.clone(),
-                        version: routed.route.version.clone(),
-                        request: Some(Logged {
-                            chunks: vec![message.clone()],
-                            form: Form::GrpcRequest,
-                        }),
-                        response: None,
-                    };
-                    (logger.clone(), inference)
-                });
+                capture = logged_request(dispatcher, &routed.route, request_id.as_ref(), &message);
                 timer.translated =
                     dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
                 dispatcher.infer_grpc_routed(&routed, message, &context).await
@@ -253,6 +237,27 @@ async fn infer(
             Err(error.to_grpc_status())
         }
     }
+}
+
+/// The inference's request for the payload log, when its model's payloads are logged (and this call is sampled).
+fn logged_request(
+    dispatcher: &Dispatcher,
+    route: &VersionRoute,
+    request_id: Option<&HeaderValue>,
+    message: &Bytes,
+) -> Option<(Arc<PayloadLogger>, Inference)> {
+    let logger = dispatcher.payload_log(route)?;
+    let inference = Inference {
+        id: request_id.cloned().unwrap_or_else(crate::headers::new_request_id),
+        model: route.model.clone(),
+        version: route.version.clone(),
+        request: Some(Logged {
+            chunks: vec![message.clone()],
+            form: Form::GrpcRequest,
+        }),
+        response: None,
+    };
+    Some((logger.clone(), inference))
 }
 
 /// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's

@@ -20,7 +20,6 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::headers;
 use crate::process::metrics::Direction;
-use crate::process::traces::Trace;
 use crate::protocol::{InferRequest, InferResponse, Reserved};
 use crate::routing::{Routed, VersionRoute};
 use opentelemetry::KeyValue;
@@ -90,9 +89,7 @@ impl RestDoor {
         let routed = routed?;
         let (start, reserved) = start?;
         dispatcher.shed(&routed.route, reserved.priority)?;
-        if routing.is_on() {
-            routed_attributes(&routing, &record.trace, &dispatcher, &routed.route);
-        }
+        dispatcher.note_route(&routing, &record.trace, &routed.route);
         drop(routing);
         record.capture = dispatcher
             .payload_log(&routed.route)
@@ -436,14 +433,6 @@ fn encode_answer(
         headers,
         vec![decthings::encode_entries(&response.outputs)?],
     ))
-}
-
-/// What routing chose, on the routing step's span and the request's.
-fn routed_attributes(routing: &Trace, request: &Trace, dispatcher: &Dispatcher, route: &VersionRoute) {
-    routing.set("oip.backend", dispatcher.backend_name(route).to_owned());
-    routing.set("oip.upstream_model", route.upstream_name.clone());
-    request.set("oip.model", route.model.clone());
-    request.set("oip.version", route.version.clone());
 }
 
 /// The start of a request's body, read before the request is routed.
