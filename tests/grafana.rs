@@ -39,8 +39,13 @@ async fn every_metric_the_dashboard_queries_is_exposed() {
     let replica = ModelServerProcess::named("a");
     let dead = dead_endpoint();
     let digest = common::sha256_hex("grafana-key");
+    // Traces and payloads go to a dead endpoint: their counters are made when the sections are configured.
     let gateway = GatewayProcess::start(&format!(
-        r#"[auth]
+        r#"[tracing]
+otlp_endpoint = "http://{dead}"
+[payload_log]
+url = "http://{dead}/"
+[auth]
 [[auth.api_keys]]
 name = "grafana"
 sha256 = "{digest}"
