@@ -379,3 +379,40 @@ async fn fleet_answers_read_kept_state_asking_once_per_backend_model_not_per_cal
     assert!(unavailable.contains(&"m0") && unavailable.contains(&"m4"));
     assert!(!dispatcher.server_ready().await);
 }
+
+#[tokio::test]
+async fn the_status_lists_unavailable_versions_first_and_caps_the_list_with_its_totals() {
+    let (rest, _grpc) = common::in_process_backends().await;
+    let dead = dead_endpoint();
+    let mut text = format!(
+        "{}{}",
+        backend("live", "rest", [rest.rest_addr.unwrap()]),
+        backend("gone", "rest", [dead.to_string()])
+    );
+    // 300 versions: every hundredth on the dead backend, listed late in the configuration.
+    for index in 0..300 {
+        let backend = if index % 100 == 99 { "gone" } else { "live" };
+        text += &format!(
+            "[[models]]\nname = \"m{index}\"\nversions = [ {{ version = \"1\", backend = \"{backend}\", upstream_name = \"identity\" }} ]\n"
+        );
+    }
+    let config: Config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
+    let dispatcher = Dispatcher::new(&config, "gateway-under-test").unwrap();
+    let status = dispatcher.fleet_status().await;
+    assert_eq!((status.versions_total, status.versions_unavailable), (300, 3));
+    assert_eq!(status.models.len(), oipgate::dispatch::status::LISTED_VERSIONS);
+    let first: Vec<(&str, &str)> = status.models[..4]
+        .iter()
+        .map(|version| (version.model.as_str(), version.state))
+        .collect();
+    assert_eq!(
+        first,
+        [
+            ("m99", "UNAVAILABLE"),
+            ("m199", "UNAVAILABLE"),
+            ("m299", "UNAVAILABLE"),
+            ("m0", "READY")
+        ],
+        "unavailable first, each state in configured order"
+    );
+}

@@ -94,6 +94,10 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
     let json = status.json();
     assert_eq!(json["generation"], 1);
     assert_eq!(json["models"].as_array().unwrap().len(), 4, "{json}");
+    assert_eq!(
+        (json["versions_total"].as_u64(), json["versions_unavailable"].as_u64()),
+        (Some(4), Some(0))
+    );
     assert_eq!(json["models"][1]["weight"], 0);
     assert_eq!(json["models"][1]["backend"], "replicas-grpc");
     let endpoints: Vec<&serde_json::Value> = json["backends"]
@@ -121,6 +125,7 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
         "ready",
         "add_sub",
         "slow",
+        "4 versions, 0 unavailable",
     ] {
         assert!(dom.contains(text), "{text} missing:\n{dom}");
     }

@@ -1,5 +1,6 @@
-//! The fleet as the status page shows it: every public model version with its weight, backend and state, and every
-//! endpoint with its health, queue, calls under way and last minute.
+//! The fleet as the status page shows it: the public model versions with their weight, backend and state
+//! (unavailable first, capped, with totals), and every endpoint with its health, queue, calls under way and last
+//! minute.
 
 use std::time::Duration;
 
@@ -9,10 +10,17 @@ use super::Dispatcher;
 use super::fleet::EndpointStatus;
 use crate::protocol::ModelState;
 
-/// Every model version and every backend.
+/// Model versions listed at most: a fleet of ten thousand would make a page nobody reads and a megabyte of JSON
+/// every two seconds. The unavailable ones are listed first, so what needs looking at is never left out.
+pub const LISTED_VERSIONS: usize = 200;
+
+/// The model versions (unavailable first, at most [`LISTED_VERSIONS`], with the totals) and every backend.
 #[derive(Debug, Clone, Serialize)]
 pub struct FleetStatus {
     pub models: Vec<VersionStatus>,
+    /// Configured public model versions, and how many of them are unavailable.
+    pub versions_total: usize,
+    pub versions_unavailable: usize,
     pub backends: Vec<BackendStatus>,
 }
 
@@ -40,7 +48,7 @@ impl Dispatcher {
     /// The fleet now: model states from the kept readiness (as the repository index has them).
     pub async fn fleet_status(&self) -> FleetStatus {
         let index = self.repository_index(false).await;
-        let models = self
+        let mut models: Vec<VersionStatus> = self
             .routes
             .routes()
             .iter()
@@ -57,6 +65,11 @@ impl Dispatcher {
                 reason: entry.reason,
             })
             .collect();
+        let versions_total = models.len();
+        // Stable: configured order within each state.
+        models.sort_by_key(|version| version.state == "READY");
+        let versions_unavailable = models.iter().take_while(|version| version.state != "READY").count();
+        models.truncate(LISTED_VERSIONS);
         let backends = self
             .backends
             .iter()
@@ -83,6 +96,11 @@ impl Dispatcher {
                 },
             })
             .collect();
-        FleetStatus { models, backends }
+        FleetStatus {
+            models,
+            versions_total,
+            versions_unavailable,
+            backends,
+        }
     }
 }
