@@ -242,6 +242,29 @@ async fn with_every_replica_over_max_queue_calls_are_refused_at_once_but_high_pr
     // A priority that is no number is refused as such.
     let answer = send(&client, "POST", &url, &[], body(r#""priority":"high""#)).await;
     assert_eq!(answer.status, 400);
+    // A stream's requests are shed one by one: the refused one is answered with its error, the stream goes on.
+    let mut grpc = gateway.grpc_client().await;
+    let mut urgent = common::grpc_int32_request("slow", "");
+    urgent.parameters.insert(
+        "priority".into(),
+        oipgate::proto::InferParameter {
+            parameter_choice: Some(oipgate::proto::infer_parameter::ParameterChoice::Int64Param(1)),
+        },
+    );
+    let requests = [common::grpc_int32_request("slow", ""), urgent];
+    let mut answers = grpc
+        .model_stream_infer(tokio_stream::iter(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    let shed = answers.message().await.unwrap().unwrap();
+    assert!(shed.error_message.contains("shedding load"), "{shed:?}");
+    let passed = answers.message().await.unwrap().unwrap();
+    assert!(passed.error_message.is_empty(), "{passed:?}");
+    // And so are generate calls.
+    let generate = gateway.rest_url("/v2/models/slow/generate");
+    let answer = send(&client, "POST", &generate, &[], r#"{"x": [7, 8]}"#).await;
+    assert_eq!(answer.status, 429, "{}", String::from_utf8_lossy(&answer.body));
     for call in bypass {
         call.abort();
     }

@@ -384,6 +384,8 @@ impl Dispatcher {
             .route(fields.name, Some(version), &context.forward, reserved.sequence)
             .0?;
         chosen.entry(key).or_insert_with(|| routed.route.version.clone());
+        // Shed like a unary call: the refused request is answered with its error, and the stream goes on.
+        self.shed(&routed.route, reserved.priority)?;
         let backend = self
             .backends
             .get(routed.route.backend.index())

@@ -64,9 +64,10 @@ impl RestDoor {
         let forward = crate::headers::for_backend(&parts.headers);
         // The version is chosen here (canary weights), so the inputs are read with that version's metadata; a
         // sequence's requests reach the replica holding its state, relayed or translated.
-        let sequence = Reserved::from_parameters(&body_parameters(&raw)?)?.sequence;
-        let (routed, _) = dispatcher.route(model, version, &forward, sequence);
+        let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
+        let (routed, _) = dispatcher.route(model, version, &forward, reserved.sequence);
         let routed = routed?;
+        dispatcher.shed(&routed.route, reserved.priority)?;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
             let answer = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)
