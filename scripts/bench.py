@@ -390,6 +390,28 @@ def floor_binaries():
     return bench_binaries(("floor_hyper", "floor_pingora"))
 
 
+def scenario_main(doc, run, name, report, targets=None, rounds=2, extra=()):
+    """The command line of a scenario's own script (scripts/bench_*.py): parses --seconds, --rounds, --connections,
+    --workers and the `extra` arguments ((flag, help) pairs, given to `run` as keywords), runs the scenario, writes
+    target/bench/NAME.json, and prints its report and, when it has them, its targets judged."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=os.cpu_count())
+    for flag, help_text in extra:
+        parser.add_argument(flag, help=help_text)
+    args = vars(parser.parse_args())
+    OUT.mkdir(parents=True, exist_ok=True)
+    common = [args.pop(key) for key in ("seconds", "rounds", "connections", "workers")]
+    results = run(*common, **args)
+    (OUT / f"{name}.json").write_text(json.dumps(results, indent=2))
+    lines = report(results)
+    if targets:
+        lines += ["", "| scenario | round | measured | target | verdict |", "|---|---|---|---|---|"] + targets(results)
+    print("\n".join(lines))
+
+
 def bench_binaries(names):
     """The programs of benches/ named `names`, built with the bench profile; their paths by name."""
     command = ["cargo", "bench", "--locked", "--no-run", "--message-format=json"]

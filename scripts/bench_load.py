@@ -10,8 +10,6 @@ Run by scripts/bench (`--only 8`), or alone once the release binary is built:
     python3 scripts/bench_load.py --seconds 8 --rounds 3
 """
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -111,16 +109,7 @@ def report(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
-    args = parser.parse_args()
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    results = load_costs(args.seconds, args.rounds, args.connections, args.workers)
-    (bench.OUT / "load.json").write_text(json.dumps(results, indent=2))
-    print("\n".join(report(results)))
+    bench.scenario_main(__doc__, load_costs, "load", report)
 
 
 if __name__ == "__main__":

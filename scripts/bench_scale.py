@@ -10,8 +10,6 @@ Run by scripts/bench (`--only 7`), or alone once the release binary is built:
     python3 scripts/bench_scale.py --seconds 8 --rounds 3
 """
 
-import argparse
-import json
 import os
 import signal
 import statistics
@@ -222,17 +220,7 @@ def targets(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
-    args = parser.parse_args()
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    results = scale(args.seconds, args.rounds, args.connections, args.workers)
-    (bench.OUT / "scale.json").write_text(json.dumps(results, indent=2))
-    print("\n".join(report(results) + ["", "| scenario | round | measured | target | verdict |", "|---|---|---|---|---|"]
-                    + targets(results)))
+    bench.scenario_main(__doc__, scale, "scale", report, targets)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ Run by scripts/bench (`--only 9`), or alone once the release binary is built:
     python3 scripts/bench_telemetry.py --seconds 8 --rounds 3 [--baseline /path/to/older/oipgate]
 """
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -143,18 +141,8 @@ def targets(results):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=os.cpu_count())
-    parser.add_argument("--baseline", help="an older oipgate binary run with the same configuration as off")
-    args = parser.parse_args()
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    results = telemetry_costs(args.seconds, args.rounds, args.connections, args.workers, args.baseline)
-    (bench.OUT / "telemetry.json").write_text(json.dumps(results, indent=2))
-    print("\n".join(report(results) + ["| scenario | round | measured | target | verdict |", "|---|---|---|---|---|"]
-                    + targets(results)))
+    bench.scenario_main(__doc__, telemetry_costs, "telemetry", report, targets, rounds=3,
+                        extra=[("--baseline", "an older oipgate binary run with the same configuration as off")])
 
 
 if __name__ == "__main__":
