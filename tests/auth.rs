@@ -146,6 +146,7 @@ jwks_file = "{jwks}"
 issuer = "{ISSUER}"
 audience = "{AUDIENCE}"
 admin_claim = "oipgate_admin"
+rate = {{ per_second = 0.5, burst = 6 }}
 
 {backends}
 [[models]]
@@ -560,6 +561,17 @@ async fn rate_limits_answer_429_with_retry_after_then_let_calls_in_again() {
     assert!(status.metadata().get("retry-after").is_some());
     // Other principals are not held back.
     assert_eq!(infer(&setup, "identity", &[bearer(TEAM_KEY)]).await.status, 200);
+    // Each principal a token names has a bucket of its own: dave's six, then 429; erin's untouched.
+    let dave = [bearer(&setup.issuer.token(json!({"sub": "dave"})))];
+    let served = served_before_refused(|| async { infer(&setup, "identity", &dave).await.status == 200 }).await;
+    assert_eq!(served, 6);
+    let refused = infer(&setup, "identity", &dave).await;
+    assert_eq!(refused.status, 429);
+    assert!(error_text(&refused).contains("principal 'dave' is over its rate limit"));
+    let erin = setup.issuer.token(json!({"sub": "erin"}));
+    assert_eq!(infer(&setup, "identity", &[bearer(&erin)]).await.status, 200);
+    let status = grpc_infer(&mut client, "identity", "2", Some(&erin)).await;
+    assert!(status.is_ok(), "{status:?}");
     tokio::time::sleep(Duration::from_secs(wait)).await;
     assert_eq!(infer(&setup, "identity", &metered).await.status, 200);
 

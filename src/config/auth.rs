@@ -51,6 +51,8 @@ pub struct RawJwt {
     pub models_claim: Option<String>,
     /// The claim that is `true` for an admin (default: no token is admin).
     pub admin_claim: Option<String>,
+    /// A token bucket for each principal a token names (its own, not shared between principals).
+    pub rate: Option<RawRate>,
 }
 
 /// Who may call the gateway, and what each principal may call.
@@ -88,7 +90,7 @@ impl ModelScope {
 }
 
 /// Bearer JWTs from one identity provider.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Jwt {
     pub jwks_file: PathBuf,
     pub issuer: String,
@@ -96,6 +98,8 @@ pub struct Jwt {
     pub principal_claim: String,
     pub models_claim: String,
     pub admin_claim: Option<String>,
+    /// Each token principal's own bucket.
+    pub rate: Option<Rate>,
 }
 
 /// The `[auth]` section: keys named once each, with well-formed digests, scoped to configured models.
@@ -153,6 +157,10 @@ pub(super) fn validate_auth(problems: &mut Problems, auth: &RawAuth, models: &Ha
             principal_claim: jwt.principal_claim.clone().unwrap_or_else(|| "sub".into()),
             models_claim: jwt.models_claim.clone().unwrap_or_else(|| "models".into()),
             admin_claim: jwt.admin_claim.clone(),
+            rate: jwt
+                .rate
+                .as_ref()
+                .and_then(|rate| validate_rate(problems, "auth.jwt.rate", rate)),
         }
     });
     if api_keys.is_empty() && jwt.is_none() {

@@ -31,6 +31,58 @@ type Limiter = RateLimiter<
     governor::middleware::NoOpMiddleware<<DefaultClock as Clock>::Instant>,
 >;
 
+/// One token bucket per token principal, keyed by the principal's name.
+type KeyedLimiter = RateLimiter<
+    String,
+    governor::state::keyed::HashMapStateStore<String>,
+    DefaultClock,
+    governor::middleware::NoOpMiddleware<<DefaultClock as Clock>::Instant>,
+>;
+
+/// How many checks of the token principals' buckets pass between two sweeps of the buckets that are full again.
+const PRINCIPAL_SWEEP_EVERY: u32 = 4096;
+
+/// The quota of `rate`: one token every 1/per_second, `burst` at most.
+fn quota(rate: Rate) -> Quota {
+    let period = Duration::from_secs_f64(1.0 / rate.per_second).max(Duration::from_nanos(1));
+    Quota::with_period(period)
+        .unwrap_or_else(|| Quota::per_second(NonZeroU32::MIN))
+        .allow_burst(rate.burst)
+}
+
+/// A bucket of `[auth.jwt] rate` for each principal the tokens name, made at its first call. Buckets that have
+/// filled up again are forgotten now and then (a forgotten bucket is a full one), so the table holds the recent
+/// callers only. Kept across reloads that keep the rate.
+#[derive(Debug)]
+struct PrincipalBuckets {
+    rate: Rate,
+    limiter: KeyedLimiter,
+    checks: AtomicU32,
+}
+
+impl PrincipalBuckets {
+    fn kept(rate: Rate, previous: Option<&Arc<PrincipalBuckets>>, clock: &DefaultClock) -> Arc<PrincipalBuckets> {
+        match previous {
+            Some(buckets) if buckets.rate == rate => buckets.clone(),
+            _ => Arc::new(PrincipalBuckets {
+                rate,
+                limiter: RateLimiter::hashmap_with_clock(quota(rate), clock.clone()),
+                checks: AtomicU32::new(0),
+            }),
+        }
+    }
+
+    /// Takes a token from `principal`'s bucket, or says how long until one is there.
+    fn take(&self, principal: &str, clock: &DefaultClock) -> Result<(), Duration> {
+        if self.checks.fetch_add(1, Ordering::Relaxed) % PRINCIPAL_SWEEP_EVERY == PRINCIPAL_SWEEP_EVERY - 1 {
+            self.limiter.retain_recent();
+        }
+        self.limiter
+            .check_key(&principal.to_owned())
+            .map_err(|not_until| not_until.wait_time_from(clock.now()))
+    }
+}
+
 /// A token bucket with the rate it was made for, so a reload that keeps the rate keeps the bucket.
 #[derive(Debug)]
 struct Bucket {
@@ -40,13 +92,9 @@ struct Bucket {
 
 impl Bucket {
     fn new(rate: Rate, clock: &DefaultClock) -> Arc<Bucket> {
-        let period = Duration::from_secs_f64(1.0 / rate.per_second).max(Duration::from_nanos(1));
-        let quota = Quota::with_period(period)
-            .unwrap_or_else(|| Quota::per_second(NonZeroU32::MIN))
-            .allow_burst(rate.burst);
         Arc::new(Bucket {
             rate,
-            limiter: RateLimiter::direct_with_clock(quota, clock.clone()),
+            limiter: RateLimiter::direct_with_clock(quota(rate), clock.clone()),
         })
     }
 
@@ -190,6 +238,8 @@ pub struct Guard {
 struct Authenticator {
     keys: Vec<Key>,
     jwt: Option<(crate::config::Jwt, Arc<JwtKeys>)>,
+    /// Each token principal's bucket, when `[auth.jwt] rate` says.
+    jwt_buckets: Option<Arc<PrincipalBuckets>>,
     forward_credentials: bool,
 }
 
@@ -228,6 +278,12 @@ impl Guard {
                     }),
                 })
                 .collect(),
+            jwt_buckets: auth.jwt.as_ref().and_then(|jwt| jwt.rate).map(|rate| {
+                let before = previous
+                    .and_then(|p| p.auth.as_ref())
+                    .and_then(|auth| auth.jwt_buckets.as_ref());
+                PrincipalBuckets::kept(rate, before, &clock)
+            }),
             jwt: auth.jwt.clone().zip(jwt_keys),
             forward_credentials: auth.forward_credentials,
         });
@@ -356,8 +412,14 @@ impl Guard {
     /// names it), so a principal over its rate is refused before that.
     pub fn admit_principal(&self, principal: Option<&Principal>) -> Result<()> {
         let Some(principal) = principal else { return Ok(()) };
-        let Some(bucket) = &principal.bucket else { return Ok(()) };
-        bucket.take(&self.clock).map_err(|wait| {
+        let jwt_buckets = self.auth.as_ref().and_then(|auth| auth.jwt_buckets.as_ref());
+        let taken = match (&principal.bucket, principal.counted, jwt_buckets) {
+            (Some(bucket), _, _) => bucket.take(&self.clock),
+            // A token's principal (not a configured key) takes from its own bucket of `[auth.jwt] rate`.
+            (None, None, Some(buckets)) => buckets.take(&principal.name, &self.clock),
+            _ => return Ok(()),
+        };
+        taken.map_err(|wait| {
             self.limited(
                 Limited::Principal,
                 format!("principal '{}' is over its rate limit", principal.name),
