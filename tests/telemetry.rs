@@ -18,6 +18,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{Tra
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message;
 use tokio::net::TcpListener;
 
 /// Spans as the collector received them.
@@ -650,4 +651,62 @@ async fn payload_logging_samples_its_share_and_a_dead_sink_costs_the_clients_not
     })
     .await;
     drop(held);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensors_as_sent_keep_the_binary_extension_and_the_grpc_message() {
+    let (rest_backend, grpc_backend) = in_process_backends().await;
+    let (sink, events) = event_sink().await;
+    let gateway = GatewayProcess::start(&format!(
+        "[payload_log]\nurl = \"http://{sink}/\"\ntensors = \"as_sent\"\n{}{ADD_SUB_ON_BOTH}",
+        fleet_backends(rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap())
+    ));
+    let tensor = |name: &str, value: i32| {
+        Tensor::new(
+            name.to_owned(),
+            DataType::Int32,
+            vec![1, 16],
+            common::int32s([value; 16]),
+        )
+        .unwrap()
+    };
+    let (body, [(name, length)]) = common::binary_request(vec![tensor("INPUT0", 3), tensor("INPUT1", 1)]);
+    let answer = post_with_headers(
+        &gateway.rest_url("/v2/models/add_sub/versions/1/infer"),
+        &[("x-request-id", "binary".to_owned()), (name, length.clone())],
+        body.to_bytes(),
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    eventually(Duration::from_secs(10), "both events", || async {
+        events_of(&events, "binary").len() == 2
+    })
+    .await;
+    let both = events_of(&events, "binary");
+    let request = &both[REQUEST];
+    assert_eq!(request.body, body.to_bytes(), "the body as the client sent it");
+    assert_eq!(request.header("inference-header-content-length"), length);
+    assert_eq!(request.header("content-type"), "application/octet-stream");
+    let response = &both[RESPONSE];
+    assert_eq!(response.body, answer.body, "the answer as the client received it");
+    assert_eq!(
+        Some(response.header("inference-header-content-length")),
+        answer.header("inference-header-content-length")
+    );
+
+    let mut client = gateway.grpc_client().await;
+    let message = grpc_add_sub_request("2", 5, 2);
+    let mut request = tonic::Request::new(message.clone());
+    request.metadata_mut().insert("x-request-id", "grpc".parse().unwrap());
+    client.model_infer(request).await.unwrap();
+    eventually(Duration::from_secs(10), "both events", || async {
+        events_of(&events, "grpc").len() == 2
+    })
+    .await;
+    let both = events_of(&events, "grpc");
+    assert_eq!(both[REQUEST].header("content-type"), "application/x-protobuf");
+    let logged = oipgate::proto::ModelInferRequest::decode(both[REQUEST].body.clone()).unwrap();
+    assert_eq!(logged, message, "the message as the client sent it");
+    let answered = oipgate::proto::ModelInferResponse::decode(both[RESPONSE].body.clone()).unwrap();
+    assert_eq!(answered.model_name, "add_sub");
 }
