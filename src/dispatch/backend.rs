@@ -6,13 +6,18 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::CONNECT_TIMEOUT;
+use bytes::Bytes;
+
+use super::{CONNECT_TIMEOUT, MODEL_INFER};
+use crate::codec::compression::Coding;
 use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
 use crate::dispatch::fleet::{Affinity, EndpointState, Endpoints};
 use crate::error::{Error, Result};
 use crate::process::metrics::{BackendMetrics, Metrics};
 use crate::process::traces::Trace;
+use crate::routing::VersionRoute;
 use crate::tls::BackendMaterial;
+use crate::upstream::Replied;
 use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
 
 /// A backend's replicas, spoken to over its protocol.
@@ -195,6 +200,44 @@ impl BackendClients {
                 outcome => return outcome,
             }
         }
+    }
+
+    /// `ModelInfer` with `message` (already in the backend's names for the model) on an endpoint of this gRPC
+    /// backend serving `route`, tried as [`Self::attempt`] tries; its answer as it came.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn model_infer(
+        &self,
+        route: &VersionRoute,
+        affinity: &Affinity,
+        deadline: Duration,
+        forward: &http::HeaderMap,
+        trace: &Trace,
+        message: Vec<Bytes>,
+        coding: Option<Coding>,
+    ) -> Result<Replied<Bytes>> {
+        let Replicas::Grpc { endpoints } = &self.replicas else {
+            return Err(Error::internal(format!(
+                "a gRPC inference for REST backend {}",
+                self.name
+            )));
+        };
+        let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
+        self.attempt(
+            upstream,
+            affinity,
+            deadline,
+            forward,
+            trace,
+            |Try { index, left, forward }| {
+                let message = message.clone();
+                async move {
+                    endpoints[index]
+                        .unary(MODEL_INFER, message, Some(left), &forward, coding)
+                        .await
+                }
+            },
+        )
+        .await
     }
 
     /// The span of one try at endpoint `index`, the `retry`th after the first.

@@ -4,7 +4,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use std::time::Duration;
 
-use super::{Affinity, BackendClients, CallContext, MODEL_INFER, Replicas, Try, call_infer, decode_grpc_request};
+use super::{Affinity, BackendClients, CallContext, Replicas, Try, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
 use crate::process::traces::Trace;
@@ -36,24 +36,10 @@ pub(super) async fn mirror_call(
 ) -> Result<()> {
     let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
     let request = match (payload, &backend.replicas) {
-        (MirrorPayload::Grpc(message), Replicas::Grpc { endpoints }) => {
+        (MirrorPayload::Grpc(message), Replicas::Grpc { .. }) => {
             let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
             backend
-                .attempt(
-                    upstream,
-                    affinity,
-                    timeout,
-                    forward,
-                    &Trace::default(),
-                    |Try { index, left, forward }| {
-                        let message = renamed.clone();
-                        async move {
-                            endpoints[index]
-                                .unary(MODEL_INFER, message, Some(left), &forward, None)
-                                .await
-                        }
-                    },
-                )
+                .model_infer(route, affinity, timeout, forward, &Trace::default(), renamed, None)
                 .await?;
             return Ok(());
         }

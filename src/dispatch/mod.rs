@@ -424,24 +424,18 @@ impl Dispatcher {
         let route = &routed.route;
         let backend = self.backend(route)?;
         let mut replied = match &backend.replicas {
-            Replicas::Grpc { endpoints } => {
+            Replicas::Grpc { .. } => {
                 let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
                 let coding = context.compressed.filter(|_| backend.config.compression);
                 let answer = backend
-                    .attempt(
-                        (&route.upstream_name, &route.upstream_version),
+                    .model_infer(
+                        route,
                         &routed.affinity,
                         Self::deadline(context, route),
                         &context.forward,
                         &context.trace,
-                        |Try { index, left, forward }| {
-                            let message = renamed.clone();
-                            async move {
-                                endpoints[index]
-                                    .unary(MODEL_INFER, message, Some(left), &forward, coding)
-                                    .await
-                            }
-                        },
+                        renamed,
+                        coding,
                     )
                     .await?;
                 Replied {
@@ -751,25 +745,11 @@ async fn call_infer(
                 )
                 .await?
         }
-        Replicas::Grpc { endpoints } => {
-            let message = protobuf::encode_request(request);
+        Replicas::Grpc { .. } => {
+            let message = protobuf::encode_request(request).chunks;
             let coding = context.compressed.filter(|_| backend.config.compression);
             let answer = backend
-                .attempt(
-                    upstream,
-                    affinity,
-                    deadline,
-                    forward,
-                    trace,
-                    |Try { index, left, forward }| {
-                        let chunks = message.chunks.clone();
-                        async move {
-                            endpoints[index]
-                                .unary(MODEL_INFER, chunks, Some(left), &forward, coding)
-                                .await
-                        }
-                    },
-                )
+                .model_infer(route, affinity, deadline, forward, trace, message, coding)
                 .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
             Replied {

@@ -22,6 +22,7 @@ use crate::codec::protobuf;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::{LoggedTensors, PayloadLog};
 use crate::process::metrics::Metrics;
+use crate::routing::VersionRoute;
 
 /// How often the queue is sent: the sending task sleeps rather than waits on the queue, so a request that queues
 /// an event never wakes another thread.
@@ -69,8 +70,8 @@ pub enum Form {
 #[derive(Debug)]
 pub struct Inference {
     pub id: HeaderValue,
-    pub model: String,
-    pub version: String,
+    /// The public model and version that served it.
+    pub route: Arc<VersionRoute>,
     pub request: Option<Logged>,
     pub response: Option<Logged>,
 }
@@ -79,8 +80,7 @@ pub struct Inference {
 struct Event {
     kind: &'static str,
     id: HeaderValue,
-    model: String,
-    version: String,
+    route: Arc<VersionRoute>,
     body: Logged,
     time: SystemTime,
 }
@@ -122,20 +122,17 @@ impl PayloadLogger {
         self.config.mode.responses()
     }
 
-    /// Queues an inference's events; those that do not fit are dropped and counted.
+    /// Queues an inference's events; those that do not fit are dropped and counted. The doors keep only the bodies
+    /// the mode logs ([`Self::logs_requests`], [`Self::logs_responses`]), so nothing is held that is not sent.
     pub fn log(&self, inference: Inference) {
         let time = SystemTime::now();
-        let kinds = [
-            (CE_REQUEST, inference.request.filter(|_| self.logs_requests())),
-            (CE_RESPONSE, inference.response.filter(|_| self.logs_responses())),
-        ];
+        let kinds = [(CE_REQUEST, inference.request), (CE_RESPONSE, inference.response)];
         for (kind, body) in kinds {
             let Some(body) = body else { continue };
             let event = Event {
                 kind,
                 id: inference.id.clone(),
-                model: inference.model.clone(),
-                version: inference.version.clone(),
+                route: inference.route.clone(),
                 body,
                 time,
             };
@@ -222,10 +219,10 @@ async fn deliver(client: &SinkClient, config: &PayloadLog, event: Event) -> bool
             .header("ce-type", event.kind)
             .header("ce-source", config.source.as_str())
             .header("ce-time", time.as_str())
-            .header("ce-inferenceservicename", event.model.as_str())
+            .header("ce-inferenceservicename", event.route.model.as_str())
             .header("ce-namespace", config.namespace.as_str())
             .header("ce-component", "predictor")
-            .header("ce-endpoint", event.version.as_str())
+            .header("ce-endpoint", event.route.version.as_str())
             .header("ce-metadata", "{}")
             .header(http::header::CONTENT_TYPE, content_type.clone());
         if let Some(length) = header_length {

@@ -213,7 +213,9 @@ async fn infer(
         Err(error) => Err(error),
     };
     if let Some((logger, mut inference)) = capture {
-        if let Ok(replied) = &answer {
+        if let Ok(replied) = &answer
+            && logger.logs_responses()
+        {
             inference.response = Some(Logged {
                 chunks: replied.value.clone(),
                 form: Form::GrpcResponse,
@@ -242,16 +244,15 @@ async fn infer(
 /// The inference's request for the payload log, when its model's payloads are logged (and this call is sampled).
 fn logged_request(
     dispatcher: &Dispatcher,
-    route: &VersionRoute,
+    route: &Arc<VersionRoute>,
     request_id: Option<&HeaderValue>,
     message: &Bytes,
 ) -> Option<(Arc<PayloadLogger>, Inference)> {
     let logger = dispatcher.payload_log(route)?;
     let inference = Inference {
         id: request_id.cloned().unwrap_or_else(crate::headers::new_request_id),
-        model: route.model.clone(),
-        version: route.version.clone(),
-        request: Some(Logged {
+        route: route.clone(),
+        request: logger.logs_requests().then(|| Logged {
             chunks: vec![message.clone()],
             form: Form::GrpcRequest,
         }),

@@ -383,7 +383,8 @@ where
         let active = self.gateway.begin();
         let started = Instant::now();
         let path = request.uri().path().to_owned();
-        let authenticated = authenticate(&self.gateway.dispatcher(), &path, request.headers_mut());
+        let dispatcher = self.gateway.dispatcher();
+        let authenticated = authenticate(&dispatcher, &path, request.headers_mut());
         let principal = authenticated.as_ref().ok().cloned().flatten();
         // Streams are logged with their model and backend on their own path; every other call is logged here.
         let log_here = request.uri().path() != MODEL_STREAM_INFER;
@@ -400,7 +401,6 @@ where
                 principal.clone(),
             )
         });
-        let dispatcher = self.gateway.dispatcher();
         let trace = match dispatcher.traces() {
             Some(traces) if log_here => call_span(traces, &path, request.headers()),
             _ => Trace::default(),

@@ -69,8 +69,7 @@ pub(super) struct Record {
 #[derive(Debug)]
 pub(super) struct Capture {
     logger: Arc<PayloadLogger>,
-    model: String,
-    version: String,
+    route: Arc<VersionRoute>,
     request: Option<Logged>,
     /// A relayed request's chunks, set once the whole body has passed.
     pub(super) relayed: Arc<std::sync::OnceLock<Vec<Bytes>>>,
@@ -79,11 +78,10 @@ pub(super) struct Capture {
 }
 
 impl Capture {
-    pub(super) fn new(logger: Arc<PayloadLogger>, route: &VersionRoute, request_form: Form) -> Capture {
+    pub(super) fn new(logger: Arc<PayloadLogger>, route: &Arc<VersionRoute>, request_form: Form) -> Capture {
         Capture {
             logger,
-            model: route.model.clone(),
-            version: route.version.clone(),
+            route: route.clone(),
             request: None,
             relayed: Arc::default(),
             request_form,
@@ -91,8 +89,21 @@ impl Capture {
         }
     }
 
+    /// Whether the request is logged (`mode` is not "response"): its body is kept only then.
+    pub(super) fn wants_request(&self) -> bool {
+        self.logger.logs_requests()
+    }
+
+    /// Whether the answer is logged (`mode` is not "request"): its body is kept only then.
+    pub(super) fn wants_response(&self) -> bool {
+        self.logger.logs_responses()
+    }
+
     /// The request's whole body, as it went on.
     pub(super) fn request(&mut self, body: Bytes) {
+        if !self.wants_request() {
+            return;
+        }
         self.request = Some(Logged {
             chunks: vec![body],
             form: self.request_form.clone(),
@@ -101,6 +112,9 @@ impl Capture {
 
     /// The answer's body (before it is compressed for the client), and its form read from its `headers`.
     pub(super) fn response(&mut self, chunks: Vec<Bytes>, headers: &HeaderMap) {
+        if !self.wants_response() {
+            return;
+        }
         self.response = Some(Logged {
             chunks,
             form: form_of(headers),
@@ -118,8 +132,7 @@ impl Capture {
         });
         self.logger.log(Inference {
             id,
-            model: self.model,
-            version: self.version,
+            route: self.route,
             request,
             response: self.response.filter(|_| status == Some(200)),
         });
@@ -509,7 +522,11 @@ pub(super) fn proxied(
         }
         _ => None,
     };
-    let tee = record.capture.as_ref().map(|_| (Vec::new(), form_of(&head.headers)));
+    let tee = record
+        .capture
+        .as_ref()
+        .filter(|capture| capture.wants_response())
+        .map(|_| (Vec::new(), form_of(&head.headers)));
     Response::from_parts(
         head,
         AnswerBody {

@@ -368,7 +368,11 @@ impl RestDoor {
             return Err(Error::internal("the request body was already read"));
         };
         // The mirror and the payload log get the relayed body's chunks once all of them have passed.
-        let logged = record.capture.as_ref().map(|capture| capture.relayed.clone());
+        let logged = record
+            .capture
+            .as_ref()
+            .filter(|capture| capture.wants_request())
+            .map(|capture| capture.relayed.clone());
         let tap = (mirror.is_some() || logged.is_some()).then(|| {
             let dispatcher = record.dispatcher().clone();
             Tap::new(Box::new(move |chunks: Vec<Bytes>| {
