@@ -50,15 +50,16 @@ async fn gateway() -> Gateway {
         oipgate::process::metrics::Metrics::new().unwrap(),
     )
     .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = oipgate::frontend::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr().unwrap();
+    let seat = oipgate::frontend::Seat::all(&listener, 1).unwrap().remove(0);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let limits = grpc::GrpcLimits {
         max_message_bytes: 64 << 20,
         max_concurrent_streams: 256,
         max_buffered_answer_bytes: 128 << 20,
     };
-    tokio::spawn(grpc::serve(listener, live, limits, None, async move {
+    tokio::spawn(grpc::serve(seat, live, limits, None, async move {
         let _ = stopped.await;
     }));
     Gateway {

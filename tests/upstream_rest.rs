@@ -9,6 +9,7 @@ use bytes::Bytes;
 use common::ports::dead_endpoint;
 use common::{ModelServerProcess, int32s};
 use http::{HeaderMap, Method};
+use oipgate::body::ChunksBody;
 use oipgate::codec::rest::{self, BINARY_DATA_OUTPUT};
 use oipgate::protocol::{DataType, InferRequest, ParamValue, Tensor};
 use oipgate::upstream::RestUpstream;
@@ -162,10 +163,10 @@ async fn deadline_and_a_backend_that_is_down() {
     );
 }
 
-/// A backend that answers the first request of its first connection, then closes that connection when the next
-/// request arrives on it, unanswered (as a server that drops a kept-alive connection without saying so); every other
-/// connection is answered. Gives its address and how many connections it accepted.
-async fn closes_kept_alive_connections() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+/// A backend that answers every request with `ok`. When `drops_first`, it answers the first request of its first
+/// connection, then closes that connection when the next request arrives on it, unanswered (as a server that drops
+/// a kept-alive connection without saying so). Gives its address and how many connections it accepted.
+async fn counting_backend(drops_first: bool) -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
@@ -174,7 +175,7 @@ async fn closes_kept_alive_connections() -> (std::net::SocketAddr, std::sync::Ar
     tokio::spawn(async move {
         loop {
             let (mut socket, _) = listener.accept().await.unwrap();
-            let first = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            let first = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 && drops_first;
             tokio::spawn(async move {
                 let mut buffer = vec![0u8; 4096];
                 loop {
@@ -200,7 +201,7 @@ async fn closes_kept_alive_connections() -> (std::net::SocketAddr, std::sync::Ar
 
 #[tokio::test]
 async fn a_kept_alive_connection_the_backend_dropped_is_replaced_once() {
-    let (address, accepted) = closes_kept_alive_connections().await;
+    let (address, accepted) = counting_backend(true).await;
     let client = RestUpstream::new(&common::endpoint(address), Duration::from_secs(2), 1 << 20, None);
     for _ in 0..2 {
         let answer = client
@@ -220,4 +221,42 @@ async fn a_kept_alive_connection_the_backend_dropped_is_replaced_once() {
         2,
         "the second request went out again"
     );
+}
+
+#[tokio::test]
+async fn connections_are_kept_and_one_whose_answer_was_not_read_is_not() {
+    let (address, accepted) = counting_backend(false).await;
+    let client = RestUpstream::new(&common::endpoint(address), Duration::from_secs(2), 1 << 20, None);
+    let empty = HeaderMap::new();
+    let ask = || {
+        client.send(
+            Method::POST,
+            "/v2/models/m/infer",
+            &empty,
+            vec![Bytes::from_static(b"{}")],
+            None,
+        )
+    };
+    for _ in 0..20 {
+        assert_eq!(&ask().await.unwrap().body[..], b"ok");
+    }
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one connection for all"
+    );
+    // An answer let go before its body was read leaves its connection mid-message: it is closed, not kept.
+    let path = http::uri::PathAndQuery::from_static("/v2/models/m/infer");
+    let head = client
+        .forward(
+            &path,
+            &HeaderMap::new(),
+            ChunksBody::new(vec![Bytes::from_static(b"{}")]).into(),
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap();
+    drop(head);
+    assert_eq!(&ask().await.unwrap().body[..], b"ok");
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
 }

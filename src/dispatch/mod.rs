@@ -102,7 +102,8 @@ pub struct Dispatcher {
     /// Metric handles by route id.
     route_metrics: Vec<Arc<RouteMetrics>>,
     /// The backend's REST inference path by route id, made once rather than per proxied request.
-    rest_paths: Vec<Arc<str>>,
+    /// Each route's inference path at its REST backend (`None` where its names make no path).
+    rest_paths: Vec<Option<http::uri::PathAndQuery>>,
     /// Who may call what, and how fast.
     guard: Guard,
     /// Where spans and payloads go, when configured; kept across reloads that leave their sections alone.
@@ -187,7 +188,8 @@ impl Dispatcher {
             .routes()
             .iter()
             .map(|route| {
-                crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer").into()
+                let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
+                http::uri::PathAndQuery::try_from(path).ok()
             })
             .collect();
         let jwt_keys = prepared

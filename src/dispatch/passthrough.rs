@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::process::metrics::BackendMetrics;
 use crate::process::traces::Trace;
 use crate::routing::{Routed, VersionRoute};
+use crate::upstream::BackendBody;
 
 /// A REST request proxied to a backend unchanged but for its path.
 #[derive(Debug, Clone)]
@@ -23,7 +24,7 @@ pub struct Passthrough {
     pub route: Arc<VersionRoute>,
     affinity: Affinity,
     /// The backend's path for the model and version.
-    pub path: Arc<str>,
+    pub path: http::uri::PathAndQuery,
     /// Bound on the backend's answer.
     pub timeout: Duration,
     /// Whether the backend's model name or version differs from the public one (to be put back in the answer).
@@ -74,6 +75,7 @@ impl Dispatcher {
             .rest_paths
             .get(route.id)
             .cloned()
+            .flatten()
             .ok_or_else(|| Error::internal("no REST path for a route"))?;
         Ok(Some(Passthrough {
             route: route.clone(),
@@ -96,7 +98,7 @@ impl Dispatcher {
         body: &Outgoing,
         until: Instant,
         trace: &Trace,
-    ) -> Result<(http::Response<hyper::body::Incoming>, Lease)> {
+    ) -> Result<(http::Response<BackendBody>, Lease)> {
         let backend = self.backend(&target.route)?;
         let (model, version) = (&target.route.upstream_name, &target.route.upstream_version);
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
@@ -119,7 +121,7 @@ impl Dispatcher {
             let left = until.saturating_duration_since(Instant::now());
             let span = backend.try_span(trace, lease.index, tried.len());
             let sent = client
-                .forward(&target.path, span.carried(headers).into_owned(), body.body(), left)
+                .forward(&target.path, &span.carried(headers), body.body(), left)
                 .await;
             match sent {
                 Ok(response) => {

@@ -572,7 +572,7 @@ impl Dispatcher {
         body: Bytes,
         forward: &http::HeaderMap,
         trace: &Trace,
-    ) -> Result<http::Response<hyper::body::Incoming>> {
+    ) -> Result<http::Response<crate::upstream::BackendBody>> {
         let route = &routed.route;
         let backend = self.backend(route)?;
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
@@ -587,6 +587,8 @@ impl Dispatcher {
         }
         let suffix = format!("/{}", call.path_segment());
         let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), &suffix);
+        let path = http::uri::PathAndQuery::try_from(path)
+            .map_err(|e| Error::internal(format!("no REST path for model '{}': {e}", route.model)))?;
         let mut headers = forward.clone();
         headers.insert(
             http::header::CONTENT_TYPE,
@@ -602,7 +604,8 @@ impl Dispatcher {
                 trace,
                 |Try { index, left, forward }| {
                     let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
-                    endpoints[index].forward(&path, forward.into_owned(), body, left)
+                    let path = &path;
+                    async move { endpoints[index].forward(path, &forward, body, left).await }
                 },
             )
             .await
@@ -616,7 +619,7 @@ impl Dispatcher {
         routed: &crate::routing::Routed,
         request: &crate::protocol::InferRequest,
         context: &CallContext,
-    ) -> Result<(hyper::body::Incoming, Option<crate::protocol::ModelMetadata>)> {
+    ) -> Result<(crate::upstream::BackendBody, Option<crate::protocol::ModelMetadata>)> {
         use http_body_util::BodyExt;
 
         let route = &routed.route;

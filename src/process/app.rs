@@ -101,14 +101,14 @@ impl Service for Listener {
 }
 
 impl Listener {
-    /// The listening socket: the one handed over by the previous process, the one bound before start, or a new one;
-    /// registered for handing on.
     /// The name the socket is handed over under: the listener and its configured address, so listeners configured
     /// on port 0 are told apart, and a changed address gets a new socket.
     fn handover_key(&self) -> String {
         format!("{}@{}", self.name, self.address)
     }
 
+    /// The listening socket: the one handed over by the previous process, the one bound before start, or a new one;
+    /// registered for handing on.
     fn socket(&mut self, fds: Option<ListenFds>) -> std::io::Result<std::net::TcpListener> {
         let key = self.handover_key();
         let Some(fds) = fds else {
@@ -137,8 +137,8 @@ impl Listener {
             Serves::Metrics(_) => 1,
             _ => self.threads.max(1),
         };
-        for index in 0..threads {
-            let listener = socket.try_clone()?;
+        let seats = crate::frontend::Seat::all(socket, threads)?;
+        for (index, seat) in seats.into_iter().enumerate() {
             let mut stop = shutdown.clone();
             let name = format!("{}-{index}", self.name);
             match &self.serves {
@@ -146,12 +146,13 @@ impl Listener {
                     let connections = connections.clone();
                     let shutdown = shutdown.clone();
                     crate::frontend::spawn_door_thread(name, async move {
-                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                            return;
-                        };
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        crate::frontend::accept_loop(listener, "rest", stopping, |tcp, peer| {
-                            tokio::spawn(connections.clone().serve(tcp, peer, shutdown.clone()));
+                        crate::frontend::accept_loop(seat, "rest", stopping, |tcp, peer, occupied| {
+                            let served = connections.clone().serve(tcp, peer, shutdown.clone());
+                            tokio::spawn(async move {
+                                served.await;
+                                drop(occupied);
+                            });
                         })
                         .await;
                         // Connections still open are served until the process ends.
@@ -161,16 +162,14 @@ impl Listener {
                 Serves::Grpc { gateway, limits, tls } => {
                     let (gateway, limits, tls) = (gateway.clone(), *limits, tls.clone());
                     crate::frontend::spawn_door_thread(name, async move {
-                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                            return;
-                        };
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        grpc::serve(listener, gateway, limits, tls, stopping).await;
+                        grpc::serve(seat, gateway, limits, tls, stopping).await;
                         std::future::pending::<()>().await;
                     })?;
                 }
                 Serves::Metrics(gateway) => {
                     let gateway = gateway.clone();
+                    let listener = socket.try_clone()?;
                     crate::frontend::spawn_door_thread(name, async move {
                         let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                             return;

@@ -2,6 +2,7 @@
 //! bounded answers).
 
 pub mod grpc;
+mod http1;
 pub mod rest;
 
 use std::future::Future;
@@ -14,6 +15,7 @@ use crate::body::{BodyLength, Gathered};
 use crate::error::{Error, ErrorKind, Origin, Result};
 
 pub use grpc::GrpcUpstream;
+pub use http1::BackendBody;
 pub use rest::RestUpstream;
 
 /// A backend's answer with the end-to-end headers (and, from gRPC, trailers) that came with it.
@@ -28,16 +30,13 @@ pub struct Replied<T> {
 /// How backend connections are made: TCP, with TLS for `https` URIs.
 pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 
-/// The HTTP client of one backend endpoint on one thread.
-type HttpClient = hyper_util::client::legacy::Client<Connector, crate::body::OutBody>;
-
-/// One backend endpoint's clients, one set per thread: for REST an HTTP/1.1 client with its own connection pool;
-/// for gRPC the thread's HTTP/2 connections, one for unary calls and one for streams. Cheap to clone; clones share
-/// the clients.
+/// One backend endpoint's connections, one set per thread: for REST the thread's idle HTTP/1.1 connections; for gRPC
+/// the thread's HTTP/2 connections, one for unary calls and one for streams. Cheap to clone; clones share the
+/// connections.
 ///
-/// A connection is served by a task on the runtime that opened it, and the gateway runs one single-threaded runtime
-/// per thread: a pool shared between them would make every request it lends across threads wake the other thread
-/// twice (request out, answer back).
+/// A connection's socket is registered with the runtime that opened it, and the gateway runs one single-threaded
+/// runtime per thread: a pool shared between them would make every request it lends across threads wake the other
+/// thread twice (request out, answer back).
 #[derive(Debug, Clone)]
 struct ThreadClients {
     connector: Connector,
@@ -48,7 +47,9 @@ struct ThreadClients {
 /// What one thread holds for one endpoint.
 #[derive(Default)]
 struct ThreadEndpoint {
-    client: Option<HttpClient>,
+    /// Boxed, as each is taken out for a request and given back after it, and a connection's state is large.
+    #[allow(clippy::vec_box)]
+    idle: Vec<Box<http1::Kept>>,
     connections: [Option<h2::client::SendRequest<Bytes>>; 2],
 }
 
@@ -68,44 +69,44 @@ impl ThreadClients {
         }
     }
 
-    /// This thread's HTTP/1.1 client, made with `build` the first time.
-    fn get(&self, build: fn(Connector) -> HttpClient) -> HttpClient {
-        self.with_endpoint(|endpoint| {
-            endpoint
-                .client
-                .get_or_insert_with(|| build(self.connector.clone()))
-                .clone()
-        })
-    }
-
     /// This thread's HTTP/2 connection for `channel`, if one was made.
     fn connection(&self, channel: Channel) -> Option<h2::client::SendRequest<Bytes>> {
-        self.with_endpoint(|endpoint| endpoint.connections[channel as usize].clone())
+        with_endpoint(&self.token, |endpoint| endpoint.connections[channel as usize].clone())
     }
 
     /// Keeps `connection` as this thread's for `channel`; `None` forgets a failed one.
     fn set_connection(&self, channel: Channel, connection: Option<h2::client::SendRequest<Bytes>>) {
-        self.with_endpoint(|endpoint| endpoint.connections[channel as usize] = connection);
+        with_endpoint(&self.token, |endpoint| {
+            endpoint.connections[channel as usize] = connection
+        });
     }
+}
 
-    fn with_endpoint<T>(&self, use_endpoint: impl FnOnce(&mut ThreadEndpoint) -> T) -> T {
-        thread_local! {
-            static ENDPOINTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, ThreadEndpoint)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
-        ENDPOINTS.with_borrow_mut(|endpoints| {
-            // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
-            let key = std::sync::Arc::as_ptr(&self.token);
-            if let Some((_, endpoint)) = endpoints.iter_mut().find(|(token, _)| token.as_ptr() == key) {
-                return use_endpoint(endpoint);
-            }
-            endpoints.retain(|(token, _)| token.strong_count() > 0);
-            let mut endpoint = ThreadEndpoint::default();
-            let used = use_endpoint(&mut endpoint);
-            endpoints.push((std::sync::Arc::downgrade(&self.token), endpoint));
-            used
-        })
+/// What this thread holds for the endpoint `token` stands for.
+fn with_endpoint<T>(token: &std::sync::Arc<()>, use_endpoint: impl FnOnce(&mut ThreadEndpoint) -> T) -> T {
+    thread_local! {
+        static ENDPOINTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, ThreadEndpoint)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
     }
+    // What an endpoint holds is dropped outside the table's borrow: dropping a connection may run code that reaches
+    // the table again.
+    let (used, forgotten) = ENDPOINTS.with_borrow_mut(|endpoints| {
+        // A live `Weak` keeps its allocation, so the address cannot be taken by another endpoint's token.
+        let key = std::sync::Arc::as_ptr(token);
+        if let Some((_, endpoint)) = endpoints.iter_mut().find(|(token, _)| token.as_ptr() == key) {
+            return (use_endpoint(endpoint), Vec::new());
+        }
+        let (live, forgotten) = std::mem::take(endpoints)
+            .into_iter()
+            .partition(|(token, _)| token.strong_count() > 0);
+        *endpoints = live;
+        let mut endpoint = ThreadEndpoint::default();
+        let used = use_endpoint(&mut endpoint);
+        endpoints.push((std::sync::Arc::downgrade(token), endpoint));
+        (used, forgotten)
+    });
+    drop(forgotten);
+    used
 }
 
 /// TLS to one backend endpoint: the backend's material and the name to verify (and send as SNI).
@@ -166,48 +167,19 @@ fn connector(connect_timeout: Duration, tls: Option<&EndpointTls>, http2: bool) 
     (connector, "https")
 }
 
-/// A request the HTTP client could not complete: only a failed connection is known not to have delivered any of
-/// it, so only that may be sent to another endpoint.
-/// Whether a request failed because its connection closed before any of the answer came: a kept-alive connection
-/// the backend dropped as the request went out (MLServer's REST server closes its connection after a 500 without
-/// saying so). Sent again once on a new connection, as curl does; a backend that dies with the request is rare, and
-/// its endpoint then refuses the new connection.
-fn closed_before_answer(error: &hyper_util::client::legacy::Error) -> bool {
-    std::error::Error::source(error).is_some_and(crate::error::is_closed_connection)
-}
+/// A connection that could not be made, as an error's cause.
+#[derive(Debug)]
+struct ConnectFailure(Box<dyn std::error::Error + Send + Sync>);
 
-/// Sends `request` on `client`, once more on a new connection when the first closed before any answer and the
-/// body can be sent again.
-async fn send_request(
-    client: &HttpClient,
-    request: http::Request<crate::body::OutBody>,
-) -> std::result::Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
-    let again = request.body().again().map(|body| {
-        let mut copy = http::Request::new(body);
-        *copy.method_mut() = request.method().clone();
-        *copy.uri_mut() = request.uri().clone();
-        *copy.headers_mut() = request.headers().clone();
-        *copy.version_mut() = request.version();
-        copy
-    });
-    match (client.request(request).await, again) {
-        (Err(error), Some(again)) if closed_before_answer(&error) => client.request(again).await,
-        (answer, _) => answer,
+impl std::fmt::Display for ConnectFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
     }
 }
 
-fn unreachable(authority: &str, error: hyper_util::client::legacy::Error) -> Error {
-    let connect = error.is_connect();
-    let failure = Error::new(
-        ErrorKind::BadGateway,
-        Origin::Upstream,
-        format!("backend {authority} unreachable: {error}"),
-    )
-    .caused_by(error);
-    if connect {
-        failure.unsent()
-    } else {
-        failure.with_retryable(false)
+impl std::error::Error for ConnectFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
     }
 }
 

@@ -1,20 +1,20 @@
-//! REST calls to a backend over pooled HTTP/1.1 keep-alive connections: inference bodies go out as their chunks
-//! (binary sections are the tensors' own buffers), answers come back decoded, and a backend's error keeps its status
-//! and message.
+//! REST calls to a backend over HTTP/1.1 keep-alive connections kept per thread: inference bodies go out as their
+//! chunks (binary sections are the tensors' own buffers), answers come back decoded, and a backend's error keeps its
+//! status and message.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, USER_AGENT};
+use http::header::{CONTENT_TYPE, HOST, USER_AGENT};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 
 use super::Replied;
+use super::http1::{self, BackendBody, Failure};
 use crate::body::{ChunksBody, OutBody};
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::config::Endpoint;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
 
@@ -23,8 +23,10 @@ use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, 
 pub struct RestUpstream {
     clients: super::ThreadClients,
     authority: std::sync::Arc<str>,
-    /// `http`, or `https` for TLS.
-    scheme: &'static str,
+    /// The endpoint's root (`http://` or, for TLS, `https://` and its address), what connections are made to.
+    root: http::Uri,
+    /// The `Host` every request says.
+    host: HeaderValue,
     max_response_bytes: usize,
     /// The backend's configured headers, added to every request.
     added: std::sync::Arc<HeaderMap>,
@@ -63,12 +65,8 @@ pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
     }
 }
 
-/// An endpoint's HTTP/1.1 client on one thread, with its pool.
-fn http_client(connector: super::Connector) -> super::HttpClient {
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build(connector)
-}
+/// The `User-Agent` requests to backends say.
+const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
 
 impl RestUpstream {
     pub fn new(
@@ -78,10 +76,15 @@ impl RestUpstream {
         tls: Option<&super::EndpointTls>,
     ) -> RestUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, false);
+        let authority = endpoint.to_string();
+        // An endpoint is a validated host and port, so both parse; the fallbacks only keep this infallible.
+        let root = format!("{scheme}://{authority}/").parse().unwrap_or_default();
+        let host = HeaderValue::from_str(&authority).unwrap_or(HeaderValue::from_static("localhost"));
         RestUpstream {
             clients: super::ThreadClients::new(connector),
-            authority: endpoint.to_string().into(),
-            scheme,
+            authority: authority.into(),
+            root,
+            host,
             max_response_bytes,
             added: std::sync::Arc::default(),
         }
@@ -111,68 +114,100 @@ impl RestUpstream {
     }
 
     async fn exchange(&self, method: Method, path: &str, headers: &HeaderMap, body: Vec<Bytes>) -> Result<RestAnswer> {
-        let mut request = Request::builder()
-            .method(method)
-            .uri(format!("{}://{}{path}", self.scheme, self.authority))
-            .body(ChunksBody::new(body).into())
+        let path = PathAndQuery::try_from(path)
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
-        let request_headers = request.headers_mut();
-        for (name, value) in headers.iter().chain(self.added.iter()) {
-            request_headers.append(name, value.clone());
-        }
-        request_headers.insert(
-            USER_AGENT,
-            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
-        );
-        let response = super::send_request(&self.clients.get(http_client), request)
-            .await
-            .map_err(|e| super::unreachable(&self.authority, e))?;
-        let status = response.status();
-        let headers = response.headers().clone();
-        let length = headers
+        let response = self
+            .request(&method, &path, headers, ChunksBody::new(body).into())
+            .await?;
+        let (head, body) = response.into_parts();
+        let length = head
+            .headers
             .get(http::header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
         let (body, _) = super::read_answer(
-            response.into_body(),
+            body,
             self.max_response_bytes,
             0,
             crate::body::BodyLength::ContentLength(length),
             &self.authority,
         )
         .await?;
-        Ok(RestAnswer { status, headers, body })
+        Ok(RestAnswer {
+            status: head.status,
+            headers: head.headers,
+            body,
+        })
     }
 
     /// Sends a proxied request's body as it came (a small one in one buffer, with its head in one write; a large one
     /// relayed as it arrives) and gives the answer's head as soon as it arrives, its body still to be read.
     pub async fn forward(
         &self,
-        path: &str,
-        headers: HeaderMap,
+        path: &PathAndQuery,
+        headers: &HeaderMap,
         body: OutBody,
         deadline: Duration,
-    ) -> Result<http::Response<hyper::body::Incoming>> {
-        let mut request = Request::builder()
-            .method(Method::POST)
-            .uri(format!("{}://{}{path}", self.scheme, self.authority))
-            .body(body)
-            .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
-        *request.headers_mut() = headers;
-        for (name, value) in self.added.iter() {
-            request.headers_mut().append(name, value.clone());
-        }
-        request.headers_mut().insert(
-            USER_AGENT,
-            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
-        );
-        let client = self.clients.get(http_client);
-        super::within(Some(deadline), &self.authority, async {
-            super::send_request(&client, request)
-                .await
-                .map_err(|e| super::unreachable(&self.authority, e))
+    ) -> Result<http::Response<BackendBody>> {
+        super::within(
+            Some(deadline),
+            &self.authority,
+            self.request(&Method::POST, path, headers, body),
+        )
+        .await
+    }
+
+    /// Sends one request on one of this thread's connections to the endpoint; gives the answer's head, its body
+    /// still to be read. A body that can be sent twice is, when a kept connection turns out to have been closed.
+    async fn request(
+        &self,
+        method: &Method,
+        path: &PathAndQuery,
+        headers: &HeaderMap,
+        body: OutBody,
+    ) -> Result<http::Response<BackendBody>> {
+        let again = body.again();
+        let request = self.build(method, path, headers, body);
+        http1::send(&self.clients, &self.root, request, || {
+            again.map(|body| self.build(method, path, headers, body))
         })
         .await
+        .map_err(|failure| self.unreachable(failure))
+    }
+
+    /// A request to the endpoint: `headers`, the backend's configured ones and the gateway's own.
+    fn build(&self, method: &Method, path: &PathAndQuery, headers: &HeaderMap, body: OutBody) -> Request<OutBody> {
+        let mut request = Request::new(body);
+        *request.method_mut() = method.clone();
+        *request.uri_mut() = http::Uri::from(path.clone());
+        let sent = request.headers_mut();
+        sent.reserve(headers.len() + self.added.len() + 2);
+        for (name, value) in headers.iter().chain(self.added.iter()) {
+            sent.append(name, value.clone());
+        }
+        sent.insert(HOST, self.host.clone());
+        sent.insert(USER_AGENT, AGENT);
+        request
+    }
+
+    /// A request that could not be sent or answered: a bad gateway naming the endpoint, which another endpoint may
+    /// take when none of it was sent.
+    fn unreachable(&self, failure: Failure) -> Error {
+        let failed = |message: String| {
+            Error::new(
+                ErrorKind::BadGateway,
+                Origin::Upstream,
+                format!("backend {} unreachable: {message}", self.authority),
+            )
+        };
+        match failure {
+            Failure::Connect(error) => failed(format!("cannot connect: {error}"))
+                .caused_by(super::ConnectFailure(error))
+                .unsent(),
+            Failure::Http { error, unsent: true } => failed(error.to_string()).caused_by(error).unsent(),
+            Failure::Http { error, unsent: false } => failed(error.to_string()).caused_by(error).with_retryable(false),
+            Failure::Closed => failed("the connection closed before an answer".into()).with_retryable(false),
+        }
     }
 
     /// The backend's error, when the answer is not a success.

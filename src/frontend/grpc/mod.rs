@@ -12,7 +12,6 @@ use futures_util::FutureExt;
 use futures_util::future::Either;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 use tonic::codec::CompressionEncoding;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
@@ -568,7 +567,7 @@ pub struct GrpcLimits {
 /// `grpc-timeout` with CANCELLED; the gateway enforces the deadline itself and answers DEADLINE_EXCEEDED, as the
 /// gRPC specification says.
 pub async fn serve(
-    listener: TcpListener,
+    seat: super::Seat,
     gateway: Arc<Gateway>,
     limits: GrpcLimits,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -611,7 +610,7 @@ pub async fn serve(
     // Each connection holds a sender: once the door stops, every one of them has ended when the channel closes.
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
-    super::accept_loop(listener, "grpc", shutdown, |stream, _peer| {
+    super::accept_loop(seat, "grpc", shutdown, |stream, _peer, occupied| {
         let _ = stream.set_nodelay(true);
         let routes = routes.clone();
         let gateway = infer_gateway.clone();
@@ -642,7 +641,7 @@ pub async fn serve(
         let open = open.clone();
         // A TLS handshake runs on the connection's own task, so a slow or silent client holds up no one.
         tokio::spawn(async move {
-            let _open = open;
+            let _held = (open, occupied);
             let stop = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };

@@ -261,7 +261,7 @@ enum Source {
 /// A backend's answer on its way to the client.
 #[derive(Debug)]
 struct Proxied {
-    body: hyper::body::Incoming,
+    body: crate::upstream::BackendBody,
     rename: Option<Rename>,
     /// The end of the backend's time to answer.
     deadline: Pin<Box<tokio::time::Sleep>>,
@@ -496,7 +496,7 @@ pub(super) fn buffered(
 /// `rename` is set), the body follows until `deadline`.
 pub(super) fn proxied(
     mut head: http::response::Parts,
-    body: hyper::body::Incoming,
+    body: crate::upstream::BackendBody,
     rename: Option<Rename>,
     deadline: Instant,
     mut record: Record,

@@ -202,7 +202,7 @@ const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// A REST backend's generate answer for the client: an error or a `generate` answer read whole (renamed for an
 /// alias); a `generate_stream` answer relayed event by event as it arrives.
 async fn relay(
-    answer: http::Response<hyper::body::Incoming>,
+    answer: http::Response<crate::upstream::BackendBody>,
     route: &VersionRoute,
     stream: bool,
     idle: Duration,
@@ -277,7 +277,7 @@ fn rename(json: &[u8], route: &VersionRoute) -> Vec<u8> {
 }
 
 /// A backend's answer body read whole, within a bound and the idle limit.
-async fn read_whole(body: &mut hyper::body::Incoming, idle: Duration) -> Result<Bytes> {
+async fn read_whole(body: &mut crate::upstream::BackendBody, idle: Duration) -> Result<Bytes> {
     let mut whole = Vec::new();
     loop {
         let frame = tokio::time::timeout(idle, body.frame()).await.map_err(|_| {

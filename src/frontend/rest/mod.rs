@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::upstream::BackendBody;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body as _;
@@ -57,7 +58,12 @@ enum Reply {
     /// An answer made of `chunks`, with these headers.
     Buffered(StatusCode, HeaderMap, Vec<Bytes>),
     /// A backend's answer streamed through until the deadline.
-    Proxied(Box<http::response::Parts>, Incoming, Option<Rename>, std::time::Instant),
+    Proxied(
+        Box<http::response::Parts>,
+        BackendBody,
+        Option<Rename>,
+        std::time::Instant,
+    ),
     /// Server-sent events, each sent as it comes.
     Events(tokio::sync::mpsc::Receiver<Bytes>),
 }

@@ -237,7 +237,7 @@ impl GrpcUpstream {
         let mut connector = self.clients.connector.clone();
         let io = tower_service::Service::call(&mut connector, uri)
             .await
-            .map_err(|e| self.connection_failure(ConnectFailure(e), true))?;
+            .map_err(|e| self.connection_failure(super::ConnectFailure(e), true))?;
         let (stream_window, connection_window) = match channel {
             Channel::Unary => (UNARY_STREAM_WINDOW, UNARY_CONNECTION_WINDOW),
             Channel::Streams => (STREAMS_STREAM_WINDOW, STREAMS_CONNECTION_WINDOW),
@@ -301,22 +301,6 @@ fn hand_over(
 struct Unanswered {
     error: Error,
     again: bool,
-}
-
-/// A connector's error, which is boxed.
-#[derive(Debug)]
-struct ConnectFailure(Box<dyn std::error::Error + Send + Sync>);
-
-impl std::fmt::Display for ConnectFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for ConnectFailure {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
-    }
 }
 
 /// One gRPC message on the wire: compressed with `coding` when given, behind its length prefix.

@@ -1,0 +1,233 @@
+//! HTTP/1.1 connections to REST backends: each thread keeps its own idle ones per endpoint, and a request drives the
+//! connection it uses from its own task (no connection task to wake, no pool shared between threads, no channel hop
+//! between tasks), giving it back to the thread once its answer has been read to the end.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1;
+
+use super::ThreadClients;
+use crate::body::OutBody;
+
+/// A backend connection's transport: TCP, with TLS for `https` endpoints.
+type Io = hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>;
+
+/// How long a kept connection may sit idle before it is closed rather than used: backends commonly close theirs
+/// after 60 to 120 seconds, and a request sent on a connection the backend is closing fails.
+const IDLE_LIMIT: Duration = Duration::from_secs(90);
+
+/// The most idle connections a thread keeps per endpoint; a connection given back beyond them is closed.
+const MOST_IDLE: usize = 256;
+
+/// One HTTP/1.1 connection and its sending half, polled only by the task of the request using it.
+pub(super) struct Kept {
+    sender: http1::SendRequest<OutBody>,
+    connection: http1::Connection<Io, OutBody>,
+    /// The connection has ended (closed by the backend, or failed): it is never polled again.
+    ended: bool,
+    /// When it was last given back.
+    idle_since: Instant,
+    /// The thread that made it: its socket is registered with that thread's reactor.
+    thread: usize,
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kept").field("ended", &self.ended).finish()
+    }
+}
+
+/// This thread's mark, to tell whether a connection is given back on the thread that made it.
+fn this_thread() -> usize {
+    thread_local! {
+        static MARK: u8 = const { 0 };
+    }
+    MARK.with(|mark| std::ptr::from_ref(mark) as usize)
+}
+
+impl Kept {
+    /// Drives the connection's reading and writing; notes when it has ended.
+    fn drive(&mut self, cx: &mut Context<'_>) {
+        if !self.ended && Pin::new(&mut self.connection).poll(cx).is_ready() {
+            self.ended = true;
+        }
+    }
+
+    /// Ready to take a request, once the connection has finished with the previous one; `false` when it has ended
+    /// (its sending half is then never ready, as the connection still holds the other half).
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        self.drive(cx);
+        if self.ended {
+            return Poll::Ready(false);
+        }
+        self.sender.poll_ready(cx).map(|ready| ready.is_ok())
+    }
+}
+
+/// Why a request could not be sent or answered.
+#[derive(Debug)]
+pub(super) enum Failure {
+    /// No connection could be made: nothing was sent.
+    Connect(Box<dyn std::error::Error + Send + Sync>),
+    /// The connection failed; `unsent` when none of the request reached the backend.
+    Http { error: hyper::Error, unsent: bool },
+    /// The connection ended without an answer or an error for the request.
+    Closed,
+}
+
+/// Sends `request` on one of this thread's idle connections to the endpoint, or a new one. A request a kept
+/// connection could not take goes on a new connection; one whose kept connection closed before any answer came
+/// (a backend closing an idle connection as the request went out: MLServer's REST server closes its connection
+/// after a 500 without saying so) is sent once more on a new connection when `again` can make it anew, as curl
+/// does.
+pub(super) async fn send(
+    clients: &ThreadClients,
+    uri: &http::Uri,
+    mut request: http::Request<OutBody>,
+    again: impl FnOnce() -> Option<http::Request<OutBody>>,
+) -> Result<http::Response<BackendBody>, Failure> {
+    let mut again = Some(again);
+    loop {
+        let (mut kept, reused) = match idle(clients).await {
+            Some(kept) => (kept, true),
+            // Boxed: connecting is rare, and its state (resolving, connecting, TLS, the handshake) would otherwise
+            // be part of every request's.
+            None => (Box::pin(connect(clients, uri)).await?, false),
+        };
+        let mut sent = std::pin::pin!(kept.sender.try_send_request(request));
+        let answered = std::future::poll_fn(|cx| {
+            kept.drive(cx);
+            match sent.as_mut().poll(cx) {
+                // An ended connection has given its request an answer or an error; were it to give neither, the
+                // request would wait for ever.
+                Poll::Pending if kept.ended => Poll::Ready(None),
+                polled => polled.map(Some),
+            }
+        })
+        .await;
+        match answered.ok_or(Failure::Closed)? {
+            Ok(response) => {
+                let token = clients.token.clone();
+                return Ok(response.map(|body| BackendBody {
+                    body,
+                    kept: Some(kept),
+                    token,
+                }));
+            }
+            Err(mut failed) => match failed.take_message() {
+                Some(unsent) if reused => request = unsent,
+                Some(_) => {
+                    return Err(Failure::Http {
+                        error: failed.into_error(),
+                        unsent: true,
+                    });
+                }
+                None => {
+                    let error = failed.into_error();
+                    match again.take().and_then(|again| again()) {
+                        Some(anew) if reused && crate::error::is_closed_connection(&error) => {
+                            // A new connection: the other idle ones may have been closed alike.
+                            drop_idle(clients);
+                            request = anew;
+                        }
+                        _ => return Err(Failure::Http { error, unsent: false }),
+                    }
+                }
+            },
+        }
+    }
+}
+
+/// The most recently used of this thread's idle connections to the endpoint that is still open and ready; those
+/// idle too long or closed by the backend are dropped on the way.
+async fn idle(clients: &ThreadClients) -> Option<Box<Kept>> {
+    loop {
+        let mut kept = super::with_endpoint(&clients.token, |endpoint| endpoint.idle.pop())?;
+        if kept.ended || kept.idle_since.elapsed() > IDLE_LIMIT {
+            continue;
+        }
+        if std::future::poll_fn(|cx| kept.poll_ready(cx)).await {
+            return Some(kept);
+        }
+    }
+}
+
+/// Forgets this thread's idle connections to the endpoint.
+fn drop_idle(clients: &ThreadClients) {
+    let idle = super::with_endpoint(&clients.token, |endpoint| std::mem::take(&mut endpoint.idle));
+    drop(idle);
+}
+
+/// A new connection to the endpoint (TCP, TLS for `https`, the HTTP/1.1 handshake).
+async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, Failure> {
+    let mut connector = clients.connector.clone();
+    let io = tower_service::Service::call(&mut connector, uri.clone())
+        .await
+        .map_err(Failure::Connect)?;
+    let (sender, connection) = http1::Builder::new()
+        .handshake(io)
+        .await
+        .map_err(|error| Failure::Http { error, unsent: true })?;
+    Ok(Box::new(Kept {
+        sender,
+        connection,
+        ended: false,
+        idle_since: Instant::now(),
+        thread: this_thread(),
+    }))
+}
+
+/// A REST backend's answer body, read through the connection it came on: reading it drives the connection, and
+/// once it has been read to the end the connection goes back to its thread's idle ones.
+#[derive(Debug)]
+pub struct BackendBody {
+    body: Incoming,
+    /// Boxed: a connection's state is large, and moves with the request at every step.
+    kept: Option<Box<Kept>>,
+    /// The endpoint's entry in each thread's table.
+    token: Arc<()>,
+}
+
+impl Body for BackendBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        if let Some(kept) = &mut this.kept {
+            kept.drive(cx);
+        }
+        Pin::new(&mut this.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for BackendBody {
+    fn drop(&mut self) {
+        // An answer not read to its end leaves the connection mid-message: it is closed, not kept.
+        let Some(mut kept) = self.kept.take() else {
+            return;
+        };
+        if kept.ended || !self.body.is_end_stream() || kept.thread != this_thread() {
+            return;
+        }
+        kept.idle_since = Instant::now();
+        super::with_endpoint(&self.token, move |endpoint| {
+            if endpoint.idle.len() < MOST_IDLE {
+                endpoint.idle.push(kept);
+            }
+        });
+    }
+}
