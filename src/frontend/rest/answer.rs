@@ -264,7 +264,10 @@ struct Proxied {
     body: crate::upstream::BackendBody,
     rename: Option<Rename>,
     /// The end of the backend's time to answer.
-    deadline: Pin<Box<tokio::time::Sleep>>,
+    deadline: Instant,
+    /// The timer for `deadline`, made the first time the body is not at hand: most answers come whole with their
+    /// head, and a timer is a registration with the runtime's clock.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
     authority: Arc<str>,
     /// The renamed header is out and the body ended: nothing more to send.
     finished: bool,
@@ -376,7 +379,11 @@ impl Proxied {
             let frame = match Pin::new(&mut self.body).poll_frame(cx) {
                 Poll::Ready(frame) => frame,
                 Poll::Pending => {
-                    if self.deadline.as_mut().poll(cx).is_ready() {
+                    let deadline = self.deadline;
+                    let timer = self
+                        .timer
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+                    if timer.as_mut().poll(cx).is_ready() {
                         self.finished = true;
                         self.tee = None;
                         return Poll::Ready(Some(Err(broken_answer(format!(
@@ -533,7 +540,8 @@ pub(super) fn proxied(
             source: Source::Proxied(Box::new(Proxied {
                 body,
                 rename,
-                deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+                deadline,
+                timer: None,
                 authority,
                 finished: false,
                 compressor,

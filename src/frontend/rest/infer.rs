@@ -107,8 +107,9 @@ impl RestDoor {
                 .pass_through(headers, body, record, target, routed, asked, start)
                 .await;
         }
-        self.translate(parts, body, record, routed, (asked, start, reserved), (model, version))
-            .await
+        // Boxed: decoding, dispatching over another protocol and encoding make a large state, which the passthrough's
+        // future would otherwise be as large as.
+        Box::pin(self.translate(parts, body, record, routed, (asked, start, reserved), (model, version))).await
     }
 
     /// Decodes the request, dispatches it to the backend over its protocol, and encodes the answer: each a step of
@@ -237,7 +238,7 @@ impl RestDoor {
         record: &mut Record,
         target: Passthrough,
         routed: Routed,
-        asked: Asked,
+        mut asked: Asked,
         start: BodyStart,
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
@@ -245,7 +246,12 @@ impl RestDoor {
         // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
         // for uncompressed, as its name is restored in it (the gateway compresses it for the client).
         let keep_compressed = asked.coding.is_some() && target.compression;
-        let mut send = headers_to_send(headers, &asked.forward);
+        // The headers to forward are the mirror's too when there is one, else they are taken as they are.
+        let forward = match routed.mirror {
+            Some(_) => asked.forward.clone(),
+            None => std::mem::take(&mut asked.forward),
+        };
+        let mut send = headers_to_send(headers, forward);
         if asked.coding.is_some() && !keep_compressed {
             send.remove(http::header::CONTENT_ENCODING);
         }
@@ -529,8 +535,8 @@ impl Mirror {
 
 /// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them,
 /// with a Content-Type said when the client sent none.
-fn headers_to_send(headers: &HeaderMap, forward: &HeaderMap) -> HeaderMap {
-    let mut send = forward.clone();
+fn headers_to_send(headers: &HeaderMap, forward: HeaderMap) -> HeaderMap {
+    let mut send = forward;
     for name in AS_SENT {
         if let Some(value) = headers.get(&name) {
             send.insert(name, value.clone());

@@ -174,6 +174,27 @@ impl RestDoor {
         if let Some(model) = route.model() {
             guard.authorize(principal, model)?;
         }
+        if let Route::Infer(model, version) = route {
+            record.admission = Some(guard.admit(principal, model)?);
+            return self.infer(parts, body, record, model, version).await;
+        }
+        // Boxed: every other endpoint is rare next to inference, and some have large states of their own, which an
+        // inference's future (moved as each request is taken up) would otherwise be as large as.
+        Box::pin(self.other(route, parts, body, record)).await
+    }
+
+    /// Answers the endpoints other than inference.
+    async fn other(
+        &self,
+        route: Route<'_>,
+        parts: &http::request::Parts,
+        body: &mut Option<RequestBody>,
+        record: &mut Record,
+    ) -> Result<Reply> {
+        let dispatcher = record.dispatcher().clone();
+        let guard = dispatcher.guard();
+        let principal = record.principal.clone();
+        let principal = principal.as_deref();
         Ok(match route {
             Route::ServerMetadata => Reply::Json(
                 StatusCode::OK,
@@ -235,10 +256,7 @@ impl RestDoor {
                     .await?;
                 Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
-            Route::Infer(model, version) => {
-                record.admission = Some(guard.admit(principal, model)?);
-                return self.infer(parts, body, record, model, version).await;
-            }
+            Route::Infer(..) => return Err(Error::internal("an inference taken for another endpoint")),
             Route::Generate(model, version, call) => {
                 record.admission = Some(guard.admit(principal, model)?);
                 return self.generate(parts, body, record, model, version, call).await;
