@@ -22,38 +22,41 @@ pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 pub const OIP_MODEL_VERSION: &str = "oip-model-version";
 
 /// Headers that describe one connection or one message's framing, never passed on (RFC 9110 §7.6.1 and the
-/// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed.
-const NOT_PASSED_ON: [&str; 21] = [
+/// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed. Kept as
+/// names, not text: every header of every request and answer is checked against them, and two of `http`'s standard
+/// names compare as numbers.
+const NOT_PASSED_ON: [HeaderName; 21] = [
     // Hop by hop.
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "http2-settings",
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    HeaderName::from_static("http2-settings"),
     // Framing and content negotiation of the message as this hop encodes it.
-    "host",
-    "content-length",
-    "content-type",
-    "content-encoding",
-    "accept",
-    "accept-encoding",
-    "expect",
-    "inference-header-content-length",
+    header::HOST,
+    header::CONTENT_LENGTH,
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::ACCEPT,
+    header::ACCEPT_ENCODING,
+    header::EXPECT,
+    HeaderName::from_static("inference-header-content-length"),
     // Each hop names itself.
-    "user-agent",
-    "server",
-    "date",
+    header::USER_AGENT,
+    header::SERVER,
+    header::DATE,
 ];
 
-/// Whether a header named `name` (lower case, as `http` keeps names) may be passed on to the next hop.
-pub fn is_end_to_end(name: &str) -> bool {
+/// Whether a header named `name` may be passed on to the next hop.
+pub fn is_end_to_end(name: &HeaderName) -> bool {
     // gRPC reserves `grpc-*` (timeout, encodings, status): the gateway speaks those itself on each hop.
-    !NOT_PASSED_ON.contains(&name) && !name.starts_with("grpc-") && !name.starts_with(':')
+    let text = name.as_str();
+    !NOT_PASSED_ON.contains(name) && !text.starts_with("grpc-") && !text.starts_with(':')
 }
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
@@ -69,8 +72,7 @@ pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
     // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
     let mut passed = HeaderMap::new();
     for (name, value) in incoming {
-        let text = name.as_str();
-        if is_end_to_end(text) && !nominated.iter().any(|n| n == text) {
+        if is_end_to_end(name) && !nominated.iter().any(|n| n == name.as_str()) {
             passed.append(name.clone(), value.clone());
         }
     }

@@ -420,7 +420,7 @@ fn backend_headers(problems: &mut Problems, path: &str, backend: &RawBackend) ->
     for (name, value) in &backend.headers {
         let header = http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes())
             .ok()
-            .filter(|header| crate::headers::is_end_to_end(header.as_str()) && !header.as_str().starts_with("grpc-"));
+            .filter(|header| crate::headers::is_end_to_end(header) && !header.as_str().starts_with("grpc-"));
         let Some(header) = header else {
             problems.add(
                 format!("{path}.headers.{name}"),

@@ -310,7 +310,7 @@ fn settle_weights(
 fn sticky_header(problems: &mut Problems, path: &str, model: &RawModel) -> Option<http::HeaderName> {
     let name = model.sticky_header.as_ref()?;
     match http::HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()) {
-        Ok(header) if crate::headers::is_end_to_end(header.as_str()) => Some(header),
+        Ok(header) if crate::headers::is_end_to_end(&header) => Some(header),
         _ => {
             problems.add(
                 format!("{path}.sticky_header"),
