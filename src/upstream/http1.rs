@@ -24,6 +24,10 @@ const IDLE_LIMIT: Duration = Duration::from_secs(90);
 /// The most idle connections a thread keeps per endpoint; a connection given back beyond them is closed.
 const MOST_IDLE: usize = 256;
 
+/// How often a thread closes its connections idle for longer than [`IDLE_LIMIT`]: those of an endpoint that gets no
+/// more requests would otherwise stay open (the backend's side of them closed) until it does.
+const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
 /// One HTTP/1.1 connection and its sending half, polled only by the task of the request using it.
 pub(super) struct Kept {
     sender: http1::SendRequest<OutBody>,
@@ -51,6 +55,11 @@ fn this_thread() -> usize {
 }
 
 impl Kept {
+    /// Whether it has ended or been idle too long at `now`, and is not to be used.
+    pub(super) fn aged(&self, now: Instant) -> bool {
+        self.ended || now.saturating_duration_since(self.idle_since) > IDLE_LIMIT
+    }
+
     /// Drives the connection's reading and writing; notes when it has ended.
     fn drive(&mut self, cx: &mut Context<'_>) {
         if !self.ended && Pin::new(&mut self.connection).poll(cx).is_ready() {
@@ -148,7 +157,7 @@ pub(super) async fn send(
 async fn idle(clients: &ThreadClients) -> Option<Box<Kept>> {
     loop {
         let mut kept = super::with_endpoint(&clients.token, |endpoint| endpoint.idle.pop())?;
-        if kept.ended || kept.idle_since.elapsed() > IDLE_LIMIT {
+        if kept.aged(Instant::now()) {
             continue;
         }
         if std::future::poll_fn(|cx| kept.poll_ready(cx)).await {
@@ -165,6 +174,7 @@ fn drop_idle(clients: &ThreadClients) {
 
 /// A new connection to the endpoint (TCP, TLS for `https`, the HTTP/1.1 handshake).
 async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, Failure> {
+    keep_swept();
     let mut connector = clients.connector.clone();
     let io = tower_service::Service::call(&mut connector, uri.clone())
         .await
@@ -180,6 +190,30 @@ async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, 
         idle_since: Instant::now(),
         thread: this_thread(),
     }))
+}
+
+/// Starts this thread's sweep of its idle connections, once. Only on a single-threaded runtime: its tasks run on
+/// this thread, whose connections are the ones to sweep (the door threads' runtimes are all single-threaded).
+fn keep_swept() {
+    thread_local! {
+        static SWEPT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if SWEPT.get() {
+        return;
+    }
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    if runtime.runtime_flavor() != tokio::runtime::RuntimeFlavor::CurrentThread {
+        return;
+    }
+    SWEPT.set(true);
+    runtime.spawn(async {
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            super::sweep_idle(Instant::now());
+        }
+    });
 }
 
 /// A REST backend's answer body, read through the connection it came on: reading it drives the connection, and
@@ -229,5 +263,74 @@ impl Drop for BackendBody {
                 endpoint.idle.push(kept);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A backend answering `ok` to every request; gives its address and how many of its connections are open.
+    async fn backend() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let open = Arc::new(AtomicUsize::new(0));
+        let counted = open.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                counted.fetch_add(1, Ordering::SeqCst);
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 4096];
+                    while let Ok(read @ 1..) = socket.read(&mut buffer).await {
+                        let _ = read;
+                        let _ = socket
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                            .await;
+                    }
+                    counted.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (address, open)
+    }
+
+    #[tokio::test]
+    async fn connections_idle_too_long_are_closed_by_the_sweep() {
+        let (address, open) = backend().await;
+        let endpoint = crate::config::Endpoint {
+            host: address.ip().to_string(),
+            port: address.port(),
+        };
+        let upstream = crate::upstream::RestUpstream::new(&endpoint, Duration::from_secs(2), 1024, None);
+        let answer = upstream
+            .send(
+                http::Method::GET,
+                "/v2/health/ready",
+                &http::HeaderMap::new(),
+                Vec::new(),
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(&answer.body[..], b"ok");
+        assert_eq!(open.load(Ordering::SeqCst), 1, "the connection is kept");
+        // Swept now, the connection is young and stays; swept past the idle limit, it is closed.
+        crate::upstream::sweep_idle(Instant::now());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(open.load(Ordering::SeqCst), 1);
+        crate::upstream::sweep_idle(Instant::now() + IDLE_LIMIT + Duration::from_secs(1));
+        for _ in 0..200 {
+            if open.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the idle connection was not closed");
     }
 }

@@ -82,12 +82,14 @@ impl ThreadClients {
     }
 }
 
+thread_local! {
+    /// What this thread holds for each endpoint, by the endpoint's token.
+    static ENDPOINTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, ThreadEndpoint)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// What this thread holds for the endpoint `token` stands for.
 fn with_endpoint<T>(token: &std::sync::Arc<()>, use_endpoint: impl FnOnce(&mut ThreadEndpoint) -> T) -> T {
-    thread_local! {
-        static ENDPOINTS: std::cell::RefCell<Vec<(std::sync::Weak<()>, ThreadEndpoint)>> =
-            const { std::cell::RefCell::new(Vec::new()) };
-    }
     // What an endpoint holds is dropped outside the table's borrow: dropping a connection may run code that reaches
     // the table again.
     let (used, forgotten) = ENDPOINTS.with_borrow_mut(|endpoints| {
@@ -107,6 +109,28 @@ fn with_endpoint<T>(token: &std::sync::Arc<()>, use_endpoint: impl FnOnce(&mut T
     });
     drop(forgotten);
     used
+}
+
+/// Closes this thread's REST connections that have been idle too long at `now`, and forgets the endpoints no longer
+/// in use, with what it held for them.
+fn sweep_idle(now: std::time::Instant) {
+    let swept = ENDPOINTS.with_borrow_mut(|endpoints| {
+        let (live, forgotten): (Vec<_>, Vec<_>) = std::mem::take(endpoints)
+            .into_iter()
+            .partition(|(token, _)| token.strong_count() > 0);
+        *endpoints = live;
+        let mut aged = Vec::new();
+        for (_, endpoint) in endpoints.iter_mut() {
+            let (fresh, old): (Vec<_>, Vec<_>) = std::mem::take(&mut endpoint.idle)
+                .into_iter()
+                .partition(|kept| !kept.aged(now));
+            endpoint.idle = fresh;
+            aged.extend(old);
+        }
+        (forgotten, aged)
+    });
+    // Dropped outside the table's borrow, as in `with_endpoint`.
+    drop(swept);
 }
 
 /// TLS to one backend endpoint: the backend's material and the name to verify (and send as SNI).
