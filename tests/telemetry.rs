@@ -517,22 +517,7 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
         assert_eq!(response["outputs"][0]["data"][0], 7);
     }
     // The binary extension, both ways: translated to JSON for the sink.
-    let tensor = |name: &str, value: i32| {
-        Tensor::new(
-            name.to_owned(),
-            DataType::Int32,
-            vec![1, 16],
-            common::int32s([value; 16]),
-        )
-        .unwrap()
-    };
-    let (body, [(name, length)]) = common::binary_request(vec![tensor("INPUT0", 3), tensor("INPUT1", 1)]);
-    let answer = post_with_headers(
-        &gateway.rest_url("/v2/models/add_sub/versions/1/infer"),
-        &[("x-request-id", "binary".to_owned()), (name, length)],
-        body.to_bytes(),
-    )
-    .await;
+    let (_, _, answer) = post_binary_add_sub(&gateway, "binary").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
     assert!(answer.header("inference-header-content-length").is_some());
     let (request, response) = logged(&events, "binary", "add_sub", "1").await;
@@ -545,6 +530,28 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
             .await,
         11.0
     );
+}
+
+/// Posts add_sub's inputs (all 3s and all 1s) to its version 1 in the binary extension, with request id `id`; gives
+/// the body sent, its Inference-Header-Content-Length and the answer.
+async fn post_binary_add_sub(gateway: &GatewayProcess, id: &str) -> (Bytes, String, common::HttpAnswer) {
+    let tensor = |name: &str, value: i32| {
+        Tensor::new(
+            name.to_owned(),
+            DataType::Int32,
+            vec![1, 16],
+            common::int32s([value; 16]),
+        )
+        .unwrap()
+    };
+    let (body, [(name, length)]) = common::binary_request(vec![tensor("INPUT0", 3), tensor("INPUT1", 1)]);
+    let answer = post_with_headers(
+        &gateway.rest_url("/v2/models/add_sub/versions/1/infer"),
+        &[("x-request-id", id.to_owned()), (name, length.clone())],
+        body.to_bytes(),
+    )
+    .await;
+    (body.to_bytes(), length, answer)
 }
 
 /// A model that opts out is never logged; a failed inference logs its request only.
@@ -661,22 +668,7 @@ async fn tensors_as_sent_keep_the_binary_extension_and_the_grpc_message() {
         "[payload_log]\nurl = \"http://{sink}/\"\ntensors = \"as_sent\"\n{}{ADD_SUB_ON_BOTH}",
         fleet_backends(rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap())
     ));
-    let tensor = |name: &str, value: i32| {
-        Tensor::new(
-            name.to_owned(),
-            DataType::Int32,
-            vec![1, 16],
-            common::int32s([value; 16]),
-        )
-        .unwrap()
-    };
-    let (body, [(name, length)]) = common::binary_request(vec![tensor("INPUT0", 3), tensor("INPUT1", 1)]);
-    let answer = post_with_headers(
-        &gateway.rest_url("/v2/models/add_sub/versions/1/infer"),
-        &[("x-request-id", "binary".to_owned()), (name, length.clone())],
-        body.to_bytes(),
-    )
-    .await;
+    let (body, length, answer) = post_binary_add_sub(&gateway, "binary").await;
     assert_eq!(answer.status, 200);
     eventually(Duration::from_secs(10), "both events", || async {
         events_of(&events, "binary").len() == 2
@@ -684,7 +676,7 @@ async fn tensors_as_sent_keep_the_binary_extension_and_the_grpc_message() {
     .await;
     let both = events_of(&events, "binary");
     let request = &both[REQUEST];
-    assert_eq!(request.body, body.to_bytes(), "the body as the client sent it");
+    assert_eq!(request.body, body, "the body as the client sent it");
     assert_eq!(request.header("inference-header-content-length"), length);
     assert_eq!(request.header("content-type"), "application/octet-stream");
     let response = &both[RESPONSE];

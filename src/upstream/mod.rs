@@ -98,10 +98,7 @@ fn with_endpoint<T>(token: &std::sync::Arc<()>, use_endpoint: impl FnOnce(&mut T
         if let Some((_, endpoint)) = endpoints.iter_mut().find(|(token, _)| token.as_ptr() == key) {
             return (use_endpoint(endpoint), Vec::new());
         }
-        let (live, forgotten) = std::mem::take(endpoints)
-            .into_iter()
-            .partition(|(token, _)| token.strong_count() > 0);
-        *endpoints = live;
+        let forgotten = forget_unused(endpoints);
         let mut endpoint = ThreadEndpoint::default();
         let used = use_endpoint(&mut endpoint);
         endpoints.push((std::sync::Arc::downgrade(token), endpoint));
@@ -111,14 +108,23 @@ fn with_endpoint<T>(token: &std::sync::Arc<()>, use_endpoint: impl FnOnce(&mut T
     used
 }
 
+/// Takes out of this thread's table the endpoints no longer in use (every clone of their token dropped); gives what
+/// it held for them, to be dropped outside the table's borrow.
+fn forget_unused(
+    endpoints: &mut Vec<(std::sync::Weak<()>, ThreadEndpoint)>,
+) -> Vec<(std::sync::Weak<()>, ThreadEndpoint)> {
+    let (live, forgotten) = std::mem::take(endpoints)
+        .into_iter()
+        .partition(|(token, _)| token.strong_count() > 0);
+    *endpoints = live;
+    forgotten
+}
+
 /// Closes this thread's REST connections that have been idle too long at `now`, and forgets the endpoints no longer
 /// in use, with what it held for them.
 fn sweep_idle(now: std::time::Instant) {
     let swept = ENDPOINTS.with_borrow_mut(|endpoints| {
-        let (live, forgotten): (Vec<_>, Vec<_>) = std::mem::take(endpoints)
-            .into_iter()
-            .partition(|(token, _)| token.strong_count() > 0);
-        *endpoints = live;
+        let forgotten = forget_unused(endpoints);
         let mut aged = Vec::new();
         for (_, endpoint) in endpoints.iter_mut() {
             let (fresh, old): (Vec<_>, Vec<_>) = std::mem::take(&mut endpoint.idle)

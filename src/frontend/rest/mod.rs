@@ -6,7 +6,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::upstream::BackendBody;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body as _;
@@ -31,6 +30,7 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::process::live::Gateway;
 use crate::process::traces::Trace;
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
+use crate::upstream::BackendBody;
 use opentelemetry::KeyValue;
 
 /// Content type of Decthings request and response bodies.
