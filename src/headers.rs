@@ -19,13 +19,13 @@ pub const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accep
 pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// Response header (gRPC metadata) naming the public version that served an inference.
-pub const OIP_MODEL_VERSION: &str = "oip-model-version";
+pub const OIP_MODEL_VERSION: HeaderName = HeaderName::from_static("oip-model-version");
 
 /// Headers that describe one connection or one message's framing, never passed on (RFC 9110 §7.6.1 and the
 /// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed. Kept as
 /// names, not text: every header of every request and answer is checked against them, and two of `http`'s standard
 /// names compare as numbers.
-const NOT_PASSED_ON: [HeaderName; 21] = [
+static NOT_PASSED_ON: [HeaderName; 21] = [
     // Hop by hop.
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),

@@ -31,9 +31,11 @@ async fn least_load_follows_the_queue_each_replica_reports_in_its_own_metrics() 
         )
     };
 
-    // Both idle: an even split.
+    // Both idle: both serve. Not an exact half: each replica's scraped queue counts the gateway's own calls under way
+    // (eight at a time here), so between two scrapes the calls lean to whichever was scraped emptier, and on a busy
+    // machine the scrapes come unevenly.
     let idle = share_of_a(&spread(&gateway, "/v2/models/slow/infer", 200).await, 200);
-    assert!((0.4..=0.6).contains(&idle), "idle: {idle}");
+    assert!((0.3..=0.7).contains(&idle), "idle: {idle}");
 
     // A client that bypasses the gateway keeps 32 calls waiting at replica a: the gateway's calls go to b.
     let client = http_client(false);

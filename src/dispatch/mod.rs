@@ -393,7 +393,7 @@ impl Dispatcher {
             &routed.affinity,
         )
         .await?;
-        served_version(&mut replied.headers, route);
+        route.name_served_version(&mut replied.headers);
         Ok(replied)
     }
 
@@ -487,7 +487,7 @@ impl Dispatcher {
                 }
             }
         };
-        served_version(&mut replied.headers, route);
+        route.name_served_version(&mut replied.headers);
         Ok(replied)
     }
 
@@ -684,13 +684,6 @@ fn forget_removed(
         |model, version| routes.resolve(model, Some(version)).is_ok(),
         |backend| config.backends().iter().any(|b| b.name == backend),
     );
-}
-
-/// Marks which public version served an answer.
-fn served_version(headers: &mut HeaderMap, route: &VersionRoute) {
-    if let Ok(value) = http::HeaderValue::from_str(&route.version) {
-        headers.insert(crate::headers::OIP_MODEL_VERSION, value);
-    }
 }
 
 fn decode_grpc_request(message: Bytes) -> Result<InferRequest> {

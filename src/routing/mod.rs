@@ -31,12 +31,21 @@ pub struct VersionRoute {
     pub weight: u32,
     /// Its inferences are sent to the payload log's sink.
     pub payload_log: bool,
+    /// `version` as the header value every answer names it with, made once.
+    served_as: Option<http::HeaderValue>,
 }
 
 impl VersionRoute {
     /// The version to name to the backend, if any.
     pub fn backend_version(&self) -> Option<&str> {
         Some(self.upstream_version.as_str()).filter(|v| !v.is_empty())
+    }
+
+    /// Marks an answer with the public version that served it.
+    pub fn name_served_version(&self, headers: &mut http::HeaderMap) {
+        if let Some(version) = &self.served_as {
+            headers.insert(crate::headers::OIP_MODEL_VERSION, version.clone());
+        }
     }
 }
 
@@ -205,6 +214,7 @@ fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<V
                 shed: model.limits.shed,
                 weight: v.weight,
                 payload_log: model.payload_log,
+                served_as: http::HeaderValue::from_str(&v.version).ok(),
             });
             all.push(route.clone());
             (v.version.clone(), route)

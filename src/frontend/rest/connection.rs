@@ -193,7 +193,9 @@ impl RestConnections {
                         .serve_connection(TokioIo::new(io), service.clone())
                         .without_shutdown()
                 );
+                // Biased: the connection is polled first at every wake-up, with no random pick.
                 let served = tokio::select! {
+                    biased;
                     served = connection.as_mut() => served,
                     () = state.abandoning.notified() => {
                         loop {
@@ -375,8 +377,9 @@ struct Http1Io<S> {
 /// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at.
 #[derive(Debug)]
 struct HeadScan {
-    /// The start of the line being read, lower-cased, while it may still be one of the two names.
-    line: Vec<u8>,
+    /// The start of the line being read, lower-cased, while it may still be one of the two names: `line[..length]`.
+    line: [u8; HeadScan::LONGEST],
+    length: usize,
     /// Within a line already told apart (or the request line): its end is what is looked for.
     skipping: bool,
     content_length: bool,
@@ -389,7 +392,8 @@ impl Default for HeadScan {
     fn default() -> Self {
         // A head begins with its request line, which names no header.
         HeadScan {
-            line: Vec::new(),
+            line: [0; HeadScan::LONGEST],
+            length: 0,
             skipping: true,
             content_length: false,
             transfer_encoding: false,
@@ -401,6 +405,8 @@ impl Default for HeadScan {
 impl HeadScan {
     const CONTENT_LENGTH: &[u8] = b"content-length:";
     const TRANSFER_ENCODING: &[u8] = b"transfer-encoding:";
+    /// The longer name's length: a line that is still a prefix of a name is never longer.
+    const LONGEST: usize = Self::TRANSFER_ENCODING.len();
 
     /// Takes the next bytes of the head (and maybe of what follows it).
     fn scan(&mut self, mut bytes: &[u8]) {
@@ -411,30 +417,36 @@ impl HeadScan {
                 };
                 bytes = &bytes[end + 1..];
                 self.skipping = false;
-                self.line.clear();
+                self.length = 0;
                 continue;
             }
             let (&byte, rest) = bytes.split_first().unwrap_or((&b'\n', &[]));
             bytes = rest;
+            let line = &self.line[..self.length];
             if byte == b'\n' {
                 // A line shorter than either name; an empty one ends the head.
-                self.done = self.line.is_empty() || self.line == b"\r";
-                self.line.clear();
+                self.done = line.is_empty() || line == b"\r";
+                self.length = 0;
                 continue;
             }
-            self.line.push(byte.to_ascii_lowercase());
-            if self.line == b"\r" {
+            if self.length == Self::LONGEST {
+                self.skipping = true;
+                continue;
+            }
+            self.line[self.length] = byte.to_ascii_lowercase();
+            self.length += 1;
+            let line = &self.line[..self.length];
+            if line == b"\r" {
                 // Perhaps the blank line.
                 continue;
             }
-            if self.line == Self::CONTENT_LENGTH {
+            if line == Self::CONTENT_LENGTH {
                 self.content_length = true;
                 self.skipping = true;
-            } else if self.line == Self::TRANSFER_ENCODING {
+            } else if line == Self::TRANSFER_ENCODING {
                 self.transfer_encoding = true;
                 self.skipping = true;
-            } else if !Self::CONTENT_LENGTH.starts_with(&self.line) && !Self::TRANSFER_ENCODING.starts_with(&self.line)
-            {
+            } else if !Self::CONTENT_LENGTH.starts_with(line) && !Self::TRANSFER_ENCODING.starts_with(line) {
                 self.skipping = true;
             }
         }

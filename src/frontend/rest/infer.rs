@@ -29,7 +29,7 @@ use opentelemetry::trace::SpanKind;
 /// a longer one, or one of unknown length, is relayed as it arrives.
 const WHOLE_BODY_LIMIT: u64 = 256 * 1024;
 /// Headers about the body that a proxied request carries as the client sent them (the body is not re-encoded).
-const AS_SENT: [http::header::HeaderName; 5] = [
+static AS_SENT: [http::header::HeaderName; 5] = [
     http::header::CONTENT_TYPE,
     http::header::CONTENT_ENCODING,
     http::header::ACCEPT,
@@ -37,7 +37,7 @@ const AS_SENT: [http::header::HeaderName; 5] = [
     http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
 ];
 /// Headers about the body that a proxied answer carries as the backend sent them.
-const ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
+static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
     http::header::CONTENT_TYPE,
     http::header::CONTENT_ENCODING,
     http::header::CONTENT_LENGTH,
@@ -537,9 +537,9 @@ impl Mirror {
 /// with a Content-Type said when the client sent none.
 fn headers_to_send(headers: &HeaderMap, forward: HeaderMap) -> HeaderMap {
     let mut send = forward;
-    for name in AS_SENT {
-        if let Some(value) = headers.get(&name) {
-            send.insert(name, value.clone());
+    for name in &AS_SENT {
+        if let Some(value) = headers.get(name) {
+            send.insert(name.clone(), value.clone());
         }
     }
     if let Some(content_type) = missing_content_type(&send) {
@@ -556,14 +556,12 @@ fn answer_head(
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
     let mut passed = headers::end_to_end(&head.headers);
-    for name in ANSWER_AS_SENT {
-        if let Some(value) = head.headers.get(&name) {
-            passed.insert(name, value.clone());
+    for name in &ANSWER_AS_SENT {
+        if let Some(value) = head.headers.get(name) {
+            passed.insert(name.clone(), value.clone());
         }
     }
-    if let Ok(version) = HeaderValue::from_str(&target.route.version) {
-        passed.insert(headers::OIP_MODEL_VERSION, version);
-    }
+    target.route.name_served_version(&mut passed);
     check_lengths(&passed, authority)?;
     let rename = if target.aliased {
         let (name, version) = (target.route.model.clone(), target.route.version.clone());
