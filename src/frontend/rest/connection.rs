@@ -374,27 +374,35 @@ struct Http1Io<S> {
 }
 
 /// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
-/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at.
+/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at, one byte at a
+/// time against the name the line's first byte may begin (the two names begin differently).
 #[derive(Debug)]
 struct HeadScan {
-    /// The start of the line being read, lower-cased, while it may still be one of the two names: `line[..length]`.
-    line: [u8; HeadScan::LONGEST],
-    length: usize,
-    /// Within a line already told apart (or the request line): its end is what is looked for.
-    skipping: bool,
+    line: Line,
     content_length: bool,
     transfer_encoding: bool,
     /// The head's blank line has been seen.
     done: bool,
 }
 
+/// Where the scan is within the line being read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Line {
+    /// At its start.
+    Start,
+    /// After a carriage return at its start: perhaps the blank line.
+    Return,
+    /// Its first `matched` bytes are those of `name`, case aside.
+    Naming { name: &'static [u8], matched: usize },
+    /// Told apart (or the request line): its end is what is looked for.
+    Skipping,
+}
+
 impl Default for HeadScan {
     fn default() -> Self {
         // A head begins with its request line, which names no header.
         HeadScan {
-            line: [0; HeadScan::LONGEST],
-            length: 0,
-            skipping: true,
+            line: Line::Skipping,
             content_length: false,
             transfer_encoding: false,
             done: false,
@@ -405,50 +413,53 @@ impl Default for HeadScan {
 impl HeadScan {
     const CONTENT_LENGTH: &[u8] = b"content-length:";
     const TRANSFER_ENCODING: &[u8] = b"transfer-encoding:";
-    /// The longer name's length: a line that is still a prefix of a name is never longer.
-    const LONGEST: usize = Self::TRANSFER_ENCODING.len();
 
     /// Takes the next bytes of the head (and maybe of what follows it).
     fn scan(&mut self, mut bytes: &[u8]) {
         while !self.done && !bytes.is_empty() {
-            if self.skipping {
+            if self.line == Line::Skipping {
                 let Some(end) = memchr::memchr(b'\n', bytes) else {
                     return;
                 };
                 bytes = &bytes[end + 1..];
-                self.skipping = false;
-                self.length = 0;
+                self.line = Line::Start;
                 continue;
             }
-            let (&byte, rest) = bytes.split_first().unwrap_or((&b'\n', &[]));
-            bytes = rest;
-            let line = &self.line[..self.length];
-            if byte == b'\n' {
-                // A line shorter than either name; an empty one ends the head.
-                self.done = line.is_empty() || line == b"\r";
-                self.length = 0;
-                continue;
-            }
-            if self.length == Self::LONGEST {
-                self.skipping = true;
-                continue;
-            }
-            self.line[self.length] = byte.to_ascii_lowercase();
-            self.length += 1;
-            let line = &self.line[..self.length];
-            if line == b"\r" {
-                // Perhaps the blank line.
-                continue;
-            }
-            if line == Self::CONTENT_LENGTH {
-                self.content_length = true;
-                self.skipping = true;
-            } else if line == Self::TRANSFER_ENCODING {
-                self.transfer_encoding = true;
-                self.skipping = true;
-            } else if !Self::CONTENT_LENGTH.starts_with(line) && !Self::TRANSFER_ENCODING.starts_with(line) {
-                self.skipping = true;
-            }
+            let byte = bytes[0].to_ascii_lowercase();
+            bytes = &bytes[1..];
+            self.line = match (self.line, byte) {
+                // An empty line ends the head; any other line shorter than either name is let go.
+                (Line::Start | Line::Return, b'\n') => {
+                    self.done = true;
+                    Line::Start
+                }
+                (_, b'\n') => Line::Start,
+                (Line::Start, b'\r') => Line::Return,
+                (Line::Start, b'c') => Line::Naming {
+                    name: Self::CONTENT_LENGTH,
+                    matched: 1,
+                },
+                (Line::Start, b't') => Line::Naming {
+                    name: Self::TRANSFER_ENCODING,
+                    matched: 1,
+                },
+                (Line::Naming { name, matched }, byte) if name[matched] == byte => {
+                    if matched + 1 < name.len() {
+                        Line::Naming {
+                            name,
+                            matched: matched + 1,
+                        }
+                    } else {
+                        if name == Self::CONTENT_LENGTH {
+                            self.content_length = true;
+                        } else {
+                            self.transfer_encoding = true;
+                        }
+                        Line::Skipping
+                    }
+                }
+                _ => Line::Skipping,
+            };
         }
     }
 }
@@ -630,6 +641,16 @@ mod tests {
         let pieces: Vec<&[u8]> = head.chunks(3).collect();
         let split = scanned(&pieces);
         assert!(split.content_length && split.transfer_encoding && split.done);
+    }
+
+    #[test]
+    fn names_the_two_only_begin_are_not_taken_for_them() {
+        let head = b"POST /x HTTP/1.1\r\nContent-Lengthy: 5\r\ntransfer-encodings: chunked\r\nc: 1\r\nt\r\n\r\n";
+        let scan = scanned(&[head]);
+        assert!(!scan.content_length && !scan.transfer_encoding);
+        assert!(scan.done);
+        let unfinished = scanned(&[b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\rX\r\n"]);
+        assert!(unfinished.content_length && !unfinished.done);
     }
 
     #[test]
