@@ -61,22 +61,45 @@ pub fn is_end_to_end(name: &HeaderName) -> bool {
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
 pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
-    let nominated: Vec<String> = incoming
+    let nominated = nominated(incoming);
+    // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
+    let mut passed = HeaderMap::new();
+    for (name, value) in incoming {
+        if passes(name, &nominated) {
+            passed.append(name.clone(), value.clone());
+        }
+    }
+    passed
+}
+
+/// Leaves in `headers` what [`end_to_end`] would pass on, and the headers named in `kept`; in place, for a message
+/// that goes on with most of its headers (an answer passed back as it came).
+pub fn keep_end_to_end(headers: &mut HeaderMap, kept: &[HeaderName]) {
+    let nominated = nominated(headers);
+    let dropped: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| !kept.contains(name) && !passes(name, &nominated))
+        .cloned()
+        .collect();
+    for name in dropped {
+        headers.remove(name);
+    }
+}
+
+/// The headers a message's `Connection` names (lower-cased), which are this hop's alone.
+fn nominated(headers: &HeaderMap) -> Vec<String> {
+    headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
         .map(|token| token.trim().to_ascii_lowercase())
         .filter(|token| !token.is_empty())
-        .collect();
-    // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
-    let mut passed = HeaderMap::new();
-    for (name, value) in incoming {
-        if is_end_to_end(name) && !nominated.iter().any(|n| n == name.as_str()) {
-            passed.append(name.clone(), value.clone());
-        }
-    }
-    passed
+        .collect()
+}
+
+fn passes(name: &HeaderName, nominated: &[String]) -> bool {
+    is_end_to_end(name) && !nominated.iter().any(|n| n == name.as_str())
 }
 
 /// What a request carries to its backend: its end-to-end headers, with a request id generated when it has none.
@@ -158,6 +181,24 @@ mod tests {
         names.sort_unstable();
         assert_eq!(names, ["authorization", "traceparent", "x-payload-bin", "x-tenant"]);
         assert_eq!(passed.get_all("x-tenant").iter().count(), 2);
+
+        // Filtered in place, the same pass on, with the headers asked to be kept.
+        let mut in_place = incoming.clone();
+        keep_end_to_end(&mut in_place, &[header::CONTENT_TYPE, header::USER_AGENT]);
+        let mut names: Vec<&str> = in_place.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            [
+                "authorization",
+                "content-type",
+                "traceparent",
+                "user-agent",
+                "x-payload-bin",
+                "x-tenant"
+            ]
+        );
+        assert_eq!(in_place.get_all("x-tenant").iter().count(), 2);
     }
 
     #[test]

@@ -639,13 +639,13 @@ impl Rename {
         if status != StatusCode::OK || headers.contains_key(http::header::CONTENT_ENCODING) {
             return Ok(None);
         }
-        let number = |name: &str| {
+        let number = |name: http::HeaderName| {
             headers
                 .get(name)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<usize>().ok())
         };
-        let content_length = number(http::header::CONTENT_LENGTH.as_str());
+        let content_length = number(http::header::CONTENT_LENGTH);
         let header_length = number(INFERENCE_HEADER_CONTENT_LENGTH).or(content_length);
         let untrusted = || {
             broken_answer(format!(

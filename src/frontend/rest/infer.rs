@@ -34,14 +34,14 @@ static AS_SENT: [http::header::HeaderName; 5] = [
     http::header::CONTENT_ENCODING,
     http::header::ACCEPT,
     http::header::ACCEPT_ENCODING,
-    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
+    INFERENCE_HEADER_CONTENT_LENGTH,
 ];
 /// Headers about the body that a proxied answer carries as the backend sent them.
 static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
     http::header::CONTENT_TYPE,
     http::header::CONTENT_ENCODING,
     http::header::CONTENT_LENGTH,
-    http::header::HeaderName::from_static(INFERENCE_HEADER_CONTENT_LENGTH),
+    INFERENCE_HEADER_CONTENT_LENGTH,
 ];
 
 /// What the request asked for, read from its head.
@@ -555,12 +555,8 @@ fn answer_head(
     target: &Passthrough,
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
-    let mut passed = headers::end_to_end(&head.headers);
-    for name in &ANSWER_AS_SENT {
-        if let Some(value) = head.headers.get(name) {
-            passed.insert(name.clone(), value.clone());
-        }
-    }
+    let mut passed = std::mem::take(&mut head.headers);
+    headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT);
     target.route.name_served_version(&mut passed);
     check_lengths(&passed, authority)?;
     let rename = if target.aliased {
@@ -577,7 +573,7 @@ fn answer_head(
 /// A backend's answer whose JSON header is said to be longer than the whole body is refused: its lengths are not
 /// trusted.
 fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
-    let number = |name: &str| {
+    let number = |name: http::HeaderName| {
         headers
             .get(name)
             .and_then(|v| v.to_str().ok())
@@ -585,7 +581,7 @@ fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
     };
     match (
         number(INFERENCE_HEADER_CONTENT_LENGTH),
-        number(http::header::CONTENT_LENGTH.as_str()),
+        number(http::header::CONTENT_LENGTH),
     ) {
         (Some(header), Some(total)) if header > total => Err(Error::new(
             ErrorKind::BadGateway,
