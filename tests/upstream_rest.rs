@@ -252,7 +252,7 @@ async fn connections_are_kept_and_one_whose_answer_was_not_read_is_not() {
             &path,
             &HeaderMap::new(),
             ChunksBody::new(vec![Bytes::from_static(b"{}")]).into(),
-            Duration::from_secs(2),
+            oipgate::upstream::Deadline::after(Duration::from_secs(2)),
         )
         .await
         .unwrap();

@@ -282,7 +282,10 @@ impl Lease {
     /// and the endpoint's last minute.
     pub fn observed(&self, failed: bool, policy: &BackendPolicy) {
         self.state.observed(failed, policy);
-        self.state.window.record(failed, self.started.elapsed());
+        let now = Instant::now();
+        self.state
+            .window
+            .record(failed, now.saturating_duration_since(self.started), now);
     }
 }
 

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::process::metrics::BackendMetrics;
 use crate::process::traces::Trace;
 use crate::routing::{Routed, VersionRoute};
-use crate::upstream::BackendBody;
+use crate::upstream::{BackendBody, Deadline};
 
 /// A REST request proxied to a backend unchanged but for its path.
 #[derive(Debug, Clone)]
@@ -96,7 +96,7 @@ impl Dispatcher {
         target: &Passthrough,
         headers: &HeaderMap,
         body: &Outgoing,
-        until: Instant,
+        deadline: Deadline,
         trace: &Trace,
     ) -> Result<(http::Response<BackendBody>, Lease)> {
         let backend = self.backend(&target.route)?;
@@ -118,10 +118,9 @@ impl Dispatcher {
             let client = endpoints
                 .get(lease.index)
                 .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
-            let left = until.saturating_duration_since(Instant::now());
             let span = backend.try_span(trace, lease.index, tried.len());
             let sent = client
-                .forward(&target.path, &span.carried(headers), body.body(), left)
+                .forward(&target.path, &span.carried(headers), body.body(), deadline)
                 .await;
             match sent {
                 Ok(response) => {
@@ -135,7 +134,7 @@ impl Dispatcher {
                     tried.push(lease.index);
                     let retry = error.is_unsent()
                         && body.resendable()
-                        && Instant::now() < until
+                        && Instant::now() < deadline.until
                         && tried.len() <= backend.fleet.policy.retries as usize
                         && backend.fleet.has_untried(model, version, &tried)
                         && backend.fleet.take_retry();

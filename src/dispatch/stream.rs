@@ -605,7 +605,11 @@ impl Dispatcher {
                 |Try { index, left, forward }| {
                     let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
                     let path = &path;
-                    async move { endpoints[index].forward(path, &forward, body, left).await }
+                    async move {
+                        endpoints[index]
+                            .forward(path, &forward, body, crate::upstream::Deadline::after(left))
+                            .await
+                    }
                 },
             )
             .await

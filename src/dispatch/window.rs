@@ -59,12 +59,13 @@ pub struct Summary {
 }
 
 impl Window {
-    /// Records one call's outcome and how long it took.
-    pub fn record(&self, failed: bool, took: Duration) {
+    /// Records one call's outcome and how long it took, `now` being when it ended (read once by the caller, which
+    /// timed the call with it).
+    pub fn record(&self, failed: bool, took: Duration, now: Instant) {
         let (start, slots) = self
             .slots
-            .get_or_init(|| (Instant::now(), (0..SLOTS).map(|_| Slot::default()).collect()));
-        let second = start.elapsed().as_secs() + 1;
+            .get_or_init(|| (now, (0..SLOTS).map(|_| Slot::default()).collect()));
+        let second = now.saturating_duration_since(*start).as_secs() + 1;
         let slot = &slots[usize::try_from(second).unwrap_or(0) % SLOTS];
         let seen = slot.second.load(Ordering::Acquire);
         if seen != second
@@ -147,10 +148,10 @@ mod tests {
         let window = Window::default();
         assert_eq!(window.summary(), Summary::default());
         for _ in 0..98 {
-            window.record(false, Duration::from_micros(700));
+            window.record(false, Duration::from_micros(700), Instant::now());
         }
-        window.record(true, Duration::from_millis(30));
-        window.record(true, Duration::from_millis(3000));
+        window.record(true, Duration::from_millis(30), Instant::now());
+        window.record(true, Duration::from_millis(3000), Instant::now());
         let summary = window.summary();
         assert_eq!((summary.calls, summary.failures), (100, 2));
         assert_eq!(summary.p50_ms, Some(1.0));

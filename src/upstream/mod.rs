@@ -6,7 +6,7 @@ mod http1;
 pub mod rest;
 
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -122,7 +122,7 @@ fn forget_unused(
 
 /// Closes this thread's REST connections that have been idle too long at `now`, and forgets the endpoints no longer
 /// in use, with what it held for them.
-fn sweep_idle(now: std::time::Instant) {
+fn sweep_idle(now: Instant) {
     let swept = ENDPOINTS.with_borrow_mut(|endpoints| {
         let forgotten = forget_unused(endpoints);
         let mut aged = Vec::new();
@@ -213,24 +213,43 @@ impl std::error::Error for ConnectFailure {
     }
 }
 
-/// Runs `call` within `deadline`, failing with a timeout that names the backend. Not an `async fn`: one would hold
+/// When a call must have answered by, and the time it was given (which the error on running out names).
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline {
+    pub until: Instant,
+    pub given: Duration,
+}
+
+impl Deadline {
+    /// `given` from now.
+    pub fn after(given: Duration) -> Deadline {
+        Deadline {
+            until: Instant::now() + given,
+            given,
+        }
+    }
+}
+
+/// Runs `call` until `deadline`, failing with a timeout that names the backend. Not an `async fn`: one would hold
 /// `call` twice over (as its argument and inside the timeout), and calls' futures are large.
-fn within<T, F>(deadline: Option<Duration>, authority: &str, call: F) -> impl Future<Output = Result<T>>
+fn within<T, F>(deadline: Option<Deadline>, authority: &str, call: F) -> impl Future<Output = Result<T>>
 where
     F: Future<Output = Result<T>>,
 {
     use futures_util::FutureExt;
     match deadline {
         None => futures_util::future::Either::Left(call),
-        Some(limit) => futures_util::future::Either::Right(tokio::time::timeout(limit, call).map(move |answer| {
-            answer.unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Timeout,
-                    Origin::Upstream,
-                    format!("backend {authority} did not answer within {} ms", limit.as_millis()),
-                ))
-            })
-        })),
+        Some(Deadline { until, given }) => {
+            futures_util::future::Either::Right(tokio::time::timeout_at(until.into(), call).map(move |answer| {
+                answer.unwrap_or_else(|_| {
+                    Err(Error::new(
+                        ErrorKind::Timeout,
+                        Origin::Upstream,
+                        format!("backend {authority} did not answer within {} ms", given.as_millis()),
+                    ))
+                })
+            }))
+        }
     }
 }
 

@@ -110,7 +110,12 @@ impl RestUpstream {
         body: Vec<Bytes>,
         deadline: Option<Duration>,
     ) -> Result<RestAnswer> {
-        super::within(deadline, &self.authority, self.exchange(method, path, headers, body)).await
+        super::within(
+            deadline.map(super::Deadline::after),
+            &self.authority,
+            self.exchange(method, path, headers, body),
+        )
+        .await
     }
 
     async fn exchange(&self, method: Method, path: &str, headers: &HeaderMap, body: Vec<Bytes>) -> Result<RestAnswer> {
@@ -147,7 +152,7 @@ impl RestUpstream {
         path: &PathAndQuery,
         headers: &HeaderMap,
         body: OutBody,
-        deadline: Duration,
+        deadline: super::Deadline,
     ) -> Result<http::Response<BackendBody>> {
         super::within(
             Some(deadline),

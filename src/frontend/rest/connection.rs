@@ -180,7 +180,7 @@ impl RestConnections {
                     unread,
                     state: state.clone(),
                     timer: None,
-                    timing_head: false,
+                    clock: Clock::Off,
                     requests_seen: state.begun.load(Ordering::Relaxed),
                     header_timeout: self.header_timeout,
                     head: HeadScan::default(),
@@ -356,9 +356,11 @@ struct Http1Io<S> {
     /// Bytes read from `inner` by an earlier hyper connection and not used by it, read first.
     unread: Bytes,
     state: Arc<ConnState>,
+    /// Made at the first wait and reset for each later one: a request's waits cost no allocation, and a deadline
+    /// moved later costs tokio's timer wheel nothing.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Whether `timer` is the head's clock (else the keep-alive one).
-    timing_head: bool,
+    /// What `timer` times now.
+    clock: Clock,
     /// Requests begun when the clock was last set, to tell that a new request has begun since.
     requests_seen: u64,
     header_timeout: Duration,
@@ -371,6 +373,17 @@ struct Http1Io<S> {
     /// Since when the answer's bytes have waited for the client to read (hyper keeps writing after the answer's body
     /// has ended, so an answer "sent" may still be on its way): an idle clock must not cut it short.
     blocked_since: Option<std::time::Instant>,
+}
+
+/// The wait an HTTP/1.1 connection's timer times.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Clock {
+    /// None: a request is under way and hyper is not waiting to read.
+    Off,
+    /// The wait for a request's first bytes (keep-alive, or until an idle connection is handed off).
+    Idle,
+    /// The time a request's head may take once it has begun to arrive.
+    Head,
 }
 
 /// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
@@ -388,6 +401,8 @@ struct HeadScan {
 /// Where the scan is within the line being read.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Line {
+    /// Before the request line, where empty lines are let go (as hyper does).
+    Opening,
     /// At its start.
     Start,
     /// After a carriage return at its start: perhaps the blank line.
@@ -402,7 +417,7 @@ impl Default for HeadScan {
     fn default() -> Self {
         // A head begins with its request line, which names no header.
         HeadScan {
-            line: Line::Skipping,
+            line: Line::Opening,
             content_length: false,
             transfer_encoding: false,
             done: false,
@@ -428,6 +443,8 @@ impl HeadScan {
             let byte = bytes[0].to_ascii_lowercase();
             bytes = &bytes[1..];
             self.line = match (self.line, byte) {
+                (Line::Opening, b'\r' | b'\n') => Line::Opening,
+                (Line::Opening, _) => Line::Skipping,
                 // An empty line ends the head; any other line shorter than either name is let go.
                 (Line::Start | Line::Return, b'\n') => {
                     self.done = true;
@@ -490,7 +507,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Http1Io<S> {
             Some(timer) => timer.as_mut().reset(deadline),
             None => self.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
         }
-        self.timing_head = head;
+        self.clock = if head { Clock::Head } else { Clock::Idle };
+    }
+
+    /// Whether the running clock has run out (registering for its end when not).
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        self.clock != Clock::Off
+            && self
+                .timer
+                .as_mut()
+                .is_some_and(|timer| timer.as_mut().poll(cx).is_ready())
     }
 }
 
@@ -501,7 +527,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
         if begun != this.requests_seen {
             // A request began: whatever clock ran was for the wait before it, and the next head is read afresh.
             this.requests_seen = begun;
-            this.timer = None;
+            this.clock = Clock::Off;
             this.head = HeadScan::default();
         }
         let before = buf.filled().len();
@@ -516,43 +542,37 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
             // hyper may not read again once the answer is out (it is already waiting for the socket), so the idle
             // clock is kept running from here: it wakes this read to find the connection idle.
             if polled.is_pending() && this.hands_off {
-                if this.timer.is_none() || this.timing_head {
+                if this.clock != Clock::Idle {
                     this.set_timer(false);
                 }
-                if this
-                    .timer
-                    .as_mut()
-                    .is_some_and(|timer| timer.as_mut().poll(cx).is_ready())
-                {
+                if this.expired(cx) {
                     this.set_timer(false);
-                    let _ = this.timer.as_mut().map(|timer| timer.as_mut().poll(cx));
+                    let _ = this.expired(cx);
                 }
             }
             return polled;
         }
         match polled {
             Poll::Ready(Ok(())) => {
-                if buf.filled().len() > before && !this.timing_head {
+                let arrived = &buf.filled()[before..];
+                this.head.scan(arrived);
+                // A head that arrived whole in one read needs no clock of its own.
+                if !arrived.is_empty() && !this.head.done && this.clock != Clock::Head {
                     this.set_timer(true);
                 }
-                this.head.scan(&buf.filled()[before..]);
                 if this.head.content_length && this.head.transfer_encoding {
                     this.state.both_lengths.store(true, Ordering::Relaxed);
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
-                if this.timer.is_none() {
+                if this.clock == Clock::Off {
                     this.set_timer(false);
                 }
-                let expired = this
-                    .timer
-                    .as_mut()
-                    .is_some_and(|timer| timer.as_mut().poll(cx).is_ready());
-                if !expired {
+                if !this.expired(cx) {
                     return Poll::Pending;
                 }
-                if !this.timing_head
+                if this.clock == Clock::Idle
                     && let Some(since) = this.blocked_since
                 {
                     // Not idle: the last answer is still being written. The client is given as long to take its
@@ -564,10 +584,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
                         )));
                     }
                     this.set_timer(false);
-                    let _ = this.timer.as_mut().map(|timer| timer.as_mut().poll(cx));
+                    let _ = this.expired(cx);
                     return Poll::Pending;
                 }
-                if !this.timing_head {
+                if this.clock == Clock::Idle {
                     // Idle: hyper takes the end of the stream quietly, and lets the connection go (to wait in a
                     // smaller future, when it can be peeked at) or closes it.
                     this.handed_off = this.hands_off;
@@ -651,6 +671,14 @@ mod tests {
         assert!(scan.done);
         let unfinished = scanned(&[b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\rX\r\n"]);
         assert!(unfinished.content_length && !unfinished.done);
+    }
+
+    #[test]
+    fn empty_lines_before_the_request_line_do_not_end_the_head() {
+        let opening = scanned(&[b"\r\n\r\n", b"\nPOST /x HTTP/1.1\r\n"]);
+        assert!(!opening.done);
+        let head = scanned(&[b"\r\n\r\nPOST /x HTTP/1.1\r\ncontent-length: 1\r\n\r\n"]);
+        assert!(head.content_length && head.done);
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::headers;
 use crate::process::metrics::Direction;
 use crate::protocol::{InferRequest, InferResponse, Reserved};
 use crate::routing::{Routed, VersionRoute};
+use crate::upstream::Deadline;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
 
@@ -267,9 +268,13 @@ impl RestDoor {
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
-        let until = Instant::now() + target.timeout;
+        // The backend's time counts from the request's arrival.
+        let deadline = Deadline {
+            until: record.started + target.timeout,
+            given: target.timeout,
+        };
         let sent = dispatcher
-            .passthrough_send(&target, &send, &outgoing, until, &record.trace)
+            .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
             .await;
         let (response, lease) = match sent {
             Ok(sent) => sent,
@@ -280,7 +285,7 @@ impl RestDoor {
         record.lease = Some(lease);
         let (head, answer) = response.into_parts();
         let (head, rename) = answer_head(head, &target, &authority)?;
-        Ok(Reply::Proxied(Box::new(head), answer, rename, until))
+        Ok(Reply::Proxied(Box::new(head), answer, rename, deadline.until))
     }
 
     /// Reads the start of the body: all of it when it is small (a body of unknown length is read up to that size,

@@ -102,7 +102,7 @@ impl GrpcUpstream {
     ) -> Result<Replied<Bytes>> {
         let started = std::time::Instant::now();
         let answer = super::within(
-            deadline,
+            deadline.map(super::Deadline::after),
             &self.authority,
             self.call(method, message, deadline, metadata, coding),
         )
