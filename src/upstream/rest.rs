@@ -185,13 +185,15 @@ impl RestUpstream {
         let mut request = Request::new(body);
         *request.method_mut() = method.clone();
         *request.uri_mut() = http::Uri::from(path.clone());
-        let sent = request.headers_mut();
-        sent.reserve(headers.len() + self.added.len() + 2);
-        for (name, value) in headers.iter().chain(self.added.iter()) {
+        // A clone of the map keeps its names' hashes: nothing is hashed again but what is added.
+        let mut sent = headers.clone();
+        sent.reserve(self.added.len() + 2);
+        for (name, value) in &*self.added {
             sent.append(name, value.clone());
         }
         sent.insert(HOST, self.host.clone());
         sent.insert(USER_AGENT, AGENT);
+        *request.headers_mut() = sent;
         request
     }
 
