@@ -4,8 +4,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -14,6 +13,7 @@ use hyper::client::conn::http1;
 
 use super::ThreadClients;
 use crate::body::OutBody;
+use crate::wake::LocalWake;
 
 /// A backend connection's transport: TCP, with TLS for `https` endpoints.
 type Io = hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>;
@@ -29,51 +29,12 @@ const MOST_IDLE: usize = 256;
 /// more requests would otherwise stay open (the backend's side of them closed) until it does.
 const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
-/// How many times running one poll over a connection whose own channels woke it is done again on the spot before
-/// the wake is left to the scheduler (which also lets tokio's cooperative budget make the task yield).
-const AGAIN: usize = 8;
-
-/// A connection's waker, standing for the task of the request using it. hyper's channels between a connection and
-/// its sending half wake the side that waits on them, and here both sides are polled by the same task: handing a
-/// request over, and receiving its answer or body, each woke the task while it was polling the connection, to be
-/// polled whole once more for nothing (four polls of the client's connection a request where two were needed). A
-/// wake that comes while the connection is being polled is taken as "poll it again" and done on the spot (or, when
-/// the poll is ending with what it waited for, at the connection's next poll, which always comes before anything
-/// waits on it); any other is passed to the task.
-#[derive(Default)]
-struct Waking {
-    task: futures_util::task::AtomicWaker,
-    state: AtomicU8,
-}
-
-impl Waking {
-    const IDLE: u8 = 0;
-    const POLLING: u8 = 1;
-    const WOKEN: u8 = 2;
-}
-
-impl std::task::Wake for Waking {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        if let Err(Waking::IDLE) =
-            self.state
-                .compare_exchange(Waking::POLLING, Waking::WOKEN, Ordering::AcqRel, Ordering::Acquire)
-        {
-            self.task.wake();
-        }
-    }
-}
-
 /// One HTTP/1.1 connection and its sending half, polled only by the task of the request using it.
 pub(super) struct Kept {
     sender: http1::SendRequest<OutBody>,
     connection: http1::Connection<Io, OutBody>,
-    waking: Arc<Waking>,
-    /// `waking` as a waker, made once: hyper keeps a waker it is given again without a clone.
-    waker: Waker,
+    /// The connection's waker: the request that drives it is the task that waits on it.
+    wake: LocalWake,
     /// The connection has ended (closed by the backend, or failed): it is never polled again.
     ended: bool,
     /// When it was last given back.
@@ -109,40 +70,26 @@ impl Kept {
         }
     }
 
-    /// Runs `poll` (which drives the connection first) for the task of `cx`, with the connection's own waker: a
-    /// wake from within it runs it again here rather than through the scheduler (see [`Waking`]).
+    /// Runs `poll` (which drives the connection first) for the task of `cx`, with the connection's own waker.
     fn polled<T>(
         &mut self,
         cx: &mut Context<'_>,
         mut poll: impl FnMut(&mut Kept, &mut Context<'_>) -> Poll<T>,
     ) -> Poll<T> {
-        self.waking.task.register(cx.waker());
-        let waker = self.waker.clone();
-        let mut local = Context::from_waker(&waker);
-        for _ in 0..AGAIN {
-            self.waking.state.store(Waking::POLLING, Ordering::Release);
-            let polled = poll(self, &mut local);
-            let woken = self.waking.state.swap(Waking::IDLE, Ordering::AcqRel) == Waking::WOKEN;
-            if !woken || polled.is_ready() {
-                return polled;
-            }
-        }
-        cx.waker().wake_by_ref();
-        Poll::Pending
+        let wake = self.wake.clone();
+        wake.poll(cx, |cx| poll(self, cx))
     }
 
-    /// Hands `request` to the connection, in the state [`Self::polled`] sets: hyper's channel wakes the connection
-    /// at once, and the connection is polled next anyway.
+    /// Hands `request` to the connection: hyper's channel wakes the connection at once, and it is polled next
+    /// anyway.
     fn hand_over(
         &mut self,
         request: http::Request<OutBody>,
     ) -> impl Future<
         Output = Result<http::Response<Incoming>, hyper::client::conn::TrySendError<http::Request<OutBody>>>,
     > + use<> {
-        self.waking.state.store(Waking::POLLING, Ordering::Release);
-        let sent = self.sender.try_send_request(request);
-        self.waking.state.store(Waking::IDLE, Ordering::Release);
-        sent
+        let sender = &mut self.sender;
+        self.wake.before_poll(|| sender.try_send_request(request))
     }
 
     /// Ready to take a request, once the connection has finished with the previous one; `false` when it has ended
@@ -265,12 +212,10 @@ async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, 
         .handshake(io)
         .await
         .map_err(|error| Failure::Http { error, unsent: true })?;
-    let waking = Arc::new(Waking::default());
     Ok(Box::new(Kept {
         sender,
         connection,
-        waker: Waker::from(waking.clone()),
-        waking,
+        wake: LocalWake::default(),
         ended: false,
         idle_since: Instant::now(),
         thread: this_thread(),
@@ -389,36 +334,6 @@ mod tests {
         (address, open)
     }
 
-    /// Counts the wakes of the task polling the future it wraps.
-    #[derive(Default)]
-    struct WakeCount {
-        wakes: AtomicUsize,
-        task: std::sync::Mutex<Option<Waker>>,
-    }
-
-    impl std::task::Wake for WakeCount {
-        fn wake(self: Arc<Self>) {
-            self.wake_by_ref();
-        }
-
-        fn wake_by_ref(self: &Arc<Self>) {
-            self.wakes.fetch_add(1, Ordering::SeqCst);
-            if let Some(task) = self.task.lock().unwrap().as_ref() {
-                task.wake_by_ref();
-            }
-        }
-    }
-
-    async fn counting_wakes<F: Future>(count: &Arc<WakeCount>, future: F) -> F::Output {
-        let mut future = std::pin::pin!(future);
-        let waker = Waker::from(count.clone());
-        std::future::poll_fn(|cx| {
-            *count.task.lock().unwrap() = Some(cx.waker().clone());
-            future.as_mut().poll(&mut Context::from_waker(&waker))
-        })
-        .await
-    }
-
     #[tokio::test(flavor = "current_thread")]
     async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arrives() {
         use http_body_util::BodyExt;
@@ -442,11 +357,11 @@ mod tests {
         };
         // The first request makes the connection; the second goes on it, kept.
         assert_eq!(&exchange().await[..], b"ok");
-        let count = Arc::new(WakeCount::default());
-        assert_eq!(&counting_wakes(&count, exchange()).await[..], b"ok");
+        let count = crate::wake::WakeCount::default();
+        assert_eq!(&count.polling(exchange()).await[..], b"ok");
         // Handing the request over and taking the answer and its body from the connection are done within the
         // task's own polls: only the backend's bytes arriving wake it.
-        assert_eq!(count.wakes.load(Ordering::SeqCst), 1);
+        assert_eq!(count.wakes(), 1);
     }
 
     #[tokio::test]

@@ -23,6 +23,7 @@ use super::RestDoor;
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
+use crate::wake::LocalWake;
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
 const KEEPALIVE: Duration = Duration::from_secs(60);
@@ -188,11 +189,16 @@ impl RestConnections {
                     handed_off: false,
                     blocked_since: None,
                 };
-                let mut connection = std::pin::pin!(
+                let mut hyper = std::pin::pin!(
                     builder
                         .serve_connection(TokioIo::new(io), service.clone())
                         .without_shutdown()
                 );
+                // The request handler reads its body from hyper, which it runs under: hyper's wake for the body's
+                // next bytes is taken on the spot (see `crate::wake`).
+                let wake = LocalWake::default();
+                let mut connection =
+                    std::pin::pin!(std::future::poll_fn(|cx| wake.poll(cx, |cx| hyper.as_mut().poll(cx))));
                 // Biased: the connection is polled first at every wake-up, with no random pick.
                 let served = tokio::select! {
                     biased;
