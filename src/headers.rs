@@ -21,42 +21,45 @@ pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 /// Response header (gRPC metadata) naming the public version that served an inference.
 pub const OIP_MODEL_VERSION: HeaderName = HeaderName::from_static("oip-model-version");
 
-/// Headers that describe one connection or one message's framing, never passed on (RFC 9110 §7.6.1 and the
-/// framing of HTTP/1.1, HTTP/2, gRPC and the binary tensor extension). The gateway sets its own where needed. Kept as
-/// names, not text: every header of every request and answer is checked against them, and two of `http`'s standard
-/// names compare as numbers.
-static NOT_PASSED_ON: [HeaderName; 21] = [
-    // Hop by hop.
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    HeaderName::from_static("http2-settings"),
-    // Framing and content negotiation of the message as this hop encodes it.
-    header::HOST,
-    header::CONTENT_LENGTH,
-    header::CONTENT_TYPE,
-    header::CONTENT_ENCODING,
-    header::ACCEPT,
-    header::ACCEPT_ENCODING,
-    header::EXPECT,
-    HeaderName::from_static("inference-header-content-length"),
-    // Each hop names itself.
-    header::USER_AGENT,
-    header::SERVER,
-    header::DATE,
-];
+/// Whether a header named `text` (lower-case, as header names are held) is one that describes one connection or one
+/// message's framing, never passed on (RFC 9110 §7.6.1 and the framing of HTTP/1.1, HTTP/2, gRPC and the binary
+/// tensor extension); the gateway sets its own where needed. Every header of every request and answer is checked: a
+/// match on the text is a jump on its length and a compare or two, where a list of names is a compare for each.
+fn is_not_passed_on(text: &str) -> bool {
+    matches!(
+        text,
+        // Hop by hop.
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "http2-settings"
+            // Framing and content negotiation of the message as this hop encodes it.
+            | "host"
+            | "content-length"
+            | "content-type"
+            | "content-encoding"
+            | "accept"
+            | "accept-encoding"
+            | "expect"
+            | "inference-header-content-length"
+            // Each hop names itself.
+            | "user-agent"
+            | "server"
+            | "date"
+    )
+}
 
 /// Whether a header named `name` may be passed on to the next hop.
 pub fn is_end_to_end(name: &HeaderName) -> bool {
     // gRPC reserves `grpc-*` (timeout, encodings, status): the gateway speaks those itself on each hop.
     let text = name.as_str();
-    !NOT_PASSED_ON.contains(name) && !text.starts_with("grpc-") && !text.starts_with(':')
+    !is_not_passed_on(text) && !text.starts_with("grpc-") && !text.starts_with(':')
 }
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.

@@ -446,6 +446,23 @@ impl HeadScan {
                 self.line = Line::Start;
                 continue;
             }
+            if self.line == Line::Start && bytes.len() >= Self::TRANSFER_ENCODING.len() {
+                // The longer name is at hand whole (a head mostly comes in one read): compared at once, and any other
+                // line let go, but an empty one.
+                let first = bytes[0].to_ascii_lowercase();
+                if first != b'\r' && first != b'\n' {
+                    for (name, seen) in [
+                        (Self::CONTENT_LENGTH, &mut self.content_length),
+                        (Self::TRANSFER_ENCODING, &mut self.transfer_encoding),
+                    ] {
+                        if first == name[0] && bytes[..name.len()].eq_ignore_ascii_case(name) {
+                            *seen = true;
+                        }
+                    }
+                    self.line = Line::Skipping;
+                    continue;
+                }
+            }
             let byte = bytes[0].to_ascii_lowercase();
             bytes = &bytes[1..];
             self.line = match (self.line, byte) {
@@ -664,9 +681,14 @@ mod tests {
         let head = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTRANSFER-ENCODING: chunked\r\n\r\nbody";
         let whole = scanned(&[head]);
         assert!(whole.content_length && whole.transfer_encoding && whole.done);
-        let pieces: Vec<&[u8]> = head.chunks(3).collect();
-        let split = scanned(&pieces);
-        assert!(split.content_length && split.transfer_encoding && split.done);
+        for size in [1, 3, 17, 20] {
+            let pieces: Vec<&[u8]> = head.chunks(size).collect();
+            let split = scanned(&pieces);
+            assert!(
+                split.content_length && split.transfer_encoding && split.done,
+                "in pieces of {size}"
+            );
+        }
     }
 
     #[test]
