@@ -334,15 +334,21 @@ mod tests {
         (address, open)
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arrives() {
-        use http_body_util::BodyExt;
-        let (address, _) = backend().await;
+    /// A client of [`backend`], and how many of the backend's connections are open.
+    async fn upstream_to_backend() -> (crate::upstream::RestUpstream, Arc<AtomicUsize>) {
+        let (address, open) = backend().await;
         let endpoint = crate::config::Endpoint {
             host: address.ip().to_string(),
             port: address.port(),
         };
         let upstream = crate::upstream::RestUpstream::new(&endpoint, Duration::from_secs(2), 1024, None);
+        (upstream, open)
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arrives() {
+        use http_body_util::BodyExt;
+        let (upstream, _) = upstream_to_backend().await;
         let exchange = || async {
             let answer = upstream
                 .forward(
@@ -366,12 +372,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_idle_too_long_are_closed_by_the_sweep() {
-        let (address, open) = backend().await;
-        let endpoint = crate::config::Endpoint {
-            host: address.ip().to_string(),
-            port: address.port(),
-        };
-        let upstream = crate::upstream::RestUpstream::new(&endpoint, Duration::from_secs(2), 1024, None);
+        let (upstream, open) = upstream_to_backend().await;
         let answer = upstream
             .send(
                 http::Method::GET,

@@ -33,7 +33,7 @@ pub(super) struct Record {
     dispatcher: Arc<Dispatcher>,
     /// Counts the request as under way, for shutdown's drain.
     _active: Active,
-    pub(super) started: Instant,
+    started: Instant,
     uri: http::Uri,
     /// The answer's status, once its head is made.
     status: Option<u16>,

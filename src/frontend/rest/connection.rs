@@ -393,8 +393,9 @@ enum Clock {
 }
 
 /// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
-/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at, one byte at a
-/// time against the name the line's first byte may begin (the two names begin differently).
+/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at: compared with
+/// both names at once when the read holds the longer one, else one byte at a time against the name the line's first
+/// byte may begin (the two names begin differently).
 #[derive(Debug)]
 struct HeadScan {
     line: Line,

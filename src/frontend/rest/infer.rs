@@ -268,11 +268,7 @@ impl RestDoor {
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
-        // The backend's time counts from the request's arrival.
-        let deadline = Deadline {
-            until: record.started + target.timeout,
-            given: target.timeout,
-        };
+        let deadline = Deadline::after(target.timeout);
         let sent = dispatcher
             .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
             .await;
