@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, Waker};
 
-/// How many times a poll woken from within is run again on the spot before the wake is left to the scheduler (which
-/// also lets tokio's cooperative budget make the task yield).
+/// How many times a poll woken from within is run again on the spot before the wake is left to the scheduler: a
+/// future that keeps waking itself must not hold the thread. (tokio's own yields, its cooperative budget running out
+/// and `yield_now`, defer their wake until the task's poll has ended, so they reach the task and are never taken
+/// here.)
 const AGAIN: usize = 8;
 
 /// A waker standing for the task that polls through it. Cheap to clone; clones are the same waker.
