@@ -201,6 +201,57 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
 }
 
 #[tokio::test]
+async fn a_request_framed_both_ways_is_refused_when_pipelined_behind_others() {
+    let setup = setup();
+    let address = setup.gateway.rest;
+    let infer = "POST /v2/models/identity/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
+    let ahead = [
+        "GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n".to_owned(),
+        format!("{infer}content-length: {}\r\n\r\n{BODY}", BODY.len()),
+        format!(
+            "{infer}transfer-encoding: chunked\r\n\r\n{:x};x=y\r\n{BODY}\r\n0\r\nx-t: 1\r\n\r\n",
+            BODY.len()
+        ),
+    ];
+    let smuggled = format!(
+        "POST /v2/models/liar/infer HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\ntransfer-encoding: chunked\r\n\r\n\
+{:x}\r\n{BODY}\r\n0\r\n\r\n",
+        BODY.len() + 7,
+        BODY.len()
+    );
+    // All in one write, and byte by byte: either way the gateway reads the smuggled head in the reads it makes for
+    // the requests ahead of it.
+    for (how, pieces, pause) in [
+        ("in one write", usize::MAX, Duration::ZERO),
+        ("byte by byte", 1, Duration::from_micros(50)),
+    ] {
+        let stream: Vec<u8> = ahead
+            .concat()
+            .into_bytes()
+            .into_iter()
+            .chain(smuggled.bytes())
+            .collect();
+        let answer = tokio::task::spawn_blocking(move || {
+            let parts: Vec<&[u8]> = stream.chunks(pieces.min(stream.len())).collect();
+            exchange(address, &parts, pause)
+        })
+        .await
+        .unwrap();
+        let statuses: Vec<&str> = answer
+            .match_indices("HTTP/1.1 ")
+            .map(|(at, _)| &answer[at + 9..at + 12])
+            .collect();
+        assert_eq!(statuses, ["200", "200", "200", "400"], "{how}: {answer}");
+        assert!(answer.contains("Transfer-Encoding"), "{answer}");
+    }
+    assert_eq!(
+        setup.liar.requests.load(Ordering::SeqCst),
+        0,
+        "the smuggled request reached the backend"
+    );
+}
+
+#[tokio::test]
 async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
     let setup = setup();
     let address = setup.gateway.rest;

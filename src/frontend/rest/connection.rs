@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::RestDoor;
+use super::framing::FramingScan;
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
@@ -80,9 +81,9 @@ pub struct ConnState {
     answered: AtomicU64,
     /// Shutdown has begun: answers say `Connection: close`.
     closing: AtomicBool,
-    /// The latest request head named both a Content-Length and a Transfer-Encoding (hyper keeps only the latter,
-    /// so the door cannot see it in the headers).
-    both_lengths: AtomicBool,
+    /// The ordinal of a request (the first begun is 1) whose head named both a Content-Length and a
+    /// Transfer-Encoding (hyper keeps only the latter, so the door cannot see it in the headers); 0 for none.
+    framed_both_ways_at: AtomicU64,
     /// A request's body was left unread: the connection closes once its answer is sent.
     abandoned: AtomicBool,
     abandoning: tokio::sync::Notify,
@@ -112,9 +113,10 @@ impl ConnState {
         self.begun.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Whether the request just begun framed its body both ways (and takes the answer for it).
+    /// Whether the request just begun framed its body both ways.
     pub fn framed_both_ways(&self) -> bool {
-        self.both_lengths.swap(false, Ordering::Relaxed)
+        let at = self.framed_both_ways_at.load(Ordering::Relaxed);
+        at != 0 && at == self.begun.load(Ordering::Relaxed)
     }
 
     /// Whether a request is under way (begun and not yet answered).
@@ -184,7 +186,7 @@ impl RestConnections {
                     clock: Clock::Off,
                     requests_seen: state.begun.load(Ordering::Relaxed),
                     header_timeout: self.header_timeout,
-                    head: HeadScan::default(),
+                    framing: FramingScan::after(state.begun.load(Ordering::Relaxed)),
                     hands_off: S::CAN_PEEK,
                     handed_off: false,
                     blocked_since: None,
@@ -370,8 +372,8 @@ struct Http1Io<S> {
     /// Requests begun when the clock was last set, to tell that a new request has begun since.
     requests_seen: u64,
     header_timeout: Duration,
-    /// What the request head read so far says about its body's framing.
-    head: HeadScan,
+    /// Where the connection's bytes are, from request to request.
+    framing: FramingScan,
     /// Whether an idle connection is handed back by hyper (ends as if closed) after [`IDLE_HANDOFF`].
     hands_off: bool,
     /// It was.
@@ -390,119 +392,6 @@ enum Clock {
     Idle,
     /// The time a request's head may take once it has begun to arrive.
     Head,
-}
-
-/// Reads a request head as it arrives for the two headers that frame a body, which hyper reconciles silently (it
-/// keeps Transfer-Encoding and drops Content-Length). Only the first bytes of each line are looked at: compared with
-/// both names at once when the read holds the longer one, else one byte at a time against the name the line's first
-/// byte may begin (the two names begin differently).
-#[derive(Debug)]
-struct HeadScan {
-    line: Line,
-    content_length: bool,
-    transfer_encoding: bool,
-    /// The head's blank line has been seen.
-    done: bool,
-}
-
-/// Where the scan is within the line being read.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Line {
-    /// Before the request line, where empty lines are let go (as hyper does).
-    Opening,
-    /// At its start.
-    Start,
-    /// After a carriage return at its start: perhaps the blank line.
-    Return,
-    /// Its first `matched` bytes are those of `name`, case aside.
-    Naming { name: &'static [u8], matched: usize },
-    /// Told apart (or the request line): its end is what is looked for.
-    Skipping,
-}
-
-impl Default for HeadScan {
-    fn default() -> Self {
-        // A head begins with its request line, which names no header.
-        HeadScan {
-            line: Line::Opening,
-            content_length: false,
-            transfer_encoding: false,
-            done: false,
-        }
-    }
-}
-
-impl HeadScan {
-    const CONTENT_LENGTH: &[u8] = b"content-length:";
-    const TRANSFER_ENCODING: &[u8] = b"transfer-encoding:";
-
-    /// Takes the next bytes of the head (and maybe of what follows it).
-    fn scan(&mut self, mut bytes: &[u8]) {
-        while !self.done && !bytes.is_empty() {
-            if self.line == Line::Skipping {
-                let Some(end) = memchr::memchr(b'\n', bytes) else {
-                    return;
-                };
-                bytes = &bytes[end + 1..];
-                self.line = Line::Start;
-                continue;
-            }
-            if self.line == Line::Start && bytes.len() >= Self::TRANSFER_ENCODING.len() {
-                // The longer name is at hand whole (a head mostly comes in one read): compared at once, and any other
-                // line let go, but an empty one.
-                let first = bytes[0].to_ascii_lowercase();
-                if first != b'\r' && first != b'\n' {
-                    for (name, seen) in [
-                        (Self::CONTENT_LENGTH, &mut self.content_length),
-                        (Self::TRANSFER_ENCODING, &mut self.transfer_encoding),
-                    ] {
-                        if first == name[0] && bytes[..name.len()].eq_ignore_ascii_case(name) {
-                            *seen = true;
-                        }
-                    }
-                    self.line = Line::Skipping;
-                    continue;
-                }
-            }
-            let byte = bytes[0].to_ascii_lowercase();
-            bytes = &bytes[1..];
-            self.line = match (self.line, byte) {
-                (Line::Opening, b'\r' | b'\n') => Line::Opening,
-                (Line::Opening, _) => Line::Skipping,
-                // An empty line ends the head; any other line shorter than either name is let go.
-                (Line::Start | Line::Return, b'\n') => {
-                    self.done = true;
-                    Line::Start
-                }
-                (_, b'\n') => Line::Start,
-                (Line::Start, b'\r') => Line::Return,
-                (Line::Start, b'c') => Line::Naming {
-                    name: Self::CONTENT_LENGTH,
-                    matched: 1,
-                },
-                (Line::Start, b't') => Line::Naming {
-                    name: Self::TRANSFER_ENCODING,
-                    matched: 1,
-                },
-                (Line::Naming { name, matched }, byte) if name[matched] == byte => {
-                    if matched + 1 < name.len() {
-                        Line::Naming {
-                            name,
-                            matched: matched + 1,
-                        }
-                    } else {
-                        if name == Self::CONTENT_LENGTH {
-                            self.content_length = true;
-                        } else {
-                            self.transfer_encoding = true;
-                        }
-                        Line::Skipping
-                    }
-                }
-                _ => Line::Skipping,
-            };
-        }
-    }
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Http1Io<S> {
@@ -549,10 +438,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
         let this = self.get_mut();
         let begun = this.state.begun.load(Ordering::Relaxed);
         if begun != this.requests_seen {
-            // A request began: whatever clock ran was for the wait before it, and the next head is read afresh.
+            // A request began: whatever clock ran was for the wait before it.
             this.requests_seen = begun;
             this.clock = Clock::Off;
-            this.head = HeadScan::default();
         }
         let before = buf.filled().len();
         let polled = if this.unread.is_empty() {
@@ -562,6 +450,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
             buf.put_slice(&this.unread.split_to(taken));
             Poll::Ready(Ok(()))
         };
+        if let Poll::Ready(Ok(())) = polled {
+            // Every byte, a request under way or not: a pipelined request's head comes in the reads of the one before.
+            this.framing.scan(&buf.filled()[before..]);
+            if let Some(at) = this.framing.take_framed_both_ways() {
+                this.state.framed_both_ways_at.store(at, Ordering::Relaxed);
+            }
+        }
         if this.state.busy() {
             // hyper may not read again once the answer is out (it is already waiting for the socket), so the idle
             // clock is kept running from here: it wakes this read to find the connection idle.
@@ -578,20 +473,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
         }
         match polled {
             Poll::Ready(Ok(())) => {
-                let arrived = &buf.filled()[before..];
-                this.head.scan(arrived);
                 // A head that arrived whole in one read needs no clock of its own.
-                if !arrived.is_empty() && !this.head.done && this.clock != Clock::Head {
+                if buf.filled().len() > before && this.framing.within_head() && this.clock != Clock::Head {
                     this.set_timer(true);
-                }
-                if this.head.content_length && this.head.transfer_encoding {
-                    this.state.both_lengths.store(true, Ordering::Relaxed);
                 }
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
                 if this.clock == Clock::Off {
-                    this.set_timer(false);
+                    // The head of a request pipelined behind the last may have begun already.
+                    this.set_timer(this.framing.within_head());
                 }
                 if !this.expired(cx) {
                     return Poll::Pending;
@@ -662,61 +553,5 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Http1Io<S> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::HeadScan;
-
-    fn scanned(parts: &[&[u8]]) -> HeadScan {
-        let mut scan = HeadScan::default();
-        for part in parts {
-            scan.scan(part);
-        }
-        scan
-    }
-
-    #[test]
-    fn both_framing_headers_are_seen_in_any_case_and_across_reads() {
-        let head = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTRANSFER-ENCODING: chunked\r\n\r\nbody";
-        let whole = scanned(&[head]);
-        assert!(whole.content_length && whole.transfer_encoding && whole.done);
-        for size in [1, 3, 17, 20] {
-            let pieces: Vec<&[u8]> = head.chunks(size).collect();
-            let split = scanned(&pieces);
-            assert!(
-                split.content_length && split.transfer_encoding && split.done,
-                "in pieces of {size}"
-            );
-        }
-    }
-
-    #[test]
-    fn names_the_two_only_begin_are_not_taken_for_them() {
-        let head = b"POST /x HTTP/1.1\r\nContent-Lengthy: 5\r\ntransfer-encodings: chunked\r\nc: 1\r\nt\r\n\r\n";
-        let scan = scanned(&[head]);
-        assert!(!scan.content_length && !scan.transfer_encoding);
-        assert!(scan.done);
-        let unfinished = scanned(&[b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\rX\r\n"]);
-        assert!(unfinished.content_length && !unfinished.done);
-    }
-
-    #[test]
-    fn empty_lines_before_the_request_line_do_not_end_the_head() {
-        let opening = scanned(&[b"\r\n\r\n", b"\nPOST /x HTTP/1.1\r\n"]);
-        assert!(!opening.done);
-        let head = scanned(&[b"\r\n\r\nPOST /x HTTP/1.1\r\ncontent-length: 1\r\n\r\n"]);
-        assert!(head.content_length && head.done);
-    }
-
-    #[test]
-    fn the_body_and_header_values_are_not_taken_for_headers() {
-        let head = b"POST /content-length: HTTP/1.1\r\nx-note: transfer-encoding: no\r\ncontent-length: 40\r\n\r\n\
-transfer-encoding: chunked\r\n";
-        let scan = scanned(&[head]);
-        assert!(scan.content_length);
-        assert!(!scan.transfer_encoding);
-        assert!(scan.done);
     }
 }

@@ -14,6 +14,7 @@ use hyper::body::Incoming;
 
 mod answer;
 pub mod connection;
+mod framing;
 mod generate;
 mod infer;
 
