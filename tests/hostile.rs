@@ -129,6 +129,14 @@ fn status(answer: &str) -> &str {
     answer.split(' ').nth(1).unwrap_or("")
 }
 
+/// The status of each answer on a connection, in order.
+fn statuses(answers: &str) -> Vec<&str> {
+    answers
+        .match_indices("HTTP/1.1 ")
+        .map(|(at, _)| &answers[at + 9..at + 12])
+        .collect()
+}
+
 const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
 
 #[tokio::test]
@@ -237,11 +245,7 @@ async fn a_request_framed_both_ways_is_refused_when_pipelined_behind_others() {
         })
         .await
         .unwrap();
-        let statuses: Vec<&str> = answer
-            .match_indices("HTTP/1.1 ")
-            .map(|(at, _)| &answer[at + 9..at + 12])
-            .collect();
-        assert_eq!(statuses, ["200", "200", "200", "400"], "{how}: {answer}");
+        assert_eq!(statuses(&answer), ["200", "200", "200", "400"], "{how}: {answer}");
         assert!(answer.contains("Transfer-Encoding"), "{answer}");
     }
     assert_eq!(
@@ -269,6 +273,18 @@ async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
         started.elapsed() < Duration::from_secs(4),
         "closed long before the whole head would have come"
     );
+
+    // The head of a request pipelined behind another is timed as a head once its first bytes have come.
+    let answer = tokio::task::spawn_blocking(move || {
+        exchange(
+            address,
+            &[b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\nGET /v2/health/live HTTP/1.1\r\nhost: x\r\n"],
+            Duration::ZERO,
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(statuses(&answer), ["200", "408"], "{answer}");
 
     // An idle keep-alive connection is not timed as a slow head: it waits past the head's limit and still serves.
     let answer = tokio::task::spawn_blocking(move || {
