@@ -64,26 +64,50 @@ pub fn is_end_to_end(name: &HeaderName) -> bool {
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
 pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
-    let nominated = nominated(incoming);
+    gather(incoming, |_, _| {})
+}
+
+/// [`end_to_end`] in one pass over `incoming` that shows each header to `seen` on the way.
+fn gather<'a>(incoming: &'a HeaderMap, mut seen: impl FnMut(&HeaderName, &'a HeaderValue)) -> HeaderMap {
     // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
     let mut passed = HeaderMap::new();
+    let mut connection = false;
     for (name, value) in incoming {
-        if passes(name, &nominated) {
+        seen(name, value);
+        if is_end_to_end(name) {
             passed.append(name.clone(), value.clone());
+        } else {
+            connection |= name == header::CONNECTION;
+        }
+    }
+    if connection {
+        for nominated in nominated(incoming) {
+            passed.remove(nominated.as_str());
         }
     }
     passed
 }
 
 /// Leaves in `headers` what [`end_to_end`] would pass on, and the headers named in `kept`; in place, for a message
-/// that goes on with most of its headers (an answer passed back as it came).
-pub fn keep_end_to_end(headers: &mut HeaderMap, kept: &[HeaderName]) {
-    let nominated = nominated(headers);
-    let dropped: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| !kept.contains(name) && !passes(name, &nominated))
-        .cloned()
-        .collect();
+/// that goes on with most of its headers (an answer passed back as it came). Each header is shown to `seen` first.
+pub fn keep_end_to_end(headers: &mut HeaderMap, kept: &[HeaderName], mut seen: impl FnMut(&HeaderName, &HeaderValue)) {
+    let mut dropped: Vec<HeaderName> = Vec::new();
+    let mut connection = false;
+    for (name, value) in &*headers {
+        seen(name, value);
+        if !kept.contains(name) && !is_end_to_end(name) && !dropped.contains(name) {
+            connection |= name == header::CONNECTION;
+            dropped.push(name.clone());
+        }
+    }
+    if connection {
+        dropped.extend(
+            nominated(headers)
+                .iter()
+                .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
+                .filter(|name| !kept.contains(name)),
+        );
+    }
     for name in dropped {
         headers.remove(name);
     }
@@ -101,20 +125,73 @@ fn nominated(headers: &HeaderMap) -> Vec<String> {
         .collect()
 }
 
-fn passes(name: &HeaderName, nominated: &[String]) -> bool {
-    is_end_to_end(name) && !nominated.iter().any(|n| n == name.as_str())
-}
-
 /// What a request carries to its backend: its end-to-end headers, with a request id generated when it has none.
 pub fn for_backend(incoming: &HeaderMap) -> HeaderMap {
-    let mut passed = end_to_end(incoming);
-    match passed.get_mut(REQUEST_ID) {
-        Some(id) => id.set_sensitive(true),
-        None => {
-            passed.insert(REQUEST_ID, new_request_id());
-        }
+    RequestHeaders::read(incoming).forward
+}
+
+/// A request's headers as the door reads them, in one pass: those it carries to the backend (with a request id, the
+/// client's or one made), and those about the body and the answer that it looks at, which are not carried as they
+/// are (each hop frames its own message).
+#[derive(Debug)]
+pub struct RequestHeaders<'a> {
+    pub forward: HeaderMap,
+    pub request_id: HeaderValue,
+    pub content_length: Option<&'a HeaderValue>,
+    pub content_type: Option<&'a HeaderValue>,
+    /// The first of the request's Content-Encoding headers.
+    pub content_encoding: Option<&'a HeaderValue>,
+    pub accept: Option<&'a HeaderValue>,
+    pub accept_encoding: Option<&'a HeaderValue>,
+    pub inference_header_length: Option<&'a HeaderValue>,
+}
+
+impl<'a> RequestHeaders<'a> {
+    pub fn read(incoming: &'a HeaderMap) -> RequestHeaders<'a> {
+        let mut read = RequestHeaders {
+            forward: HeaderMap::new(),
+            request_id: HeaderValue::from_static(""),
+            content_length: None,
+            content_type: None,
+            content_encoding: None,
+            accept: None,
+            accept_encoding: None,
+            inference_header_length: None,
+        };
+        let mut has_id = false;
+        read.forward = gather(incoming, |name, value| {
+            let slot = if *name == header::CONTENT_LENGTH {
+                &mut read.content_length
+            } else if *name == header::CONTENT_TYPE {
+                &mut read.content_type
+            } else if *name == header::CONTENT_ENCODING {
+                &mut read.content_encoding
+            } else if *name == header::ACCEPT {
+                &mut read.accept
+            } else if *name == header::ACCEPT_ENCODING {
+                &mut read.accept_encoding
+            } else if *name == crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH {
+                &mut read.inference_header_length
+            } else {
+                has_id |= *name == REQUEST_ID;
+                return;
+            };
+            slot.get_or_insert(value);
+        });
+        let client_id = if has_id { read.forward.get_mut(REQUEST_ID) } else { None };
+        read.request_id = match client_id {
+            Some(id) => {
+                id.set_sensitive(true);
+                id.clone()
+            }
+            None => {
+                let id = new_request_id();
+                read.forward.insert(REQUEST_ID, id.clone());
+                id
+            }
+        };
+        read
     }
-    passed
 }
 
 /// A request id unique within this process and unlikely to repeat across processes: start time and a counter. A
@@ -187,7 +264,11 @@ mod tests {
 
         // Filtered in place, the same pass on, with the headers asked to be kept.
         let mut in_place = incoming.clone();
-        keep_end_to_end(&mut in_place, &[header::CONTENT_TYPE, header::USER_AGENT]);
+        let mut seen = 0;
+        keep_end_to_end(&mut in_place, &[header::CONTENT_TYPE, header::USER_AGENT], |_, _| {
+            seen += 1
+        });
+        assert_eq!(seen, incoming.len());
         let mut names: Vec<&str> = in_place.keys().map(HeaderName::as_str).collect();
         names.sort_unstable();
         assert_eq!(
@@ -202,6 +283,53 @@ mod tests {
             ]
         );
         assert_eq!(in_place.get_all("x-tenant").iter().count(), 2);
+    }
+
+    #[test]
+    fn a_request_head_is_read_in_one_pass() {
+        let incoming = map(&[
+            ("content-type", "application/json"),
+            ("content-length", "12"),
+            ("content-encoding", "gzip"),
+            ("content-encoding", "identity"),
+            ("accept", "application/json"),
+            ("accept-encoding", "deflate"),
+            ("inference-header-content-length", "7"),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("x-tenant", "a"),
+        ]);
+        let read = RequestHeaders::read(&incoming);
+        let text = |value: Option<&HeaderValue>| value.map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(text(read.content_type).as_deref(), Some("application/json"));
+        assert_eq!(text(read.content_length).as_deref(), Some("12"));
+        assert_eq!(text(read.content_encoding).as_deref(), Some("gzip"));
+        assert_eq!(text(read.accept).as_deref(), Some("application/json"));
+        assert_eq!(text(read.accept_encoding).as_deref(), Some("deflate"));
+        assert_eq!(text(read.inference_header_length).as_deref(), Some("7"));
+        let mut names: Vec<&str> = read.forward.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["x-request-id", "x-tenant"]);
+        assert_eq!(read.forward[REQUEST_ID], read.request_id);
+
+        let with_id = map(&[("x-request-id", "abc")]);
+        let read = RequestHeaders::read(&with_id);
+        assert_eq!(read.request_id, "abc");
+        assert!(read.forward[REQUEST_ID].is_sensitive());
+        assert_eq!(read.forward.len(), 1);
+    }
+
+    #[test]
+    fn a_header_kept_by_name_stays_when_connection_names_it() {
+        let mut answer = map(&[
+            ("connection", "content-type, x-hop"),
+            ("content-type", "application/json"),
+            ("x-hop", "1"),
+            ("date", "today"),
+        ]);
+        keep_end_to_end(&mut answer, &[header::CONTENT_TYPE], |_, _| {});
+        let names: Vec<&str> = answer.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["content-type"]);
     }
 
     #[test]

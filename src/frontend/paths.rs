@@ -91,8 +91,14 @@ pub fn route(path: &str) -> Option<Route<'_>> {
     if !rest.is_empty() && !rest.starts_with('/') {
         return None;
     }
-    let segments: Vec<&str> = rest.split('/').skip(1).collect();
-    Some(match segments.as_slice() {
+    // No route has more than five segments: they are gathered without an allocation.
+    let mut gathered = [""; 5];
+    let mut count = 0;
+    for segment in rest.split('/').skip(1) {
+        *gathered.get_mut(count)? = segment;
+        count += 1;
+    }
+    Some(match &gathered[..count] {
         [] | [""] => Route::ServerMetadata,
         ["health", "live"] => Route::Live,
         ["health", "ready"] => Route::Ready,
@@ -165,6 +171,7 @@ mod tests {
             Some(Route::ModelStatistics(Some("m"), Some("3")))
         );
         assert_eq!(route("/v2/models/m/versions"), None);
+        assert_eq!(route("/v2/models/m/versions/2/infer/more"), None);
         assert_eq!(route("/v1/models/m"), None);
         assert_eq!(route("/v2x"), None);
     }

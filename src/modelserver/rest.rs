@@ -185,7 +185,7 @@ where
     B: Body<Data = Bytes> + Send,
     B::Error: std::error::Error + Send + Sync + 'static,
 {
-    let header_length = rest::inference_header_length(request.headers())?;
+    let header_length = rest::inference_header_length(request.headers().get(INFERENCE_HEADER_CONTENT_LENGTH))?;
     let coding = compression::request_coding(request.headers())?;
     let body = read_body(request, state.max_request_bytes).await?;
     // Compressed bodies are read as Triton reads them: gzip or deflate, bounded by the same limit once expanded.

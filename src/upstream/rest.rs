@@ -249,7 +249,8 @@ impl RestUpstream {
         let path = model_path(model, version, "/infer");
         let answer = self.send(Method::POST, &path, &headers, body.chunks, deadline).await?;
         self.check(&answer)?;
-        let length = rest::inference_header_length(&answer.headers).map_err(Error::into_upstream_protocol_error)?;
+        let length = rest::inference_header_length(answer.headers.get(INFERENCE_HEADER_CONTENT_LENGTH))
+            .map_err(Error::into_upstream_protocol_error)?;
         let response = rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)?;
         Ok(Replied {
             value: response,

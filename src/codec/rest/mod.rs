@@ -36,8 +36,8 @@ pub const INFERENCE_HEADER_CONTENT_LENGTH: http::HeaderName =
 
 /// The JSON part's length a binary-extension body declares (`Inference-Header-Content-Length`); `None` when the
 /// body is JSON alone.
-pub fn inference_header_length(headers: &http::HeaderMap) -> Result<Option<u64>> {
-    let Some(value) = headers.get(INFERENCE_HEADER_CONTENT_LENGTH) else {
+pub fn inference_header_length(value: Option<&http::HeaderValue>) -> Result<Option<u64>> {
+    let Some(value) = value else {
         return Ok(None);
     };
     value

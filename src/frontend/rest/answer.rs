@@ -515,14 +515,15 @@ pub(super) fn proxied(
     let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));
     // A backend that compressed its answer (it got the client's Accept-Encoding) is passed on as it is; one that
     // did not is compressed here, unless it is too short to gain.
-    let short = head
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .is_some_and(|length| length < MIN_COMPRESSED_BYTES);
+    let short = |headers: &HeaderMap| {
+        headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok())
+            .is_some_and(|length| length < MIN_COMPRESSED_BYTES)
+    };
     let compressor = match record.answer_coding {
-        Some(coding) if !short && !head.headers.contains_key(http::header::CONTENT_ENCODING) => {
+        Some(coding) if !short(&head.headers) && !head.headers.contains_key(http::header::CONTENT_ENCODING) => {
             head.headers.remove(http::header::CONTENT_LENGTH);
             mark_compressed(&mut head.headers, coding);
             Some(Compressor::new(coding))

@@ -86,7 +86,8 @@ pub struct ConnState {
     framed_both_ways_at: AtomicU64,
     /// A request's body was left unread: the connection closes once its answer is sent.
     abandoned: AtomicBool,
-    abandoning: tokio::sync::Notify,
+    /// The connection's task, woken when a body is let go by the task that drained it.
+    abandoning: futures_util::task::AtomicWaker,
 }
 
 impl ConnState {
@@ -101,12 +102,26 @@ impl ConnState {
 
     /// A request body was left unread and has been let go: the connection is closed once the answer is sent.
     pub(super) fn abandon(&self) {
-        self.abandoned.store(true, Ordering::Relaxed);
-        self.abandoning.notify_one();
+        self.abandoned.store(true, Ordering::Release);
+        self.abandoning.wake();
     }
 
     fn is_abandoned(&self) -> bool {
-        self.abandoned.load(Ordering::Relaxed)
+        self.abandoned.load(Ordering::Acquire)
+    }
+
+    /// Until a request's body has been let go. Polled at each of the connection's wake-ups, so it costs a flag's
+    /// load and a waker's check, where a `Notify` took a lock.
+    fn abandoned(&self) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(|cx| {
+            if !self.is_abandoned() {
+                self.abandoning.register(cx.waker());
+                if !self.is_abandoned() {
+                    return Poll::Pending;
+                }
+            }
+            Poll::Ready(())
+        })
     }
 
     fn begin(&self) {
@@ -205,7 +220,7 @@ impl RestConnections {
                 let served = tokio::select! {
                     biased;
                     served = connection.as_mut() => served,
-                    () = state.abandoning.notified() => {
+                    () = state.abandoned() => {
                         loop {
                             tokio::select! {
                                 served = connection.as_mut() => break served,
@@ -250,7 +265,7 @@ impl RestConnections {
             if unread.is_empty() {
                 let next = tokio::select! {
                     next = next_request(&stream, &shutdown) => next,
-                    () = state.abandoning.notified() => false,
+                    () = state.abandoned() => false,
                 };
                 if !next || state.is_abandoned() {
                     return;

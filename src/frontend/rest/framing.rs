@@ -130,7 +130,7 @@ impl HeadScan {
     fn scan(&mut self, bytes: &mut &[u8]) -> bool {
         self.begun |= !bytes.is_empty();
         while let Some(&first) = bytes.first() {
-            if self.line == Line::Skipping {
+            if matches!(self.line, Line::Skipping) {
                 let Some(end) = memchr::memchr(b'\n', bytes) else {
                     *bytes = &[];
                     return false;
@@ -139,7 +139,7 @@ impl HeadScan {
                 self.line = Line::Start;
                 continue;
             }
-            if self.line == Line::Start && bytes.len() >= TRANSFER_ENCODING.len() {
+            if matches!(self.line, Line::Start) && bytes.len() >= TRANSFER_ENCODING.len() {
                 // The longer name is at hand whole (a head mostly comes in one read): compared at once, and any other
                 // line let go, but an empty one.
                 let first = first.to_ascii_lowercase();

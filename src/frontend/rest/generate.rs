@@ -54,7 +54,7 @@ impl RestDoor {
         version: Option<&str>,
         call: StreamCall,
     ) -> Result<Reply> {
-        let declared = self.declared_length(&parts.headers)?;
+        let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
         let mut raw = self.read_body(body, declared, Vec::new()).await?;
         if let Some(coding) = compression::request_coding(&parts.headers)? {
             raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
@@ -77,7 +77,12 @@ impl RestDoor {
         let route = routed.route;
         let mut request = match call {
             StreamCall::InferStream => {
-                match rest_codec::decode_request(raw, rest_codec::inference_header_length(&parts.headers)?)? {
+                match rest_codec::decode_request(
+                    raw,
+                    rest_codec::inference_header_length(
+                        parts.headers.get(rest_codec::INFERENCE_HEADER_CONTENT_LENGTH),
+                    )?,
+                )? {
                     RestRequest::Request { request, .. } => request,
                     RestRequest::RawBinary(_) => {
                         return Err(Error::invalid(

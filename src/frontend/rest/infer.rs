@@ -17,8 +17,7 @@ use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, R
 use crate::config::BackendProtocol;
 use crate::dispatch::{Affinity, CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::frontend::REQUEST_ID;
-use crate::headers;
+use crate::headers::{self, RequestHeaders};
 use crate::process::metrics::Direction;
 use crate::protocol::{InferRequest, InferResponse, Reserved};
 use crate::routing::{Routed, VersionRoute};
@@ -29,14 +28,6 @@ use opentelemetry::trace::SpanKind;
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
 /// a longer one, or one of unknown length, is relayed as it arrives.
 const WHOLE_BODY_LIMIT: u64 = 256 * 1024;
-/// Headers about the body that a proxied request carries as the client sent them (the body is not re-encoded).
-static AS_SENT: [http::header::HeaderName; 5] = [
-    http::header::CONTENT_TYPE,
-    http::header::CONTENT_ENCODING,
-    http::header::ACCEPT,
-    http::header::ACCEPT_ENCODING,
-    INFERENCE_HEADER_CONTENT_LENGTH,
-];
 /// Headers about the body that a proxied answer carries as the backend sent them.
 static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
     http::header::CONTENT_TYPE,
@@ -46,14 +37,15 @@ static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
 ];
 
 /// What the request asked for, read from its head.
-struct Asked {
+struct Asked<'a> {
     declared: Option<u64>,
     /// The body's content coding, when compressed.
     coding: Option<Coding>,
     header_length: Option<u64>,
     decthings_in: bool,
     decthings_out: bool,
-    forward: HeaderMap,
+    /// Its headers: those carried to the backend, and those about the body.
+    headers: RequestHeaders<'a>,
 }
 
 impl RestDoor {
@@ -66,16 +58,22 @@ impl RestDoor {
         version: Option<&str>,
     ) -> Result<Reply> {
         let headers = &parts.headers;
-        let text = |name| headers.get(name).and_then(|v: &HeaderValue| v.to_str().ok());
+        let read = RequestHeaders::read(headers);
+        fn text(value: Option<&HeaderValue>) -> Option<&str> {
+            value.and_then(|v| v.to_str().ok())
+        }
         let asked = Asked {
-            declared: self.declared_length(headers)?,
-            coding: compression::request_coding(headers)?,
-            header_length: rest::inference_header_length(headers)?,
-            decthings_in: text(http::header::CONTENT_TYPE).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
-            decthings_out: text(http::header::ACCEPT).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
-            forward: headers::for_backend(headers),
+            declared: self.declared_length(read.content_length)?,
+            coding: match read.content_encoding {
+                Some(_) => compression::request_coding(headers)?,
+                None => None,
+            },
+            header_length: rest::inference_header_length(read.inference_header_length)?,
+            decthings_in: text(read.content_type).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
+            decthings_out: text(read.accept).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
+            headers: read,
         };
-        record.request_id = asked.forward.get(REQUEST_ID).cloned();
+        record.request_id = Some(asked.headers.request_id.clone());
         let dispatcher = record.dispatcher().clone();
         // The body's start is read before the request is routed: the sequence its parameters name decides where it
         // goes.
@@ -85,7 +83,7 @@ impl RestDoor {
         };
         let sequence = start.as_ref().ok().and_then(|(_, reserved)| reserved.sequence.clone());
         let routing = record.trace.child("route", SpanKind::Internal, Vec::new);
-        let (routed, route_metrics) = dispatcher.route(model, version, &asked.forward, sequence);
+        let (routed, route_metrics) = dispatcher.route(model, version, &asked.headers.forward, sequence);
         record.route = Some(route_metrics);
         let routed = routed?;
         let (start, reserved) = start?;
@@ -104,9 +102,7 @@ impl RestDoor {
             target.timeout = reserved
                 .timeout
                 .map_or(target.timeout, |limit| limit.min(target.timeout));
-            return self
-                .pass_through(headers, body, record, target, routed, asked, start)
-                .await;
+            return self.pass_through(body, record, target, routed, asked, start).await;
         }
         // Boxed: decoding, dispatching over another protocol and encoding make a large state, which the passthrough's
         // future would otherwise be as large as.
@@ -121,7 +117,7 @@ impl RestDoor {
         body: &mut Option<RequestBody>,
         record: &mut Record,
         routed: Routed,
-        (asked, start, reserved): (Asked, BodyStart, Reserved),
+        (asked, start, reserved): (Asked<'_>, BodyStart, Reserved),
         (model, version): (&str, Option<&str>),
     ) -> Result<Reply> {
         record.translated = true;
@@ -164,7 +160,7 @@ impl RestDoor {
         // A client that goes away drops this future, and with it the backend call (its stream or connection reset).
         let call = CallContext {
             deadline,
-            forward: asked.forward,
+            forward: asked.headers.forward,
             compressed: asked.coding,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
@@ -195,7 +191,7 @@ impl RestDoor {
     async fn decode(
         &self,
         payload: Bytes,
-        asked: &Asked,
+        asked: &Asked<'_>,
         model: &str,
         version: Option<&str>,
         record: &Record,
@@ -231,15 +227,13 @@ impl RestDoor {
 
     /// Proxies the request to the backend as it came but for its path: a small body whole, a large one relayed as
     /// it arrives; the answer streams back, renamed for an aliased model.
-    #[allow(clippy::too_many_arguments)]
     async fn pass_through(
         &self,
-        headers: &HeaderMap,
         body: &mut Option<RequestBody>,
         record: &mut Record,
         target: Passthrough,
         routed: Routed,
-        mut asked: Asked,
+        mut asked: Asked<'_>,
         start: BodyStart,
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
@@ -249,22 +243,20 @@ impl RestDoor {
         let keep_compressed = asked.coding.is_some() && target.compression;
         // The headers to forward are the mirror's too when there is one, else they are taken as they are.
         let forward = match routed.mirror {
-            Some(_) => asked.forward.clone(),
-            None => std::mem::take(&mut asked.forward),
+            Some(_) => asked.headers.forward.clone(),
+            None => std::mem::take(&mut asked.headers.forward),
         };
-        let mut send = headers_to_send(headers, forward);
-        if asked.coding.is_some() && !keep_compressed {
-            send.remove(http::header::CONTENT_ENCODING);
-        }
         // An answer whose payload is logged is asked for uncompressed too: the log gets it as the client reads it.
-        if target.aliased || record.capture.is_some() {
-            send.remove(http::header::ACCEPT_ENCODING);
-        }
+        let coded = Coded {
+            body: asked.coding.is_none() || keep_compressed,
+            answer: !target.aliased && record.capture.is_none(),
+        };
+        let send = headers_to_send(&asked.headers, forward, coded);
         let mirror = routed.mirror.map(|route| Mirror {
             route,
             header_length: asked.header_length,
-            content_type: send.get(http::header::CONTENT_TYPE).cloned(),
-            forward: asked.forward,
+            content_type: Some(content_type(&asked.headers)),
+            forward: asked.headers.forward,
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
@@ -288,7 +280,7 @@ impl RestDoor {
     /// so a small one is checked to its end before any of it leaves), else enough to hold the start of its JSON
     /// header (the binary extension's whole header, or the first `WHOLE_BODY_LIMIT` bytes of a JSON body), where a
     /// request names its sequence.
-    async fn body_start(&self, body: &mut Option<RequestBody>, asked: &Asked) -> Result<BodyStart> {
+    async fn body_start(&self, body: &mut Option<RequestBody>, asked: &Asked<'_>) -> Result<BodyStart> {
         if let Some(coding) = asked.coding {
             // A compressed body is read whole and decompressed within the same limit: what it expands to is what
             // the limit bounds.
@@ -460,7 +452,7 @@ enum BodyStart {
 /// Decthings or raw binary body has none. In a JSON body too long to be read whole before it is sent, `parameters`
 /// counts only when it is in the first `WHOLE_BODY_LIMIT` bytes, where the clients that send sequences write it
 /// (ahead of the inputs).
-fn request_reserved(start: &BodyStart, asked: &Asked) -> Result<Reserved> {
+fn request_reserved(start: &BodyStart, asked: &Asked<'_>) -> Result<Reserved> {
     if asked.decthings_in || asked.header_length == Some(0) {
         return Ok(Reserved::default());
     }
@@ -534,17 +526,36 @@ impl Mirror {
     }
 }
 
-/// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them,
-/// with a Content-Type said when the client sent none.
-fn headers_to_send(headers: &HeaderMap, forward: HeaderMap) -> HeaderMap {
+/// Whether a proxied request's headers say how its body and answer are compressed, as the client sent them.
+#[derive(Debug, Clone, Copy)]
+struct Coded {
+    /// Content-Encoding: the body goes on as it came.
+    body: bool,
+    /// Accept-Encoding: the answer comes back as the backend makes it.
+    answer: bool,
+}
+
+/// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them
+/// (the body is not re-encoded), with a Content-Type said when the client sent none.
+fn headers_to_send(read: &RequestHeaders<'_>, forward: HeaderMap, coded: Coded) -> HeaderMap {
     let mut send = forward;
-    for name in &AS_SENT {
-        if let Some(value) = headers.get(name) {
-            send.insert(name.clone(), value.clone());
+    send.insert(http::header::CONTENT_TYPE, content_type(read));
+    let about_body = [
+        (
+            http::header::CONTENT_ENCODING,
+            read.content_encoding.filter(|_| coded.body),
+        ),
+        (http::header::ACCEPT, read.accept),
+        (
+            http::header::ACCEPT_ENCODING,
+            read.accept_encoding.filter(|_| coded.answer),
+        ),
+        (INFERENCE_HEADER_CONTENT_LENGTH, read.inference_header_length),
+    ];
+    for (name, value) in about_body {
+        if let Some(value) = value {
+            send.insert(name, value.clone());
         }
-    }
-    if let Some(content_type) = missing_content_type(&send) {
-        send.insert(http::header::CONTENT_TYPE, content_type);
     }
     send
 }
@@ -557,9 +568,20 @@ fn answer_head(
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
     let mut passed = std::mem::take(&mut head.headers);
-    headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT);
+    // The lengths the backend says, each its first value.
+    let (mut header_length, mut length) = (None, None);
+    headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT, |name, value| {
+        let slot = if *name == INFERENCE_HEADER_CONTENT_LENGTH {
+            &mut header_length
+        } else if *name == http::header::CONTENT_LENGTH {
+            &mut length
+        } else {
+            return;
+        };
+        slot.get_or_insert_with(|| value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()));
+    });
+    check_lengths(header_length.flatten(), length.flatten(), authority)?;
     target.route.name_served_version(&mut passed);
-    check_lengths(&passed, authority)?;
     let rename = if target.aliased {
         let (name, version) = (target.route.model.clone(), target.route.version.clone());
         Rename::prepare(head.status, &mut passed, name, version, authority)?
@@ -573,17 +595,8 @@ fn answer_head(
 
 /// A backend's answer whose JSON header is said to be longer than the whole body is refused: its lengths are not
 /// trusted.
-fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
-    let number = |name: http::HeaderName| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-    };
-    match (
-        number(INFERENCE_HEADER_CONTENT_LENGTH),
-        number(http::header::CONTENT_LENGTH),
-    ) {
+fn check_lengths(header: Option<u64>, total: Option<u64>, authority: &str) -> Result<()> {
+    match (header, total) {
         (Some(header), Some(total)) if header > total => Err(Error::new(
             ErrorKind::BadGateway,
             Origin::Upstream,
@@ -596,20 +609,15 @@ fn check_lengths(headers: &HeaderMap, authority: &str) -> Result<()> {
     }
 }
 
-/// The Content-Type a proxied request goes to its backend with when the client sent none. tritonclient sends none;
-/// KServe's server reads a body without one as binary and refuses it. The body's form is known from the binary
-/// extension's header, so the type is said for it.
-fn missing_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
-    if headers.contains_key(http::header::CONTENT_TYPE) {
-        return None;
+/// The Content-Type a proxied request goes to its backend with: the client's, or when it sent none, its body's form
+/// as the binary extension's header tells it. tritonclient sends none; KServe's server reads a body without one as
+/// binary and refuses it.
+fn content_type(read: &RequestHeaders<'_>) -> HeaderValue {
+    match (read.content_type, read.inference_header_length) {
+        (Some(sent), _) => sent.clone(),
+        (None, Some(_)) => HeaderValue::from_static("application/octet-stream"),
+        (None, None) => HeaderValue::from_static("application/json"),
     }
-    Some(HeaderValue::from_static(
-        if headers.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
-            "application/octet-stream"
-        } else {
-            "application/json"
-        },
-    ))
 }
 
 #[cfg(test)]

@@ -235,7 +235,7 @@ impl RestDoor {
                 Reply::Json(StatusCode::OK, rest::encode_model_statistics(statistics))
             }
             Route::RepositoryIndex => {
-                let declared = self.declared_length(&parts.headers)?;
+                let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
                 let body = self.read_body(body, declared, Vec::new()).await?;
                 let ready_only = rest::decode_repository_index_request(&body)?;
                 let mut entries = dispatcher.repository_index(ready_only).await;
@@ -248,7 +248,7 @@ impl RestDoor {
                     _ => RepositoryAction::Unload,
                 };
                 guard.authorize_admin(principal, "loading and unloading models")?;
-                let declared = self.declared_length(&parts.headers)?;
+                let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
                 let body = self.read_body(body, declared, Vec::new()).await?;
                 let parameters = rest::decode_repository_request(&body)?;
                 let forward = crate::headers::for_backend(&parts.headers);
@@ -277,9 +277,8 @@ impl RestDoor {
     }
 
     /// The body's declared length, refused when over the limit (before any of it is read).
-    fn declared_length(&self, headers: &HeaderMap) -> Result<Option<u64>> {
-        let declared = headers
-            .get(http::header::CONTENT_LENGTH)
+    fn declared_length(&self, content_length: Option<&HeaderValue>) -> Result<Option<u64>> {
+        let declared = content_length
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|length| length > self.max_request_bytes) {
