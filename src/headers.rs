@@ -198,17 +198,20 @@ impl<'a> RequestHeaders<'a> {
 /// request's id, generated or the client's, is sent over HTTP/2 as never indexed (see [`HeaderValue::set_sensitive`]).
 pub fn new_request_id() -> HeaderValue {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    static START: OnceLock<u64> = OnceLock::new();
-    let start = *START.get_or_init(|| {
-        SystemTime::now()
+    // The start time, in hex and followed by the dash, is written once.
+    static START: OnceLock<[u8; 17]> = OnceLock::new();
+    let start = START.get_or_init(|| {
+        let start = SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos() & u128::from(u64::MAX)).unwrap_or(0))
+            .map_or(0, |d| u64::try_from(d.as_nanos() & u128::from(u64::MAX)).unwrap_or(0));
+        let mut prefix = [b'-'; 17];
+        hex_into(&mut prefix[..16], start);
+        prefix
     });
     let count = NEXT.fetch_add(1, Ordering::Relaxed);
     // Written in place: this runs for every request, and formatting machinery costs more than the rest of it.
     let mut id = [0u8; 25];
-    hex_into(&mut id[..16], start);
-    id[16] = b'-';
+    id[..17].copy_from_slice(start);
     hex_into(&mut id[17..], count);
     let mut id = HeaderValue::from_bytes(&id).unwrap_or(HeaderValue::from_static("oipgate"));
     // Each request's id is new: HPACK is told never to index it, so HTTP/2 peers neither fill their header tables

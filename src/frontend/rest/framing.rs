@@ -139,6 +139,10 @@ impl HeadScan {
                 self.line = Line::Start;
                 continue;
             }
+            if matches!(self.line, Line::Start) && bytes.starts_with(b"\r\n") {
+                *bytes = &bytes[2..];
+                return true;
+            }
             if matches!(self.line, Line::Start) && bytes.len() >= TRANSFER_ENCODING.len() {
                 // The longer name is at hand whole (a head mostly comes in one read): compared at once, and any other
                 // line let go, but an empty one.
@@ -151,6 +155,14 @@ impl HeadScan {
                             *bytes = &bytes[name.len()..];
                             break;
                         }
+                    }
+                    // A length whose line is at hand whole is read at once too.
+                    if matches!(self.line, Line::Length { .. })
+                        && let Some(end) = memchr::memchr(b'\n', bytes)
+                    {
+                        self.length(whole_length(&bytes[..end]));
+                        *bytes = &bytes[end + 1..];
+                        self.line = Line::Start;
                     }
                     continue;
                 }
@@ -314,6 +326,17 @@ impl FramingScan {
     }
 }
 
+/// A Content-Length value read whole (its line's end aside): digits between blanks, or nothing.
+fn whole_length(value: &[u8]) -> Option<u64> {
+    let blank = |byte: &u8| matches!(byte, b' ' | b'\t' | b'\r');
+    let start = value.iter().position(|byte| !blank(byte))?;
+    let end = value.iter().rposition(|byte| !blank(byte))? + 1;
+    value[start..end].iter().try_fold(0u64, |length, &byte| {
+        let digit = byte.checked_sub(b'0').filter(|digit| *digit <= 9)?;
+        length.checked_mul(10)?.checked_add(u64::from(digit))
+    })
+}
+
 /// Lets go of up to `left` bytes of `bytes`; how many are still to come.
 fn skip(bytes: &mut &[u8], left: u64) -> u64 {
     let taken = usize::try_from(left).map_or(bytes.len(), |left| left.min(bytes.len()));
@@ -394,6 +417,35 @@ POST /e HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n
         let mut later = FramingScan::after(7);
         later.scan(b"POST /e HTTP/1.1\r\nTransfer-Encoding: chunked\r\ncontent-length: 5\r\n\r\n");
         assert_eq!(later.take_framed_both_ways(), Some(8));
+    }
+
+    #[test]
+    fn a_length_is_read_alike_whole_and_byte_by_byte() {
+        for (value, expected) in [
+            ("5", Some(5)),
+            ("  17 \t", Some(17)),
+            ("0", Some(0)),
+            ("18446744073709551615", Some(u64::MAX)),
+            ("18446744073709551616", None),
+            ("1 2", None),
+            ("+2", None),
+            ("", None),
+            ("1\r2", None),
+        ] {
+            let head = format!("POST /x HTTP/1.1\r\ncontent-length:{value}\r\n\r\n");
+            for size in [head.len(), 1] {
+                let scan = scanned(head.as_bytes(), size);
+                match expected {
+                    Some(0) => assert!(at_next_head(&scan, 1), "{value:?} in pieces of {size}"),
+                    Some(length) => assert!(
+                        matches!(scan.part, Part::Body(left) if left == length),
+                        "{value:?} in pieces of {size}: {:?}",
+                        scan.part
+                    ),
+                    None => assert!(matches!(scan.part, Part::Stopped), "{value:?} in pieces of {size}"),
+                }
+            }
+        }
     }
 
     #[test]
