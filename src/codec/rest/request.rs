@@ -8,7 +8,6 @@ use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
 use super::{BinaryOutputs, EncodedBody, split_body};
 use crate::error::{Error, Result};
 use crate::protocol::reserved;
-use crate::protocol::sequence::SEQUENCE_ID;
 use crate::protocol::{DataType, InferRequest, ParamValue, Parameters, RequestedOutput, Tensor, TensorMetadata};
 use bytes::Bytes;
 
@@ -31,36 +30,45 @@ pub enum RestRequest {
     RawBinary(Bytes),
 }
 
-/// Searchers for the names [`reserved_parameters`] looks for, built once: a searcher's set-up costs more than
-/// searching a small body.
-static RESERVED_SEARCHERS: std::sync::LazyLock<[memchr::memmem::Finder<'static>; 4]> = std::sync::LazyLock::new(|| {
-    [
-        reserved::SHARED_MEMORY_PREFIX,
-        SEQUENCE_ID,
-        "\"timeout\"",
-        "\"priority\"",
-    ]
-    .map(memchr::memmem::Finder::new)
-});
+/// The names [`reserved_parameters`] looks for, each with the quote that opens it as a JSON key; shared memory's
+/// first (its tensors are refused).
+const RESERVED_KEYS: [&[u8]; 4] = [b"\"shared_memory_", b"\"sequence_id", b"\"timeout\"", b"\"priority\""];
 /// The longest of those names: a name split across two chunks lies within this many bytes of their seam.
 pub const LONGEST_RESERVED_NAME: usize = 16;
 
+/// Which of [`RESERVED_KEYS`] `text` mentions, as keys: one pass over its quotes rather than a search for each name
+/// (most requests mention none, and a body's start has few quotes).
+fn reserved_keys(text: &[u8]) -> [bool; RESERVED_KEYS.len()] {
+    let mut found = [false; RESERVED_KEYS.len()];
+    for quote in memchr::memchr_iter(b'"', text) {
+        let after = &text[quote..];
+        // Most quotes open a name or value none of the keys begins with.
+        if !matches!(after.get(1), Some(b's' | b't' | b'p')) {
+            continue;
+        }
+        for (key, found) in RESERVED_KEYS.iter().zip(&mut found) {
+            *found |= after.starts_with(key);
+        }
+    }
+    found
+}
+
 /// Whether `text` mentions a name [`reserved_parameters`] looks for (most requests mention none).
 pub fn mentions_reserved(text: &[u8]) -> bool {
-    RESERVED_SEARCHERS.iter().any(|searcher| searcher.find(text).is_some())
+    reserved_keys(text).contains(&true)
 }
 
 /// The request-level `parameters` of a JSON request header, read without decoding the rest (a proxied body goes on
 /// as it came), with its tensors refused when they point at shared memory. Looked at only when the text mentions
-/// `sequence_id`, `"timeout"`, `"priority"` or `shared_memory_` (a search for each; most requests mention none): else, and when the
+/// `sequence_id`, `"timeout"`, `"priority"` or `shared_memory_` as keys (most requests mention none): else, and when the
 /// header has no `parameters`, `None`. When `whole` is false only the start of the header is at hand, and what lies
 /// beyond it is not seen; a header at hand whole that is not a JSON object is refused.
 pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
-    let [shared, _, _, _] = &*RESERVED_SEARCHERS;
-    let shared_memory = shared.find(json).is_some();
-    if !shared_memory && !mentions_reserved(json) {
+    let mentioned = reserved_keys(json);
+    if !mentioned.contains(&true) {
         return Ok(None);
     }
+    let shared_memory = mentioned[0];
     let mut reader = Reader::new(json);
     let mut found = None;
     // A refusal is the answer; a syntax error is one only in a header at hand whole.
@@ -314,4 +322,36 @@ pub fn encode_request(request: &InferRequest, binary_inputs: bool) -> Result<Enc
     write_parameters_field(&mut out, &request.parameters);
     out.push(b'}');
     Ok(EncodedBody::new(out, sections))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::sequence::SEQUENCE_ID;
+
+    #[test]
+    fn the_reserved_keys_are_the_reserved_names_quoted() {
+        let quoted = |name: &str| format!("\"{name}");
+        assert!(RESERVED_KEYS.iter().all(|key| matches!(key[1], b's' | b't' | b'p')));
+        assert_eq!(RESERVED_KEYS[0], quoted(reserved::SHARED_MEMORY_PREFIX).as_bytes());
+        assert_eq!(RESERVED_KEYS[1], quoted(SEQUENCE_ID).as_bytes());
+        assert!(RESERVED_KEYS.iter().all(|key| key.len() <= LONGEST_RESERVED_NAME));
+    }
+
+    #[test]
+    fn reserved_keys_are_found_as_keys_only() {
+        let text =
+            br#"{"inputs":[{"name":"x","parameters":{"shared_memory_region":"r"}}],"parameters":{"priority":2}}"#;
+        assert_eq!(reserved_keys(text), [true, false, false, true]);
+        assert!(mentions_reserved(br#"{"parameters":{"sequence_id":7,"timeout":10}}"#));
+        assert_eq!(
+            reserved_keys(br#"{"parameters":{"sequence_id":7,"timeout":10}}"#),
+            [false, true, true, false]
+        );
+        // A name that is not a key's whole name, or in a value without its quote, is not one.
+        assert!(!mentions_reserved(
+            br#"{"id":"my_sequence_id","x_timeout":1,"priority_class":"a"}"#
+        ));
+        assert!(!mentions_reserved(b""));
+    }
 }
