@@ -14,9 +14,15 @@ many one wake-up serves, and so the count a little), where CPU time here varied 
 instructions only, and weigh every instruction alike: a copy done with `rep movsb` counts as one whatever its size,
 and waiting on memory counts nothing.
 
+With --cache, callgrind also simulates the caches and the report adds the misses a request: first-level
+instruction reads (I1mr), data reads (D1mr) and writes (D1mw), and the functions with the most data misses. A miss
+costs time an instruction count does not show; the simulation is deterministic, where the machine's own counters
+are not reachable here.
+
 Needs valgrind (`apt-get install valgrind`) and the release binary:
     python3 scripts/bench_instructions.py --seconds 3
     python3 scripts/bench_instructions.py --binary /tmp/other/oipgate     # another build, to compare
+    python3 scripts/bench_instructions.py --cache                         # and first-level cache misses
 """
 
 import argparse
@@ -31,14 +37,17 @@ import time
 import bench
 
 CALLGRIND_TIMEOUT = 120.0
+# The cache misses reported with --cache, of those callgrind's simulation counts.
+MISSES = ("I1mr", "D1mr", "D1mw")
 
 
-def counted(name, command, port, url, body, seconds, env=None):
-    """Runs `command` under callgrind, drives `url` with wrk for `seconds`; its total instructions and requests."""
+def counted(name, command, port, url, body, seconds, env=None, cache=False):
+    """Runs `command` under callgrind, drives `url` with wrk for `seconds`; its totals by event and requests."""
     out = bench.OUT / f"callgrind-{name}-{seconds}.out"
     server = bench.Server(
         f"callgrind-{name}",
-        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *command],
+        ["valgrind", "--tool=callgrind", f"--cache-sim={'yes' if cache else 'no'}", f"--callgrind-out-file={out}",
+         *command],
         [],
         env,
     )
@@ -48,16 +57,16 @@ def counted(name, command, port, url, body, seconds, env=None):
     time.sleep(1)
     load = bench.wrk(url, body, {"Content-Type": "application/json"}, seconds, 8, 1)
     server.stop()
-    total = next(
-        int(line.split()[1]) for line in out.read_text().splitlines() if line.startswith(("totals:", "summary:"))
-    )
-    return out, total, load["requests"]
+    lines = out.read_text().splitlines()
+    events = next(line.split()[1:] for line in lines if line.startswith("events:"))
+    totals = next(line.split()[1:] for line in lines if line.startswith(("totals:", "summary:")))
+    return out, dict(zip(events, map(int, totals))), load["requests"]
 
 
-def functions(out):
-    """Instructions by function (exclusive) in a callgrind output."""
+def functions(out, event="Ir"):
+    """An event's count by function (exclusive) in a callgrind output: instructions unless told."""
     listing = subprocess.run(
-        ["callgrind_annotate", "--inclusive=no", "--auto=no", "--threshold=100", str(out)],
+        ["callgrind_annotate", f"--show={event}", "--inclusive=no", "--auto=no", "--threshold=100", str(out)],
         capture_output=True,
         text=True,
     ).stdout
@@ -71,22 +80,32 @@ def functions(out):
     return found
 
 
-def per_request(name, command, port, url, body, seconds, env=None):
-    short_out, short_total, short_requests = counted(name, command, port, url, body, seconds, env)
-    long_out, long_total, long_requests = counted(name, command, port, url, body, 3 * seconds, env)
+def per_request(name, command, port, url, body, seconds, env=None, cache=False):
+    short_out, short_totals, short_requests = counted(name, command, port, url, body, seconds, env, cache)
+    long_out, long_totals, long_requests = counted(name, command, port, url, body, 3 * seconds, env, cache)
     served = long_requests - short_requests
     if served <= 0:
         raise SystemExit(f"bench: {name} served no more requests in the longer run")
-    short_functions, long_functions = functions(short_out), functions(long_out)
-    by_function = {key: (long_functions[key] - short_functions.get(key, 0)) / served for key in long_functions}
-    return {
-        "instructions": (long_total - short_total) / served,
+
+    def by_function(*events):
+        counts = collections.Counter()
+        for event in events:
+            short, long = functions(short_out, event), functions(long_out, event)
+            counts.update({key: (long[key] - short.get(key, 0)) / served for key in long})
+        return dict(sorted(counts.items(), key=lambda item: -item[1])[:40])
+
+    result = {
+        "instructions": (long_totals["Ir"] - short_totals["Ir"]) / served,
         "requests": [short_requests, long_requests],
-        "functions": dict(sorted(by_function.items(), key=lambda item: -item[1])[:40]),
+        "functions": by_function("Ir"),
     }
+    if cache:
+        result["misses"] = {event: (long_totals[event] - short_totals[event]) / served for event in MISSES}
+        result["data_misses_by_function"] = by_function("D1mr", "D1mw")
+    return result
 
 
-def run(seconds, workers, binary):
+def run(seconds, workers, binary, cache=False):
     if not shutil.which("valgrind"):
         raise SystemExit("bench: valgrind is needed (apt-get install valgrind)")
     bench.OUT.mkdir(parents=True, exist_ok=True)
@@ -111,14 +130,15 @@ def run(seconds, workers, binary):
         gateway = [str(binary), "serve", "--config", str(config)]
         rest = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub"
         results["oipgate REST passthrough"] = per_request(
-            "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env)
+            "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env, cache)
         results["oipgate REST JSON -> gRPC"] = per_request(
-            "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env)
+            "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env, cache)
         floor = bench.floor_binaries()["floor_hyper"]
         results["floor: smallest hyper proxy"] = per_request(
             "floor", [floor, "--listen", f"127.0.0.1:{ports['floor']}", "--upstream",
                       f"127.0.0.1:{ports['backend_rest']}", "--threads", str(workers)],
-            ports["floor"], f"http://127.0.0.1:{ports['floor']}/v2/models/add_sub/infer", body_file, seconds)
+            ports["floor"], f"http://127.0.0.1:{ports['floor']}/v2/models/add_sub/infer", body_file, seconds,
+            cache=cache)
     finally:
         backend.stop()
     return results
@@ -132,6 +152,16 @@ def report(results):
     floor = results["floor: smallest hyper proxy"]["functions"]
     lines += ["", "REST passthrough, instructions a request by function (oipgate, the floor):", ""]
     lines += [f"    {count:8.0f} {floor.get(name, 0):8.0f}  {name[:110]}" for name, count in list(ours.items())[:25]]
+    if "misses" in results["oipgate REST passthrough"]:
+        lines += ["", "| setup | " + " | ".join(f"{event} a request" for event in MISSES) + " |",
+                  "|---|" + "---|" * len(MISSES)]
+        for setup, result in results.items():
+            lines.append(f"| {setup} | " + " | ".join(f"{result['misses'][e]:,.0f}" for e in MISSES) + " |")
+        ours = results["oipgate REST passthrough"]["data_misses_by_function"]
+        floor = results["floor: smallest hyper proxy"]["data_misses_by_function"]
+        lines += ["", "REST passthrough, first-level data misses (reads and writes) a request by function (oipgate, "
+                      "the floor):", ""]
+        lines += [f"    {count:8.1f} {floor.get(name, 0):8.1f}  {name[:110]}" for name, count in list(ours.items())[:15]]
     return lines
 
 
@@ -140,8 +170,9 @@ def main():
     parser.add_argument("--seconds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--binary", default=str(bench.BINARY), help="the oipgate to count (another build, to compare)")
+    parser.add_argument("--cache", action="store_true", help="simulate the caches too, and report misses a request")
     args = parser.parse_args()
-    results = run(args.seconds, args.workers, args.binary)
+    results = run(args.seconds, args.workers, args.binary, args.cache)
     (bench.OUT / "instructions.json").write_text(json.dumps(results, indent=2))
     print("\n".join(report(results)))
 
