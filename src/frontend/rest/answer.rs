@@ -60,8 +60,9 @@ pub(super) struct Record {
     pub(super) admission: Option<Admission>,
     /// The request's span at the door; it ends with the record.
     pub(super) trace: Trace,
-    /// The inference's payloads, when they are logged.
-    pub(super) capture: Option<Capture>,
+    /// The inference's payloads, when they are logged (boxed: most requests are not, and a record is moved with its
+    /// answer).
+    pub(super) capture: Option<Box<Capture>>,
 }
 
 /// An inference's request and answer on their way to the payload log, sent when the request is reported: the

@@ -92,7 +92,7 @@ impl RestDoor {
         drop(routing);
         record.capture = dispatcher
             .payload_log(&routed.route)
-            .map(|logger| Capture::new(logger.clone(), &routed.route, form_of(headers)));
+            .map(|logger| Box::new(Capture::new(logger.clone(), &routed.route, form_of(headers))));
         if !asked.decthings_in
             && !asked.decthings_out
             && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
