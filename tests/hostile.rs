@@ -285,6 +285,23 @@ async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
     .await
     .unwrap();
     assert_eq!(statuses(&answer), ["200", "408"], "{answer}");
+    // Also when its first bytes come while the request before it is still under way (its body's last byte with them).
+    let post = format!(
+        "POST /v2/models/identity/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+content-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let (most, last) = post.split_at(post.len() - 1);
+    let (most, rest) = (
+        most.to_owned(),
+        format!("{last}GET /v2/health/live HTTP/1.1\r\nhost: x\r\n"),
+    );
+    let answer = tokio::task::spawn_blocking(move || {
+        exchange(address, &[most.as_bytes(), rest.as_bytes()], Duration::from_millis(100))
+    })
+    .await
+    .unwrap();
+    assert_eq!(statuses(&answer), ["200", "408"], "{answer}");
 
     // An idle keep-alive connection is not timed as a slow head: it waits past the head's limit and still serves.
     let answer = tokio::task::spawn_blocking(move || {

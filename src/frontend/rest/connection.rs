@@ -495,9 +495,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for Http1Io<S> {
                 Poll::Ready(Ok(()))
             }
             Poll::Pending => {
-                if this.clock == Clock::Off {
-                    // The head of a request pipelined behind the last may have begun already.
-                    this.set_timer(this.framing.within_head());
+                // A head already begun (pipelined behind the last request, perhaps while it was under way) is timed
+                // as a head, once the last answer is out; else the wait is idle.
+                let head = this.framing.within_head() && this.blocked_since.is_none();
+                if this.clock == Clock::Off || (head && this.clock == Clock::Idle) {
+                    this.set_timer(head);
                 }
                 if !this.expired(cx) {
                     return Poll::Pending;

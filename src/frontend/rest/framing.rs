@@ -29,7 +29,7 @@ enum Part {
 }
 
 /// Where the scan is within a chunked body, as hyper's decoder reads it.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 enum Chunk {
     /// At a size line's start: a hex digit must come.
     Start,
@@ -67,7 +67,7 @@ struct HeadScan {
 }
 
 /// What a head's Content-Length lines say.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 enum Length {
     Absent,
     Is(u64),
@@ -76,7 +76,7 @@ enum Length {
 }
 
 /// Where the scan is within the head's line being read.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 enum Line {
     /// Before the request line, where empty lines are let go (as hyper does).
     Opening,
