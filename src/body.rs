@@ -133,6 +133,11 @@ impl ChunksBody {
         }
     }
 
+    /// The chunks not yet taken, to be written where they are without taking them (so the body can be sent again).
+    pub fn chunks(&self) -> &VecDeque<Bytes> {
+        &self.chunks
+    }
+
     /// The chunks, then `trailers`.
     pub fn with_trailers(chunks: Vec<Bytes>, trailers: http::HeaderMap) -> Self {
         ChunksBody {

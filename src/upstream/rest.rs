@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, HOST, USER_AGENT};
+use http::header::CONTENT_TYPE;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
 
 use super::Replied;
 use super::http1::{self, BackendBody, Failure};
@@ -64,9 +64,6 @@ pub fn model_path(model: &str, version: Option<&str>, suffix: &str) -> String {
         None => format!("/v2/models/{}{suffix}", path_segment(model)),
     }
 }
-
-/// The `User-Agent` requests to backends say.
-const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
 
 impl RestUpstream {
     pub fn new(
@@ -171,34 +168,18 @@ impl RestUpstream {
         headers: &HeaderMap,
         body: OutBody,
     ) -> Result<http::Response<BackendBody>> {
-        let again = body.again();
-        let request = self.build(method, path, headers, body);
-        http1::send(&self.clients, &self.root, request, || {
-            again.map(|body| self.build(method, path, headers, body))
-        })
-        .await
-        .map_err(|failure| self.unreachable(failure))
+        let request = http1::Request {
+            method,
+            path,
+            host: &self.host,
+            headers: [headers, &self.added],
+            body,
+        };
+        http1::send(&self.clients, &self.root, request)
+            .await
+            .map_err(|failure| self.unreachable(failure))
     }
 
-    /// A request to the endpoint: `headers`, the backend's configured ones and the gateway's own.
-    fn build(&self, method: &Method, path: &PathAndQuery, headers: &HeaderMap, body: OutBody) -> Request<OutBody> {
-        let mut request = Request::new(body);
-        *request.method_mut() = method.clone();
-        *request.uri_mut() = http::Uri::from(path.clone());
-        // A clone of the map keeps its names' hashes: nothing is hashed again but what is added.
-        let mut sent = headers.clone();
-        sent.reserve(self.added.len() + 2);
-        for (name, value) in &*self.added {
-            sent.append(name, value.clone());
-        }
-        sent.insert(HOST, self.host.clone());
-        sent.insert(USER_AGENT, AGENT);
-        *request.headers_mut() = sent;
-        request
-    }
-
-    /// A request that could not be sent or answered: a bad gateway naming the endpoint, which another endpoint may
-    /// take when none of it was sent.
     fn unreachable(&self, failure: Failure) -> Error {
         let failed = |message: String| {
             Error::new(
@@ -213,7 +194,6 @@ impl RestUpstream {
                 .unsent(),
             Failure::Http { error, unsent: true } => failed(error.to_string()).caused_by(error).unsent(),
             Failure::Http { error, unsent: false } => failed(error.to_string()).caused_by(error).with_retryable(false),
-            Failure::Closed => failed("the connection closed before an answer".into()).with_retryable(false),
         }
     }
 
