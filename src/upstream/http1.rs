@@ -498,20 +498,24 @@ enum Parsed {
     Partial,
 }
 
+/// How many headers' places a head's read notes on the stack; a head with more is read a second time.
+const PLACED: usize = 16;
+
 /// Reads an answer's head from the start of `read`, taking it off the buffer when whole. The header values are the
 /// head's own bytes, shared, not copied.
 fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Parsed> {
-    let mut slots = [httparse::EMPTY_HEADER; MOST_HEADERS];
-    let mut answer = httparse::Response::new(&mut slots);
-    let length = match answer.parse(read) {
-        Ok(httparse::Status::Complete(length)) if length <= MOST_HEAD => length,
-        Ok(httparse::Status::Partial) if read.len() <= MOST_HEAD => return Ok(Parsed::Partial),
-        Ok(_) => return Err(broken(format!("an answer head over {MOST_HEAD} bytes"))),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(broken(format!("an answer with more than {MOST_HEADERS} headers")));
-        }
-        Err(error) => return Err(broken(format!("a malformed answer head ({error})"))),
-    };
+    let mut slots = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
+    let mut answer = httparse::Response::new(&mut []);
+    let length =
+        match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut answer, read, &mut slots) {
+            Ok(httparse::Status::Complete(length)) if length <= MOST_HEAD => length,
+            Ok(httparse::Status::Partial) if read.len() <= MOST_HEAD => return Ok(Parsed::Partial),
+            Ok(_) => return Err(broken(format!("an answer head over {MOST_HEAD} bytes"))),
+            Err(httparse::Error::TooManyHeaders) => {
+                return Err(broken(format!("an answer with more than {MOST_HEADERS} headers")));
+            }
+            Err(error) => return Err(broken(format!("a malformed answer head ({error})"))),
+        };
     let code = answer.code.unwrap_or_default();
     let status = StatusCode::from_u16(code).map_err(|_| broken(format!("an answer with status {code}")))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {
@@ -526,40 +530,73 @@ fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Parsed> {
     } else {
         Version::HTTP_11
     };
-    let base = read.as_ptr() as usize;
-    let mut places = [(0usize, 0usize, 0usize, 0usize); MOST_HEADERS];
+    // Where each header lies in the head, noted while the parse borrows the buffer, so that the values can be
+    // slices of the head once it is split off.
     let count = answer.headers.len();
+    let base = read.as_ptr() as usize;
+    let mut places: [_; PLACED] = std::array::from_fn(|_| (0..0, 0..0));
     for (place, header) in places.iter_mut().zip(answer.headers.iter()) {
-        let value = header.value.as_ptr() as usize - base;
-        *place = (
-            header.name.as_ptr() as usize - base,
-            header.name.len(),
-            value,
-            value + header.value.len(),
-        );
+        let at = |bytes: &[u8]| {
+            let start = bytes.as_ptr() as usize - base;
+            start..start + bytes.len()
+        };
+        *place = (at(header.name.as_bytes()), at(header.value));
     }
     let head = read.split_to(length).freeze();
-    let mut headers = HeaderMap::with_capacity(count);
-    let mut framing = Framing::UntilClose;
-    let mut length_said: Option<u64> = None;
-    let mut chunked = false;
-    let mut coded = false;
-    let mut close = version == Version::HTTP_10;
-    for &(name_at, name_length, value_at, value_end) in places.iter().take(count) {
-        let name = HeaderName::from_bytes(&head[name_at..name_at + name_length])
-            .map_err(|_| broken("an answer header with an invalid name"))?;
-        let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_end))
+    let mut said = Said::new(version, count);
+    if count <= PLACED {
+        for (name, value) in places.into_iter().take(count) {
+            said.note(&head[name], head.slice(value))?;
+        }
+    } else {
+        let mut slots = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
+        let mut again = httparse::Response::new(&mut []);
+        httparse::ParserConfig::default()
+            .parse_response_with_uninit_headers(&mut again, &head, &mut slots)
+            .map_err(|error| broken(format!("a malformed answer head ({error})")))?;
+        for header in again.headers.iter() {
+            said.note(header.name.as_bytes(), head.slice_ref(header.value))?;
+        }
+    }
+    Ok(Parsed::Answer(said.into_head(status, asked_head)))
+}
+
+/// What an answer's headers say of its framing and its connection, gathered with the headers.
+struct Said {
+    version: Version,
+    headers: HeaderMap,
+    length: Option<u64>,
+    coded: bool,
+    chunked: bool,
+    close: bool,
+}
+
+impl Said {
+    fn new(version: Version, count: usize) -> Said {
+        Said {
+            version,
+            headers: HeaderMap::with_capacity(count),
+            length: None,
+            coded: false,
+            chunked: false,
+            close: version == Version::HTTP_10,
+        }
+    }
+
+    fn note(&mut self, name: &[u8], value: Bytes) -> io::Result<()> {
+        let name = HeaderName::from_bytes(name).map_err(|_| broken("an answer header with an invalid name"))?;
+        let value = HeaderValue::from_maybe_shared(value)
             .map_err(|_| broken(format!("an invalid value of the answer's {name} header")))?;
         if name == CONTENT_LENGTH {
             let said =
                 content_length(value.as_bytes()).ok_or_else(|| broken("an answer with an invalid Content-Length"))?;
-            if length_said.is_some_and(|before| before != said) {
+            if self.length.is_some_and(|before| before != said) {
                 return Err(broken("an answer with two different Content-Length values"));
             }
-            length_said = Some(said);
+            self.length = Some(said);
         } else if name == TRANSFER_ENCODING {
-            coded = true;
-            chunked = value
+            self.coded = true;
+            self.chunked = value
                 .as_bytes()
                 .rsplit(|&byte| byte == b',')
                 .next()
@@ -567,33 +604,37 @@ fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Parsed> {
         } else if name == CONNECTION {
             for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
                 if token.eq_ignore_ascii_case(b"close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") && version == Version::HTTP_10 {
-                    close = false;
+                    self.close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") && self.version == Version::HTTP_10 {
+                    self.close = false;
                 }
             }
         }
-        headers.append(name, value);
+        self.headers.append(name, value);
+        Ok(())
     }
-    if asked_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        framing = Framing::Length(0);
-    } else if coded {
-        if chunked {
-            framing = Framing::Chunked(Chunk::Size);
-            // A length beside the chunks says nothing true about the body (RFC 9112 §6.3).
-            headers.remove(CONTENT_LENGTH);
+
+    /// The head, its body framed as the headers say (RFC 9112 §6.3).
+    fn into_head(mut self, status: StatusCode, asked_head: bool) -> AnswerHead {
+        let framing = if asked_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+            Framing::Length(0)
+        } else if self.chunked {
+            // A length beside the chunks says nothing true about the body.
+            self.headers.remove(CONTENT_LENGTH);
+            Framing::Chunked(Chunk::Size)
+        } else if self.coded {
+            Framing::UntilClose
+        } else {
+            self.length.map_or(Framing::UntilClose, Framing::Length)
+        };
+        AnswerHead {
+            status,
+            version: self.version,
+            reusable: !self.close && !matches!(framing, Framing::UntilClose),
+            headers: self.headers,
+            framing,
         }
-    } else if let Some(length) = length_said {
-        framing = Framing::Length(length);
     }
-    let reusable = !close && !matches!(framing, Framing::UntilClose);
-    Ok(Parsed::Answer(AnswerHead {
-        status,
-        version,
-        headers,
-        framing,
-        reusable,
-    }))
 }
 
 /// A Content-Length value: digits, or a list of the same digits repeated.
@@ -1406,5 +1447,32 @@ mod tests {
         let (head, body) = received.lock().unwrap()[0].clone();
         assert!(head.contains("transfer-encoding: chunked"), "{head}");
         assert_eq!(body, b"first second third");
+    }
+    #[tokio::test]
+    async fn an_answer_keeps_all_its_headers_up_to_the_limit() {
+        let many = |count: usize| {
+            let mut head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n".to_vec();
+            for index in 1..count {
+                head.extend_from_slice(format!("x-header-{index}: value {index}\r\n").as_bytes());
+            }
+            head.extend_from_slice(b"\r\nok");
+            head
+        };
+        // More than the places noted on the stack: the head is read again for the rest.
+        for count in [PLACED, PLACED + 1, MOST_HEADERS] {
+            let sent = many(count);
+            let (upstream, _, _) = scripted(move |_, _| answer(&sent)).await;
+            let answered = get(&upstream, Method::GET).await.unwrap();
+            assert_eq!(answered.headers.len(), count);
+            assert_eq!(
+                answered.headers[format!("x-header-{}", count - 1)],
+                format!("value {}", count - 1)
+            );
+            assert_eq!(&answered.body[..], b"ok");
+        }
+        let sent = many(MOST_HEADERS + 1);
+        let (upstream, _, _) = scripted(move |_, _| answer(&sent)).await;
+        let error = get(&upstream, Method::GET).await.unwrap_err();
+        assert!(error.message().contains("more than 100 headers"), "{}", error.message());
     }
 }
