@@ -61,11 +61,16 @@ inference-header-content-length: 999\r\ncontent-length: 10\r\nconnection: close\
 const HEADER_NEAR_USIZE_MAX: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n\
 inference-header-content-length: 18446744073709551610\r\nconnection: close\r\n\r\n0123456789";
 
-/// A gateway in front of two lying backends (one whose JSON header is longer than its body, one whose header length
-/// is near the top of a 64-bit number) and a real model server serving `identity`.
+/// An answer framed by two different lengths: which is its end cannot be told.
+const TWO_LENGTHS: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
+content-length: 12\r\n\r\n{}";
+
+/// A gateway in front of three lying backends (one whose JSON header is longer than its body, one whose header length
+/// is near the top of a 64-bit number, one whose answer gives two lengths) and a real model server serving `identity`.
 struct Setup {
     liar: LyingBackend,
     huge: LyingBackend,
+    framed: LyingBackend,
     _real: ModelServerProcess,
     gateway: GatewayProcess,
 }
@@ -73,11 +78,14 @@ struct Setup {
 fn setup() -> Setup {
     let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
     let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
+    let framed = LyingBackend::start(TWO_LENGTHS);
     let real = ModelServerProcess::rest_only(&["--models", "identity"]);
     let gateway = GatewayProcess::start(&format!(
         r#"
         [limits]
         header_read_timeout_ms = 500
+        {}
+        {}
         {}
         {}
         {}
@@ -92,13 +100,16 @@ fn setup() -> Setup {
         "#,
         backend("liar", "rest", [liar.address]),
         backend("huge", "rest", [huge.address]),
+        backend("framed", "rest", [framed.address]),
         backend("real", "rest", [real.rest.unwrap()]),
         model("liar", "liar"),
+        model("two_lengths", "framed"),
         model("identity", "real"),
     ));
     Setup {
         liar,
         huge,
+        framed,
         _real: real,
         gateway,
     }
@@ -142,12 +153,18 @@ const BODY: &str = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"dat
 #[tokio::test]
 async fn a_backend_answer_whose_lengths_do_not_add_up_is_a_bad_gateway_naming_it() {
     let setup = setup();
-    let (liar, huge, gateway) = (&setup.liar, &setup.huge, &setup.gateway);
-    for (model, backend) in [("liar", liar), ("liar_alias", liar), ("huge_alias", huge)] {
+    let (liar, huge, framed, gateway) = (&setup.liar, &setup.huge, &setup.framed, &setup.gateway);
+    for (model, backend, named) in [
+        ("liar", liar, "longer than its whole body"),
+        ("liar_alias", liar, "longer than its whole body"),
+        ("huge_alias", huge, "Inference-Header-Content-Length"),
+        ("two_lengths", framed, "two different Content-Length values"),
+    ] {
         let answer = post(&gateway.rest_url(&format!("/v2/models/{model}/infer")), BODY).await;
         assert_eq!(answer.status, 502, "{model}: {}", String::from_utf8_lossy(&answer.body));
         let message = answer.json()["error"].as_str().unwrap().to_owned();
         assert!(message.contains(&backend.address.to_string()), "{model}: {message}");
+        assert!(message.contains(named), "{model}: {message}");
     }
     // The gateway is unharmed: a well-behaved backend is still served.
     let answer = post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await;
