@@ -36,15 +36,49 @@ const RESERVED_KEYS: [&[u8]; 4] = [b"\"shared_memory_", b"\"sequence_id", b"\"ti
 /// The longest of those names: a name split across two chunks lies within this many bytes of their seam.
 pub const LONGEST_RESERVED_NAME: usize = 16;
 
-/// Up to this length a body's quotes are found byte by byte: between a small request's quotes lie a few bytes, fewer
-/// than a vectored search's set-up costs (about 45 instructions a quote, where the bytes between cost 2 each).
+/// Up to this length a body's quotes are found eight bytes at a time in a plain loop: between a small request's quotes
+/// lie a few bytes, fewer than a vectored search's set-up costs (about 45 instructions a quote).
 const SHORT_TEXT: usize = 512;
+
+/// Calls `each` with the place of every quote in `text`.
+fn each_quote(text: &[u8], mut each: impl FnMut(usize)) {
+    if text.len() > SHORT_TEXT {
+        memchr::memchr_iter(b'"', text).for_each(each);
+        return;
+    }
+    const ONES: u64 = u64::from_le_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_le_bytes([0x80; 8]);
+    const QUOTES: u64 = u64::from_le_bytes([b'"'; 8]);
+    let mut words = text.chunks_exact(8);
+    let mut at = 0;
+    for word in &mut words {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(word);
+        // A zero byte of `x` is a quote; the high bit of each such byte is set in `found` (and, past a quote, of a
+        // byte that is one more than a quote: each is checked).
+        let x = u64::from_le_bytes(bytes) ^ QUOTES;
+        let mut found = x.wrapping_sub(ONES) & !x & HIGHS;
+        while found != 0 {
+            let place = at + found.trailing_zeros() as usize / 8;
+            if word[place - at] == b'"' {
+                each(place);
+            }
+            found &= found - 1;
+        }
+        at += 8;
+    }
+    for (offset, &byte) in words.remainder().iter().enumerate() {
+        if byte == b'"' {
+            each(at + offset);
+        }
+    }
+}
 
 /// Which of [`RESERVED_KEYS`] `text` mentions, as keys: one pass over its quotes rather than a search for each name
 /// (most requests mention none, and a body's start has few quotes).
 fn reserved_keys(text: &[u8]) -> [bool; RESERVED_KEYS.len()] {
     let mut found = [false; RESERVED_KEYS.len()];
-    let mut quoted = |quote: usize| {
+    each_quote(text, |quote| {
         let after = &text[quote..];
         // Most quotes open a name or value none of the keys begins with.
         if !matches!(after.get(1), Some(b's' | b't' | b'p')) {
@@ -53,12 +87,7 @@ fn reserved_keys(text: &[u8]) -> [bool; RESERVED_KEYS.len()] {
         for (key, found) in RESERVED_KEYS.iter().zip(&mut found) {
             *found |= after.starts_with(key);
         }
-    };
-    if text.len() <= SHORT_TEXT {
-        (0..text.len()).filter(|&at| text[at] == b'"').for_each(&mut quoted);
-    } else {
-        memchr::memchr_iter(b'"', text).for_each(&mut quoted);
-    }
+    });
     found
 }
 
@@ -362,6 +391,37 @@ mod tests {
             br#"{"id":"my_sequence_id","x_timeout":1,"priority_class":"a"}"#
         ));
         assert!(!mentions_reserved(b""));
+        // Every quote is found, wherever it lies in a word, and nothing else (a `#` just past a quote included).
+        for text in [
+            &b"\"\"\"#\"##\"\"x\"#"[..],
+            b"#\"\"",
+            b"abcdefg\"",
+            b"abcdefgh\"",
+            b"\"#######\"#",
+        ] {
+            let mut quotes = Vec::new();
+            each_quote(text, |at| quotes.push(at));
+            let expected: Vec<usize> = (0..text.len()).filter(|&at| text[at] == b'"').collect();
+            assert_eq!(quotes, expected, "{}", String::from_utf8_lossy(text));
+        }
+        // Every text of up to 10 bytes made of a quote and its two neighbours.
+        for length in 0..=10u32 {
+            for mut code in 0..3usize.pow(length) {
+                let text: Vec<u8> = (0..length)
+                    .map(|_| {
+                        let byte = [b'!', b'"', b'#'][code % 3];
+                        code /= 3;
+                        byte
+                    })
+                    .collect();
+                let mut quotes = Vec::new();
+                each_quote(&text, |at| quotes.push(at));
+                assert_eq!(
+                    quotes,
+                    (0..text.len()).filter(|&at| text[at] == b'"').collect::<Vec<_>>()
+                );
+            }
+        }
         // Past the length searched byte by byte, the same keys are found the same way.
         let padding = format!(r#""pad":"{}","#, "x".repeat(SHORT_TEXT));
         let long = format!(
