@@ -1,5 +1,6 @@
 //! Wire codecs: pure functions between bytes and the protocol model, with no I/O and no async runtime.
 
+pub mod chunked;
 pub mod compression;
 pub mod decthings;
 pub mod exposition;

@@ -19,6 +19,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ThreadClients;
 use crate::body::OutBody;
+use crate::codec::chunked::{Chunk, Malformed};
 
 /// How long a kept connection may sit idle before it is closed rather than used: backends commonly close theirs
 /// after 60 to 120 seconds, and a request sent on a connection the backend is closing fails.
@@ -43,11 +44,9 @@ const READ_FIRST: usize = 8 * 1024;
 /// The most one read asks for.
 const READ_MOST: usize = 512 * 1024;
 
-/// The longest chunk-size line (extensions included) of a chunked answer.
-const MOST_CHUNK_LINE: usize = 4 * 1024;
-
-/// The most bytes of trailers after a chunked answer's last chunk (read, then dropped: they are this hop's).
-const MOST_TRAILERS: usize = 64 * 1024;
+/// The most bytes of framing a chunked answer may send between two pieces of data (size lines with their extensions,
+/// and the trailers after the last chunk, which are read and dropped: they are this hop's).
+const MOST_CHUNK_FRAMING: usize = 64 * 1024;
 
 /// The most buffers one vectored write hands the kernel.
 const MOST_SLICES: usize = 16;
@@ -621,7 +620,7 @@ impl Said {
         } else if self.chunked {
             // A length beside the chunks says nothing true about the body.
             self.headers.remove(CONTENT_LENGTH);
-            Framing::Chunked(Chunk::Size)
+            Framing::Chunked(Chunk::Start, 0)
         } else if self.coded {
             Framing::UntilClose
         } else {
@@ -657,46 +656,17 @@ fn content_length(value: &[u8]) -> Option<u64> {
 #[derive(Debug, Clone, Copy)]
 enum Framing {
     Length(u64),
-    Chunked(Chunk),
+    /// Where the chunks' reading stands, and the framing bytes read since the last data (bounded: a backend that
+    /// sends extensions or trailers without end is refused).
+    Chunked(Chunk, usize),
     /// Until the backend closes the connection.
     UntilClose,
 }
 
-/// Where a chunked body's reading stands.
-#[derive(Debug, Clone, Copy)]
-enum Chunk {
-    /// At a chunk-size line.
-    Size,
-    /// Within a chunk's data, with this much of it left.
-    Data(u64),
-    /// At the line end after a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailers, then an empty line.
-    Trailers {
-        read: usize,
-    },
-    Done,
-}
-
 impl Framing {
     fn is_done(&self) -> bool {
-        matches!(self, Framing::Length(0) | Framing::Chunked(Chunk::Done))
+        matches!(self, Framing::Length(0) | Framing::Chunked(Chunk::Done, _))
     }
-}
-
-/// A chunk-size line's size (hex digits, then extensions that are this hop's), or why it is not one.
-fn chunk_size(line: &[u8]) -> io::Result<u64> {
-    let digits = line.iter().take_while(|byte| byte.is_ascii_hexdigit()).count();
-    if digits == 0 || digits > 15 {
-        return Err(broken("an answer with an invalid chunk size"));
-    }
-    let rest = line[digits..].trim_ascii_start();
-    if !(rest.is_empty() || rest[0] == b';') {
-        return Err(broken("an answer with an invalid chunk size"));
-    }
-    Ok(line[..digits].iter().fold(0u64, |size, &digit| {
-        size * 16 + u64::from(char::from(digit).to_digit(16).unwrap_or_default())
-    }))
 }
 
 /// Why a request could not be sent or answered.
@@ -843,7 +813,7 @@ impl BackendBody {
         };
         loop {
             match &mut self.framing {
-                Framing::Length(0) | Framing::Chunked(Chunk::Done) => return Poll::Ready(None),
+                Framing::Length(0) | Framing::Chunked(Chunk::Done, _) => return Poll::Ready(None),
                 Framing::Length(left) => {
                     if !kept.read.is_empty() {
                         let taken = kept.read.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
@@ -865,17 +835,16 @@ impl BackendBody {
                         self.framing = Framing::Length(0);
                     }
                 }
-                Framing::Chunked(chunk) => {
-                    if let Some(data) = next_chunk(chunk, &mut kept.read)? {
+                Framing::Chunked(chunk, framing) => {
+                    if let Some(data) = next_chunk(chunk, framing, &mut kept.read)? {
                         return Poll::Ready(Some(Ok(data)));
                     }
-                    if matches!(chunk, Chunk::Done) {
+                    if *chunk == Chunk::Done {
                         continue;
                     }
-                    let want = match chunk {
-                        Chunk::Data(left) => usize::try_from(*left).unwrap_or(usize::MAX),
-                        _ => READ_FIRST,
-                    };
+                    let want = chunk
+                        .data_left()
+                        .map_or(READ_FIRST, |left| usize::try_from(left).unwrap_or(usize::MAX));
                     if ready!(kept.poll_fill(cx, want.min(kept.read_size.max(READ_FIRST))))? == 0 {
                         return Poll::Ready(Some(Err(closed(
                             "the connection closed before the answer's last chunk",
@@ -888,69 +857,32 @@ impl BackendBody {
 }
 
 /// Reads what it can of a chunked body from `read`: a chunk's data when some is at hand, `None` when more bytes are
-/// needed (or the body has ended: `chunk` is then `Done`).
-fn next_chunk(chunk: &mut Chunk, read: &mut BytesMut) -> io::Result<Option<Bytes>> {
+/// needed (or the body has ended: `chunk` is then `Done`). `framing` counts the framing bytes since the last data.
+fn next_chunk(chunk: &mut Chunk, framing: &mut usize, read: &mut BytesMut) -> io::Result<Option<Bytes>> {
     loop {
-        match chunk {
-            Chunk::Done => return Ok(None),
-            Chunk::Size => {
-                let Some(end) = memchr::memchr(b'\n', read) else {
-                    if read.len() > MOST_CHUNK_LINE {
-                        return Err(broken("an answer with a chunk-size line too long"));
-                    }
-                    return Ok(None);
-                };
-                if end == 0 || read[end - 1] != b'\r' || end > MOST_CHUNK_LINE {
-                    return Err(broken("an answer with an invalid chunk size"));
-                }
-                let size = chunk_size(&read[..end - 1])?;
-                read.advance(end + 1);
-                *chunk = if size == 0 {
-                    Chunk::Trailers { read: 0 }
-                } else {
-                    Chunk::Data(size)
-                };
+        if let Some(left) = chunk.data_left() {
+            if read.is_empty() {
+                return Ok(None);
             }
-            Chunk::Data(left) => {
-                if read.is_empty() {
-                    return Ok(None);
-                }
-                let taken = read.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
-                *left -= taken as u64;
-                if *left == 0 {
-                    *chunk = Chunk::DataEnd;
-                }
-                return Ok(Some(read.split_to(taken).freeze()));
-            }
-            Chunk::DataEnd => {
-                if read.len() < 2 {
-                    return Ok(None);
-                }
-                if &read[..2] != b"\r\n" {
-                    return Err(broken("an answer whose chunk is longer than its size"));
-                }
-                read.advance(2);
-                *chunk = Chunk::Size;
-            }
-            Chunk::Trailers { read: so_far } => {
-                let Some(end) = memchr::memchr(b'\n', read) else {
-                    if *so_far + read.len() > MOST_TRAILERS {
-                        return Err(broken("an answer with trailers too long"));
-                    }
-                    return Ok(None);
-                };
-                if end == 0 || read[end - 1] != b'\r' {
-                    return Err(broken("an answer with a malformed trailer"));
-                }
-                *so_far += end + 1;
-                if *so_far > MOST_TRAILERS {
-                    return Err(broken("an answer with trailers too long"));
-                }
-                read.advance(end + 1);
-                if end == 1 {
-                    *chunk = Chunk::Done;
-                }
-            }
+            let taken = read.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+            chunk.took(taken as u64);
+            *framing = 0;
+            return Ok(Some(read.split_to(taken).freeze()));
+        }
+        if *chunk == Chunk::Done || read.is_empty() {
+            return Ok(None);
+        }
+        let mut bytes = &read[..];
+        chunk
+            .frame(&mut bytes)
+            .map_err(|Malformed| broken("an answer with malformed chunked framing"))?;
+        let used = read.len() - bytes.len();
+        read.advance(used);
+        *framing += used;
+        if *framing > MOST_CHUNK_FRAMING {
+            return Err(broken(format!(
+                "an answer with over {MOST_CHUNK_FRAMING} bytes of chunk extensions or trailers"
+            )));
         }
     }
 }
@@ -1355,11 +1287,11 @@ mod tests {
             ),
             (
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
-                "invalid chunk size",
+                "malformed chunked framing",
             ),
             (
                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nokay\r\n",
-                "longer than its size",
+                "malformed chunked framing",
             ),
             (
                 b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
@@ -1381,6 +1313,19 @@ mod tests {
                 error.message()
             );
         }
+        // Trailers without end, in a line too long to be let through.
+        let endless = [
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nx-long: ".as_slice(),
+            &vec![b'a'; MOST_CHUNK_FRAMING],
+        ]
+        .concat();
+        let (upstream, _, _) = scripted(move |_, _| answer(&endless)).await;
+        let error = get(&upstream, Method::GET).await.unwrap_err();
+        assert!(
+            error.message().contains("chunk extensions or trailers"),
+            "{}",
+            error.message()
+        );
         let long_head = [
             b"HTTP/1.1 200 OK\r\nx-long: ".as_slice(),
             &vec![b'a'; MOST_HEAD],

@@ -8,6 +8,8 @@
 //! the scan, since hyper closes the connection on it; so does a head framed both ways, after which hyper takes no
 //! further request on the connection.
 
+use crate::codec::chunked::{Chunk, Malformed};
+
 /// Where a connection's bytes have been followed to.
 #[derive(Debug)]
 pub(super) struct FramingScan {
@@ -26,32 +28,6 @@ enum Part {
     Chunked(Chunk),
     /// No longer followed.
     Stopped,
-}
-
-/// Where the scan is within a chunked body, as hyper's decoder reads it.
-#[derive(Debug, Clone, Copy)]
-enum Chunk {
-    /// At a size line's start: a hex digit must come.
-    Start,
-    /// Within the size's digits.
-    Size(u64),
-    /// Blanks after the size: no more digits.
-    SizeBlank(u64),
-    /// An extension, to the line's end.
-    Extension(u64),
-    /// After the size line's carriage return.
-    SizeEnd(u64),
-    /// Data, with this many bytes still to come.
-    Data(u64),
-    /// After a chunk's data: its carriage return, then its line feed.
-    DataReturn,
-    DataEnd,
-    /// After the last chunk, at a trailer line's start (an empty one ends the body).
-    Trailer,
-    /// Within a trailer line.
-    TrailerLine,
-    /// After a carriage return at a trailer line's start.
-    End,
 }
 
 /// A head's scan: only the first bytes of each line are looked at, compared with both names at once when the read
@@ -225,49 +201,6 @@ impl HeadScan {
     }
 }
 
-impl Chunk {
-    /// Takes bytes of a chunked body; `Ok(true)` once it has ended, with `bytes` left at what follows it, and `Err`
-    /// where hyper would refuse it.
-    fn scan(&mut self, bytes: &mut &[u8]) -> Result<bool, ()> {
-        while let Some(&byte) = bytes.first() {
-            if let Chunk::Data(left) = *self {
-                *self = match skip(bytes, left) {
-                    0 => Chunk::DataReturn,
-                    left => Chunk::Data(left),
-                };
-                continue;
-            }
-            *bytes = &bytes[1..];
-            *self = match (*self, byte) {
-                (Chunk::Start | Chunk::Size(_), b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F') => {
-                    let size = if let Chunk::Size(size) = *self { size } else { 0 };
-                    let digit = (byte as char).to_digit(16).map_or(0, u64::from);
-                    Chunk::Size(
-                        size.checked_mul(16)
-                            .and_then(|size| size.checked_add(digit))
-                            .ok_or(())?,
-                    )
-                }
-                (Chunk::Size(size) | Chunk::SizeBlank(size), b' ' | b'\t') => Chunk::SizeBlank(size),
-                (Chunk::Size(size) | Chunk::SizeBlank(size), b';') => Chunk::Extension(size),
-                (Chunk::Size(size) | Chunk::SizeBlank(size) | Chunk::Extension(size), b'\r') => Chunk::SizeEnd(size),
-                (Chunk::Extension(_), b'\n') => return Err(()),
-                (Chunk::Extension(size), _) => Chunk::Extension(size),
-                (Chunk::SizeEnd(0), b'\n') => Chunk::Trailer,
-                (Chunk::SizeEnd(size), b'\n') => Chunk::Data(size),
-                (Chunk::DataReturn, b'\r') => Chunk::DataEnd,
-                (Chunk::DataEnd, b'\n') => Chunk::Start,
-                (Chunk::Trailer, b'\r') => Chunk::End,
-                (Chunk::End, b'\n') => return Ok(true),
-                (Chunk::Trailer | Chunk::TrailerLine, b'\n') => Chunk::Trailer,
-                (Chunk::Trailer | Chunk::TrailerLine, _) => Chunk::TrailerLine,
-                _ => return Err(()),
-            };
-        }
-        Ok(false)
-    }
-}
-
 impl FramingScan {
     /// A scan of a connection on which `begun` requests have already begun (and whose heads it has no more of).
     pub(super) fn after(begun: u64) -> FramingScan {
@@ -316,11 +249,17 @@ impl FramingScan {
                     }
                     Part::Head(HeadScan::new())
                 }
-                Part::Chunked(chunk) => match chunk.scan(&mut bytes) {
-                    Ok(false) => return,
-                    Ok(true) => Part::Head(HeadScan::new()),
-                    Err(()) => Part::Stopped,
-                },
+                Part::Chunked(chunk) => {
+                    if let Some(left) = chunk.data_left() {
+                        chunk.took(left - skip(&mut bytes, left));
+                        continue;
+                    }
+                    match chunk.frame(&mut bytes) {
+                        Ok(()) if *chunk == Chunk::Done => Part::Head(HeadScan::new()),
+                        Ok(()) => continue,
+                        Err(Malformed) => Part::Stopped,
+                    }
+                }
             };
         }
     }
