@@ -221,16 +221,6 @@ impl ChannelBody {
     }
 }
 
-impl OutBody {
-    /// The same body again, when it can be sent twice (it is whole in memory; its chunks are shared, not copied).
-    pub fn again(&self) -> Option<OutBody> {
-        match self {
-            OutBody::Chunks(body) => Some(OutBody::Chunks(body.clone())),
-            OutBody::Relayed(_) | OutBody::Channel(_) => None,
-        }
-    }
-}
-
 impl From<ChunksBody> for OutBody {
     fn from(body: ChunksBody) -> Self {
         OutBody::Chunks(body)

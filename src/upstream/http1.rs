@@ -439,7 +439,10 @@ impl Writing {
                         "the request body is longer than its {length} bytes"
                     ))));
                 }
-                _ => self.piece.push(data),
+                Sending::Length(_) => self.piece.push(data),
+                Sending::Nothing => {
+                    return Poll::Ready(Err(io::Error::other("a request body where none was declared")));
+                }
             }
             return Poll::Ready(Ok(()));
         }

@@ -180,6 +180,8 @@ impl RestUpstream {
             .map_err(|failure| self.unreachable(failure))
     }
 
+    /// A request that could not be sent or answered: a bad gateway naming the endpoint, which another endpoint may
+    /// take when none of it was sent.
     fn unreachable(&self, failure: Failure) -> Error {
         let failed = |message: String| {
             Error::new(
