@@ -2,9 +2,9 @@
 //! the future is itself being polled is taken as "poll again", on the spot, rather than a second trip through the
 //! scheduler for the whole task.
 //!
-//! hyper's channels wake the side that waits on them. When both sides are polled by one task (a request and the
-//! backend connection it drives; a connection and the request handler reading its body), each hand-over woke the
-//! task while it was polling, and the task was then polled whole once more.
+//! hyper's channels wake the side that waits on them. When both sides are polled by one task (a connection and the
+//! request handler reading its body), each hand-over woke the task while it was polling, and the task was then polled
+//! whole once more.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -65,14 +65,6 @@ impl LocalWake {
         }
         cx.waker().wake_by_ref();
         Poll::Pending
-    }
-
-    /// Runs `hand_over`, after which a poll through this waker comes next anyway: a wake it causes is dropped.
-    pub fn before_poll<T>(&self, hand_over: impl FnOnce() -> T) -> T {
-        self.0.state.store(Waking::POLLING, Ordering::Release);
-        let handed = hand_over();
-        self.0.state.store(Waking::IDLE, Ordering::Release);
-        handed
     }
 }
 
@@ -169,17 +161,5 @@ mod tests {
         };
         let (got, ()) = tokio::join!(waiting, sending);
         assert_eq!((got.unwrap(), count.wakes()), (7, 1));
-        // A wake caused by a hand-over just before a poll is left to that poll.
-        let counted = WakeCount::default();
-        let waker = Waker::from(counted.0.clone());
-        let (sender, mut receiver) = tokio::sync::oneshot::channel();
-        let mut receive = |cx: &mut Context<'_>| std::pin::Pin::new(&mut receiver).poll(cx);
-        assert!(wake.poll(&mut Context::from_waker(&waker), &mut receive).is_pending());
-        wake.before_poll(|| sender.send(8).unwrap());
-        assert_eq!(counted.wakes(), 0);
-        assert_eq!(
-            wake.poll(&mut Context::from_waker(&waker), &mut receive),
-            Poll::Ready(Ok(8))
-        );
     }
 }
