@@ -265,6 +265,8 @@ pub enum RelayError {
     Unreadable,
     /// The client stopped sending its body for longer than the limit between reads.
     Stalled,
+    /// The client closed its connection before the body's end.
+    Gone,
 }
 
 impl std::fmt::Display for RelayError {
@@ -273,6 +275,7 @@ impl std::fmt::Display for RelayError {
             RelayError::TooLarge => "the request body is larger than the limit",
             RelayError::Unreadable => "the request body could not be read",
             RelayError::Stalled => "the request body stalled",
+            RelayError::Gone => "the client went away before sending the whole body",
         })
     }
 }
@@ -281,14 +284,14 @@ impl std::fmt::Display for RelayError {
 /// read), so a client that trickles its body, or stops, gives up its connection instead of holding it.
 #[derive(Debug)]
 pub struct RequestBody {
-    body: hyper::body::Incoming,
+    body: ClientBody,
     stall: std::time::Duration,
     /// Armed while the body waits for bytes.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl RequestBody {
-    pub fn new(body: hyper::body::Incoming, stall: std::time::Duration) -> RequestBody {
+    pub fn new(body: ClientBody, stall: std::time::Duration) -> RequestBody {
         RequestBody {
             body,
             stall,
@@ -297,12 +300,21 @@ impl RequestBody {
     }
 }
 
+/// A client's body as its door reads it: from the REST door's own HTTP/1.1 connection, or from hyper's HTTP/2.
+#[derive(Debug)]
+pub enum ClientBody {
+    Http1(crate::frontend::rest::Http1Body),
+    Http2(hyper::body::Incoming),
+}
+
 /// Why a request body could not be read.
 #[derive(Debug)]
 pub enum RequestBodyError {
     /// No bytes came for this long.
     Stalled(std::time::Duration),
-    /// hyper could not read it (a malformed chunk, a connection closed early).
+    /// An HTTP/1.1 body broke off (its connection closed, its chunks malformed).
+    Http1(crate::frontend::rest::Http1BodyError),
+    /// hyper could not read an HTTP/2 body (the stream reset, the connection closed).
     Broken(hyper::Error),
 }
 
@@ -314,6 +326,7 @@ impl std::fmt::Display for RequestBodyError {
                 "the request body stalled: no bytes for {} ms (limits.body_read_timeout_ms)",
                 stall.as_millis()
             ),
+            RequestBodyError::Http1(error) => error.fmt(f),
             RequestBodyError::Broken(error) => error.fmt(f),
         }
     }
@@ -323,6 +336,7 @@ impl std::error::Error for RequestBodyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             RequestBodyError::Stalled(_) => None,
+            RequestBodyError::Http1(error) => Some(error),
             RequestBodyError::Broken(error) => Some(error),
         }
     }
@@ -334,10 +348,18 @@ impl Body for RequestBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        match Pin::new(&mut this.body).poll_frame(cx) {
+        let polled = match &mut this.body {
+            ClientBody::Http1(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|frame| frame.map_err(RequestBodyError::Http1))),
+            ClientBody::Http2(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|frame| frame.map_err(RequestBodyError::Broken))),
+        };
+        match polled {
             Poll::Ready(frame) => {
                 this.timer = None;
-                Poll::Ready(frame.map(|frame| frame.map_err(RequestBodyError::Broken)))
+                Poll::Ready(frame)
             }
             Poll::Pending => {
                 let stall = this.stall;
@@ -350,11 +372,17 @@ impl Body for RequestBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        match &self.body {
+            ClientBody::Http1(body) => body.is_end_stream(),
+            ClientBody::Http2(body) => body.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        match &self.body {
+            ClientBody::Http1(body) => body.size_hint(),
+            ClientBody::Http2(body) => body.size_hint(),
+        }
     }
 }
 
@@ -423,6 +451,7 @@ impl RelaySource {
             1 => Some(RelayError::TooLarge),
             2 => Some(RelayError::Unreadable),
             3 => Some(RelayError::Stalled),
+            4 => Some(RelayError::Gone),
             _ => None,
         }
     }
@@ -437,6 +466,7 @@ impl RelaySource {
             RelayError::TooLarge => 1,
             RelayError::Unreadable => 2,
             RelayError::Stalled => 3,
+            RelayError::Gone => 4,
         };
         self.failure.store(code, Ordering::Relaxed);
         error
@@ -512,7 +542,11 @@ impl Body for Relayed {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Stalled))));
                 }
-                Some(Err(RequestBodyError::Broken(_))) => {
+                Some(Err(RequestBodyError::Http1(crate::frontend::rest::Http1BodyError::Closed))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(this.source.fail(RelayError::Gone))));
+                }
+                Some(Err(RequestBodyError::Broken(_) | RequestBodyError::Http1(_))) => {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Unreadable))));
                 }

@@ -6,6 +6,7 @@ pub mod decthings;
 pub mod exposition;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+pub mod http1;
 pub mod model_config;
 pub mod protobuf;
 pub mod rest;

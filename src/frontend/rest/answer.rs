@@ -11,7 +11,6 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 
-use super::connection::ConnState;
 use crate::body::{ChunksBody, RelaySource};
 use crate::codec::compression::{self, Coding, Compressor, MIN_COMPRESSED_BYTES};
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
@@ -50,8 +49,6 @@ pub(super) struct Record {
     /// A relayed body, which counts its own bytes.
     pub(super) relayed: Option<Arc<RelaySource>>,
     response_bytes: u64,
-    /// The HTTP/1.1 connection to tell when the answer is sent.
-    connection: Option<Arc<ConnState>>,
     /// The coding the client accepts its answer in, if any.
     pub(super) answer_coding: Option<Coding>,
     /// Who is calling, when `[auth]` asks.
@@ -157,12 +154,7 @@ pub(super) fn form_of(headers: &HeaderMap) -> Form {
 }
 
 impl Record {
-    pub(super) fn new(
-        dispatcher: Arc<Dispatcher>,
-        active: Active,
-        uri: http::Uri,
-        connection: Option<Arc<ConnState>>,
-    ) -> Record {
+    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: http::Uri) -> Record {
         Record {
             dispatcher,
             _active: active,
@@ -178,7 +170,6 @@ impl Record {
             request_bytes: 0,
             relayed: None,
             response_bytes: 0,
-            connection,
             answer_coding: None,
             principal: None,
             admission: None,
@@ -238,9 +229,6 @@ impl Drop for Record {
                 principal: self.principal.as_deref(),
             },
         );
-        if let Some(connection) = &self.connection {
-            connection.answered();
-        }
     }
 }
 

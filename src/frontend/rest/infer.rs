@@ -396,6 +396,11 @@ impl RestDoor {
         match source.failure()? {
             RelayError::TooLarge => Some(self.too_large()),
             RelayError::Unreadable => Some(Error::invalid("could not read the request body")),
+            RelayError::Gone => Some(Error::new(
+                ErrorKind::Cancelled,
+                Origin::Client,
+                "the client went away before sending the whole body",
+            )),
             RelayError::Stalled => Some(Error::new(
                 ErrorKind::RequestTimeout,
                 Origin::Client,

@@ -10,21 +10,20 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body::Body as _;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 mod answer;
 pub mod connection;
-mod framing;
 mod generate;
+mod http1;
 mod infer;
 
 pub use answer::AnswerBody;
 use answer::{Record, Rename};
-pub use connection::ConnState;
+pub use http1::{Http1Body, Http1BodyError};
 
 use super::budget::AnswerBudget;
 use super::paths::{Route, route};
-use crate::body::{RequestBody, RequestBodyError};
+use crate::body::{ClientBody, RequestBody, RequestBodyError};
 use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -82,43 +81,28 @@ impl RestDoor {
         &self.gateway
     }
 
-    /// Answers one request. `connection` is the HTTP/1.1 connection it came on, told when the answer is sent;
-    /// `budget`, an HTTP/2 connection's bound on the answers it holds unread.
+    /// Answers one request; `budget` is an HTTP/2 connection's bound on the answers it holds unread.
     pub async fn answer(
         &self,
-        request: Request<Incoming>,
-        connection: Option<Arc<ConnState>>,
+        request: Request<ClientBody>,
         budget: Option<&Arc<AnswerBudget>>,
     ) -> Response<AnswerBody> {
-        let closing = connection.as_ref().is_some_and(|c| c.is_closing());
-        let http1_state = connection.clone();
-        let framed_both_ways = connection.as_ref().is_some_and(|c| c.framed_both_ways());
-        let http1 = connection.is_some();
         let (mut parts, body) = request.into_parts();
-        let mut record = Record::new(
-            self.gateway.dispatcher(),
-            self.gateway.begin(),
-            parts.uri.clone(),
-            connection,
-        );
+        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), parts.uri.clone());
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         if let Some(traces) = record.dispatcher().traces() {
             record.trace = request_span(traces, &parts);
         }
         let mut body = Some(RequestBody::new(body, self.body_stall));
-        let reply = if framed_both_ways {
-            Err(both_lengths())
-        } else {
-            match authenticate(&mut parts, &mut record) {
-                Ok(()) => self.handle(&parts, &mut body, &mut record).await,
-                Err(error) => Err(error),
-            }
+        let reply = match authenticate(&mut parts, &mut record) {
+            Ok(()) => self.handle(&parts, &mut body, &mut record).await,
+            Err(error) => Err(error),
         };
         let reply = match (reply, budget) {
             (Ok(reply), Some(budget)) => hold(reply, budget),
             (reply, _) => reply,
         };
-        let mut response = match reply {
+        let response = match reply {
             Ok(Reply::Json(status, json)) => answer::json(status, json, record),
             Ok(Reply::Encoded(encoded, headers)) => answer::encoded(encoded, headers, record),
             Ok(Reply::Buffered(status, headers, chunks)) => answer::buffered(status, headers, chunks, record),
@@ -128,19 +112,13 @@ impl RestDoor {
             Ok(Reply::Events(events)) => answer::events(events, record),
             Err(error) => answer::error(&error, &parts.method, record),
         };
-        // A body left unread is read and dropped for a while, and the connection then closes: it cannot carry
-        // another request after a body nobody read.
-        let unread = body.is_some_and(|body| {
-            let unread = !body.is_end_stream();
-            if unread {
-                tokio::spawn(discard(body, http1_state));
-            }
-            unread
-        });
-        if http1 && (closing || unread) {
-            response
-                .headers_mut()
-                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        // An HTTP/2 body left unread is read and dropped for a while, so the client can finish sending it; an
+        // HTTP/1.1 connection does the same with what it has not read, and then closes.
+        if let Some(body) = body
+            && parts.version == http::Version::HTTP_2
+            && !body.is_end_stream()
+        {
+            tokio::spawn(discard(body));
         }
         response
     }
@@ -371,6 +349,9 @@ fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::
 }
 
 fn body_error(error: RequestBodyError) -> Error {
+    if let RequestBodyError::Http1(Http1BodyError::Framing(bad)) = error {
+        return Error::invalid(format!("could not read the request body: its {bad}"));
+    }
     let cancelled = |cause: &(dyn std::error::Error + 'static)| {
         crate::error::is_closed_connection(cause)
             || std::iter::successors(Some(cause), |cause| cause.source())
@@ -379,6 +360,11 @@ fn body_error(error: RequestBodyError) -> Error {
     };
     match error {
         RequestBodyError::Stalled(_) => Error::new(ErrorKind::RequestTimeout, Origin::Client, error.to_string()),
+        RequestBodyError::Http1(_) => Error::new(
+            ErrorKind::Cancelled,
+            Origin::Client,
+            "the client went away before sending the whole body",
+        ),
         _ if cancelled(&error) => Error::new(
             ErrorKind::Cancelled,
             Origin::Client,
@@ -386,12 +372,6 @@ fn body_error(error: RequestBodyError) -> Error {
         ),
         _ => Error::invalid(format!("could not read the request body: {error}")).caused_by(error),
     }
-}
-
-/// A request whose body is framed both by Content-Length and by Transfer-Encoding (RFC 9112 section 6.3 lets a
-/// server refuse it, and as often as not it is request smuggling): it goes nowhere.
-fn both_lengths() -> Error {
-    Error::invalid("the request has both Content-Length and Transfer-Encoding; send one")
 }
 
 /// Charges an answer made whole to its HTTP/2 connection's budget (answers relayed as they come are held back by
@@ -421,14 +401,8 @@ fn authenticate(parts: &mut http::request::Parts, record: &mut Record) -> Result
     Ok(())
 }
 
-/// Reads and drops a body nobody will use, for a bounded time (ended early by a stall); nothing is kept.
-async fn discard(mut body: RequestBody, connection: Option<Arc<ConnState>>) {
+/// Reads and drops an HTTP/2 body nobody will use, for a bounded time (ended early by a stall); nothing is kept.
+async fn discard(mut body: RequestBody) {
     let drain = async { while let Some(Ok(_)) = body.frame().await {} };
     let _ = tokio::time::timeout(LINGER, drain).await;
-    drop(body);
-    // hyper would keep waiting for the rest of a body nobody reads; the connection is closed instead, once its
-    // answer is sent.
-    if let Some(connection) = connection {
-        connection.abandon();
-    }
 }

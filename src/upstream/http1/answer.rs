@@ -13,17 +13,13 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 
 use super::{Kept, MOST_IDLE, READ_FIRST, broken, closed, this_thread};
-use crate::codec::chunked::{Chunk, Malformed};
+use crate::codec::http1::{self, Framing, PLACED, content_length};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
 
 /// The most headers an answer may have (hyper's limit for a client).
 pub(super) const MOST_HEADERS: usize = 100;
-
-/// The most bytes of framing a chunked answer may send between two pieces of data (size lines with their extensions,
-/// and the trailers after the last chunk, which are read and dropped: they are this hop's).
-pub(super) const MOST_CHUNK_FRAMING: usize = 64 * 1024;
 
 /// An answer's head, read.
 pub(super) struct AnswerHead {
@@ -58,9 +54,6 @@ pub(super) enum Parsed {
     Partial,
 }
 
-/// How many headers' places a head's read notes on the stack; a head with more is read a second time.
-pub(super) const PLACED: usize = 16;
-
 /// Reads an answer's head from the start of `read`, taking it off the buffer when whole. The header values are the
 /// head's own bytes, shared, not copied.
 pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Parsed> {
@@ -93,15 +86,7 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     // Where each header lies in the head, noted while the parse borrows the buffer, so that the values can be
     // slices of the head once it is split off.
     let count = answer.headers.len();
-    let base = read.as_ptr() as usize;
-    let mut places: [_; PLACED] = std::array::from_fn(|_| (0..0, 0..0));
-    for (place, header) in places.iter_mut().zip(answer.headers.iter()) {
-        let at = |bytes: &[u8]| {
-            let start = bytes.as_ptr() as usize - base;
-            start..start + bytes.len()
-        };
-        *place = (at(header.name.as_bytes()), at(header.value));
-    }
+    let places = http1::places(answer.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
     let mut said = Said::new(version, count);
     if count <= PLACED {
@@ -156,11 +141,7 @@ impl Said {
             self.length = Some(said);
         } else if name == TRANSFER_ENCODING {
             self.coded = true;
-            self.chunked = value
-                .as_bytes()
-                .rsplit(|&byte| byte == b',')
-                .next()
-                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            self.chunked = http1::is_chunked(value.as_bytes());
         } else if name == CONNECTION {
             for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
                 if token.eq_ignore_ascii_case(b"close") {
@@ -181,7 +162,7 @@ impl Said {
         } else if self.chunked {
             // A length beside the chunks says nothing true about the body.
             self.headers.remove(CONTENT_LENGTH);
-            Framing::Chunked(Chunk::Start, 0)
+            Framing::chunked()
         } else if self.coded {
             Framing::UntilClose
         } else {
@@ -194,39 +175,6 @@ impl Said {
             headers: self.headers,
             framing,
         }
-    }
-}
-
-/// A Content-Length value: digits, or a list of the same digits repeated.
-fn content_length(value: &[u8]) -> Option<u64> {
-    let mut said = None;
-    for item in value.split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
-        if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        let length = item.iter().fold(0u64, |sum, digit| sum * 10 + u64::from(digit - b'0'));
-        if said.is_some_and(|before| before != length) {
-            return None;
-        }
-        said = Some(length);
-    }
-    said
-}
-
-/// How an answer's body is framed, and how much of it is left.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Framing {
-    Length(u64),
-    /// Where the chunks' reading stands, and the framing bytes read since the last data (bounded: a backend that
-    /// sends extensions or trailers without end is refused).
-    Chunked(Chunk, usize),
-    /// Until the backend closes the connection.
-    UntilClose,
-}
-
-impl Framing {
-    fn is_done(&self) -> bool {
-        matches!(self, Framing::Length(0) | Framing::Chunked(Chunk::Done, _))
     }
 }
 
@@ -248,77 +196,34 @@ impl BackendBody {
             return Poll::Ready(None);
         };
         loop {
-            match &mut self.framing {
-                Framing::Length(0) | Framing::Chunked(Chunk::Done, _) => return Poll::Ready(None),
-                Framing::Length(left) => {
-                    if !kept.read.is_empty() {
-                        let taken = kept.read.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
-                        *left -= taken as u64;
-                        return Poll::Ready(Some(Ok(kept.read.split_to(taken).freeze())));
-                    }
-                    let want = usize::try_from(*left)
-                        .unwrap_or(usize::MAX)
-                        .min(kept.read_size.max(READ_FIRST));
-                    if ready!(kept.poll_fill(cx, want))? == 0 {
-                        return Poll::Ready(Some(Err(closed("the connection closed before the answer's end"))));
-                    }
-                }
-                Framing::UntilClose => {
-                    if !kept.read.is_empty() {
-                        return Poll::Ready(Some(Ok(kept.read.split().freeze())));
-                    }
-                    if ready!(kept.poll_fill(cx, kept.read_size))? == 0 {
+            if let Some(data) = self
+                .framing
+                .take(&mut kept.read)
+                .map_err(|error| broken(format!("an answer with {error}")))?
+            {
+                return Poll::Ready(Some(Ok(data)));
+            }
+            if self.framing.is_done() {
+                return Poll::Ready(None);
+            }
+            let want = match self.framing {
+                Framing::UntilClose => kept.read_size,
+                _ => self.framing.want(kept.read_size.max(READ_FIRST)),
+            };
+            if ready!(kept.poll_fill(cx, want))? == 0 {
+                return match self.framing {
+                    Framing::UntilClose => {
                         self.framing = Framing::Length(0);
+                        Poll::Ready(None)
                     }
-                }
-                Framing::Chunked(chunk, framing) => {
-                    if let Some(data) = next_chunk(chunk, framing, &mut kept.read)? {
-                        return Poll::Ready(Some(Ok(data)));
+                    Framing::Length(_) => {
+                        Poll::Ready(Some(Err(closed("the connection closed before the answer's end"))))
                     }
-                    if *chunk == Chunk::Done {
-                        continue;
-                    }
-                    let want = chunk
-                        .data_left()
-                        .map_or(READ_FIRST, |left| usize::try_from(left).unwrap_or(usize::MAX));
-                    if ready!(kept.poll_fill(cx, want.min(kept.read_size.max(READ_FIRST))))? == 0 {
-                        return Poll::Ready(Some(Err(closed(
-                            "the connection closed before the answer's last chunk",
-                        ))));
-                    }
-                }
+                    Framing::Chunked(..) => Poll::Ready(Some(Err(closed(
+                        "the connection closed before the answer's last chunk",
+                    )))),
+                };
             }
-        }
-    }
-}
-
-/// Reads what it can of a chunked body from `read`: a chunk's data when some is at hand, `None` when more bytes are
-/// needed (or the body has ended: `chunk` is then `Done`). `framing` counts the framing bytes since the last data.
-fn next_chunk(chunk: &mut Chunk, framing: &mut usize, read: &mut BytesMut) -> io::Result<Option<Bytes>> {
-    loop {
-        if let Some(left) = chunk.data_left() {
-            if read.is_empty() {
-                return Ok(None);
-            }
-            let taken = read.len().min(usize::try_from(left).unwrap_or(usize::MAX));
-            chunk.took(taken as u64);
-            *framing = 0;
-            return Ok(Some(read.split_to(taken).freeze()));
-        }
-        if *chunk == Chunk::Done || read.is_empty() {
-            return Ok(None);
-        }
-        let mut bytes = &read[..];
-        chunk
-            .frame(&mut bytes)
-            .map_err(|Malformed| broken("an answer with malformed chunked framing"))?;
-        let used = read.len() - bytes.len();
-        read.advance(used);
-        *framing += used;
-        if *framing > MOST_CHUNK_FRAMING {
-            return Err(broken(format!(
-                "an answer with over {MOST_CHUNK_FRAMING} bytes of chunk extensions or trailers"
-            )));
         }
     }
 }

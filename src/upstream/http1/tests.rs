@@ -8,8 +8,9 @@ use http::StatusCode;
 use http::header::CONTENT_LENGTH;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::answer::{MOST_CHUNK_FRAMING, MOST_HEAD, MOST_HEADERS, PLACED};
+use super::answer::{MOST_HEAD, MOST_HEADERS};
 use super::*;
+use crate::codec::http1::{MOST_CHUNK_FRAMING, PLACED};
 
 /// A backend answering `ok` to every request; gives its address and how many of its connections are open.
 async fn backend() -> (std::net::SocketAddr, Arc<AtomicUsize>) {

@@ -1,0 +1,208 @@
+//! HTTP/1.1 message framing shared by the REST door (reading requests) and the REST backend client (reading
+//! answers): a Content-Length value, a body taken off a read buffer by its length, its chunks or the connection's
+//! end, and where a parsed head's headers lie so their values can be slices of the head.
+
+use std::ops::Range;
+
+use bytes::{Buf, Bytes, BytesMut};
+
+use super::chunked::{Chunk, Malformed};
+
+/// The most bytes of framing a chunked body may send between two pieces of data (size lines with their extensions,
+/// and the trailers after the last chunk, which are read and dropped: they are this hop's).
+pub const MOST_CHUNK_FRAMING: usize = 64 * 1024;
+
+/// How many headers' places a head's read notes on the stack; a head with more is read a second time.
+pub const PLACED: usize = 16;
+
+/// A Content-Length value: digits, or a list of the same digits repeated (RFC 9110 §8.6).
+pub fn content_length(value: &[u8]) -> Option<u64> {
+    let mut said = None;
+    for item in value.split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
+        if item.is_empty() || item.len() > 19 || !item.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let length = item.iter().fold(0u64, |sum, digit| sum * 10 + u64::from(digit - b'0'));
+        if said.is_some_and(|before| before != length) {
+            return None;
+        }
+        said = Some(length);
+    }
+    said
+}
+
+/// Whether a Transfer-Encoding value ends with `chunked`, the one coding that frames a body.
+pub fn is_chunked(value: &[u8]) -> bool {
+    value
+        .rsplit(|&byte| byte == b',')
+        .next()
+        .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
+/// Where each of a parsed head's first [`PLACED`] headers lies in the buffer that starts at `base`: its name, then
+/// its value. Noted while the parse borrows the buffer, so that once the head is split off the values can be slices
+/// of it.
+pub fn places(headers: &[httparse::Header<'_>], base: *const u8) -> [(Range<usize>, Range<usize>); PLACED] {
+    let mut places: [_; PLACED] = std::array::from_fn(|_| (0..0, 0..0));
+    let base = base as usize;
+    for (place, header) in places.iter_mut().zip(headers) {
+        let at = |bytes: &[u8]| {
+            let start = bytes.as_ptr() as usize - base;
+            start..start + bytes.len()
+        };
+        *place = (at(header.name.as_bytes()), at(header.value));
+    }
+    places
+}
+
+/// How a body is framed, and how much of it is left.
+#[derive(Debug, Clone, Copy)]
+pub enum Framing {
+    Length(u64),
+    /// Where the chunks' reading stands, and the framing bytes read since the last data (bounded: a peer that sends
+    /// extensions or trailers without end is refused).
+    Chunked(Chunk, usize),
+    /// Until the peer closes the connection.
+    UntilClose,
+}
+
+/// Why a body's framing cannot be followed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BadFraming {
+    Malformed,
+    /// Over [`MOST_CHUNK_FRAMING`] bytes of framing between two pieces of data.
+    TooMuchFraming,
+}
+
+impl std::fmt::Display for BadFraming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadFraming::Malformed => f.write_str("malformed chunked framing"),
+            BadFraming::TooMuchFraming => write!(f, "over {MOST_CHUNK_FRAMING} bytes of chunk extensions or trailers"),
+        }
+    }
+}
+
+impl Framing {
+    pub fn chunked() -> Framing {
+        Framing::Chunked(Chunk::Start, 0)
+    }
+
+    pub fn is_done(&self) -> bool {
+        matches!(self, Framing::Length(0) | Framing::Chunked(Chunk::Done, _))
+    }
+
+    /// The bytes left when the length is known.
+    pub fn left(&self) -> Option<u64> {
+        match *self {
+            Framing::Length(left) => Some(left),
+            _ => None,
+        }
+    }
+
+    /// How many bytes the next read should ask for, at most `most`: what is left of the body or of a chunk's data
+    /// when known.
+    pub fn want(&self, most: usize) -> usize {
+        let left = match self {
+            Framing::Length(left) => Some(*left),
+            Framing::Chunked(chunk, _) => chunk.data_left(),
+            Framing::UntilClose => None,
+        };
+        left.map_or(most, |left| usize::try_from(left).unwrap_or(usize::MAX).min(most))
+    }
+
+    /// Takes what `read` holds of the body: a piece of its data (split off the buffer, not copied), or `None` when
+    /// more bytes are needed or the body has ended ([`Self::is_done`]). What follows the body stays in `read`.
+    pub fn take(&mut self, read: &mut BytesMut) -> Result<Option<Bytes>, BadFraming> {
+        match self {
+            Framing::Length(left) => {
+                if read.is_empty() || *left == 0 {
+                    return Ok(None);
+                }
+                let taken = read.len().min(usize::try_from(*left).unwrap_or(usize::MAX));
+                *left -= taken as u64;
+                Ok(Some(read.split_to(taken).freeze()))
+            }
+            Framing::UntilClose => Ok((!read.is_empty()).then(|| read.split().freeze())),
+            Framing::Chunked(chunk, framing) => loop {
+                if let Some(left) = chunk.data_left() {
+                    if read.is_empty() {
+                        return Ok(None);
+                    }
+                    let taken = read.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                    chunk.took(taken as u64);
+                    *framing = 0;
+                    return Ok(Some(read.split_to(taken).freeze()));
+                }
+                if *chunk == Chunk::Done || read.is_empty() {
+                    return Ok(None);
+                }
+                let mut bytes = &read[..];
+                chunk.frame(&mut bytes).map_err(|Malformed| BadFraming::Malformed)?;
+                let used = read.len() - bytes.len();
+                read.advance(used);
+                *framing += used;
+                if *framing > MOST_CHUNK_FRAMING {
+                    return Err(BadFraming::TooMuchFraming);
+                }
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_length_is_digits_or_the_same_digits_listed() {
+        assert_eq!(content_length(b"42"), Some(42));
+        assert_eq!(content_length(b" 42 , 42"), Some(42));
+        for bad in [
+            &b""[..],
+            b"4 2",
+            b"42,43",
+            b"-1",
+            b"+1",
+            b"12345678901234567890",
+            b"0x10",
+            b",",
+        ] {
+            assert_eq!(content_length(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn only_a_last_chunked_coding_frames_a_body() {
+        assert!(is_chunked(b"chunked"));
+        assert!(is_chunked(b"gzip, Chunked "));
+        assert!(!is_chunked(b"chunked, gzip"));
+        assert!(!is_chunked(b"identity"));
+    }
+
+    #[test]
+    fn a_body_is_taken_by_its_framing_and_what_follows_is_left() {
+        let mut read = BytesMut::from(&b"hello worldNEXT"[..]);
+        let mut framing = Framing::Length(11);
+        assert_eq!(framing.take(&mut read).unwrap().as_deref(), Some(&b"hello world"[..]));
+        assert!(framing.is_done());
+        assert_eq!(&read[..], b"NEXT");
+
+        let mut read = BytesMut::from(&b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\nNEXT"[..]);
+        let mut framing = Framing::chunked();
+        let mut data = Vec::new();
+        while let Some(piece) = framing.take(&mut read).unwrap() {
+            data.extend_from_slice(&piece);
+        }
+        assert!(framing.is_done());
+        assert_eq!(data, b"hello world");
+        assert_eq!(&read[..], b"NEXT");
+
+        let mut endless = BytesMut::from(format!("1;{}", "x".repeat(MOST_CHUNK_FRAMING)).as_bytes());
+        assert_eq!(Framing::chunked().take(&mut endless), Err(BadFraming::TooMuchFraming));
+        assert_eq!(
+            Framing::chunked().take(&mut BytesMut::from(&b"zz\r\n"[..])),
+            Err(BadFraming::Malformed)
+        );
+    }
+}

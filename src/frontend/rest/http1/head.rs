@@ -1,0 +1,210 @@
+//! A request's head read off an HTTP/1.1 connection: parsed by httparse, its header values slices of the head (not
+//! copied), its body's framing told by its headers as RFC 9112 §6 asks, and the refusals a head earns (400, 414, 431)
+//! made before anything of it goes further.
+
+use bytes::{Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
+
+use crate::codec::http1::{self, Framing, PLACED, content_length};
+use crate::frontend::MAX_HEAD_BYTES;
+use crate::frontend::rest::MAX_TARGET_BYTES;
+
+/// The most header fields a request head may carry (Apache's `LimitRequestFields`); beyond it the answer is 431.
+pub(super) const MAX_HEADERS: usize = 100;
+
+/// A request's head, read.
+#[derive(Debug)]
+pub(super) struct RequestHead {
+    pub parts: http::request::Parts,
+    pub framing: Framing,
+    /// The connection closes after this request (the client said so, or spoke HTTP/1.0 without keep-alive).
+    pub close: bool,
+    /// An HTTP/1.0 client asked to keep the connection: the answer says it is kept.
+    pub keep_alive_10: bool,
+    /// The client waits for `100 Continue` before it sends the body.
+    pub expects_continue: bool,
+}
+
+/// Why a head is refused: the connection answers it and closes.
+#[derive(Debug)]
+pub(super) struct Refusal {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad(message: impl Into<String>) -> Refusal {
+        Refusal::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn too_large() -> Refusal {
+        Refusal::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!("the request head is larger than {MAX_HEAD_BYTES} bytes"),
+        )
+    }
+}
+
+/// A request whose body is framed both by Content-Length and by Transfer-Encoding: RFC 9112 §6.3 lets a server refuse
+/// it, and as often as not it is request smuggling.
+pub(super) const FRAMED_BOTH_WAYS: &str = "the request has both Content-Length and Transfer-Encoding; send one";
+
+/// Reads a request's head from the start of `read`, taking it off the buffer when whole; `None` while it is partial.
+pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refusal> {
+    let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut []);
+    // Empty lines before a request line are let go (RFC 9112 §2.2): httparse skips them.
+    let config = httparse::ParserConfig::default();
+    let length = match config.parse_request_with_uninit_headers(&mut request, read, &mut slots) {
+        Ok(httparse::Status::Complete(length)) if length <= MAX_HEAD_BYTES => length,
+        Ok(httparse::Status::Partial) if read.len() <= MAX_HEAD_BYTES => {
+            if read.len() > MAX_TARGET_BYTES + 32 && memchr::memchr(b'\n', read).is_none() {
+                return Err(target_too_long());
+            }
+            return Ok(None);
+        }
+        Ok(_) => return Err(Refusal::too_large()),
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Refusal::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                format!("the request has more than {MAX_HEADERS} headers"),
+            ));
+        }
+        Err(error) => return Err(Refusal::bad(format!("a malformed request head ({error})"))),
+    };
+    let method = Method::from_bytes(request.method.unwrap_or_default().as_bytes())
+        .map_err(|_| Refusal::bad("a malformed request method"))?;
+    let target = request.path.unwrap_or_default();
+    if target.len() > MAX_TARGET_BYTES {
+        return Err(target_too_long());
+    }
+    let base = read.as_ptr() as usize;
+    let target = {
+        let start = target.as_ptr() as usize - base;
+        start..start + target.len()
+    };
+    let version = if request.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    let count = request.headers.len();
+    let places = http1::places(request.headers, read.as_ptr());
+    let head = read.split_to(length).freeze();
+    let uri = Uri::from_maybe_shared(head.slice(target)).map_err(|_| Refusal::bad("a malformed request target"))?;
+    let mut said = Said::new(version, count);
+    if count <= PLACED {
+        for (name, value) in places.into_iter().take(count) {
+            said.note(&head[name], head.slice(value))?;
+        }
+    } else {
+        let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut again = httparse::Request::new(&mut []);
+        config
+            .parse_request_with_uninit_headers(&mut again, &head, &mut slots)
+            .map_err(|error| Refusal::bad(format!("a malformed request head ({error})")))?;
+        for header in again.headers.iter() {
+            said.note(header.name.as_bytes(), head.slice_ref(header.value))?;
+        }
+    }
+    said.into_head(method, uri)
+}
+
+fn target_too_long() -> Refusal {
+    Refusal::new(
+        StatusCode::URI_TOO_LONG,
+        format!("the request target is longer than {MAX_TARGET_BYTES} bytes"),
+    )
+}
+
+/// What a request's headers say of its body and its connection, gathered with the headers.
+struct Said {
+    version: Version,
+    headers: HeaderMap,
+    length: Option<u64>,
+    coded: bool,
+    chunked: bool,
+    close: bool,
+    keep_alive: bool,
+    expects_continue: bool,
+}
+
+impl Said {
+    fn new(version: Version, count: usize) -> Said {
+        Said {
+            version,
+            headers: HeaderMap::with_capacity(count),
+            length: None,
+            coded: false,
+            chunked: false,
+            close: false,
+            keep_alive: false,
+            expects_continue: false,
+        }
+    }
+
+    fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), Refusal> {
+        let name = HeaderName::from_bytes(name).map_err(|_| Refusal::bad("a request header with an invalid name"))?;
+        let value = HeaderValue::from_maybe_shared(value)
+            .map_err(|_| Refusal::bad(format!("an invalid value of the request's {name} header")))?;
+        if name == CONTENT_LENGTH {
+            let said = content_length(value.as_bytes()).ok_or_else(|| Refusal::bad("an invalid Content-Length"))?;
+            if self.length.is_some_and(|before| before != said) {
+                return Err(Refusal::bad("two different Content-Length values"));
+            }
+            self.length = Some(said);
+        } else if name == TRANSFER_ENCODING {
+            self.coded = true;
+            self.chunked = http1::is_chunked(value.as_bytes());
+        } else if name == CONNECTION {
+            for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    self.keep_alive = true;
+                }
+            }
+        } else if name == EXPECT {
+            self.expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        }
+        self.headers.append(name, value);
+        Ok(())
+    }
+
+    fn into_head(self, method: Method, uri: Uri) -> Result<Option<RequestHead>, Refusal> {
+        let framing = match (self.coded, self.length) {
+            (true, Some(_)) => return Err(Refusal::bad(FRAMED_BOTH_WAYS)),
+            (true, None) if self.version == Version::HTTP_10 => {
+                return Err(Refusal::bad("an HTTP/1.0 request with a Transfer-Encoding"));
+            }
+            (true, None) if !self.chunked => {
+                return Err(Refusal::bad(
+                    "a Transfer-Encoding whose last coding is not chunked: the body's end cannot be told",
+                ));
+            }
+            (true, None) => Framing::chunked(),
+            (false, length) => Framing::Length(length.unwrap_or(0)),
+        };
+        let http10 = self.version == Version::HTTP_10;
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        parts.method = method;
+        parts.uri = uri;
+        parts.version = self.version;
+        parts.headers = self.headers;
+        Ok(Some(RequestHead {
+            parts,
+            framing,
+            close: self.close || (http10 && !self.keep_alive),
+            keep_alive_10: http10 && self.keep_alive && !self.close,
+            expects_continue: self.expects_continue && !http10,
+        }))
+    }
+}

@@ -1,0 +1,398 @@
+//! The REST door's HTTP/1.1: a connection's requests read, handed to the door and answered on the door's own thread,
+//! one after another (pipelined ones in order); the body fed as the door asks for it; a client that leaves
+//! cancelling its request; the head's time limit (408), keep-alive, lingering close and drain on shutdown.
+
+mod body;
+mod head;
+mod write;
+
+use std::future::{Future, poll_fn};
+use std::io;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{Method, Request, Response, Version};
+use pingora::server::ShutdownWatch;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::time::{Instant, Sleep};
+
+use body::Feed;
+pub use body::{Http1Body, Http1BodyError};
+use head::{Refusal, RequestHead};
+use write::{How, write_answer};
+
+use super::RestDoor;
+use super::connection::Peek;
+use crate::body::ClientBody;
+use crate::codec::http1::Framing;
+use crate::frontend::{MAX_HEAD_BYTES, stopping};
+
+/// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
+pub(super) const KEEPALIVE: Duration = Duration::from_secs(60);
+/// Once shutdown starts, how long an idle connection is kept for a request already on its way (answered with
+/// `Connection: close`) before it is closed.
+const CLOSE_LINGER: Duration = Duration::from_millis(500);
+/// How long a body that will not be used is read and dropped once its answer is sent, so that a client still sending
+/// it reads the answer instead of a reset connection (nginx's lingering close).
+const LINGER: Duration = Duration::from_secs(5);
+/// The first read of a request: most heads, and most small bodies with them, fit.
+const READ_SIZE: usize = 4096;
+/// The largest read of a body: a large tensor arrives in pieces of this size.
+const BODY_READ: usize = 256 * 1024;
+/// What a client waiting to send its body is told once the door reads it.
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// One HTTP/1.1 connection of the REST door.
+pub(super) struct Http1<S> {
+    wire: Wire<S>,
+    door: Arc<RestDoor>,
+    header_timeout: Duration,
+    shutdown: ShutdownWatch,
+    /// Shutdown began while the connection was idle: the request on its way is its last.
+    closing: bool,
+    /// When the last request's head was read, from which the keep-alive time counts.
+    last_request: Instant,
+    /// Times the keep-alive wait (made at the first, moved only when it runs out: a request costs it nothing).
+    keepalive: Option<Pin<Box<Sleep>>>,
+}
+
+/// The connection's stream and the bytes read from it not yet used.
+struct Wire<S> {
+    io: S,
+    read: BytesMut,
+}
+
+impl<S> Http1<S>
+where
+    S: AsyncRead + AsyncWrite + Peek + Unpin + Send,
+{
+    pub(super) fn new(io: S, door: Arc<RestDoor>, header_timeout: Duration, shutdown: ShutdownWatch) -> Self {
+        Http1 {
+            wire: Wire {
+                io,
+                read: BytesMut::new(),
+            },
+            door,
+            header_timeout,
+            shutdown,
+            closing: false,
+            last_request: Instant::now(),
+            keepalive: None,
+        }
+    }
+
+    /// Serves requests until the connection closes.
+    pub(super) async fn serve(mut self) {
+        loop {
+            if self.wire.read.is_empty() && !self.wait_for_request().await {
+                return;
+            }
+            let head = match self.read_head().await {
+                Ok(Some(head)) => head,
+                Ok(None) => return,
+                Err(refusal) => return self.refuse(refusal).await,
+            };
+            // Boxed: a request's state (the door's future among it) is large, and the connection's task, which
+            // lives as long as the connection, keeps only what waiting needs.
+            if !Box::pin(self.exchange(head)).await {
+                return self.wire.close().await;
+            }
+        }
+    }
+
+    /// Waits, within the keep-alive time, for the next request's first bytes; `false` when the client closed the
+    /// connection, the time ran out or the gateway is shutting down.
+    async fn wait_for_request(&mut self) -> bool {
+        let Http1 {
+            wire,
+            shutdown,
+            closing,
+            last_request,
+            keepalive,
+            ..
+        } = self;
+        // At once, when the next request is already here.
+        match poll_fn(|cx| Poll::Ready(wire.poll_fill(cx, READ_SIZE))).await {
+            Poll::Ready(Ok(read)) => return read > 0,
+            Poll::Ready(Err(_)) => return false,
+            Poll::Pending => {}
+        }
+        // A plain connection waits with its socket only; its read buffer is made again when bytes come.
+        if S::CAN_PEEK || wire.read.capacity() > 4 * READ_SIZE {
+            wire.read = BytesMut::new();
+        }
+        let timer = keepalive.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(*last_request + KEEPALIVE)));
+        loop {
+            tokio::select! {
+                biased;
+                arrived = wire.arrival() => return matches!(arrived, Ok(1..)),
+                () = stopping(shutdown), if !*closing => {
+                    *closing = true;
+                    timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
+                }
+                () = timer.as_mut() => {
+                    let due = *last_request + KEEPALIVE;
+                    if *closing || due <= Instant::now() {
+                        return false;
+                    }
+                    timer.as_mut().reset(due);
+                }
+            }
+        }
+    }
+
+    /// Reads a request's head, which must come whole within the head's time limit once it has begun.
+    async fn read_head(&mut self) -> Result<Option<RequestHead>, Refusal> {
+        let mut deadline = None;
+        loop {
+            if let Some(head) = head::read_head(&mut self.wire.read)? {
+                self.last_request = Instant::now();
+                return Ok(Some(head));
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.header_timeout);
+            let wire = &mut self.wire;
+            match tokio::time::timeout_at(deadline, poll_fn(|cx| wire.poll_fill(cx, READ_SIZE))).await {
+                Err(_) => return Err(Refusal::timed_out()),
+                Ok(Ok(0) | Err(_)) => return Ok(None),
+                Ok(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// Answers a head that cannot be taken, and closes the connection.
+    async fn refuse(mut self, refusal: Refusal) {
+        let json = crate::codec::rest::encode_error(&refusal.message);
+        let mut answer = Response::new(http_body_util::Full::new(Bytes::from(json)));
+        *answer.status_mut() = refusal.status;
+        answer.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        );
+        let how = How {
+            close: true,
+            keep_alive_10: false,
+            http10: false,
+            head_only: false,
+        };
+        if write_answer(&mut self.wire.io, &mut Vec::new(), answer, how)
+            .await
+            .is_ok()
+        {
+            // What the client still sends of the refused request is read and dropped for a while.
+            self.wire.linger().await;
+        }
+    }
+
+    /// Carries one request: its body fed to the door as asked for, its answer written. `true` when the connection
+    /// may carry another.
+    async fn exchange(&mut self, head: RequestHead) -> bool {
+        let RequestHead {
+            parts,
+            framing,
+            close,
+            keep_alive_10,
+            expects_continue,
+        } = head;
+        let http10 = parts.version == Version::HTTP_10;
+        let head_only = parts.method == Method::HEAD;
+        let wire = &mut self.wire;
+        let mut feeder = None;
+        let whole = framing
+            .left()
+            .and_then(|length| usize::try_from(length).ok())
+            .filter(|length| *length <= wire.read.len());
+        let body = match whole {
+            Some(length) => Http1Body::whole(wire.read.split_to(length).freeze()),
+            None => {
+                let left = framing.left();
+                let feed = Arc::new(Feed::new(left));
+                feeder = Some(Feeder {
+                    feed: feed.clone(),
+                    framing,
+                    failed: false,
+                    continue_sent: if expects_continue { 0 } else { CONTINUE.len() },
+                });
+                Http1Body::fed(feed)
+            }
+        };
+        let request = Request::from_parts(parts, ClientBody::Http1(body));
+        let mut answer = pin!(self.door.answer(request, None));
+        let Some(response) = poll_fn(|cx| wire.poll_answer(cx, answer.as_mut(), feeder.as_mut())).await else {
+            // The client left: the request is dropped with its backend call.
+            return false;
+        };
+        let body_read = feeder.as_ref().is_none_or(Feeder::read_whole);
+        if let Some(feeder) = &feeder
+            && !feeder.finished()
+        {
+            feeder.feed.end(Err(Http1BodyError::Abandoned));
+        }
+        let how = How {
+            close: close || !body_read || *self.shutdown.borrow(),
+            keep_alive_10,
+            http10,
+            head_only,
+        };
+        let mut head = Vec::with_capacity(256);
+        let written = write_answer(&mut wire.io, &mut head, response, how).await;
+        if written.is_ok() && !body_read {
+            wire.linger().await;
+        }
+        matches!(written, Ok(true))
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Peek + Unpin> Wire<S> {
+    /// Reads into the buffer, asking for up to `want` bytes when it has little room left; the bytes read (0 at the
+    /// stream's end).
+    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        if self.read.capacity() - self.read.len() < want.min(READ_SIZE) {
+            self.read.reserve(want.max(READ_SIZE));
+        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)
+    }
+
+    /// Waits for an idle connection's next bytes and reads them.
+    async fn arrival(&mut self) -> io::Result<usize> {
+        if S::CAN_PEEK {
+            self.io.readable().await?;
+        }
+        poll_fn(|cx| self.poll_fill(cx, READ_SIZE)).await
+    }
+
+    /// Drives the door's answer: feeds the body as it is asked for, and once the body is all here watches for the
+    /// client leaving (its bytes beyond are the next request's). `None` when the client left.
+    fn poll_answer<F: Future>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut answer: Pin<&mut F>,
+        mut feeder: Option<&mut Feeder>,
+    ) -> Poll<Option<F::Output>> {
+        loop {
+            if let Poll::Ready(response) = answer.as_mut().poll(cx) {
+                return Poll::Ready(Some(response));
+            }
+            match feeder.as_deref_mut() {
+                Some(feeder) if !feeder.finished() => {
+                    if !feeder.feed.wanted(cx) {
+                        return Poll::Pending;
+                    }
+                    std::task::ready!(feeder.poll_feed(cx, self));
+                }
+                _ => {
+                    std::task::ready!(self.poll_left(cx));
+                    return Poll::Ready(None);
+                }
+            }
+        }
+    }
+
+    /// Ready when the client has closed the connection (or it failed); what it sends meanwhile is kept for the next
+    /// request, up to a head's worth.
+    fn poll_left(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while self.read.len() < MAX_HEAD_BYTES {
+            match std::task::ready!(self.poll_fill(cx, READ_SIZE)) {
+                Ok(0) | Err(_) => return Poll::Ready(()),
+                Ok(_) => {}
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Reads and drops what the client still sends, until it closes, stops for a while, or [`LINGER`] has passed;
+    /// then the connection closes.
+    async fn linger(&mut self) {
+        let _ = poll_fn(|cx| Pin::new(&mut self.io).poll_shutdown(cx)).await;
+        let drain = async {
+            loop {
+                self.read.clear();
+                match poll_fn(|cx| self.poll_fill(cx, BODY_READ)).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+    }
+
+    /// Closes the connection, telling the client so (a FIN, or TLS's close_notify).
+    async fn close(&mut self) {
+        let _ = tokio::time::timeout(
+            write::SEND_TIMEOUT,
+            poll_fn(|cx| Pin::new(&mut self.io).poll_shutdown(cx)),
+        )
+        .await;
+    }
+}
+
+/// Feeds a request's body from the connection to the door, a piece at a time as the door asks for it.
+struct Feeder {
+    feed: Arc<Feed>,
+    framing: Framing,
+    failed: bool,
+    /// Bytes of `100 Continue` written (all of it when none is due).
+    continue_sent: usize,
+}
+
+impl Feeder {
+    fn finished(&self) -> bool {
+        self.failed || self.framing.is_done()
+    }
+
+    fn read_whole(&self) -> bool {
+        !self.failed && self.framing.is_done()
+    }
+
+    /// Gives the body its next piece (or its end); ready once it has one.
+    fn poll_feed<S: AsyncRead + AsyncWrite + Peek + Unpin>(
+        &mut self,
+        cx: &mut Context<'_>,
+        wire: &mut Wire<S>,
+    ) -> Poll<()> {
+        // A client waiting for leave to send is given it before its body is waited for.
+        while self.continue_sent < CONTINUE.len() {
+            match std::task::ready!(Pin::new(&mut wire.io).poll_write(cx, &CONTINUE[self.continue_sent..])) {
+                Ok(written) if written > 0 => self.continue_sent += written,
+                _ => return self.fail(Http1BodyError::Closed),
+            }
+        }
+        loop {
+            match self.framing.take(&mut wire.read) {
+                Err(bad) => return self.fail(Http1BodyError::Framing(bad)),
+                Ok(Some(piece)) => {
+                    self.feed.push(piece);
+                    if self.framing.is_done() {
+                        self.feed.end(Ok(()));
+                    }
+                    return Poll::Ready(());
+                }
+                Ok(None) if self.framing.is_done() => {
+                    self.feed.end(Ok(()));
+                    return Poll::Ready(());
+                }
+                Ok(None) => match std::task::ready!(wire.poll_fill(cx, self.framing.want(BODY_READ))) {
+                    Ok(0) | Err(_) => return self.fail(Http1BodyError::Closed),
+                    Ok(_) => {}
+                },
+            }
+        }
+    }
+
+    fn fail(&mut self, error: Http1BodyError) -> Poll<()> {
+        self.failed = true;
+        self.feed.end(Err(error));
+        Poll::Ready(())
+    }
+}
+
+impl Refusal {
+    fn timed_out() -> Refusal {
+        Refusal {
+            status: http::StatusCode::REQUEST_TIMEOUT,
+            message: "the request head did not arrive in time (408)".to_owned(),
+        }
+    }
+}
