@@ -219,8 +219,12 @@ where
             }
         };
         let request = Request::from_parts(parts, ClientBody::Http1(body));
-        let mut answer = pin!(self.door.answer(request, None));
-        let Some(response) = poll_fn(|cx| wire.poll_answer(cx, answer.as_mut(), feeder.as_mut())).await else {
+        // The door's future ends here, before the answer is written: the two never take room at once.
+        let response = {
+            let mut answer = pin!(self.door.answer(request, None));
+            poll_fn(|cx| wire.poll_answer(cx, answer.as_mut(), feeder.as_mut())).await
+        };
+        let Some(response) = response else {
             // The client left: the request is dropped with its backend call.
             return false;
         };
