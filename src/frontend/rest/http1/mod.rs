@@ -93,7 +93,8 @@ where
             let head = match self.read_head().await {
                 Ok(Some(head)) => head,
                 Ok(None) => return,
-                Err(refusal) => return self.refuse(refusal).await,
+                // Boxed, as a request is: an idle connection's task is no larger for the answer it might write.
+                Err(refusal) => return Box::pin(self.refuse(refusal)).await,
             };
             // Boxed: a request's state (the door's future among it) is large, and the connection's task, which
             // lives as long as the connection, keeps only what waiting needs.
