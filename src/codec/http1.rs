@@ -39,10 +39,16 @@ pub fn is_chunked(value: &[u8]) -> bool {
         .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
 }
 
-/// Where each of a parsed head's first [`PLACED`] headers lies in the buffer that starts at `base`: its name, then
-/// its value. Noted while the parse borrows the buffer, so that once the head is split off the values can be slices
-/// of it.
-pub fn places(headers: &[httparse::Header<'_>], base: *const u8) -> [(Range<usize>, Range<usize>); PLACED] {
+/// Where a parsed head's headers lie in its buffer (the first [`PLACED`] of them), noted while the parse borrows the
+/// buffer, so that once the head is split off the header values can be slices of it.
+#[derive(Debug)]
+pub struct Places {
+    count: usize,
+    places: [(Range<usize>, Range<usize>); PLACED],
+}
+
+/// Notes where `headers`, parsed from the buffer that starts at `base`, lie in it.
+pub fn places(headers: &[httparse::Header<'_>], base: *const u8) -> Places {
     let mut places: [_; PLACED] = std::array::from_fn(|_| (0..0, 0..0));
     let base = base as usize;
     for (place, header) in places.iter_mut().zip(headers) {
@@ -52,7 +58,44 @@ pub fn places(headers: &[httparse::Header<'_>], base: *const u8) -> [(Range<usiz
         };
         *place = (at(header.name.as_bytes()), at(header.value));
     }
-    places
+    Places {
+        count: headers.len(),
+        places,
+    }
+}
+
+impl Places {
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Hands each header of `head` (the buffer's head, split off) to `note`, its value a slice of `head`: from the
+    /// places noted when they hold them all, else by reading the header lines again (`malformed` if they cannot be,
+    /// which a head already parsed whole never is).
+    pub fn each<E>(
+        self,
+        head: &Bytes,
+        malformed: impl FnOnce() -> E,
+        mut note: impl FnMut(&[u8], Bytes) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if self.count <= PLACED {
+            for (name, value) in self.places.into_iter().take(self.count) {
+                note(&head[name], head.slice(value))?;
+            }
+            return Ok(());
+        }
+        // After the start line (and the empty lines a request may come after).
+        let start = head.iter().position(|byte| !matches!(byte, b'\r' | b'\n')).unwrap_or(0);
+        let lines = memchr::memchr(b'\n', &head[start..]).map_or(&[][..], |end| &head[start + end + 1..]);
+        let mut headers = vec![httparse::EMPTY_HEADER; self.count];
+        let Ok(httparse::Status::Complete((_, parsed))) = httparse::parse_headers(lines, &mut headers) else {
+            return Err(malformed());
+        };
+        for header in parsed {
+            note(header.name.as_bytes(), head.slice_ref(header.value))?;
+        }
+        Ok(())
+    }
 }
 
 /// How a body is framed, and how much of it is left.
@@ -178,6 +221,46 @@ mod tests {
         assert!(is_chunked(b"gzip, Chunked "));
         assert!(!is_chunked(b"chunked, gzip"));
         assert!(!is_chunked(b"identity"));
+    }
+
+    #[test]
+    fn headers_past_the_placed_ones_are_read_again_as_slices_of_the_head() {
+        for count in [1, PLACED, PLACED + 1, 40] {
+            let lines: String = (0..count)
+                .map(|index| format!("x-{index}: value {index}\r\n"))
+                .collect();
+            let text = format!("\r\nPOST /v2 HTTP/1.1\r\n{lines}\r\nBODY");
+            let mut read = BytesMut::from(text.as_bytes());
+            let mut slots = [const { std::mem::MaybeUninit::uninit() }; 64];
+            let mut request = httparse::Request::new(&mut []);
+            let length = match httparse::ParserConfig::default()
+                .parse_request_with_uninit_headers(&mut request, &read, &mut slots)
+                .unwrap()
+            {
+                httparse::Status::Complete(length) => length,
+                httparse::Status::Partial => panic!("partial"),
+            };
+            let places = places(request.headers, read.as_ptr());
+            let head = read.split_to(length).freeze();
+            let mut seen = Vec::new();
+            places
+                .each(
+                    &head,
+                    || "malformed",
+                    |name, value| {
+                        assert!(head.as_ptr_range().contains(&value.as_ptr()), "a slice of the head");
+                        seen.push(format!(
+                            "{}={}",
+                            String::from_utf8_lossy(name),
+                            String::from_utf8_lossy(&value)
+                        ));
+                        Ok(())
+                    },
+                )
+                .unwrap();
+            let expected: Vec<String> = (0..count).map(|index| format!("x-{index}=value {index}")).collect();
+            assert_eq!(seen, expected, "{count} headers");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 
 use super::{Kept, MOST_IDLE, READ_FIRST, broken, closed, this_thread};
-use crate::codec::http1::{self, Framing, PLACED, content_length};
+use crate::codec::http1::{self, Framing, content_length};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -85,24 +85,14 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     };
     // Where each header lies in the head, noted while the parse borrows the buffer, so that the values can be
     // slices of the head once it is split off.
-    let count = answer.headers.len();
     let places = http1::places(answer.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
-    let mut said = Said::new(version, count);
-    if count <= PLACED {
-        for (name, value) in places.into_iter().take(count) {
-            said.note(&head[name], head.slice(value))?;
-        }
-    } else {
-        let mut slots = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
-        let mut again = httparse::Response::new(&mut []);
-        httparse::ParserConfig::default()
-            .parse_response_with_uninit_headers(&mut again, &head, &mut slots)
-            .map_err(|error| broken(format!("a malformed answer head ({error})")))?;
-        for header in again.headers.iter() {
-            said.note(header.name.as_bytes(), head.slice_ref(header.value))?;
-        }
-    }
+    let mut said = Said::new(version, places.count());
+    places.each(
+        &head,
+        || broken("a malformed answer head"),
+        |name, value| said.note(name, value),
+    )?;
     Ok(Parsed::Answer(said.into_head(status, asked_head)))
 }
 

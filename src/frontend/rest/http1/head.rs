@@ -6,7 +6,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
 
-use crate::codec::http1::{self, Framing, PLACED, content_length};
+use crate::codec::http1::{self, Framing, content_length};
 use crate::frontend::MAX_HEAD_BYTES;
 use crate::frontend::rest::MAX_TARGET_BYTES;
 
@@ -62,24 +62,24 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
     let mut request = httparse::Request::new(&mut []);
     // Empty lines before a request line are let go (RFC 9112 §2.2): httparse skips them.
-    let config = httparse::ParserConfig::default();
-    let length = match config.parse_request_with_uninit_headers(&mut request, read, &mut slots) {
-        Ok(httparse::Status::Complete(length)) if length <= MAX_HEAD_BYTES => length,
-        Ok(httparse::Status::Partial) if read.len() <= MAX_HEAD_BYTES => {
-            if read.len() > MAX_TARGET_BYTES + 32 && memchr::memchr(b'\n', read).is_none() {
-                return Err(target_too_long());
+    let length =
+        match httparse::ParserConfig::default().parse_request_with_uninit_headers(&mut request, read, &mut slots) {
+            Ok(httparse::Status::Complete(length)) if length <= MAX_HEAD_BYTES => length,
+            Ok(httparse::Status::Partial) if read.len() <= MAX_HEAD_BYTES => {
+                if read.len() > MAX_TARGET_BYTES + 32 && memchr::memchr(b'\n', read).is_none() {
+                    return Err(target_too_long());
+                }
+                return Ok(None);
             }
-            return Ok(None);
-        }
-        Ok(_) => return Err(Refusal::too_large()),
-        Err(httparse::Error::TooManyHeaders) => {
-            return Err(Refusal::new(
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                format!("the request has more than {MAX_HEADERS} headers"),
-            ));
-        }
-        Err(error) => return Err(Refusal::bad(format!("a malformed request head ({error})"))),
-    };
+            Ok(_) => return Err(Refusal::too_large()),
+            Err(httparse::Error::TooManyHeaders) => {
+                return Err(Refusal::new(
+                    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    format!("the request has more than {MAX_HEADERS} headers"),
+                ));
+            }
+            Err(error) => return Err(Refusal::bad(format!("a malformed request head ({error})"))),
+        };
     let method = Method::from_bytes(request.method.unwrap_or_default().as_bytes())
         .map_err(|_| Refusal::bad("a malformed request method"))?;
     let target = request.path.unwrap_or_default();
@@ -96,25 +96,15 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
     } else {
         Version::HTTP_11
     };
-    let count = request.headers.len();
     let places = http1::places(request.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(target)).map_err(|_| Refusal::bad("a malformed request target"))?;
-    let mut said = Said::new(version, count);
-    if count <= PLACED {
-        for (name, value) in places.into_iter().take(count) {
-            said.note(&head[name], head.slice(value))?;
-        }
-    } else {
-        let mut slots = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
-        let mut again = httparse::Request::new(&mut []);
-        config
-            .parse_request_with_uninit_headers(&mut again, &head, &mut slots)
-            .map_err(|error| Refusal::bad(format!("a malformed request head ({error})")))?;
-        for header in again.headers.iter() {
-            said.note(header.name.as_bytes(), head.slice_ref(header.value))?;
-        }
-    }
+    let mut said = Said::new(version, places.count());
+    places.each(
+        &head,
+        || Refusal::bad("a malformed request head"),
+        |name, value| said.note(name, value),
+    )?;
     said.into_head(method, uri)
 }
 
