@@ -5,6 +5,8 @@
 use std::ops::Range;
 
 use bytes::{Buf, Bytes, BytesMut};
+use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::chunked::{Chunk, Malformed};
 
@@ -94,6 +96,77 @@ impl Places {
         for header in parsed {
             note(header.name.as_bytes(), head.slice_ref(header.value))?;
         }
+        Ok(())
+    }
+}
+
+/// What a head's headers say of its body and its connection, gathered as the headers go into their map: the one
+/// reading of them for requests (the REST door) and answers (the backend client).
+#[derive(Debug)]
+pub struct Said {
+    pub headers: HeaderMap,
+    /// Content-Length, when given (the same value however often).
+    pub length: Option<u64>,
+    /// A Transfer-Encoding was given.
+    pub coded: bool,
+    /// Its last coding is chunked.
+    pub chunked: bool,
+    /// `Connection` named `close`.
+    pub close: bool,
+    /// `Connection` named `keep-alive`.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue`.
+    pub expects_continue: bool,
+}
+
+/// A header [`Said::note`] cannot take.
+#[derive(Debug)]
+pub enum BadHeader {
+    Name,
+    Value(HeaderName),
+    Length,
+    TwoLengths,
+}
+
+impl Said {
+    pub fn new(count: usize) -> Said {
+        Said {
+            headers: HeaderMap::with_capacity(count),
+            length: None,
+            coded: false,
+            chunked: false,
+            close: false,
+            keep_alive: false,
+            expects_continue: false,
+        }
+    }
+
+    pub fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), BadHeader> {
+        let name = HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?;
+        let Ok(value) = HeaderValue::from_maybe_shared(value) else {
+            return Err(BadHeader::Value(name));
+        };
+        if name == CONTENT_LENGTH {
+            let said = content_length(value.as_bytes()).ok_or(BadHeader::Length)?;
+            if self.length.is_some_and(|before| before != said) {
+                return Err(BadHeader::TwoLengths);
+            }
+            self.length = Some(said);
+        } else if name == TRANSFER_ENCODING {
+            self.coded = true;
+            self.chunked = is_chunked(value.as_bytes());
+        } else if name == CONNECTION {
+            for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
+                if token.eq_ignore_ascii_case(b"close") {
+                    self.close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    self.keep_alive = true;
+                }
+            }
+        } else if name == EXPECT {
+            self.expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+        }
+        self.headers.append(name, value);
         Ok(())
     }
 }

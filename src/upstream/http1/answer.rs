@@ -8,12 +8,12 @@ use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, Version};
+use http::header::CONTENT_LENGTH;
+use http::{HeaderMap, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 
 use super::{Kept, MOST_IDLE, READ_FIRST, broken, closed, this_thread};
-use crate::codec::http1::{self, Framing, content_length};
+use crate::codec::http1::{self, BadHeader, Framing, Said};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -87,7 +87,10 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     // slices of the head once it is split off.
     let places = http1::places(answer.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
-    let mut said = Said::new(version, places.count());
+    let mut said = AnswerSaid {
+        version,
+        said: Said::new(places.count()),
+    };
     places.each(
         &head,
         || broken("a malformed answer head"),
@@ -96,73 +99,42 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     Ok(Parsed::Answer(said.into_head(status, asked_head)))
 }
 
-/// What an answer's headers say of its framing and its connection, gathered with the headers.
-struct Said {
+/// An answer's headers, read.
+struct AnswerSaid {
     version: Version,
-    headers: HeaderMap,
-    length: Option<u64>,
-    coded: bool,
-    chunked: bool,
-    close: bool,
+    said: Said,
 }
 
-impl Said {
-    fn new(version: Version, count: usize) -> Said {
-        Said {
-            version,
-            headers: HeaderMap::with_capacity(count),
-            length: None,
-            coded: false,
-            chunked: false,
-            close: version == Version::HTTP_10,
-        }
-    }
-
+impl AnswerSaid {
     fn note(&mut self, name: &[u8], value: Bytes) -> io::Result<()> {
-        let name = HeaderName::from_bytes(name).map_err(|_| broken("an answer header with an invalid name"))?;
-        let value = HeaderValue::from_maybe_shared(value)
-            .map_err(|_| broken(format!("an invalid value of the answer's {name} header")))?;
-        if name == CONTENT_LENGTH {
-            let said =
-                content_length(value.as_bytes()).ok_or_else(|| broken("an answer with an invalid Content-Length"))?;
-            if self.length.is_some_and(|before| before != said) {
-                return Err(broken("an answer with two different Content-Length values"));
-            }
-            self.length = Some(said);
-        } else if name == TRANSFER_ENCODING {
-            self.coded = true;
-            self.chunked = http1::is_chunked(value.as_bytes());
-        } else if name == CONNECTION {
-            for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
-                if token.eq_ignore_ascii_case(b"close") {
-                    self.close = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") && self.version == Version::HTTP_10 {
-                    self.close = false;
-                }
-            }
-        }
-        self.headers.append(name, value);
-        Ok(())
+        self.said.note(name, value).map_err(|bad| match bad {
+            BadHeader::Name => broken("an answer header with an invalid name"),
+            BadHeader::Value(name) => broken(format!("an invalid value of the answer's {name} header")),
+            BadHeader::Length => broken("an answer with an invalid Content-Length"),
+            BadHeader::TwoLengths => broken("an answer with two different Content-Length values"),
+        })
     }
 
     /// The head, its body framed as the headers say (RFC 9112 §6.3).
-    fn into_head(mut self, status: StatusCode, asked_head: bool) -> AnswerHead {
+    fn into_head(self, status: StatusCode, asked_head: bool) -> AnswerHead {
+        let AnswerSaid { version, mut said } = self;
         let framing = if asked_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
             Framing::Length(0)
-        } else if self.chunked {
+        } else if said.chunked {
             // A length beside the chunks says nothing true about the body.
-            self.headers.remove(CONTENT_LENGTH);
+            said.headers.remove(CONTENT_LENGTH);
             Framing::chunked()
-        } else if self.coded {
+        } else if said.coded {
             Framing::UntilClose
         } else {
-            self.length.map_or(Framing::UntilClose, Framing::Length)
+            said.length.map_or(Framing::UntilClose, Framing::Length)
         };
+        let close = said.close || (version == Version::HTTP_10 && !said.keep_alive);
         AnswerHead {
             status,
-            version: self.version,
-            reusable: !self.close && !matches!(framing, Framing::UntilClose),
-            headers: self.headers,
+            version,
+            reusable: !close && !matches!(framing, Framing::UntilClose),
+            headers: said.headers,
             framing,
         }
     }

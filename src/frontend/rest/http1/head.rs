@@ -3,10 +3,9 @@
 //! made before anything of it goes further.
 
 use bytes::{Bytes, BytesMut};
-use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
-use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, Version};
+use http::{Method, StatusCode, Uri, Version};
 
-use crate::codec::http1::{self, Framing, content_length};
+use crate::codec::http1::{self, BadHeader, Framing, Said};
 use crate::frontend::MAX_HEAD_BYTES;
 use crate::frontend::rest::MAX_TARGET_BYTES;
 
@@ -99,7 +98,10 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
     let places = http1::places(request.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(target)).map_err(|_| Refusal::bad("a malformed request target"))?;
-    let mut said = Said::new(version, places.count());
+    let mut said = RequestSaid {
+        version,
+        said: Said::new(places.count()),
+    };
     places.each(
         &head,
         || Refusal::bad("a malformed request head"),
@@ -115,67 +117,32 @@ fn target_too_long() -> Refusal {
     )
 }
 
-/// What a request's headers say of its body and its connection, gathered with the headers.
-struct Said {
+/// A request's headers, read.
+struct RequestSaid {
     version: Version,
-    headers: HeaderMap,
-    length: Option<u64>,
-    coded: bool,
-    chunked: bool,
-    close: bool,
-    keep_alive: bool,
-    expects_continue: bool,
+    said: Said,
 }
 
-impl Said {
-    fn new(version: Version, count: usize) -> Said {
-        Said {
-            version,
-            headers: HeaderMap::with_capacity(count),
-            length: None,
-            coded: false,
-            chunked: false,
-            close: false,
-            keep_alive: false,
-            expects_continue: false,
-        }
-    }
-
+impl RequestSaid {
     fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), Refusal> {
-        let name = HeaderName::from_bytes(name).map_err(|_| Refusal::bad("a request header with an invalid name"))?;
-        let value = HeaderValue::from_maybe_shared(value)
-            .map_err(|_| Refusal::bad(format!("an invalid value of the request's {name} header")))?;
-        if name == CONTENT_LENGTH {
-            let said = content_length(value.as_bytes()).ok_or_else(|| Refusal::bad("an invalid Content-Length"))?;
-            if self.length.is_some_and(|before| before != said) {
-                return Err(Refusal::bad("two different Content-Length values"));
-            }
-            self.length = Some(said);
-        } else if name == TRANSFER_ENCODING {
-            self.coded = true;
-            self.chunked = http1::is_chunked(value.as_bytes());
-        } else if name == CONNECTION {
-            for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
-                if token.eq_ignore_ascii_case(b"close") {
-                    self.close = true;
-                } else if token.eq_ignore_ascii_case(b"keep-alive") {
-                    self.keep_alive = true;
-                }
-            }
-        } else if name == EXPECT {
-            self.expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
-        }
-        self.headers.append(name, value);
-        Ok(())
+        self.said.note(name, value).map_err(|bad| {
+            Refusal::bad(match bad {
+                BadHeader::Name => "a request header with an invalid name".to_owned(),
+                BadHeader::Value(name) => format!("an invalid value of the request's {name} header"),
+                BadHeader::Length => "an invalid Content-Length".to_owned(),
+                BadHeader::TwoLengths => "two different Content-Length values".to_owned(),
+            })
+        })
     }
 
     fn into_head(self, method: Method, uri: Uri) -> Result<Option<RequestHead>, Refusal> {
-        let framing = match (self.coded, self.length) {
+        let RequestSaid { version, said } = self;
+        let framing = match (said.coded, said.length) {
             (true, Some(_)) => return Err(Refusal::bad(FRAMED_BOTH_WAYS)),
-            (true, None) if self.version == Version::HTTP_10 => {
+            (true, None) if version == Version::HTTP_10 => {
                 return Err(Refusal::bad("an HTTP/1.0 request with a Transfer-Encoding"));
             }
-            (true, None) if !self.chunked => {
+            (true, None) if !said.chunked => {
                 return Err(Refusal::bad(
                     "a Transfer-Encoding whose last coding is not chunked: the body's end cannot be told",
                 ));
@@ -183,18 +150,18 @@ impl Said {
             (true, None) => Framing::chunked(),
             (false, length) => Framing::Length(length.unwrap_or(0)),
         };
-        let http10 = self.version == Version::HTTP_10;
+        let http10 = version == Version::HTTP_10;
         let (mut parts, ()) = http::Request::new(()).into_parts();
         parts.method = method;
         parts.uri = uri;
-        parts.version = self.version;
-        parts.headers = self.headers;
+        parts.version = version;
+        parts.headers = said.headers;
         Ok(Some(RequestHead {
             parts,
             framing,
-            close: self.close || (http10 && !self.keep_alive),
-            keep_alive_10: http10 && self.keep_alive && !self.close,
-            expects_continue: self.expects_continue && !http10,
+            close: said.close || (http10 && !said.keep_alive),
+            keep_alive_10: http10 && said.keep_alive && !said.close,
+            expects_continue: said.expects_continue && !http10,
         }))
     }
 }
