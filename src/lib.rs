@@ -15,7 +15,6 @@ pub mod protocol;
 pub mod routing;
 pub mod tls;
 pub mod upstream;
-pub mod wake;
 
 pub mod proto {
     //! Generated protobuf types and gRPC service stubs for `package inference`.

@@ -1,6 +1,6 @@
 //! HTTP/1.1 chunked framing (RFC 9112 §7.1) read as it arrives, a byte at a time, as hyper's decoder reads it: the
-//! one reader of it, for the REST door's framing scan (which skips a chunk's data) and the REST backend client (which
-//! hands it on).
+//! one reader of it, under `codec::http1::Framing`, which takes a chunked body off a buffer for the REST door's
+//! requests and the REST backend client's answers.
 
 /// Where a chunked body's reading stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -256,9 +256,7 @@ impl RestDoor {
 
     /// The body's declared length, refused when over the limit (before any of it is read).
     fn declared_length(&self, content_length: Option<&HeaderValue>) -> Result<Option<u64>> {
-        let declared = content_length
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared = content_length.and_then(|value| crate::codec::http1::content_length(value.as_bytes()));
         if declared.is_some_and(|length| length > self.max_request_bytes) {
             return Err(self.too_large());
         }

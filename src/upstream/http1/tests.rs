@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Waker};
 
 use bytes::Bytes;
 use http::StatusCode;
@@ -67,7 +68,7 @@ async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arri
     };
     // The first request makes the connection; the second goes on it, kept.
     assert_eq!(&exchange().await[..], b"ok");
-    let count = crate::wake::WakeCount::default();
+    let count = WakeCount::default();
     assert_eq!(&count.polling(exchange()).await[..], b"ok");
     // Handing the request over and taking the answer and its body from the connection are done within the
     // task's own polls: only the backend's bytes arriving wake it.
@@ -490,4 +491,44 @@ async fn an_answer_keeps_all_its_headers_up_to_the_limit() {
     let (upstream, _, _) = scripted(move |_, _| answer(&sent)).await;
     let error = get(&upstream, Method::GET).await.unwrap_err();
     assert!(error.message().contains("more than 100 headers"), "{}", error.message());
+}
+
+/// Counts the wakes of the task that polls a future through it.
+#[derive(Debug, Default, Clone)]
+struct WakeCount(Arc<Counted>);
+
+#[derive(Debug, Default)]
+struct Counted {
+    wakes: AtomicUsize,
+    task: std::sync::Mutex<Option<Waker>>,
+}
+
+impl std::task::Wake for Counted {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        if let Some(task) = self.task.lock().unwrap().as_ref() {
+            task.wake_by_ref();
+        }
+    }
+}
+
+impl WakeCount {
+    fn wakes(&self) -> usize {
+        self.0.wakes.load(Ordering::SeqCst)
+    }
+
+    /// Polls `future` to its end, counting its task's wakes.
+    async fn polling<F: Future>(&self, future: F) -> F::Output {
+        let mut future = std::pin::pin!(future);
+        let waker = Waker::from(self.0.clone());
+        std::future::poll_fn(|cx| {
+            *self.0.task.lock().unwrap() = Some(cx.waker().clone());
+            future.as_mut().poll(&mut Context::from_waker(&waker))
+        })
+        .await
+    }
 }

@@ -44,6 +44,13 @@ impl Refusal {
         Refusal::new(StatusCode::BAD_REQUEST, message)
     }
 
+    pub(super) fn timed_out() -> Refusal {
+        Refusal::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "the request head did not arrive in time (408)",
+        )
+    }
+
     fn too_large() -> Refusal {
         Refusal::new(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,

@@ -392,12 +392,3 @@ impl Feeder {
         Poll::Ready(())
     }
 }
-
-impl Refusal {
-    fn timed_out() -> Refusal {
-        Refusal {
-            status: http::StatusCode::REQUEST_TIMEOUT,
-            message: "the request head did not arrive in time (408)".to_owned(),
-        }
-    }
-}
