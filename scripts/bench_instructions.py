@@ -2,8 +2,9 @@
 """Instructions a small request costs, counted under valgrind's callgrind: for a machine too noisy to compare CPU
 time between builds (docs/BENCHMARKS.md, "Run 4 of 2026-11-24").
 
-Runs oipgate (scenario 1's REST passthrough and scenario 3a's REST JSON -> gRPC) and the smallest hyper proxy
-(benches/floor_hyper.rs) under callgrind in front of oipgate's model server, each twice: wrk (1 thread x 8
+Runs oipgate (scenario 1's REST passthrough and scenario 3a's REST JSON -> gRPC), the smallest hyper proxy
+(benches/floor_hyper.rs) and HAProxy (scenario 1's faster peer, when installed) under callgrind in front of
+oipgate's model server, each twice: wrk (1 thread x 8
 connections) for SECONDS and for 3 x SECONDS. What the longer run counted beyond the shorter, divided by the
 requests it served beyond them, is the instructions a request costs, start-up and idle work taken out. Prints those
 and, per request, the functions where oipgate spends the most instructions of its own; writes
@@ -113,7 +114,8 @@ def run(seconds, workers, binary, cache=False):
     work.mkdir(exist_ok=True)
     body, _ = bench.add_sub_json(1)
     body_file = bench.write(bench.OUT / "add_sub.json", body)
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor")}
+    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "haproxy",
+                                            "haproxy_grpc")}
     backend = bench.Server(
         "model-server",
         [str(bench.BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
@@ -139,6 +141,15 @@ def run(seconds, workers, binary, cache=False):
                       f"127.0.0.1:{ports['backend_rest']}", "--threads", str(workers)],
             ports["floor"], f"http://127.0.0.1:{ports['floor']}/v2/models/add_sub/infer", body_file, seconds,
             cache=cache)
+        haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+        if haproxy:
+            haproxy_conf = work / "haproxy.cfg"
+            haproxy_conf.write_text(bench.HAPROXY_CONF.format(
+                workers=workers, haproxy_rest=ports["haproxy"], haproxy_grpc=ports["haproxy_grpc"],
+                rest=ports["backend_rest"], grpc=ports["backend_grpc"]))
+            results["HAProxy"] = per_request(
+                "haproxy", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy"],
+                f"http://127.0.0.1:{ports['haproxy']}/v2/models/add_sub/infer", body_file, seconds, cache=cache)
     finally:
         backend.stop()
     return results

@@ -212,6 +212,50 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
 }
 
 #[tokio::test]
+async fn connections_that_may_still_bring_a_request_at_shutdown_get_it_answered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = ModelServerProcess::named("a");
+    let mut gateway = GatewayProcess::start(&format!(
+        "[shutdown]\ngrace_period_ms = 10000\ndrain_delay_ms = 0\n{}{}",
+        backend("a", "rest", [a.rest.unwrap()]),
+        model("identity", "a")
+    ));
+    let request = format!(
+        "POST /v2/models/identity/infer HTTP/1.1\r\nhost: gateway\r\ncontent-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    async fn answer(connection: &mut tokio::net::TcpStream, request: &str, whole: bool) -> String {
+        connection.write_all(request.as_bytes()).await.unwrap();
+        let mut read = Vec::new();
+        let mut buffer = [0u8; 4096];
+        // Until the connection closes, or (for a kept one) the answer's end.
+        while let Ok(count @ 1..) = connection.read(&mut buffer).await {
+            read.extend_from_slice(&buffer[..count]);
+            if !whole && read.ends_with(b"}") {
+                break;
+            }
+        }
+        String::from_utf8_lossy(&read).into_owned()
+    }
+    // One connection accepted whose first request has not come yet, and one kept after a request.
+    let mut fresh = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
+    let mut kept = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
+    assert!(answer(&mut kept, &request, false).await.starts_with("HTTP/1.1 200"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gateway.signal("TERM");
+    // Nothing is under way, but either connection may be carrying a request the client already sent: the process
+    // answers it (and says the connection closes) before it exits.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    for connection in [&mut fresh, &mut kept] {
+        let answered = answer(connection, &request, true).await;
+        assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+        assert!(answered.contains("connection: close"), "{answered}");
+    }
+    let status = gateway.wait_exit(Duration::from_secs(5)).expect("exits once drained");
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn sigint_with_nothing_under_way_exits_zero_at_once() {
     let a = ModelServerProcess::named("a");
     let mut gateway = GatewayProcess::start(&format!(

@@ -1,8 +1,12 @@
 //! HTTP/1.1 message framing shared by the REST door (reading requests) and the REST backend client (reading
 //! answers): a Content-Length value, a body taken off a read buffer by its length, its chunks or the connection's
-//! end, and where a parsed head's headers lie so their values can be slices of the head.
+//! end, where a parsed head's headers lie so their values can be slices of the head, and how a head and its body
+//! are written.
 
+use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{CONNECTION, CONTENT_LENGTH, EXPECT, TRANSFER_ENCODING};
@@ -16,6 +20,23 @@ pub const MOST_CHUNK_FRAMING: usize = 64 * 1024;
 
 /// How many headers' places a head's read notes on the stack; a head with more is read a second time.
 pub const PLACED: usize = 16;
+
+/// The largest body copied after its head so that the two leave in one buffer: a one-buffer write is a socket's
+/// `send`, where a vectored one is `writev`, whose way through the kernel's file layer costs more than copying this
+/// much (measured: about 0.7 us a request more system time with two `writev`s than with two `send`s).
+pub const GATHERED_BODY: usize = 4096;
+
+/// Writes `slices`: one buffer with a plain write (a socket's `send`), several with a vectored one.
+pub fn poll_write_slices<S: tokio::io::AsyncWrite + ?Sized>(
+    io: Pin<&mut S>,
+    cx: &mut Context<'_>,
+    slices: &[IoSlice<'_>],
+) -> Poll<io::Result<usize>> {
+    match slices {
+        [one] => io.poll_write(cx, one),
+        _ => io.poll_write_vectored(cx, slices),
+    }
+}
 
 /// A Content-Length value: digits, or a list of the same digits repeated (RFC 9110 §8.6).
 pub fn content_length(value: &[u8]) -> Option<u64> {

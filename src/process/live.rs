@@ -54,7 +54,8 @@ struct State {
     fingerprint: Vec<u8>,
 }
 
-/// A request under way; shutdown waits until none is left.
+/// A request under way (or a connection that may still bring one while shutdown lets it); shutdown waits until none
+/// is left.
 #[derive(Debug)]
 pub struct Active(Arc<Gateway>);
 
@@ -125,7 +126,7 @@ impl Gateway {
         self.identity.as_ref()
     }
 
-    /// Counts a request as under way until the guard is dropped.
+    /// Counts a request (or a connection that may still bring one) as under way until the guard is dropped.
     pub fn begin(self: &Arc<Self>) -> Active {
         self.active.fetch_add(1, Ordering::AcqRel);
         Active(self.clone())

@@ -14,11 +14,12 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use super::RestDoor;
-use super::http1::{Http1, KEEPALIVE};
+use super::http1::{CLOSE_LINGER, Http1, KEEPALIVE};
 use crate::body::ClientBody;
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::frontend::stopping;
+use crate::process::live::{Active, Gateway};
 
 /// How long a TLS handshake may take.
 const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -60,10 +61,10 @@ impl RestConnections {
         if self.tls.is_some() {
             return Box::pin(self.serve_tls(tcp, peer, shutdown)).await;
         }
-        match first_bytes(&tcp, &shutdown).await {
-            Arrival::Closed => {}
-            Arrival::Http2 => Box::pin(self.serve_http2(tcp, shutdown)).await,
-            Arrival::Http1 => self.serve_http1(tcp, shutdown).await,
+        match first_bytes(&tcp, &shutdown, self.door.gateway()).await {
+            (Arrival::Closed, _) => {}
+            (Arrival::Http2, _) => Box::pin(self.serve_http2(tcp, shutdown)).await,
+            (Arrival::Http1, held) => self.serve_http1(tcp, shutdown, held).await,
         }
     }
 
@@ -77,16 +78,16 @@ impl RestConnections {
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
             self.serve_http2(tls, shutdown).await;
         } else {
-            self.serve_http1(tls, shutdown).await;
+            self.serve_http1(tls, shutdown, None).await;
         }
     }
 
-    /// Serves HTTP/1.1 requests on `stream`.
-    async fn serve_http1<S>(self, stream: S, shutdown: ShutdownWatch)
+    /// Serves HTTP/1.1 requests on `stream`; `held` counts it as under way until its first request is answered.
+    async fn serve_http1<S>(self, stream: S, shutdown: ShutdownWatch, held: Option<Active>)
     where
         S: AsyncRead + AsyncWrite + Peek + Unpin + Send + 'static,
     {
-        Http1::new(stream, self.door, self.header_timeout, shutdown)
+        Http1::new(stream, self.door, self.header_timeout, shutdown, held)
             .serve()
             .await;
     }
@@ -150,8 +151,11 @@ enum Arrival {
 }
 
 /// Waits, within the keep-alive timeout, for a new connection's first bytes, and tells HTTP/2's preface from an
-/// HTTP/1.1 request.
-async fn first_bytes(tcp: &TcpStream, shutdown: &ShutdownWatch) -> Arrival {
+/// HTTP/1.1 request. Once shutdown has begun, a connection whose bytes are not here yet is given as long as an idle
+/// one, counted as under way so the process waits for it: it was accepted before the listener closed (or the
+/// sockets went to a new process), and its client may have sent its request already; closing it unanswered would
+/// fail that request.
+async fn first_bytes(tcp: &TcpStream, shutdown: &ShutdownWatch, gateway: &Arc<Gateway>) -> (Arrival, Option<Active>) {
     let look = async move {
         let mut head = [0u8; H2_PREFACE.len()];
         loop {
@@ -170,9 +174,14 @@ async fn first_bytes(tcp: &TcpStream, shutdown: &ShutdownWatch) -> Arrival {
         }
     };
     let mut shutdown = shutdown.clone();
+    let mut look = std::pin::pin!(tokio::time::timeout(KEEPALIVE, look));
     tokio::select! {
         biased;
-        () = stopping(&mut shutdown) => Arrival::Closed,
-        arrival = tokio::time::timeout(KEEPALIVE, look) => arrival.unwrap_or(Arrival::Closed),
+        arrival = &mut look => (arrival.unwrap_or(Arrival::Closed), None),
+        () = stopping(&mut shutdown) => {
+            let held = gateway.begin();
+            let arrival = tokio::time::timeout(CLOSE_LINGER, look).await;
+            (arrival.map_or(Arrival::Closed, |arrival| arrival.unwrap_or(Arrival::Closed)), Some(held))
+        }
     }
 }

@@ -21,6 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ThreadClients;
 use crate::body::OutBody;
+use crate::codec::http1::poll_write_slices;
 pub use answer::BackendBody;
 use answer::{AnswerHead, Parsed, read_head};
 use request::{Sending, Writing};
@@ -71,8 +72,8 @@ impl Io {
 
     fn poll_write_vectored(&mut self, cx: &mut Context<'_>, slices: &[IoSlice<'_>]) -> Poll<io::Result<usize>> {
         match self {
-            Io::Plain(tcp) => Pin::new(tcp).poll_write_vectored(cx, slices),
-            Io::Tls(tls) => Pin::new(&mut **tls).poll_write_vectored(cx, slices),
+            Io::Plain(tcp) => poll_write_slices(Pin::new(tcp), cx, slices),
+            Io::Tls(tls) => poll_write_slices(Pin::new(&mut **tls), cx, slices),
         }
     }
 
@@ -248,8 +249,8 @@ pub(super) async fn send(
             // request's.
             None => (Box::pin(connect(clients, uri)).await?, false),
         };
-        kept.write_head(&request, framing);
-        let mut writing = Writing::new(framing);
+        let gathered = kept.write_head(&request, framing);
+        let mut writing = Writing::new(framing, gathered);
         let body = &mut request.body;
         let exchanged = std::future::poll_fn(|cx| kept.poll_exchange(cx, &mut writing, body, asked_head)).await;
         match exchanged {

@@ -12,6 +12,7 @@ use hyper::body::Body;
 
 use super::{Io, Kept, Request};
 use crate::body::OutBody;
+use crate::codec::http1::GATHERED_BODY;
 
 /// The most buffers one vectored write hands the kernel.
 const MOST_SLICES: usize = 16;
@@ -21,8 +22,9 @@ const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CA
 
 impl Kept {
     /// Writes the head of a request: its line, `host`, the headers of each map (a framing or naming header among them
-    /// left out: this hop sets its own), the gateway's name and the body's framing.
-    pub(super) fn write_head(&mut self, request: &Request<'_>, framing: Sending) {
+    /// left out: this hop sets its own), the gateway's name and the body's framing; then a small body at hand, so the
+    /// two leave in one buffer. Gives how many of the body's chunks went with the head.
+    pub(super) fn write_head(&mut self, request: &Request<'_>, framing: Sending) -> usize {
         let head = &mut self.head;
         head.clear();
         head.extend_from_slice(request.method.as_str().as_bytes());
@@ -55,6 +57,16 @@ impl Kept {
             Sending::Nothing => {}
         }
         head.extend_from_slice(b"\r\n");
+        match (&request.body, framing) {
+            (OutBody::Chunks(body), Sending::Length(length)) if length <= GATHERED_BODY as u64 => {
+                let chunks = body.chunks();
+                for chunk in chunks {
+                    head.extend_from_slice(chunk);
+                }
+                chunks.len()
+            }
+            _ => 0,
+        }
     }
 }
 
@@ -108,11 +120,12 @@ pub(super) struct Writing {
 }
 
 impl Writing {
-    pub(super) fn new(framing: Sending) -> Writing {
+    /// `gathered`: how many of the body's chunks went with the head.
+    pub(super) fn new(framing: Sending, gathered: usize) -> Writing {
         Writing {
             framing,
             head_at: 0,
-            chunk: 0,
+            chunk: gathered,
             chunk_at: 0,
             piece: Vec::new(),
             streamed_all: false,

@@ -11,7 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::answer::{MOST_HEAD, MOST_HEADERS};
 use super::*;
-use crate::codec::http1::{MOST_CHUNK_FRAMING, PLACED};
+use crate::codec::http1::{GATHERED_BODY, MOST_CHUNK_FRAMING, PLACED};
 
 /// A backend answering `ok` to every request; gives its address and how many of its connections are open.
 async fn backend() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
@@ -531,4 +531,74 @@ impl WakeCount {
         })
         .await
     }
+}
+
+#[tokio::test]
+async fn a_small_body_goes_with_its_head_and_a_larger_one_after_it() {
+    let (upstream, received, _) = scripted(|_, _| answer(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")).await;
+    let large = vec![b'x'; GATHERED_BODY + 1];
+    for chunks in [
+        vec![Bytes::from_static(b"{\"inputs\":"), Bytes::from_static(b"[]}")],
+        vec![
+            Bytes::copy_from_slice(&large[..100]),
+            Bytes::copy_from_slice(&large[100..]),
+        ],
+    ] {
+        let sent: Vec<u8> = chunks.concat();
+        let answered = upstream
+            .forward(
+                &PathAndQuery::from_static("/v2/models/m/infer"),
+                &HeaderMap::new(),
+                OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
+                crate::upstream::Deadline::after(Duration::from_secs(2)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(answered.status(), StatusCode::OK);
+        let (head, body) = received.lock().unwrap().pop().unwrap();
+        assert!(head.contains(&format!("content-length: {}", sent.len())), "{head}");
+        assert_eq!(body, sent);
+    }
+}
+
+#[test]
+fn a_body_within_the_gathered_size_is_written_into_the_head() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut kept = Kept {
+            io: Io::Plain(io),
+            read: BytesMut::new(),
+            head: Vec::new(),
+            read_size: READ_FIRST,
+            ended: false,
+            idle_since: Instant::now(),
+            thread: this_thread(),
+        };
+        let (method, path, host) = (
+            Method::POST,
+            PathAndQuery::from_static("/p"),
+            HeaderValue::from_static("h"),
+        );
+        let headers = HeaderMap::new();
+        let request = |chunks: Vec<Bytes>| Request {
+            method: &method,
+            path: &path,
+            host: &host,
+            headers: [&headers, &headers],
+            body: OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
+        };
+        let small = request(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cd")]);
+        assert_eq!(kept.write_head(&small, Sending::of(&method, &small.body)), 2);
+        assert!(kept.head.ends_with(b"content-length: 4\r\n\r\nabcd"));
+        let large = request(vec![Bytes::from(vec![b'x'; GATHERED_BODY + 1])]);
+        assert_eq!(kept.write_head(&large, Sending::of(&method, &large.body)), 0);
+        assert!(kept.head.ends_with(b"\r\n\r\n"));
+    });
 }

@@ -29,12 +29,13 @@ use super::connection::Peek;
 use crate::body::ClientBody;
 use crate::codec::http1::Framing;
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
+use crate::process::live::Active;
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
 pub(super) const KEEPALIVE: Duration = Duration::from_secs(60);
 /// Once shutdown starts, how long an idle connection is kept for a request already on its way (answered with
 /// `Connection: close`) before it is closed.
-const CLOSE_LINGER: Duration = Duration::from_millis(500);
+pub(super) const CLOSE_LINGER: Duration = Duration::from_millis(500);
 /// How long a body that will not be used is read and dropped once its answer is sent, so that a client still sending
 /// it reads the answer instead of a reset connection (nginx's lingering close).
 const LINGER: Duration = Duration::from_secs(5);
@@ -57,6 +58,9 @@ pub(super) struct Http1<S> {
     last_request: Instant,
     /// Times the keep-alive wait (made at the first, moved only when it runs out: a request costs it nothing).
     keepalive: Option<Pin<Box<Sleep>>>,
+    /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
+    /// it) until that request is answered or the connection closes.
+    held: Option<Active>,
 }
 
 /// The connection's stream and the bytes read from it not yet used.
@@ -69,7 +73,13 @@ impl<S> Http1<S>
 where
     S: AsyncRead + AsyncWrite + Peek + Unpin + Send,
 {
-    pub(super) fn new(io: S, door: Arc<RestDoor>, header_timeout: Duration, shutdown: ShutdownWatch) -> Self {
+    pub(super) fn new(
+        io: S,
+        door: Arc<RestDoor>,
+        header_timeout: Duration,
+        shutdown: ShutdownWatch,
+        held: Option<Active>,
+    ) -> Self {
         Http1 {
             wire: Wire {
                 io,
@@ -81,6 +91,7 @@ where
             closing: false,
             last_request: Instant::now(),
             keepalive: None,
+            held,
         }
     }
 
@@ -101,6 +112,7 @@ where
             if !Box::pin(self.exchange(head)).await {
                 return self.wire.close().await;
             }
+            self.held = None;
         }
     }
 
@@ -109,10 +121,12 @@ where
     async fn wait_for_request(&mut self) -> bool {
         let Http1 {
             wire,
+            door,
             shutdown,
             closing,
             last_request,
             keepalive,
+            held,
             ..
         } = self;
         // At once, when the next request is already here.
@@ -132,6 +146,7 @@ where
                 arrived = wire.arrival() => return matches!(arrived, Ok(1..)),
                 () = stopping(shutdown), if !*closing => {
                     *closing = true;
+                    *held = Some(door.gateway().begin());
                     timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
                 }
                 () = timer.as_mut() => {
@@ -241,7 +256,8 @@ where
             http10,
             head_only,
         };
-        let mut head = Vec::with_capacity(256);
+        // Room for a head and a small body after it.
+        let mut head = Vec::with_capacity(512 + crate::codec::http1::GATHERED_BODY);
         let written = write_answer(&mut wire.io, &mut head, response, how).await;
         if written.is_ok() && !body_read {
             wire.linger().await;

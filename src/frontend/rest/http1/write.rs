@@ -1,6 +1,6 @@
-//! An answer written to an HTTP/1.1 connection: its head encoded into the connection's buffer, its body's pieces
-//! written after it in the same `writev` (shared, not copied), framed by its length or in chunks; a client that will
-//! not take its answer is given as long as an idle connection is kept.
+//! An answer written to an HTTP/1.1 connection: its head encoded into a buffer, a small body copied after it, a
+//! larger one's pieces written after it in the same `writev` (shared, not copied), framed by its length or in chunks;
+//! a client that will not take its answer is given as long as an idle connection is kept.
 
 use std::cell::RefCell;
 use std::future::poll_fn;
@@ -16,7 +16,7 @@ use http::{Response, StatusCode};
 use http_body::Body;
 use tokio::io::AsyncWrite;
 
-use crate::codec::http1::content_length;
+use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices};
 
 /// How long a client may leave its answer unread before the connection is closed (nginx's `send_timeout`).
 pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(60);
@@ -134,6 +134,15 @@ where
             count += 1;
         }
         let last = ended && out == Out::Chunked && !failed;
+        if head_left == head.len() && out != Out::Chunked && count > 0 && gathered <= GATHERED_BODY {
+            // A small body goes in the head's buffer: the two leave in one `send`.
+            for piece in &mut pieces[..count] {
+                head.extend_from_slice(piece);
+                *piece = Bytes::new();
+            }
+            head_left = head.len();
+            count = 0;
+        }
         if head_left > 0 || count > 0 || last {
             let mut slices: [IoSlice<'_>; 2 * PIECES + 2] = [IoSlice::new(&[]); 2 * PIECES + 2];
             let mut used = 0;
@@ -247,7 +256,7 @@ pub(super) async fn write_all<S: AsyncWrite + Unpin>(io: &mut S, mut slices: &mu
     IoSlice::advance_slices(&mut slices, 0);
     while !slices.is_empty() {
         let written = {
-            let mut write = poll_fn(|cx| Pin::new(&mut *io).poll_write_vectored(cx, slices));
+            let mut write = poll_fn(|cx| poll_write_slices(Pin::new(&mut *io), cx, slices));
             match (&mut write).now_or_never() {
                 Some(written) => written,
                 None => tokio::time::timeout(SEND_TIMEOUT, write)
@@ -272,6 +281,71 @@ async fn flush<S: AsyncWrite + Unpin>(io: &mut S) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection that notes each write: the bytes of a plain one, or of each buffer of a vectored one.
+    #[derive(Default)]
+    struct Noted {
+        writes: Vec<Vec<Vec<u8>>>,
+    }
+
+    impl AsyncWrite for Noted {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            bytes: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.push(vec![bytes.to_vec()]);
+            Poll::Ready(Ok(bytes.len()))
+        }
+
+        fn poll_write_vectored(
+            mut self: Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            slices: &[IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            self.writes.push(slices.iter().map(|slice| slice.to_vec()).collect());
+            Poll::Ready(Ok(slices.iter().map(|slice| slice.len()).sum()))
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut std::task::Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut std::task::Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_small_answer_leaves_in_one_buffer_and_a_larger_one_with_its_body_beside_its_head() {
+        let how = How {
+            close: false,
+            keep_alive_10: false,
+            http10: false,
+            head_only: false,
+        };
+        for (size, buffers) in [(300, 1), (GATHERED_BODY, 1), (GATHERED_BODY + 1, 2)] {
+            let body = vec![b'x'; size];
+            let mut noted = Noted::default();
+            let answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
+            assert!(write_answer(&mut noted, &mut Vec::new(), answer, how).await.unwrap());
+            assert_eq!(noted.writes.len(), 1, "{size} bytes: one write");
+            let write = &noted.writes[0];
+            assert_eq!(write.len(), buffers, "{size} bytes");
+            let sent = write.concat();
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\ndate: ");
+            assert!(sent.starts_with(head.as_bytes()), "{}", String::from_utf8_lossy(&sent));
+            assert!(sent.ends_with(&body));
+            if buffers == 2 {
+                // Beside the head, shared rather than copied.
+                assert_eq!(write[1], body);
+            }
+        }
+    }
 
     #[test]
     fn chunk_size_lines_are_lower_hex() {
