@@ -93,10 +93,13 @@ impl RestDoor {
         record.capture = dispatcher
             .payload_log(&routed.route)
             .map(|logger| Box::new(Capture::new(logger.clone(), &routed.route, form_of(headers))));
-        if !asked.decthings_in
-            && !asked.decthings_out
-            && let Some(target) = dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
-        {
+        // Bound before the test: a temporary of the condition would live on through the passthrough's future.
+        let passthrough = if asked.decthings_in || asked.decthings_out {
+            None
+        } else {
+            dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
+        };
+        if let Some(target) = passthrough {
             // The request's own `timeout` shortens the backend's time to answer.
             let mut target = target;
             target.timeout = reserved

@@ -272,10 +272,16 @@ pub(super) async fn write_all<S: AsyncWrite + Unpin>(io: &mut S, mut slices: &mu
     Ok(())
 }
 
+/// Flushes what is written (TLS holds it otherwise); timed only when it has to wait, as a plain connection's never
+/// does.
 async fn flush<S: AsyncWrite + Unpin>(io: &mut S) -> io::Result<()> {
-    tokio::time::timeout(SEND_TIMEOUT, poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx)))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the client did not read its answer"))?
+    let mut flush = poll_fn(|cx| Pin::new(&mut *io).poll_flush(cx));
+    match (&mut flush).now_or_never() {
+        Some(flushed) => flushed,
+        None => tokio::time::timeout(SEND_TIMEOUT, flush)
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the client did not read its answer"))?,
+    }
 }
 
 #[cfg(test)]
