@@ -212,6 +212,9 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
             "400",
         ),
     ];
+    const REST_REQUESTS: &str = r#"oipgate_request_duration_seconds_count{protocol="rest"}"#;
+    let counted = setup.gateway.metric(REST_REQUESTS).await;
+    let refused = cases.len();
     for (what, request, expected) in cases {
         let answer = tokio::task::spawn_blocking(move || exchange(address, &[&request], Duration::ZERO))
             .await
@@ -222,6 +225,12 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
         setup.liar.requests.load(Ordering::SeqCst),
         0,
         "a refused request reached the backend"
+    );
+    // Each refusal is reported as a request, those refused at their head (before a request was made) included.
+    assert_eq!(
+        setup.gateway.metric(REST_REQUESTS).await - counted,
+        refused as f64,
+        "every refusal is counted"
     );
 }
 

@@ -19,7 +19,7 @@ use crate::dispatch::fleet::Lease;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::guard::{Admission, Principal};
-use crate::process::live::Active;
+use crate::process::live::{Active, Gateway};
 use crate::process::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
 use crate::process::payload_log::{Form, Inference, Logged, PayloadLogger};
 use crate::process::traces::Trace;
@@ -33,7 +33,8 @@ pub(super) struct Record {
     /// Counts the request as under way, for shutdown's drain.
     _active: Active,
     started: Instant,
-    uri: http::Uri,
+    /// The request's target; none for a head refused before it made a request.
+    uri: Option<http::Uri>,
     /// The answer's status, once its head is made.
     status: Option<u16>,
     /// The request counters of the model and version an inference named.
@@ -154,7 +155,7 @@ pub(super) fn form_of(headers: &HeaderMap) -> Form {
 }
 
 impl Record {
-    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: http::Uri) -> Record {
+    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: Option<http::Uri>) -> Record {
         Record {
             dispatcher,
             _active: active,
@@ -176,6 +177,16 @@ impl Record {
             trace: Trace::default(),
             capture: None,
         }
+    }
+
+    /// A head the connection refused before it made a request (431, 414, 400, 408), answered with `body_bytes` of
+    /// error: reported, when dropped, as a request of unknown target, so that hostile or broken clients show in the
+    /// metrics and the access log as every other refusal does.
+    pub(super) fn refused(gateway: &Arc<Gateway>, status: StatusCode, body_bytes: usize) -> Record {
+        let mut record = Record::new(gateway.dispatcher(), gateway.begin(), None);
+        record.status = Some(status.as_u16());
+        record.response_bytes = body_bytes as u64;
+        record
     }
 
     pub(super) fn dispatcher(&self) -> &Arc<Dispatcher> {
@@ -222,7 +233,7 @@ impl Drop for Record {
                 duration: self.started.elapsed(),
                 request_bytes,
                 response_bytes: self.response_bytes,
-                target: self.uri.path(),
+                target: self.uri.as_ref().map_or("-", http::Uri::path),
                 request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
                 endpoint: self.endpoint.as_deref(),
                 translated: self.translated,

@@ -88,7 +88,7 @@ impl RestDoor {
         budget: Option<&Arc<AnswerBudget>>,
     ) -> Response<AnswerBody> {
         let (mut parts, body) = request.into_parts();
-        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), parts.uri.clone());
+        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), Some(parts.uri.clone()));
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         if let Some(traces) = record.dispatcher().traces() {
             record.trace = request_span(traces, &parts);

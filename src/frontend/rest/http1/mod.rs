@@ -25,6 +25,7 @@ use head::{Refusal, RequestHead};
 use write::{How, write_answer};
 
 use super::RestDoor;
+use super::answer::Record;
 use super::connection::Peek;
 use crate::body::ClientBody;
 use crate::codec::http1::Framing;
@@ -178,9 +179,10 @@ where
         }
     }
 
-    /// Answers a head that cannot be taken, and closes the connection.
+    /// Answers a head that cannot be taken, reports it as a request, and closes the connection.
     async fn refuse(mut self, refusal: Refusal) {
         let json = crate::codec::rest::encode_error(&refusal.message);
+        let record = Record::refused(self.door.gateway(), refusal.status, json.len());
         let mut answer = Response::new(http_body_util::Full::new(Bytes::from(json)));
         *answer.status_mut() = refusal.status;
         answer.headers_mut().insert(
@@ -193,10 +195,9 @@ where
             http10: false,
             head_only: false,
         };
-        if write_answer(&mut self.wire.io, &mut Vec::new(), answer, how)
-            .await
-            .is_ok()
-        {
+        let written = write_answer(&mut self.wire.io, &mut Vec::new(), answer, how).await;
+        drop(record);
+        if written.is_ok() {
             // What the client still sends of the refused request is read and dropped for a while.
             self.wire.linger().await;
         }
