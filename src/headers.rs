@@ -91,7 +91,8 @@ fn gather<'a>(incoming: &'a HeaderMap, mut seen: impl FnMut(&HeaderName, &'a Hea
 /// Leaves in `headers` what [`end_to_end`] would pass on, and the headers named in `kept`; in place, for a message
 /// that goes on with most of its headers (an answer passed back as it came). Each header is shown to `seen` first.
 pub fn keep_end_to_end(headers: &mut HeaderMap, kept: &[HeaderName], mut seen: impl FnMut(&HeaderName, &HeaderValue)) {
-    let mut dropped: Vec<HeaderName> = Vec::new();
+    // On the stack: an answer drops a header or two (the backend's `Date`, as a rule), and this runs for each.
+    let mut dropped: smallvec::SmallVec<[HeaderName; 4]> = smallvec::SmallVec::new();
     let mut connection = false;
     for (name, value) in &*headers {
         seen(name, value);
@@ -213,7 +214,10 @@ pub fn new_request_id() -> HeaderValue {
     let mut id = [0u8; 25];
     id[..17].copy_from_slice(start);
     hex_into(&mut id[17..], count);
-    let mut id = HeaderValue::from_bytes(&id).unwrap_or(HeaderValue::from_static("oipgate"));
+    // Owned as it is: one allocation, shared by the copies the request makes (one from a copied slice would take a
+    // second at its first copy).
+    let mut id =
+        HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(id)).unwrap_or(HeaderValue::from_static("oipgate"));
     // Each request's id is new: HPACK is told never to index it, so HTTP/2 peers neither fill their header tables
     // with ids nor search them for one.
     id.set_sensitive(true);

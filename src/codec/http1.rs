@@ -163,7 +163,10 @@ impl Said {
     }
 
     pub fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), BadHeader> {
-        let name = HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?;
+        let name = match known_name(name) {
+            Some(known) => known,
+            None => HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?,
+        };
         let Ok(value) = HeaderValue::from_maybe_shared(value) else {
             return Err(BadHeader::Value(name));
         };
@@ -190,6 +193,20 @@ impl Said {
         self.headers.append(name, value);
         Ok(())
     }
+}
+
+/// The names, unknown to `http`, that most of the gateway's messages carry: each taken from here rather than made
+/// (and allocated) again for every message that carries it.
+fn known_name(name: &[u8]) -> Option<HeaderName> {
+    static KNOWN: [HeaderName; 3] = [
+        crate::headers::REQUEST_ID,
+        crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH,
+        crate::headers::OIP_MODEL_VERSION,
+    ];
+    KNOWN
+        .iter()
+        .find(|known| known.as_str().len() == name.len() && known.as_str().as_bytes().eq_ignore_ascii_case(name))
+        .cloned()
 }
 
 /// How a body is framed, and how much of it is left.
@@ -307,6 +324,32 @@ mod tests {
         ] {
             assert_eq!(content_length(bad), None, "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn header_names_are_noted_lower_case_whichever_way_they_are_read() {
+        let mut said = Said::new(4);
+        for name in [
+            &b"X-Request-ID"[..],
+            b"inference-header-content-length",
+            b"X-Custom",
+            b"Content-Type",
+        ] {
+            said.note(name, Bytes::from_static(b"1")).unwrap();
+        }
+        let names: Vec<&str> = said.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(
+            names,
+            [
+                "x-request-id",
+                "inference-header-content-length",
+                "x-custom",
+                "content-type"
+            ]
+        );
+        assert_eq!(known_name(b"x-request-i"), None);
+        assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
+        assert!(matches!(said.note(b"bad name", Bytes::new()), Err(BadHeader::Name)));
     }
 
     #[test]

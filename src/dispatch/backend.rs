@@ -250,7 +250,7 @@ impl BackendClients {
                     self.fleet
                         .states
                         .get(index)
-                        .map(|state| state.authority.clone())
+                        .map(|state| state.authority.to_string())
                         .unwrap_or_default(),
                 ),
                 opentelemetry::KeyValue::new("oip.retry", i64::try_from(retry).unwrap_or(i64::MAX)),

@@ -22,7 +22,8 @@ const RETRY_BUDGET_FLOOR: u64 = 10;
 /// One replica's observed state.
 #[derive(Debug)]
 pub struct EndpointState {
-    pub authority: String,
+    /// `host:port`; shared, as every answer's record names it.
+    pub authority: Arc<str>,
     in_flight: AtomicUsize,
     /// Set by active health checks; true when none are configured.
     probe_healthy: AtomicBool,
@@ -79,7 +80,7 @@ impl EndpointState {
     pub fn new(authority: String, policy: &BackendPolicy, healthy_gauge: IntGauge) -> EndpointState {
         let max_in_flight = policy.max_in_flight.map_or(usize::MAX, |n| n as usize);
         EndpointState {
-            authority,
+            authority: authority.into(),
             in_flight: AtomicUsize::new(0),
             probe_healthy: AtomicBool::new(true),
             good_probes: AtomicU32::new(0),
@@ -124,7 +125,7 @@ impl EndpointState {
         };
         let scraped = self.last_scrape();
         EndpointStatus {
-            endpoint: self.authority.clone(),
+            endpoint: self.authority.to_string(),
             available,
             why,
             in_flight: self.in_flight(),

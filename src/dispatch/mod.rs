@@ -674,7 +674,7 @@ fn forget_removed(
                 .any(|b| b.name == old.name && b.fleet.states.iter().any(|s| Arc::ptr_eq(s, state)));
             let same_series = backends
                 .iter()
-                .any(|b| b.name == old.name && b.endpoints.iter().any(|e| e.to_string() == state.authority));
+                .any(|b| b.name == old.name && b.endpoints.iter().any(|e| e.to_string() == *state.authority));
             if !kept && !same_series {
                 metrics.forget_endpoint(&old.name, &state.authority);
             }

@@ -80,11 +80,7 @@ impl Dispatcher {
         index: usize,
         route: &VersionRoute,
     ) -> Result<ModelStatistics> {
-        let authority = backend
-            .fleet
-            .states
-            .get(index)
-            .map_or("", |state| state.authority.as_str());
+        let authority = backend.fleet.states.get(index).map_or("", |state| &*state.authority);
         let unimplemented = |why: String| {
             Error::new(
                 ErrorKind::Unimplemented,

@@ -271,7 +271,7 @@ impl RestDoor {
             Ok(sent) => sent,
             Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
         };
-        let authority: Arc<str> = lease.state.authority.as_str().into();
+        let authority = lease.state.authority.clone();
         record.endpoint = Some(authority.clone());
         record.lease = Some(lease);
         let (head, answer) = response.into_parts();
