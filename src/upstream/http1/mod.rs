@@ -102,6 +102,21 @@ pub(super) struct Kept {
     thread: usize,
 }
 
+impl Kept {
+    /// A connection just made, on this thread.
+    fn new(io: Io) -> Kept {
+        Kept {
+            io,
+            read: BytesMut::new(),
+            head: Vec::new(),
+            read_size: READ_FIRST,
+            ended: false,
+            idle_since: Instant::now(),
+            thread: this_thread(),
+        }
+    }
+}
+
 impl std::fmt::Debug for Kept {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kept").field("ended", &self.ended).finish()
@@ -302,15 +317,7 @@ async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, 
     let connected = tower_service::Service::call(&mut connector, uri.clone())
         .await
         .map_err(Failure::Connect)?;
-    Ok(Box::new(Kept {
-        io: Io::from_connected(connected),
-        read: BytesMut::new(),
-        head: Vec::new(),
-        read_size: READ_FIRST,
-        ended: false,
-        idle_since: Instant::now(),
-        thread: this_thread(),
-    }))
+    Ok(Box::new(Kept::new(Io::from_connected(connected))))
 }
 
 /// Starts this thread's sweep of its idle connections, once. Only on a single-threaded runtime: its tasks run on

@@ -572,15 +572,7 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
         let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
             .await
             .unwrap();
-        let mut kept = Kept {
-            io: Io::Plain(io),
-            read: BytesMut::new(),
-            head: Vec::new(),
-            read_size: READ_FIRST,
-            ended: false,
-            idle_since: Instant::now(),
-            thread: this_thread(),
-        };
+        let mut kept = Kept::new(Io::Plain(io));
         let (method, path, host) = (
             Method::POST,
             PathAndQuery::from_static("/p"),
