@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use http::{Response, StatusCode};
-use http_body::Body;
+use http_body::{Body, Frame};
 use tokio::io::AsyncWrite;
 
 use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices};
@@ -61,12 +61,36 @@ where
     B: Body<Data = Bytes> + Unpin,
 {
     let (parts, mut body) = response.into_parts();
-    let status = parts.status;
     let declared = parts
         .headers
         .get(CONTENT_LENGTH)
         .and_then(|value| content_length(value.as_bytes()));
-    let out = if status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+    let out = framing(parts.status, declared, &body, &mut how);
+    encode_head(head, &parts, out, declared.is_some(), how);
+    let mut sent = Sent::new(out, how);
+    let mut batch = Batch::default();
+    let mut head_left = head.len();
+    loop {
+        sent.take(io, &mut body, &mut batch, head_left == 0).await?;
+        if head_left == head.len() && batch.gather_into(head, out) {
+            head_left = head.len();
+        }
+        let last = sent.ended && out == Out::Chunked && !sent.failed;
+        if head_left > 0 || batch.count > 0 || last {
+            write_batch(io, &head[head.len() - head_left..], &mut batch, out, last).await?;
+            head_left = 0;
+        }
+        if sent.ended {
+            flush(io).await?;
+            return Ok(!sent.failed && sent.left == 0 && !how.close && out != Out::UntilClose);
+        }
+    }
+}
+
+/// How an answer's body goes on the wire: by the length its head declares or its body knows, in chunks, until the
+/// connection closes (an HTTP/1.0 client, which is then told so), or not at all for a status that has none.
+fn framing<B: Body>(status: StatusCode, declared: Option<u64>, body: &B, how: &mut How) -> Out {
+    if status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         Out::None
     } else if let Some(length) = declared {
         Out::Length(length)
@@ -79,101 +103,149 @@ where
         Out::UntilClose
     } else {
         Out::Chunked
-    };
-    encode_head(head, &parts, out, declared.is_some(), how);
-    let mut head_left = head.len();
-    let mut left = match out {
-        Out::Length(length) if !how.head_only => length,
-        _ => 0,
-    };
-    let bodiless = how.head_only || out == Out::None;
-    let mut pieces: [Bytes; PIECES] = Default::default();
-    let mut sizes = [[0u8; 20]; PIECES];
-    let mut ended = bodiless;
-    let mut failed = false;
-    loop {
-        // What the body has at hand, up to a call's worth; when nothing is left to write, what was written goes out
-        // and the body is waited for.
-        let mut count = 0;
-        let mut gathered = 0;
-        while !ended && count < PIECES && gathered < GATHER {
-            let frame = if count == 0 && head_left == 0 {
+    }
+}
+
+/// How much of an answer's body is taken, and how it ended.
+struct Sent {
+    out: Out,
+    /// Bytes the head declared that have not been taken yet.
+    left: u64,
+    ended: bool,
+    /// The body broke off, or was longer than its head said.
+    failed: bool,
+}
+
+impl Sent {
+    fn new(out: Out, how: How) -> Sent {
+        Sent {
+            out,
+            left: match out {
+                Out::Length(length) if !how.head_only => length,
+                _ => 0,
+            },
+            ended: how.head_only || out == Out::None,
+            failed: false,
+        }
+    }
+
+    /// Takes what the body has at hand into `batch`, up to a call's worth; when nothing is left to write
+    /// (`written_all`), what was written goes out and the body is waited for.
+    async fn take<S, B>(&mut self, io: &mut S, body: &mut B, batch: &mut Batch, written_all: bool) -> io::Result<()>
+    where
+        S: AsyncWrite + Unpin,
+        B: Body<Data = Bytes> + Unpin,
+    {
+        while !self.ended && batch.count < PIECES && batch.gathered < GATHER {
+            let frame = if batch.count == 0 && written_all {
                 flush(io).await?;
-                poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+                poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
             } else {
-                match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+                match poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await {
                     Poll::Ready(frame) => frame,
                     Poll::Pending => break,
                 }
             };
-            let mut data = match frame {
-                None => {
-                    ended = true;
-                    continue;
-                }
-                Some(Err(_)) => {
-                    (ended, failed) = (true, true);
-                    continue;
-                }
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) if !data.is_empty() => data,
-                    _ => continue,
-                },
-            };
-            if let Out::Length(_) = out {
-                // Never more than the head said: the rest would be taken for the next answer.
-                let room = usize::try_from(left).unwrap_or(usize::MAX);
-                if data.len() > room {
-                    data.truncate(room);
-                    (ended, failed) = (true, true);
-                }
-                left -= data.len() as u64;
-            }
-            gathered += data.len();
-            pieces[count] = data;
-            count += 1;
-        }
-        let last = ended && out == Out::Chunked && !failed;
-        if head_left == head.len() && out != Out::Chunked && count > 0 && gathered <= GATHERED_BODY {
-            // A small body goes in the head's buffer: the two leave in one `send`.
-            for piece in &mut pieces[..count] {
-                head.extend_from_slice(piece);
-                *piece = Bytes::new();
-            }
-            head_left = head.len();
-            count = 0;
-        }
-        if head_left > 0 || count > 0 || last {
-            let mut slices: [IoSlice<'_>; 2 * PIECES + 2] = [IoSlice::new(&[]); 2 * PIECES + 2];
-            let mut used = 0;
-            let mut push = |slice| {
-                slices[used] = IoSlice::new(slice);
-                used += 1;
-            };
-            push(&head[head.len() - head_left..]);
-            for (piece, size) in pieces[..count].iter().zip(sizes.iter_mut()) {
-                if out == Out::Chunked {
-                    push(chunk_size_line(size, piece.len()));
-                }
-                push(piece);
-                if out == Out::Chunked {
-                    push(b"\r\n");
-                }
-            }
-            if last {
-                push(b"0\r\n\r\n");
-            }
-            write_all(io, &mut slices[..used]).await?;
-            head_left = 0;
-            for piece in &mut pieces[..count] {
-                *piece = Bytes::new();
+            if let Some(data) = self.data(frame) {
+                batch.push(data);
             }
         }
-        if ended {
-            flush(io).await?;
-            return Ok(!failed && left == 0 && !how.close && out != Out::UntilClose);
+        Ok(())
+    }
+
+    /// The data of a frame, if any, never more than the head said (the rest would be taken for the next answer).
+    fn data<E>(&mut self, frame: Option<Result<Frame<Bytes>, E>>) -> Option<Bytes> {
+        let mut data = match frame {
+            None => {
+                self.ended = true;
+                return None;
+            }
+            Some(Err(_)) => {
+                (self.ended, self.failed) = (true, true);
+                return None;
+            }
+            Some(Ok(frame)) => frame.into_data().ok().filter(|data| !data.is_empty())?,
+        };
+        if let Out::Length(_) = self.out {
+            let room = usize::try_from(self.left).unwrap_or(usize::MAX);
+            if data.len() > room {
+                data.truncate(room);
+                (self.ended, self.failed) = (true, true);
+            }
+            self.left -= data.len() as u64;
+        }
+        Some(data)
+    }
+}
+
+/// The pieces of a body taken for one write.
+#[derive(Default)]
+struct Batch {
+    pieces: [Bytes; PIECES],
+    count: usize,
+    gathered: usize,
+}
+
+impl Batch {
+    fn push(&mut self, data: Bytes) {
+        self.gathered += data.len();
+        self.pieces[self.count] = data;
+        self.count += 1;
+    }
+
+    /// Copies a small body framed by its length after the head in `head`, so the two leave in one `send`; whether it
+    /// did.
+    fn gather_into(&mut self, head: &mut Vec<u8>, out: Out) -> bool {
+        if out == Out::Chunked || self.count == 0 || self.gathered > GATHERED_BODY {
+            return false;
+        }
+        for piece in &self.pieces[..self.count] {
+            head.extend_from_slice(piece);
+        }
+        self.clear();
+        true
+    }
+
+    fn clear(&mut self) {
+        for piece in &mut self.pieces[..self.count] {
+            *piece = Bytes::new();
+        }
+        (self.count, self.gathered) = (0, 0);
+    }
+}
+
+/// Writes what is left of the head, the batch's pieces (framed as chunks when `out` says so) and, when `last`, the
+/// chunked body's end, in one vectored write where the connection takes it whole.
+async fn write_batch<S: AsyncWrite + Unpin>(
+    io: &mut S,
+    head: &[u8],
+    batch: &mut Batch,
+    out: Out,
+    last: bool,
+) -> io::Result<()> {
+    let mut sizes = [[0u8; 20]; PIECES];
+    let mut slices: [IoSlice<'_>; 2 * PIECES + 2] = [IoSlice::new(&[]); 2 * PIECES + 2];
+    let mut used = 0;
+    let mut push = |slice| {
+        slices[used] = IoSlice::new(slice);
+        used += 1;
+    };
+    push(head);
+    for (piece, size) in batch.pieces[..batch.count].iter().zip(sizes.iter_mut()) {
+        if out == Out::Chunked {
+            push(chunk_size_line(size, piece.len()));
+        }
+        push(piece);
+        if out == Out::Chunked {
+            push(b"\r\n");
         }
     }
+    if last {
+        push(b"0\r\n\r\n");
+    }
+    write_all(io, &mut slices[..used]).await?;
+    batch.clear();
+    Ok(())
 }
 
 /// A chunk's size line (`<hex>\r\n`) written into `room`.
