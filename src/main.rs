@@ -11,22 +11,17 @@ use oipgate::modelserver::{self, ModelServerConfig};
 use oipgate::process::logging::LogFormat;
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
-/// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them.
+/// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them (and the largest are kept
+/// for the next ones: see `process::allocator`).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: oipgate::process::allocator::Allocator = oipgate::process::allocator::Allocator;
 
 /// mimalloc returns freed pages to the kernel only when the heap that owns them is next used, so memory freed by a
 /// thread that then goes quiet stays resident: a thousand keep-alive connections going idle at once free hyper's
 /// buffers (about 12 KiB each) and the door threads then wait; a reload frees the previous snapshot. The gateway's
 /// builder thread (which builds every snapshot) asks for the purge once a second.
 fn return_freed_memory_periodically() {
-    oipgate::process::on_release_freed_memory(|| {
-        // SAFETY: `mi_collect` takes no pointers and may be called from any thread at any time.
-        #[allow(unsafe_code)]
-        unsafe {
-            libmimalloc_sys::mi_collect(true);
-        }
-    });
+    oipgate::process::on_release_freed_memory(oipgate::process::allocator::release_freed_memory);
 }
 
 #[derive(Parser)]
