@@ -726,7 +726,7 @@ def main():
                 ("oipgate gRPC -> REST binary", lambda: h2load(f"http://127.0.0.1:{ports['grpc']}{grpc_path}", g64_rest, seconds, 1, 1), ["model-server", "oipgate"]),
             ], args.rounds, processes, gateway)
     finally:
-        for server in (gateway, nginx, haproxy, *floors.values(), backend):
+        for server in (gateway, gateway_auth, nginx, haproxy, *floors.values(), backend):
             server.stop()
     return finish(results)
 

@@ -1,5 +1,6 @@
 //! The running gateway process: its wiring, signals and binary upgrade (`app`), the live state swapped on reload and
-//! discovery (`live`), and what it reports (`metrics`, `logging`, `traces`, `payload_log`).
+//! discovery (`live`), what it reports (`metrics`, `logging`, `traces`, `payload_log`), and its allocator
+//! (`allocator`).
 
 pub mod allocator;
 pub mod app;
