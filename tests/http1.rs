@@ -1,5 +1,5 @@
 //! The REST door's HTTP/1.1 as clients use its less common parts: `Expect: 100-continue`, HTTP/1.0 with and without
-//! keep-alive, HEAD, pipelined requests, and bodies that arrive in pieces.
+//! keep-alive, HEAD, pipelined requests, bodies that arrive in pieces, and connections that go quiet and come back.
 
 mod common;
 
@@ -113,6 +113,31 @@ fn http10_clients_keep_their_connection_only_when_they_ask() {
             "{answer}"
         );
     }
+}
+
+/// A connection serves its requests in one state while they keep coming and goes back to waiting small after a
+/// second without one: requests before, across and after that change are all answered, on the one connection, and
+/// a request that comes in pieces across it is read whole.
+#[test]
+fn a_connection_that_goes_quiet_and_comes_back_is_served_on() {
+    let (_server, gateway) = setup();
+    let mut stream = connect(gateway.rest);
+    let request = infer("HTTP/1.1", "", BODY);
+    for pause in [0, 0, 1300, 50, 1300, 0] {
+        std::thread::sleep(Duration::from_millis(pause));
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, json) = read_answer(&mut stream).unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "after {pause} ms: {answer}");
+        assert!(json.contains(r#""model_name":"identity""#), "{json}");
+    }
+    // A head whose first bytes come while it waits busy and whose rest comes more than a second later: the head's own
+    // time limit applies, not the wait's.
+    let (start, rest) = request.split_at(10);
+    stream.write_all(start.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(1300));
+    stream.write_all(rest.as_bytes()).unwrap();
+    let (answer, _) = read_answer(&mut stream).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
 #[test]

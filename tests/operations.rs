@@ -237,16 +237,20 @@ async fn connections_that_may_still_bring_a_request_at_shutdown_get_it_answered(
         }
         String::from_utf8_lossy(&read).into_owned()
     }
-    // One connection accepted whose first request has not come yet, and one kept after a request.
+    // One connection accepted whose first request has not come yet, one kept after a request and quiet since (it
+    // waits idle), and one kept after a request just answered (it waits in the state its requests are served in).
     let mut fresh = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
+    let mut quiet = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
     let mut kept = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
+    assert!(answer(&mut quiet, &request, false).await.starts_with("HTTP/1.1 200"));
+    tokio::time::sleep(Duration::from_millis(1300)).await;
     assert!(answer(&mut kept, &request, false).await.starts_with("HTTP/1.1 200"));
     tokio::time::sleep(Duration::from_millis(100)).await;
     gateway.signal("TERM");
-    // Nothing is under way, but either connection may be carrying a request the client already sent: the process
+    // Nothing is under way, but each connection may be carrying a request the client already sent: the process
     // answers it (and says the connection closes) before it exits.
     tokio::time::sleep(Duration::from_millis(150)).await;
-    for connection in [&mut fresh, &mut kept] {
+    for connection in [&mut fresh, &mut quiet, &mut kept] {
         let answered = answer(connection, &request, true).await;
         assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
         assert!(answered.contains("connection: close"), "{answered}");

@@ -34,6 +34,10 @@ use crate::process::live::Active;
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
 pub(super) const KEEPALIVE: Duration = Duration::from_secs(60);
+/// How long a connection that has served a request waits for its next in the state its requests are served in,
+/// before it lets that state go and waits small: a client sending request after request is served in one state,
+/// made once, not made and moved for each of its requests.
+const QUIET: Duration = Duration::from_secs(1);
 /// Once shutdown starts, how long an idle connection is kept for a request already on its way (answered with
 /// `Connection: close`) before it is closed.
 pub(super) const CLOSE_LINGER: Duration = Duration::from_millis(500);
@@ -62,6 +66,26 @@ pub(super) struct Http1<S> {
     /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
     /// it) until that request is answered or the connection closes.
     held: Option<Active>,
+}
+
+/// How a connection waits for its next request.
+#[derive(Clone, Copy)]
+enum Waiting {
+    /// Small, up to the keep-alive time.
+    Idle,
+    /// In the state its requests are served in, up to [`QUIET`].
+    Busy,
+}
+
+/// What came of waiting for a request.
+#[derive(Debug, PartialEq, Eq)]
+enum Waited {
+    /// Its first bytes.
+    Arrived,
+    /// Nothing within [`QUIET`]: the connection goes on waiting, idle.
+    Quiet,
+    /// The connection is to close.
+    Gone,
 }
 
 /// The connection's stream and the bytes read from it not yet used.
@@ -99,27 +123,47 @@ where
     /// Serves requests until the connection closes.
     pub(super) async fn serve(mut self) {
         loop {
-            if self.wire.read.is_empty() && !self.wait_for_request().await {
+            if self.wire.read.is_empty() && self.wait_for_request(Waiting::Idle).await != Waited::Arrived {
                 return;
             }
-            let head = match self.read_head().await {
-                Ok(Some(head)) => head,
-                Ok(None) => return,
-                // Boxed, as a request is: an idle connection's task is no larger for the answer it might write.
-                Err(refusal) => return Box::pin(self.refuse(refusal)).await,
-            };
-            // Boxed: a request's state (the door's future among it) is large, and the connection's task, which
-            // lives as long as the connection, keeps only what waiting needs.
-            if !Box::pin(self.exchange(head)).await {
-                return self.wire.close().await;
+            // Boxed: the state requests are served in (the door's future among it) is large, and the connection's
+            // task, which lives as long as the connection, keeps only what waiting idle needs.
+            if !Box::pin(self.serve_requests()).await {
+                return;
             }
-            self.held = None;
         }
     }
 
-    /// Waits, within the keep-alive time, for the next request's first bytes; `false` when the client closed the
-    /// connection, the time ran out or the gateway is shutting down.
-    async fn wait_for_request(&mut self) -> bool {
+    /// Serves requests for as long as they keep coming, one after another in this one state; `true` when the
+    /// connection has gone quiet (its next request is waited for small), `false` once it is closed.
+    async fn serve_requests(&mut self) -> bool {
+        loop {
+            let head = match self.read_head().await {
+                Ok(Some(head)) => head,
+                Ok(None) => return false,
+                Err(refusal) => {
+                    self.refuse(refusal).await;
+                    return false;
+                }
+            };
+            if !self.exchange(head).await {
+                self.wire.close().await;
+                return false;
+            }
+            self.held = None;
+            if self.wire.read.is_empty() {
+                match self.wait_for_request(Waiting::Busy).await {
+                    Waited::Arrived => {}
+                    Waited::Gone => return false,
+                    Waited::Quiet => return true,
+                }
+            }
+        }
+    }
+
+    /// Waits for the next request's first bytes: within the keep-alive time when idle, within [`QUIET`] when busy.
+    /// Gone when the client closed the connection, the keep-alive time ran out or the gateway is shutting down.
+    async fn wait_for_request(&mut self, waiting: Waiting) -> Waited {
         let Http1 {
             wire,
             door,
@@ -132,28 +176,45 @@ where
         } = self;
         // At once, when the next request is already here.
         match poll_fn(|cx| Poll::Ready(wire.poll_fill(cx, READ_SIZE))).await {
-            Poll::Ready(Ok(read)) => return read > 0,
-            Poll::Ready(Err(_)) => return false,
+            Poll::Ready(Ok(0) | Err(_)) => return Waited::Gone,
+            Poll::Ready(Ok(_)) => return Waited::Arrived,
             Poll::Pending => {}
         }
-        // A plain connection waits with its socket only; its read buffer is made again when bytes come.
-        if S::CAN_PEEK || wire.read.capacity() > 4 * READ_SIZE {
-            wire.read = BytesMut::new();
+        let patience = match waiting {
+            Waiting::Busy => QUIET,
+            Waiting::Idle => {
+                // A plain connection waits idle with its socket only; its read buffer is made again when bytes come.
+                if S::CAN_PEEK || wire.read.capacity() > 4 * READ_SIZE {
+                    wire.read = BytesMut::new();
+                }
+                KEEPALIVE
+            }
+        };
+        // One timer for all the waits: moved only when it runs out, or when a busy wait needs it sooner.
+        let due = *last_request + patience;
+        let timer = keepalive.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        if timer.deadline() > due && !*closing {
+            timer.as_mut().reset(due);
         }
-        let timer = keepalive.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(*last_request + KEEPALIVE)));
         loop {
             tokio::select! {
                 biased;
-                arrived = wire.arrival() => return matches!(arrived, Ok(1..)),
+                arrived = wire.arrival() => return if matches!(arrived, Ok(1..)) { Waited::Arrived } else { Waited::Gone },
                 () = stopping(shutdown), if !*closing => {
                     *closing = true;
                     *held = Some(door.gateway().begin());
                     timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
                 }
                 () = timer.as_mut() => {
-                    let due = *last_request + KEEPALIVE;
-                    if *closing || due <= Instant::now() {
-                        return false;
+                    if *closing {
+                        return Waited::Gone;
+                    }
+                    let due = *last_request + patience;
+                    if due <= Instant::now() {
+                        return match waiting {
+                            Waiting::Busy => Waited::Quiet,
+                            Waiting::Idle => Waited::Gone,
+                        };
                     }
                     timer.as_mut().reset(due);
                 }
@@ -180,7 +241,7 @@ where
     }
 
     /// Answers a head that cannot be taken, reports it as a request, and closes the connection.
-    async fn refuse(mut self, refusal: Refusal) {
+    async fn refuse(&mut self, refusal: Refusal) {
         let json = crate::codec::rest::encode_error(&refusal.message);
         let record = Record::refused(self.door.gateway(), refusal.status, json.len());
         let mut answer = Response::new(http_body_util::Full::new(Bytes::from(json)));
