@@ -1,6 +1,7 @@
 //! The REST door's HTTP/1.1: a connection's requests read, handed to the door and answered on the door's own thread,
-//! one after another (pipelined ones in order); the body fed as the door asks for it; a client that leaves
-//! cancelling its request; the head's time limit (408), keep-alive, lingering close and drain on shutdown.
+//! one after another (pipelined ones in order) in one state while they keep coming; the body fed as the door asks
+//! for it; a client that leaves cancelling its request; the head's time limit (408), keep-alive, lingering close and
+//! drain on shutdown.
 
 mod body;
 mod head;
@@ -61,7 +62,8 @@ pub(super) struct Http1<S> {
     closing: bool,
     /// When the last request's head was read, from which the keep-alive time counts.
     last_request: Instant,
-    /// Times the keep-alive wait (made at the first, moved only when it runs out: a request costs it nothing).
+    /// Times the waits for a request, busy and idle (made at the first, moved only when it runs out or a busy wait
+    /// needs it sooner: a request costs it nothing).
     keepalive: Option<Pin<Box<Sleep>>>,
     /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
     /// it) until that request is answered or the connection closes.
