@@ -49,6 +49,8 @@ const LINGER: Duration = Duration::from_secs(5);
 const READ_SIZE: usize = 4096;
 /// The largest read of a body: a large tensor arrives in pieces of this size.
 const BODY_READ: usize = 256 * 1024;
+/// Room for an answer's head and a small body after it, in the buffer a connection's answers are written from.
+const ANSWER_BUFFER: usize = 512 + crate::codec::http1::GATHERED_BODY;
 /// What a client waiting to send its body is told once the door reads it.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -139,6 +141,8 @@ where
     /// Serves requests for as long as they keep coming, one after another in this one state; `true` when the
     /// connection has gone quiet (its next request is waited for small), `false` once it is closed.
     async fn serve_requests(&mut self) -> bool {
+        // Made once for all the requests served here.
+        let mut written = Vec::with_capacity(ANSWER_BUFFER);
         loop {
             let head = match self.read_head().await {
                 Ok(Some(head)) => head,
@@ -148,7 +152,7 @@ where
                     return false;
                 }
             };
-            if !self.exchange(head).await {
+            if !self.exchange(head, &mut written).await {
                 self.wire.close().await;
                 return false;
             }
@@ -266,9 +270,9 @@ where
         }
     }
 
-    /// Carries one request: its body fed to the door as asked for, its answer written. `true` when the connection
-    /// may carry another.
-    async fn exchange(&mut self, head: RequestHead) -> bool {
+    /// Carries one request: its body fed to the door as asked for, its answer written (from `out`, the connection's
+    /// buffer for answers). `true` when the connection may carry another.
+    async fn exchange(&mut self, head: RequestHead, out: &mut Vec<u8>) -> bool {
         let RequestHead {
             parts,
             framing,
@@ -320,9 +324,11 @@ where
             http10,
             head_only,
         };
-        // Room for a head and a small body after it.
-        let mut head = Vec::with_capacity(512 + crate::codec::http1::GATHERED_BODY);
-        let written = write_answer(&mut wire.io, &mut head, response, how).await;
+        // A head that grew the buffer far (a backend's answer with many headers) does not keep it grown.
+        if out.capacity() > 4 * ANSWER_BUFFER {
+            *out = Vec::with_capacity(ANSWER_BUFFER);
+        }
+        let written = write_answer(&mut wire.io, out, response, how).await;
         if written.is_ok() && !body_read {
             wire.linger().await;
         }
