@@ -54,9 +54,13 @@ models = ["*"]
 lb = "least_load"
 load = {{ preset = "triton", interval_ms = 50 }}
 {}
+{}retries = 1
 [[models]]
 name = "identity"
 versions = [ {{ version = "1", backend = "pair" }} ]
+[[models]]
+name = "retried"
+versions = [ {{ version = "1", backend = "retrying", upstream_name = "identity" }} ]
 [[models]]
 name = "add_sub"
 versions = [ {{ version = "1", backend = "grpc" }} ]
@@ -67,16 +71,34 @@ rate = {{ per_second = 0.001, burst = 1 }}
 "#,
         backend("pair", "rest", [replica.rest.unwrap().to_string(), dead.to_string()]),
         backend("grpc", "grpc", [replica.grpc.unwrap()]),
+        // Taken in turn (least_load may keep off the dead endpoint from the first call on): one of two calls meets
+        // the dead endpoint and is retried.
+        backend(
+            "retrying",
+            "rest",
+            [dead.to_string(), replica.rest.unwrap().to_string()]
+        ),
     ));
     let client = http_client(false);
     let key = [("x-api-key", "grafana-key".to_owned())];
-    // Calls over both endpoints (one dead: retried), translated to gRPC, refused for want of a key, and past a
+    // Calls over both endpoints (one dead), retried, translated to gRPC, refused for want of a key, and past a
     // model's rate.
     for _ in 0..8 {
         let answer = send(
             &client,
             "POST",
             &gateway.rest_url("/v2/models/identity/infer"),
+            &key,
+            BODY,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    }
+    for _ in 0..2 {
+        let answer = send(
+            &client,
+            "POST",
+            &gateway.rest_url("/v2/models/retried/infer"),
             &key,
             BODY,
         )
