@@ -83,27 +83,12 @@ rate = {{ per_second = 0.001, burst = 1 }}
     let key = [("x-api-key", "grafana-key".to_owned())];
     // Calls over both endpoints (one dead), retried, translated to gRPC, refused for want of a key, and past a
     // model's rate.
-    for _ in 0..8 {
-        let answer = send(
-            &client,
-            "POST",
-            &gateway.rest_url("/v2/models/identity/infer"),
-            &key,
-            BODY,
-        )
-        .await;
-        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
-    }
-    for _ in 0..2 {
-        let answer = send(
-            &client,
-            "POST",
-            &gateway.rest_url("/v2/models/retried/infer"),
-            &key,
-            BODY,
-        )
-        .await;
-        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+    for (model, calls) in [("identity", 8), ("retried", 2)] {
+        for _ in 0..calls {
+            let path = format!("/v2/models/{model}/infer");
+            let answer = send(&client, "POST", &gateway.rest_url(&path), &key, BODY).await;
+            assert_eq!(answer.status, 200, "{model}: {}", String::from_utf8_lossy(&answer.body));
+        }
     }
     let add_sub = add_sub_json("INT32");
     let answer = send(
