@@ -108,11 +108,14 @@ async fn tensors_in_shared_memory_are_refused_on_both_doors() {
     let client = http_client(false);
     let input = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"parameters":{"shared_memory_region":"r0","shared_memory_byte_size":4}}]}"#;
     let output = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"outputs":[{"name":"x","parameters":{"shared_memory_region":"r1","shared_memory_byte_size":4}}]}"#;
+    // The same names spelled with JSON escapes, which every JSON reader (the backend's among them) reads as they are.
+    let escaped = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"param\u0065ters":{"\u0073hared_memory_region":"r0","\u0073hared_memory_byte_size":4}}]}"#;
     for version in ["1", "2"] {
         let url = gateway.rest_url(&format!("/v2/models/identity/versions/{version}/infer"));
         for (body, says) in [
             (input, "input 'x' sets shared_memory_"),
             (output, "output 'x' sets shared_memory_"),
+            (escaped, "input 'x' sets shared_memory_"),
         ] {
             let answer = send(&client, "POST", &url, &[], body).await;
             let text = String::from_utf8_lossy(&answer.body);
@@ -123,6 +126,21 @@ async fn tensors_in_shared_memory_are_refused_on_both_doors() {
             );
         }
     }
+    // Refused by the gateway itself: no backend was called, until a request without shared memory.
+    let called = |metrics: &str| metrics.contains("oipgate_upstream_duration_seconds_count{");
+    let metrics = gateway.metrics().await;
+    assert!(!called(&metrics), "a refused request reached a backend: {metrics}");
+    let plain = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
+    let answer = send(
+        &client,
+        "POST",
+        &gateway.rest_url("/v2/models/identity/infer"),
+        &[],
+        plain,
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    assert!(called(&gateway.metrics().await));
     let mut grpc = gateway.grpc_client().await;
     for version in ["1", "2"] {
         let mut request = grpc_int32_request("identity", version);

@@ -92,18 +92,18 @@ impl Places {
         self.count
     }
 
-    /// Hands each header of `head` (the buffer's head, split off) to `note`, its value a slice of `head`: from the
-    /// places noted when they hold them all, else by reading the header lines again (`malformed` if they cannot be,
-    /// which a head already parsed whole never is).
+    /// Hands each header of `head` (the buffer's head, split off: the bytes the places were noted in) to `note`, its
+    /// value a slice of `head`: from the places noted when they hold them all, else by reading the header lines again
+    /// (`malformed` if they cannot be, which a head already parsed whole never is).
     pub fn each<E>(
         self,
         head: &Bytes,
         malformed: impl FnOnce() -> E,
-        mut note: impl FnMut(&[u8], Bytes) -> Result<(), E>,
+        mut note: impl FnMut(&[u8], HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
         if self.count <= PLACED {
             for (name, value) in self.places.into_iter().take(self.count) {
-                note(&head[name], head.slice(value))?;
+                note(&head[name], parsed_value(head.slice(value)))?;
             }
             return Ok(());
         }
@@ -115,10 +115,22 @@ impl Places {
             return Err(malformed());
         };
         for header in parsed {
-            note(header.name.as_bytes(), head.slice_ref(header.value))?;
+            note(header.name.as_bytes(), parsed_value(head.slice_ref(header.value)))?;
         }
         Ok(())
     }
+}
+
+/// A header value httparse has read, taken without checking its bytes again: each header of every message passes
+/// here, and checking a value byte by byte is most of what noting a header costs.
+#[allow(unsafe_code)]
+fn parsed_value(value: Bytes) -> HeaderValue {
+    // SAFETY: not a memory safety matter, but `HeaderValue`'s promise that its bytes are a valid field value. httparse
+    // reads a value only as bytes that are a horizontal tab, visible ASCII, a space or obs-text (0x80-0xFF), which are
+    // exactly the bytes `HeaderValue` allows, and the obsolete folded lines that would bring a CR LF are not enabled
+    // (`ParserConfig::default()` in both heads' parsers). Every value handed here is a slice of a parsed header value.
+    debug_assert!(HeaderValue::from_bytes(&value).is_ok(), "{value:?}");
+    unsafe { HeaderValue::from_maybe_shared_unchecked(value) }
 }
 
 /// What a head's headers say of its body and its connection, gathered as the headers go into their map: the one
@@ -144,7 +156,6 @@ pub struct Said {
 #[derive(Debug)]
 pub enum BadHeader {
     Name,
-    Value(HeaderName),
     Length,
     TwoLengths,
 }
@@ -162,13 +173,10 @@ impl Said {
         }
     }
 
-    pub fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), BadHeader> {
+    pub fn note(&mut self, name: &[u8], value: HeaderValue) -> Result<(), BadHeader> {
         let name = match known_name(name) {
             Some(known) => known,
             None => HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?,
-        };
-        let Ok(value) = HeaderValue::from_maybe_shared(value) else {
-            return Err(BadHeader::Value(name));
         };
         if name == CONTENT_LENGTH {
             let said = content_length(value.as_bytes()).ok_or(BadHeader::Length)?;
@@ -335,7 +343,7 @@ mod tests {
             b"X-Custom",
             b"Content-Type",
         ] {
-            said.note(name, Bytes::from_static(b"1")).unwrap();
+            said.note(name, HeaderValue::from_static("1")).unwrap();
         }
         let names: Vec<&str> = said.headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(
@@ -349,7 +357,10 @@ mod tests {
         );
         assert_eq!(known_name(b"x-request-i"), None);
         assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
-        assert!(matches!(said.note(b"bad name", Bytes::new()), Err(BadHeader::Name)));
+        assert!(matches!(
+            said.note(b"bad name", HeaderValue::from_static("")),
+            Err(BadHeader::Name)
+        ));
     }
 
     #[test]
@@ -385,11 +396,11 @@ mod tests {
                     &head,
                     || "malformed",
                     |name, value| {
-                        assert!(head.as_ptr_range().contains(&value.as_ptr()), "a slice of the head");
+                        assert!(head.as_ptr_range().contains(&value.as_bytes().as_ptr()), "a slice of the head");
                         seen.push(format!(
                             "{}={}",
                             String::from_utf8_lossy(name),
-                            String::from_utf8_lossy(&value)
+                            String::from_utf8_lossy(value.as_bytes())
                         ));
                         Ok(())
                     },

@@ -1,6 +1,7 @@
 //! `$inference_request` over REST: JSON, optionally followed by binary sections (binary tensor data extension).
 
 use std::collections::HashSet;
+use std::sync::LazyLock;
 
 use super::params::{read_parameters, write_parameters_field};
 use super::reader::Reader;
@@ -33,6 +34,8 @@ pub enum RestRequest {
 /// The names [`reserved_parameters`] looks for, each with the quote that opens it as a JSON key; shared memory's
 /// first (its tensors are refused).
 const RESERVED_KEYS: [&[u8]; 4] = [b"\"shared_memory_", b"\"sequence_id", b"\"timeout\"", b"\"priority\""];
+/// The key the reserved names are found under, with its quotes.
+const PARAMETERS_KEY: &[u8] = b"\"parameters\"";
 /// The longest of those names: a name split across two chunks lies within this many bytes of their seam.
 pub const LONGEST_RESERVED_NAME: usize = 16;
 
@@ -75,8 +78,12 @@ fn each_quote(text: &[u8], mut each: impl FnMut(usize)) {
 }
 
 /// Which of [`RESERVED_KEYS`] `text` mentions, as keys: one pass over its quotes rather than a search for each name
-/// (most requests mention none, and a body's start has few quotes).
+/// (most requests mention none, and a body's start has few quotes). A text with a backslash may spell a key with
+/// escapes (`"\u0073equence_id"` is `"sequence_id"` to every JSON reader): it is taken to mention them all.
 fn reserved_keys(text: &[u8]) -> [bool; RESERVED_KEYS.len()] {
+    if memchr::memchr(b'\\', text).is_some() {
+        return [true; RESERVED_KEYS.len()];
+    }
     let mut found = [false; RESERVED_KEYS.len()];
     each_quote(text, |quote| {
         let after = &text[quote..];
@@ -102,6 +109,14 @@ pub fn mentions_reserved(text: &[u8]) -> bool {
 /// header has no `parameters`, `None`. When `whole` is false only the start of the header is at hand, and what lies
 /// beyond it is not seen; a header at hand whole that is not a JSON object is refused.
 pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters>> {
+    // Every reserved name is a key of a `parameters` object, the request's or a tensor's: a text without one (most
+    // requests) is not searched further, unless it has escapes, which could spell it otherwise.
+    // The searcher is made once: making it costs more than a small request's search.
+    static PARAMETERS: LazyLock<memchr::memmem::Finder<'static>> =
+        LazyLock::new(|| memchr::memmem::Finder::new(PARAMETERS_KEY));
+    if PARAMETERS.find(json).is_none() && memchr::memchr(b'\\', json).is_none() {
+        return Ok(None);
+    }
     let mentioned = reserved_keys(json);
     if !mentioned.contains(&true) {
         return Ok(None);
@@ -374,6 +389,23 @@ mod tests {
         assert_eq!(RESERVED_KEYS[0], quoted(reserved::SHARED_MEMORY_PREFIX).as_bytes());
         assert_eq!(RESERVED_KEYS[1], quoted(SEQUENCE_ID).as_bytes());
         assert!(RESERVED_KEYS.iter().all(|key| key.len() <= LONGEST_RESERVED_NAME));
+    }
+
+    #[test]
+    fn reserved_names_spelled_with_escapes_are_read() {
+        // Without escapes and without a `parameters` key, nothing is read: no name can matter.
+        assert_eq!(
+            reserved_parameters(br#"{"sequence_id":7,"inputs":[]}"#, true).unwrap(),
+            None
+        );
+        assert_eq!(reserved_keys(br#"{"inputs":[{"name":"x"}]}"#), [false; 4]);
+        // A backslash anywhere may spell any name: the header is read, and its escaped names are what they say.
+        assert_eq!(reserved_keys(br#"{"inputs":[{"name":"x\n"}]}"#), [true; 4]);
+        let escaped = br#"{"param\u0065ters":{"\u0073equence_id":7}}"#;
+        let parameters = reserved_parameters(escaped, true).unwrap().expect("its parameters");
+        assert!(parameters.contains_key("sequence_id"), "{parameters:?}");
+        let shared = br#"{"inputs":[{"name":"x","param\u0065ters":{"\u0073hared_memory_region":"r"}}]}"#;
+        assert!(reserved_parameters(shared, true).is_err());
     }
 
     #[test]

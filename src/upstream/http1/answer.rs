@@ -106,10 +106,9 @@ struct AnswerSaid {
 }
 
 impl AnswerSaid {
-    fn note(&mut self, name: &[u8], value: Bytes) -> io::Result<()> {
+    fn note(&mut self, name: &[u8], value: http::HeaderValue) -> io::Result<()> {
         self.said.note(name, value).map_err(|bad| match bad {
             BadHeader::Name => broken("an answer header with an invalid name"),
-            BadHeader::Value(name) => broken(format!("an invalid value of the answer's {name} header")),
             BadHeader::Length => broken("an answer with an invalid Content-Length"),
             BadHeader::TwoLengths => broken("an answer with two different Content-Length values"),
         })

@@ -2,7 +2,7 @@
 //! copied), its body's framing told by its headers as RFC 9112 §6 asks, and the refusals a head earns (400, 414, 431)
 //! made before anything of it goes further.
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use http::{Method, StatusCode, Uri, Version};
 
 use crate::codec::http1::{self, BadHeader, Framing, Said};
@@ -131,11 +131,10 @@ struct RequestSaid {
 }
 
 impl RequestSaid {
-    fn note(&mut self, name: &[u8], value: Bytes) -> Result<(), Refusal> {
+    fn note(&mut self, name: &[u8], value: http::HeaderValue) -> Result<(), Refusal> {
         self.said.note(name, value).map_err(|bad| {
             Refusal::bad(match bad {
                 BadHeader::Name => "a request header with an invalid name".to_owned(),
-                BadHeader::Value(name) => format!("an invalid value of the request's {name} header"),
                 BadHeader::Length => "an invalid Content-Length".to_owned(),
                 BadHeader::TwoLengths => "two different Content-Length values".to_owned(),
             })
