@@ -150,6 +150,8 @@ pub struct Said {
     pub keep_alive: bool,
     /// `Expect: 100-continue`.
     pub expects_continue: bool,
+    /// A header no reader of these messages looks at, left out of the map (lower case).
+    unread: &'static [u8],
 }
 
 /// A header [`Said::note`] cannot take.
@@ -161,8 +163,10 @@ pub enum BadHeader {
 }
 
 impl Said {
-    pub fn new(count: usize) -> Said {
+    /// Room for `count` headers; `unread` (lower case) is not kept.
+    pub fn new(count: usize, unread: &'static [u8]) -> Said {
         Said {
+            unread,
             headers: HeaderMap::with_capacity(count),
             length: None,
             coded: false,
@@ -174,6 +178,9 @@ impl Said {
     }
 
     pub fn note(&mut self, name: &[u8], value: HeaderValue) -> Result<(), BadHeader> {
+        if name.len() == self.unread.len() && name.eq_ignore_ascii_case(self.unread) {
+            return Ok(());
+        }
         let name = match known_name(name) {
             Some(known) => known,
             None => HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?,
@@ -205,12 +212,18 @@ impl Said {
 
 /// The names, unknown to `http`, that most of the gateway's messages carry: each taken from here rather than made
 /// (and allocated) again for every message that carries it.
+static KNOWN: [HeaderName; 3] = [
+    crate::headers::REQUEST_ID,
+    crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH,
+    crate::headers::OIP_MODEL_VERSION,
+];
+
+/// `name` as one of the [`KNOWN`] names, when it is one (in any case).
 fn known_name(name: &[u8]) -> Option<HeaderName> {
-    static KNOWN: [HeaderName; 3] = [
-        crate::headers::REQUEST_ID,
-        crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH,
-        crate::headers::OIP_MODEL_VERSION,
-    ];
+    // Most names are none of them; a name's first letter tells (`content-type` is as long as `x-request-id`).
+    if !matches!(name.first(), Some(b'x' | b'X' | b'i' | b'I' | b'o' | b'O')) {
+        return None;
+    }
     KNOWN
         .iter()
         .find(|known| known.as_str().len() == name.len() && known.as_str().as_bytes().eq_ignore_ascii_case(name))
@@ -335,12 +348,13 @@ mod tests {
     }
 
     #[test]
-    fn header_names_are_noted_lower_case_whichever_way_they_are_read() {
-        let mut said = Said::new(4);
+    fn header_names_are_noted_lower_case_whichever_way_they_are_read_and_the_unread_one_left_out() {
+        let mut said = Said::new(4, b"date");
         for name in [
             &b"X-Request-ID"[..],
             b"inference-header-content-length",
             b"X-Custom",
+            b"Date",
             b"Content-Type",
         ] {
             said.note(name, HeaderValue::from_static("1")).unwrap();
@@ -355,6 +369,12 @@ mod tests {
                 "content-type"
             ]
         );
+        for known in &KNOWN {
+            assert_eq!(
+                known_name(known.as_str().to_uppercase().as_bytes()).as_ref(),
+                Some(known)
+            );
+        }
         assert_eq!(known_name(b"x-request-i"), None);
         assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
         assert!(matches!(
@@ -396,7 +416,10 @@ mod tests {
                     &head,
                     || "malformed",
                     |name, value| {
-                        assert!(head.as_ptr_range().contains(&value.as_bytes().as_ptr()), "a slice of the head");
+                        assert!(
+                            head.as_ptr_range().contains(&value.as_bytes().as_ptr()),
+                            "a slice of the head"
+                        );
                         seen.push(format!(
                             "{}={}",
                             String::from_utf8_lossy(name),

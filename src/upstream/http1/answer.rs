@@ -89,7 +89,8 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     let head = read.split_to(length).freeze();
     let mut said = AnswerSaid {
         version,
-        said: Said::new(places.count()),
+        // A backend's Date is never passed on: each hop dates the answers it sends.
+        said: Said::new(places.count(), b"date"),
     };
     places.each(
         &head,

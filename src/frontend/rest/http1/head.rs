@@ -107,7 +107,8 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
     let uri = Uri::from_maybe_shared(head.slice(target)).map_err(|_| Refusal::bad("a malformed request target"))?;
     let mut said = RequestSaid {
         version,
-        said: Said::new(places.count()),
+        // The Host a client names is the gateway's: never passed on (each hop names its own), and nothing routes on it.
+        said: Said::new(places.count(), b"host"),
     };
     places.each(
         &head,
