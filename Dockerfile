@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The oipgate image: the release binary on Debian slim, running the gateway with config/gateway.toml as non-root.
+# The oipgate image: the production (`dist` profile) binary on Debian slim, running the gateway with config/gateway.toml as non-root.
 # Build: DOCKER_BUILDKIT=1 docker build -t oipgate:latest .   (the cache mounts below need BuildKit)
 
 FROM rust:1-bookworm AS build
@@ -14,9 +14,9 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked --bin oipgate \
+    cargo build --profile dist --locked --bin oipgate \
  && mkdir -p /out \
- && strip -o /out/oipgate target/release/oipgate
+ && strip -o /out/oipgate target/dist/oipgate
 
 FROM debian:bookworm-slim
 RUN apt-get update -qq \

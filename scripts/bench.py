@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BINARY = ROOT / "target" / "release" / "oipgate"
+# The production build (`cargo build --profile dist`), which scripts/bench makes.
+BINARY = ROOT / "target" / "dist" / "oipgate"
 OUT = ROOT / "target" / "bench"
 TICKS = os.sysconf("SC_CLK_TCK")
 
