@@ -331,8 +331,6 @@ impl Joined {
     }
 }
 
-/// What a client's body that could not be read is answered with: 408 for a stall, 499 for a client that went away
-/// (its connection closed, or its HTTP/2 stream cancelled), else 400.
 /// The span of a request at the door, named for its endpoint.
 fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::Parts) -> Trace {
     traces.request(&parts.headers, || {
@@ -346,6 +344,8 @@ fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::
     })
 }
 
+/// What a client's body that could not be read is answered with: 408 for a stall, 499 for a client that went away
+/// (its connection closed, or its HTTP/2 stream cancelled), else 400.
 fn body_error(error: RequestBodyError) -> Error {
     if let RequestBodyError::Http1(Http1BodyError::Framing(bad)) = error {
         return Error::invalid(format!("could not read the request body: its {bad}"));
