@@ -90,14 +90,12 @@ async fn a_timeout_parameter_bounds_the_backend_call_on_every_path() {
     // Within its timeout a request is answered as usual.
     let quick =
         r#"{"parameters":{"timeout":5000000},"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
-    let answer = send(
-        &client,
-        "POST",
-        &gateway.rest_url("/v2/models/identity/infer"),
-        &[],
-        quick,
-    )
-    .await;
+    answered(&gateway, quick).await;
+}
+
+/// Sends `body` to `identity` through the REST door, and checks that it was answered.
+async fn answered(gateway: &GatewayProcess, body: &'static str) {
+    let answer = common::post(&gateway.rest_url("/v2/models/identity/infer"), body).await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
 }
 
@@ -131,15 +129,7 @@ async fn tensors_in_shared_memory_are_refused_on_both_doors() {
     let metrics = gateway.metrics().await;
     assert!(!called(&metrics), "a refused request reached a backend: {metrics}");
     let plain = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
-    let answer = send(
-        &client,
-        "POST",
-        &gateway.rest_url("/v2/models/identity/infer"),
-        &[],
-        plain,
-    )
-    .await;
-    assert_eq!(answer.status, 200, "{:?}", answer.body);
+    answered(&gateway, plain).await;
     assert!(called(&gateway.metrics().await));
     let mut grpc = gateway.grpc_client().await;
     for version in ["1", "2"] {
