@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The oipgate image: the production (`dist` profile) binary on Debian slim, running the gateway with config/gateway.toml as non-root.
+# The oipgate image: the production (`dist` profile) binary on Debian slim, running the gateway with
+# config/gateway.toml as non-root.
 # Build: DOCKER_BUILDKIT=1 docker build -t oipgate:latest .   (the cache mounts below need BuildKit)
 
 FROM rust:1-bookworm AS build
