@@ -155,8 +155,10 @@ pub(super) fn form_of(headers: &HeaderMap) -> Form {
 }
 
 impl Record {
-    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: Option<http::Uri>) -> Record {
-        Record {
+    /// Boxed: a record travels with its answer, which is moved from the door to the connection's writer, and a box
+    /// of a size every request asks for is one the thread has just freed, still in cache.
+    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: Option<http::Uri>) -> Box<Record> {
+        Box::new(Record {
             dispatcher,
             _active: active,
             started: Instant::now(),
@@ -176,13 +178,13 @@ impl Record {
             admission: None,
             trace: Trace::default(),
             capture: None,
-        }
+        })
     }
 
     /// A head the connection refused before it made a request (431, 414, 400, 408), answered with `body_bytes` of
     /// error: reported, when dropped, as a request of unknown target, so that hostile or broken clients show in the
     /// metrics and the access log as every other refusal does.
-    pub(super) fn refused(gateway: &Arc<Gateway>, status: StatusCode, body_bytes: usize) -> Record {
+    pub(super) fn refused(gateway: &Arc<Gateway>, status: StatusCode, body_bytes: usize) -> Box<Record> {
         let mut record = Record::new(gateway.dispatcher(), gateway.begin(), None);
         record.status = Some(status.as_u16());
         record.response_bytes = body_bytes as u64;
@@ -247,7 +249,7 @@ impl Drop for Record {
 #[derive(Debug)]
 pub struct AnswerBody {
     source: Source,
-    record: Option<Record>,
+    record: Option<Box<Record>>,
 }
 
 #[derive(Debug)]
@@ -445,7 +447,7 @@ fn broken_answer(message: String) -> Error {
 
 /// A stream of server-sent events (`text/event-stream`), each sent as it comes and never compressed, so none waits
 /// for the next.
-pub(super) fn events(events: tokio::sync::mpsc::Receiver<Bytes>, mut record: Record) -> Response<AnswerBody> {
+pub(super) fn events(events: tokio::sync::mpsc::Receiver<Bytes>, mut record: Box<Record>) -> Response<AnswerBody> {
     let mut headers = HeaderMap::new();
     if let Some(id) = &record.request_id {
         headers.insert(REQUEST_ID, id.clone());
@@ -469,7 +471,7 @@ pub(super) fn buffered(
     status: StatusCode,
     mut headers: HeaderMap,
     chunks: Vec<Bytes>,
-    mut record: Record,
+    mut record: Box<Record>,
 ) -> Response<AnswerBody> {
     if let Some(id) = &record.request_id {
         headers.insert(REQUEST_ID, id.clone());
@@ -506,7 +508,7 @@ pub(super) fn proxied(
     body: crate::upstream::BackendBody,
     rename: Option<Rename>,
     deadline: Instant,
-    mut record: Record,
+    mut record: Box<Record>,
 ) -> Response<AnswerBody> {
     if let Some(id) = &record.request_id {
         head.headers.insert(REQUEST_ID, id.clone());
@@ -559,14 +561,14 @@ fn mark_compressed(headers: &mut HeaderMap, coding: Coding) {
     headers.append(http::header::VARY, HeaderValue::from_static("accept-encoding"));
 }
 
-pub(super) fn json(status: StatusCode, body: Vec<u8>, record: Record) -> Response<AnswerBody> {
+pub(super) fn json(status: StatusCode, body: Vec<u8>, record: Box<Record>) -> Response<AnswerBody> {
     let mut headers = HeaderMap::with_capacity(2);
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     buffered(status, headers, vec![Bytes::from(body)], record)
 }
 
 /// An encoded inference answer, with the backend's end-to-end headers.
-pub(super) fn encoded(body: EncodedBody, mut headers: HeaderMap, record: Record) -> Response<AnswerBody> {
+pub(super) fn encoded(body: EncodedBody, mut headers: HeaderMap, record: Box<Record>) -> Response<AnswerBody> {
     headers.insert(
         http::header::CONTENT_TYPE,
         HeaderValue::from_static(body.content_type()),
@@ -578,7 +580,7 @@ pub(super) fn encoded(body: EncodedBody, mut headers: HeaderMap, record: Record)
 }
 
 /// The protocol's error answer: the error's status and `{"error": "<message>"}`.
-pub(super) fn error(error: &Error, method: &Method, record: Record) -> Response<AnswerBody> {
+pub(super) fn error(error: &Error, method: &Method, record: Box<Record>) -> Response<AnswerBody> {
     let mut headers = HeaderMap::with_capacity(3);
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if error.kind() == ErrorKind::UnsupportedEncoding {

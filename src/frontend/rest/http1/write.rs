@@ -14,6 +14,7 @@ use futures_util::FutureExt as _;
 use http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use http::{Response, StatusCode};
 use http_body::{Body, Frame};
+use smallvec::SmallVec;
 use tokio::io::AsyncWrite;
 
 use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices};
@@ -76,7 +77,7 @@ where
             head_left = head.len();
         }
         let last = sent.ended && out == Out::Chunked && !sent.failed;
-        if head_left > 0 || batch.count > 0 || last {
+        if head_left > 0 || batch.count() > 0 || last {
             write_batch(io, &head[head.len() - head_left..], &mut batch, out, last).await?;
             head_left = 0;
         }
@@ -136,8 +137,8 @@ impl Sent {
         S: AsyncWrite + Unpin,
         B: Body<Data = Bytes> + Unpin,
     {
-        while !self.ended && batch.count < PIECES && batch.gathered < GATHER {
-            let frame = if batch.count == 0 && written_all {
+        while !self.ended && batch.count() < PIECES && batch.gathered < GATHER {
+            let frame = if batch.count() == 0 && written_all {
                 flush(io).await?;
                 poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await
             } else {
@@ -178,28 +179,31 @@ impl Sent {
     }
 }
 
-/// The pieces of a body taken for one write.
+/// The pieces of a body taken for one write. Its room is not written until used: most answers leave as a head with
+/// the body gathered into it, and each line of a request's state that is written is one it may miss in cache.
 #[derive(Default)]
 struct Batch {
-    pieces: [Bytes; PIECES],
-    count: usize,
+    pieces: SmallVec<[Bytes; PIECES]>,
     gathered: usize,
 }
 
 impl Batch {
+    fn count(&self) -> usize {
+        self.pieces.len()
+    }
+
     fn push(&mut self, data: Bytes) {
         self.gathered += data.len();
-        self.pieces[self.count] = data;
-        self.count += 1;
+        self.pieces.push(data);
     }
 
     /// Copies a small body framed by its length after the head in `head`, so the two leave in one `send`; whether it
     /// did.
     fn gather_into(&mut self, head: &mut Vec<u8>, out: Out) -> bool {
-        if out == Out::Chunked || self.count == 0 || self.gathered > GATHERED_BODY {
+        if out == Out::Chunked || self.pieces.is_empty() || self.gathered > GATHERED_BODY {
             return false;
         }
-        for piece in &self.pieces[..self.count] {
+        for piece in &self.pieces {
             head.extend_from_slice(piece);
         }
         self.clear();
@@ -207,10 +211,8 @@ impl Batch {
     }
 
     fn clear(&mut self) {
-        for piece in &mut self.pieces[..self.count] {
-            *piece = Bytes::new();
-        }
-        (self.count, self.gathered) = (0, 0);
+        self.pieces.clear();
+        self.gathered = 0;
     }
 }
 
@@ -223,27 +225,28 @@ async fn write_batch<S: AsyncWrite + Unpin>(
     out: Out,
     last: bool,
 ) -> io::Result<()> {
-    let mut sizes = [[0u8; 20]; PIECES];
-    let mut slices: [IoSlice<'_>; 2 * PIECES + 2] = [IoSlice::new(&[]); 2 * PIECES + 2];
-    let mut used = 0;
-    let mut push = |slice| {
-        slices[used] = IoSlice::new(slice);
-        used += 1;
-    };
-    push(head);
-    for (piece, size) in batch.pieces[..batch.count].iter().zip(sizes.iter_mut()) {
-        if out == Out::Chunked {
-            push(chunk_size_line(size, piece.len()));
+    let chunked = out == Out::Chunked;
+    let mut sizes: SmallVec<[[u8; 20]; PIECES]> = SmallVec::new();
+    if chunked {
+        sizes.extend(batch.pieces.iter().map(|_| [0u8; 20]));
+    }
+    let mut slices: SmallVec<[IoSlice<'_>; 2 * PIECES + 2]> = SmallVec::new();
+    slices.push(IoSlice::new(head));
+    let mut sizes = sizes.iter_mut();
+    for piece in &batch.pieces {
+        if let Some(size) = sizes.next() {
+            slices.push(IoSlice::new(chunk_size_line(size, piece.len())));
         }
-        push(piece);
-        if out == Out::Chunked {
-            push(b"\r\n");
+        slices.push(IoSlice::new(piece));
+        if chunked {
+            slices.push(IoSlice::new(b"\r\n"));
         }
     }
     if last {
-        push(b"0\r\n\r\n");
+        slices.push(IoSlice::new(b"0\r\n\r\n"));
     }
-    write_all(io, &mut slices[..used]).await?;
+    write_all(io, &mut slices).await?;
+    drop(slices);
     batch.clear();
     Ok(())
 }
