@@ -119,8 +119,9 @@ where
 pub struct ChunksBody {
     chunks: VecDeque<Bytes>,
     remaining: u64,
-    /// Sent after the last chunk (a gRPC answer's status).
-    trailers: Option<http::HeaderMap>,
+    /// Sent after the last chunk (a gRPC answer's status). Boxed: most bodies have none, and a body is moved with its
+    /// request or answer.
+    trailers: Option<Box<http::HeaderMap>>,
 }
 
 impl ChunksBody {
@@ -141,7 +142,7 @@ impl ChunksBody {
     /// The chunks, then `trailers`.
     pub fn with_trailers(chunks: Vec<Bytes>, trailers: http::HeaderMap) -> Self {
         ChunksBody {
-            trailers: Some(trailers),
+            trailers: Some(Box::new(trailers)),
             ..ChunksBody::new(chunks)
         }
     }
@@ -156,7 +157,7 @@ impl Body for ChunksBody {
             self.remaining -= chunk.len() as u64;
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
         }
-        Poll::Ready(self.trailers.take().map(|trailers| Ok(Frame::trailers(trailers))))
+        Poll::Ready(self.trailers.take().map(|trailers| Ok(Frame::trailers(*trailers))))
     }
 
     fn is_end_stream(&self) -> bool {

@@ -105,7 +105,10 @@ impl RestConnections {
             let call = calls.call();
             let budget = budget.clone();
             async move {
-                let answer = door.answer(request.map(ClientBody::Http2), Some(&budget)).await;
+                let (parts, body) = request.into_parts();
+                let answer = door
+                    .answer(Box::new(parts), ClientBody::Http2(body), Some(&budget))
+                    .await;
                 call.finish(answer.status().as_u16() == crate::error::CLIENT_CLOSED_REQUEST);
                 Ok::<_, Infallible>(answer)
             }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body::Body as _;
 use http_body_util::BodyExt;
 
@@ -84,10 +84,10 @@ impl RestDoor {
     /// Answers one request; `budget` is an HTTP/2 connection's bound on the answers it holds unread.
     pub async fn answer(
         &self,
-        request: Request<ClientBody>,
+        mut parts: Box<http::request::Parts>,
+        body: ClientBody,
         budget: Option<&Arc<AnswerBudget>>,
     ) -> Response<AnswerBody> {
-        let (mut parts, body) = request.into_parts();
         let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), Some(parts.uri.clone()));
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         if let Some(traces) = record.dispatcher().traces() {

@@ -21,7 +21,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use super::ThreadClients;
 use crate::body::OutBody;
-use crate::codec::http1::poll_write_slices;
+use crate::codec::http1::{poll_write_slices, scratch};
 pub use answer::BackendBody;
 use answer::{AnswerHead, Parsed, read_head};
 use request::{Sending, Writing};
@@ -42,6 +42,9 @@ const READ_FIRST: usize = 8 * 1024;
 
 /// The most one read asks for.
 const READ_MOST: usize = 512 * 1024;
+
+/// Room for a request's head and a small body gathered after it.
+const HEAD_ROOM: usize = 512 + crate::codec::http1::GATHERED_BODY;
 
 /// A TLS connection's stream, whatever its layers.
 trait Transport: AsyncRead + AsyncWrite + Send + Unpin {}
@@ -90,7 +93,7 @@ pub(super) struct Kept {
     io: Io,
     /// What the backend sent that has not been handed on yet.
     read: BytesMut,
-    /// The request head being written; its allocation serves request after request.
+    /// The request head being written: the thread's buffer for heads (`scratch`) while it is.
     head: Vec<u8>,
     /// How much the next read of a body asks for.
     read_size: usize,
@@ -264,10 +267,13 @@ pub(super) async fn send(
             // request's.
             None => (Box::pin(connect(clients, uri)).await?, false),
         };
+        kept.head = scratch::take(HEAD_ROOM);
         let gathered = kept.write_head(&request, framing);
         let mut writing = Writing::new(framing, gathered);
         let body = &mut request.body;
         let exchanged = std::future::poll_fn(|cx| kept.poll_exchange(cx, &mut writing, body, asked_head)).await;
+        // Written, or no longer to be: the answer's head has come.
+        scratch::give(std::mem::take(&mut kept.head));
         match exchanged {
             Ok(head) => return Ok(head.into_response(kept, clients.token.clone())),
             Err(error) => {

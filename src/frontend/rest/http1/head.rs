@@ -15,7 +15,10 @@ pub(super) const MAX_HEADERS: usize = 100;
 /// A request's head, read.
 #[derive(Debug)]
 pub(super) struct RequestHead {
-    pub parts: http::request::Parts,
+    /// Boxed: the head is handed from the connection to the door and kept there while the request is under way, and
+    /// each move of it inline would be written into a request's state afresh (a box the thread has just freed is in
+    /// cache).
+    pub parts: Box<http::request::Parts>,
     pub framing: Framing,
     /// The connection closes after this request (the client said so, or spoke HTTP/1.0 without keep-alive).
     pub close: bool,
@@ -158,7 +161,7 @@ impl RequestSaid {
             (false, length) => Framing::Length(length.unwrap_or(0)),
         };
         let http10 = version == Version::HTTP_10;
-        let (mut parts, ()) = http::Request::new(()).into_parts();
+        let mut parts = Box::new(http::Request::new(()).into_parts().0);
         parts.method = method;
         parts.uri = uri;
         parts.version = version;

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{Method, Request, Response, Version};
+use http::{Method, Response, Version};
 use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
@@ -29,7 +29,7 @@ use super::RestDoor;
 use super::answer::Record;
 use super::connection::Peek;
 use crate::body::ClientBody;
-use crate::codec::http1::Framing;
+use crate::codec::http1::{Framing, scratch};
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
 use crate::process::live::Active;
 
@@ -49,7 +49,7 @@ const LINGER: Duration = Duration::from_secs(5);
 const READ_SIZE: usize = 4096;
 /// The largest read of a body: a large tensor arrives in pieces of this size.
 const BODY_READ: usize = 256 * 1024;
-/// Room for an answer's head and a small body after it, in the buffer a connection's answers are written from.
+/// Room for an answer's head and a small body after it, in the thread's buffer for heads.
 const ANSWER_BUFFER: usize = 512 + crate::codec::http1::GATHERED_BODY;
 /// What a client waiting to send its body is told once the door reads it.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
@@ -141,8 +141,6 @@ where
     /// Serves requests for as long as they keep coming, one after another in this one state; `true` when the
     /// connection has gone quiet (its next request is waited for small), `false` once it is closed.
     async fn serve_requests(&mut self) -> bool {
-        // Made once for all the requests served here.
-        let mut written = Vec::with_capacity(ANSWER_BUFFER);
         loop {
             let head = match self.read_head().await {
                 Ok(Some(head)) => head,
@@ -152,7 +150,7 @@ where
                     return false;
                 }
             };
-            if !self.exchange(head, &mut written).await {
+            if !self.exchange(head).await {
                 self.wire.close().await;
                 return false;
             }
@@ -262,7 +260,8 @@ where
             http10: false,
             head_only: false,
         };
-        let written = write_answer(&mut self.wire.io, &mut Vec::new(), answer, how).await;
+        let written = write_answer(&mut self.wire.io, &mut Vec::new(), &mut answer, how).await;
+        drop(answer);
         drop(record);
         if written.is_ok() {
             // What the client still sends of the refused request is read and dropped for a while.
@@ -270,9 +269,9 @@ where
         }
     }
 
-    /// Carries one request: its body fed to the door as asked for, its answer written (from `out`, the connection's
-    /// buffer for answers). `true` when the connection may carry another.
-    async fn exchange(&mut self, head: RequestHead, out: &mut Vec<u8>) -> bool {
+    /// Carries one request: its body fed to the door as asked for, its answer written. `true` when the connection may
+    /// carry another.
+    async fn exchange(&mut self, head: RequestHead) -> bool {
         let RequestHead {
             parts,
             framing,
@@ -302,13 +301,12 @@ where
                 Http1Body::fed(feed)
             }
         };
-        let request = Request::from_parts(parts, ClientBody::Http1(body));
         // The door's future ends here, before the answer is written: the two never take room at once.
         let response = {
-            let mut answer = pin!(self.door.answer(request, None));
+            let mut answer = pin!(self.door.answer(parts, ClientBody::Http1(body), None));
             poll_fn(|cx| wire.poll_answer(cx, answer.as_mut(), feeder.as_mut())).await
         };
-        let Some(response) = response else {
+        let Some(mut response) = response else {
             // The client left: the request is dropped with its backend call.
             return false;
         };
@@ -324,11 +322,11 @@ where
             http10,
             head_only,
         };
-        // A head that grew the buffer far (a backend's answer with many headers) does not keep it grown.
-        if out.capacity() > 4 * ANSWER_BUFFER {
-            *out = Vec::with_capacity(ANSWER_BUFFER);
-        }
-        let written = write_answer(&mut wire.io, out, response, how).await;
+        let mut out = scratch::take(ANSWER_BUFFER);
+        let written = write_answer(&mut wire.io, &mut out, &mut response, how).await;
+        scratch::give(out);
+        // Reported now that it is sent, not after a linger.
+        drop(response);
         if written.is_ok() && !body_read {
             wire.linger().await;
         }

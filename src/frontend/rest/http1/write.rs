@@ -50,29 +50,37 @@ enum Out {
 }
 
 /// Writes `response` to `io` (its head encoded into `head`, a buffer the connection reuses); `true` when it went out
-/// whole as framed, so the connection may carry another request.
+/// whole as framed, so the connection may carry another request. The answer is written where it lies, not moved
+/// into the writer's state.
 pub(super) async fn write_answer<S, B>(
     io: &mut S,
     head: &mut Vec<u8>,
-    response: Response<B>,
+    response: &mut Response<B>,
     mut how: How,
 ) -> io::Result<bool>
 where
     S: AsyncWrite + Unpin,
     B: Body<Data = Bytes> + Unpin,
 {
-    let (parts, mut body) = response.into_parts();
-    let declared = parts
-        .headers
+    let declared = response
+        .headers()
         .get(CONTENT_LENGTH)
         .and_then(|value| content_length(value.as_bytes()));
-    let out = framing(parts.status, declared, &body, &mut how);
-    encode_head(head, &parts, out, declared.is_some(), how);
+    let out = framing(response.status(), declared, response.body(), &mut how);
+    encode_head(
+        head,
+        response.status(),
+        response.headers(),
+        out,
+        declared.is_some(),
+        how,
+    );
+    let body = response.body_mut();
     let mut sent = Sent::new(out, how);
     let mut batch = Batch::default();
     let mut head_left = head.len();
     loop {
-        sent.take(io, &mut body, &mut batch, head_left == 0).await?;
+        sent.take(io, body, &mut batch, head_left == 0).await?;
         if head_left == head.len() && batch.gather_into(head, out) {
             head_left = head.len();
         }
@@ -262,15 +270,14 @@ fn chunk_size_line(room: &mut [u8; 20], size: usize) -> &[u8] {
     &room[..digits + 2]
 }
 
-fn encode_head(head: &mut Vec<u8>, parts: &http::response::Parts, out: Out, declared: bool, how: How) {
+fn encode_head(head: &mut Vec<u8>, status: StatusCode, headers: &http::HeaderMap, out: Out, declared: bool, how: How) {
     head.clear();
-    let status = parts.status;
     head.extend_from_slice(b"HTTP/1.1 ");
     head.extend_from_slice(status.as_str().as_bytes());
     head.push(b' ');
     head.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     head.extend_from_slice(b"\r\n");
-    for (name, value) in &parts.headers {
+    for (name, value) in headers {
         // The framing and the connection are this hop's, said below.
         if name == TRANSFER_ENCODING || name == CONNECTION || (name == CONTENT_LENGTH && out == Out::None) {
             continue;
@@ -289,7 +296,7 @@ fn encode_head(head: &mut Vec<u8>, parts: &http::response::Parts, out: Out, decl
         Out::Chunked => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         _ => {}
     }
-    if !parts.headers.contains_key(DATE) {
+    if !headers.contains_key(DATE) {
         head.extend_from_slice(b"date: ");
         DATE_NOW.with_borrow_mut(|date| head.extend_from_slice(date.now()));
         head.extend_from_slice(b"\r\n");
@@ -412,8 +419,12 @@ mod tests {
         for (size, buffers) in [(300, 1), (GATHERED_BODY, 1), (GATHERED_BODY + 1, 2)] {
             let body = vec![b'x'; size];
             let mut noted = Noted::default();
-            let answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
-            assert!(write_answer(&mut noted, &mut Vec::new(), answer, how).await.unwrap());
+            let mut answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
+            assert!(
+                write_answer(&mut noted, &mut Vec::new(), &mut answer, how)
+                    .await
+                    .unwrap()
+            );
             assert_eq!(noted.writes.len(), 1, "{size} bytes: one write");
             let write = &noted.writes[0];
             assert_eq!(write.len(), buffers, "{size} bytes");
