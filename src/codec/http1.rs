@@ -32,6 +32,8 @@ pub const GATHERED_BODY: usize = 4096;
 pub mod scratch {
     use std::cell::Cell;
 
+    /// Room for a head and a small body gathered after it.
+    const ROOM: usize = 512 + super::GATHERED_BODY;
     /// A buffer grown past this by one large head is not kept.
     const KEPT: usize = 64 * 1024;
 
@@ -39,11 +41,11 @@ pub mod scratch {
         static SCRATCH: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     }
 
-    /// The thread's buffer, empty, with room for at least `room` bytes.
-    pub fn take(room: usize) -> Vec<u8> {
+    /// The thread's buffer, empty, with room for a head and a small body.
+    pub fn take() -> Vec<u8> {
         let mut buffer = SCRATCH.take();
         buffer.clear();
-        buffer.reserve(room);
+        buffer.reserve(ROOM);
         buffer
     }
 
@@ -357,6 +359,31 @@ impl Framing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_thread_writes_its_heads_in_the_buffer_it_gave_back_unless_one_head_grew_it_far() {
+        let first = scratch::take();
+        let place = first.as_ptr();
+        assert!(first.capacity() >= GATHERED_BODY);
+        scratch::give(first);
+        // Were it freed rather than kept, this would likely be given its place.
+        let decoy: Vec<u8> = Vec::with_capacity(GATHERED_BODY + 512);
+        let again = scratch::take();
+        assert_eq!(again.as_ptr(), place, "the buffer given back is the next one taken");
+        drop(decoy);
+        // Taken while another is out: a buffer of its own.
+        let other = scratch::take();
+        assert_ne!(other.as_ptr(), place);
+        drop(other);
+        let mut grown = again;
+        grown.extend_from_slice(&vec![b'x'; 128 * 1024]);
+        scratch::give(grown);
+        let fresh = scratch::take();
+        assert!(
+            fresh.is_empty() && fresh.capacity() < 128 * 1024,
+            "a buffer grown far is not kept"
+        );
+    }
 
     #[test]
     fn a_length_is_digits_or_the_same_digits_listed() {

@@ -43,9 +43,6 @@ const READ_FIRST: usize = 8 * 1024;
 /// The most one read asks for.
 const READ_MOST: usize = 512 * 1024;
 
-/// Room for a request's head and a small body gathered after it.
-const HEAD_ROOM: usize = 512 + crate::codec::http1::GATHERED_BODY;
-
 /// A TLS connection's stream, whatever its layers.
 trait Transport: AsyncRead + AsyncWrite + Send + Unpin {}
 
@@ -267,7 +264,7 @@ pub(super) async fn send(
             // request's.
             None => (Box::pin(connect(clients, uri)).await?, false),
         };
-        kept.head = scratch::take(HEAD_ROOM);
+        kept.head = scratch::take();
         let gathered = kept.write_head(&request, framing);
         let mut writing = Writing::new(framing, gathered);
         let body = &mut request.body;

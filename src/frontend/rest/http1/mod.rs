@@ -49,8 +49,6 @@ const LINGER: Duration = Duration::from_secs(5);
 const READ_SIZE: usize = 4096;
 /// The largest read of a body: a large tensor arrives in pieces of this size.
 const BODY_READ: usize = 256 * 1024;
-/// Room for an answer's head and a small body after it, in the thread's buffer for heads.
-const ANSWER_BUFFER: usize = 512 + crate::codec::http1::GATHERED_BODY;
 /// What a client waiting to send its body is told once the door reads it.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -260,7 +258,9 @@ where
             http10: false,
             head_only: false,
         };
-        let written = write_answer(&mut self.wire.io, &mut Vec::new(), &mut answer, how).await;
+        let mut out = scratch::take();
+        let written = write_answer(&mut self.wire.io, &mut out, &mut answer, how).await;
+        scratch::give(out);
         drop(answer);
         drop(record);
         if written.is_ok() {
@@ -322,7 +322,7 @@ where
             http10,
             head_only,
         };
-        let mut out = scratch::take(ANSWER_BUFFER);
+        let mut out = scratch::take();
         let written = write_answer(&mut wire.io, &mut out, &mut response, how).await;
         scratch::give(out);
         // Reported now that it is sent, not after a linger.
