@@ -29,7 +29,7 @@ use super::RestDoor;
 use super::answer::Record;
 use super::connection::Peek;
 use crate::body::ClientBody;
-use crate::codec::http1::{Framing, scratch};
+use crate::codec::http1::Framing;
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
 use crate::process::live::Active;
 
@@ -258,9 +258,7 @@ where
             http10: false,
             head_only: false,
         };
-        let mut out = scratch::take();
-        let written = write_answer(&mut self.wire.io, &mut out, &mut answer, how).await;
-        scratch::give(out);
+        let written = write_answer(&mut self.wire.io, &mut answer, how).await;
         drop(answer);
         drop(record);
         if written.is_ok() {
@@ -322,9 +320,7 @@ where
             http10,
             head_only,
         };
-        let mut out = scratch::take();
-        let written = write_answer(&mut wire.io, &mut out, &mut response, how).await;
-        scratch::give(out);
+        let written = write_answer(&mut wire.io, &mut response, how).await;
         // Reported now that it is sent, not after a linger.
         drop(response);
         if written.is_ok() && !body_read {

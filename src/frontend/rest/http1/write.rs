@@ -17,7 +17,7 @@ use http_body::{Body, Frame};
 use smallvec::SmallVec;
 use tokio::io::AsyncWrite;
 
-use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices};
+use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices, scratch};
 
 /// How long a client may leave its answer unread before the connection is closed (nginx's `send_timeout`).
 pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(60);
@@ -49,10 +49,21 @@ enum Out {
     UntilClose,
 }
 
-/// Writes `response` to `io` (its head encoded into `head`, a buffer the connection reuses); `true` when it went out
-/// whole as framed, so the connection may carry another request. The answer is written where it lies, not moved
-/// into the writer's state.
-pub(super) async fn write_answer<S, B>(
+/// Writes `response` to `io`, its head encoded into the thread's buffer for heads; `true` when it went out whole as
+/// framed, so the connection may carry another request. The answer is written where it lies, not moved into the
+/// writer's state.
+pub(super) async fn write_answer<S, B>(io: &mut S, response: &mut Response<B>, how: How) -> io::Result<bool>
+where
+    S: AsyncWrite + Unpin,
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut head = scratch::take();
+    let written = write_with_head(io, &mut head, response, how).await;
+    scratch::give(head);
+    written
+}
+
+async fn write_with_head<S, B>(
     io: &mut S,
     head: &mut Vec<u8>,
     response: &mut Response<B>,
@@ -420,11 +431,7 @@ mod tests {
             let body = vec![b'x'; size];
             let mut noted = Noted::default();
             let mut answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
-            assert!(
-                write_answer(&mut noted, &mut Vec::new(), &mut answer, how)
-                    .await
-                    .unwrap()
-            );
+            assert!(write_answer(&mut noted, &mut answer, how).await.unwrap());
             assert_eq!(noted.writes.len(), 1, "{size} bytes: one write");
             let write = &noted.writes[0];
             assert_eq!(write.len(), buffers, "{size} bytes");
