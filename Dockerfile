@@ -1,13 +1,16 @@
 # syntax=docker/dockerfile:1
-# The oipgate image: the production (`dist` profile) binary on Debian slim, running the gateway with
-# config/gateway.toml as non-root.
+# The oipgate image: the production binary (scripts/build-dist: the `dist` profile, profile-guided) on Debian slim,
+# running the gateway with config/gateway.toml as non-root.
 # Build: DOCKER_BUILDKIT=1 docker build -t oipgate:latest .   (the cache mounts below need BuildKit)
 
 FROM rust:1-bookworm AS build
-# pingora's build needs cmake; the gRPC protos are compiled by protox, so no protoc.
+# pingora's build needs cmake; the gRPC protos are compiled by protox, so no protoc. The profile-guided build needs
+# llvm-profdata of rustc's own LLVM (rustup's llvm-tools) and, for the workload it learns from, python3, wrk and
+# h2load.
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends cmake \
- && rm -rf /var/lib/apt/lists/*
+ && apt-get install -y -qq --no-install-recommends cmake python3 wrk nghttp2-client \
+ && rm -rf /var/lib/apt/lists/* \
+ && rustup component add llvm-tools
 WORKDIR /src
 COPY . .
 # The registry and target directory live in cache mounts, kept between builds; the binary is copied out of the
@@ -15,7 +18,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --profile dist --locked --bin oipgate \
+    scripts/build-dist \
  && mkdir -p /out \
  && strip -o /out/oipgate target/dist/oipgate
 

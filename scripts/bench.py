@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The production build (`cargo build --profile dist`), which scripts/bench makes.
+# The production build (scripts/build-dist: the `dist` profile, profile-guided), which scripts/bench makes.
 BINARY = ROOT / "target" / "dist" / "oipgate"
 OUT = ROOT / "target" / "bench"
 TICKS = os.sysconf("SC_CLK_TCK")

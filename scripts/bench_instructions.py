@@ -20,7 +20,7 @@ instruction reads (I1mr), data reads (D1mr) and writes (D1mw), and the functions
 costs time an instruction count does not show; the simulation is deterministic, where the machine's own counters
 are not reachable here.
 
-Needs valgrind (`apt-get install valgrind`) and the dist binary (`cargo build --profile dist`):
+Needs valgrind (`apt-get install valgrind`) and the production binary (`scripts/build-dist`):
     python3 scripts/bench_instructions.py --seconds 3
     python3 scripts/bench_instructions.py --binary /tmp/other/oipgate     # another build, to compare
     python3 scripts/bench_instructions.py --cache                         # and first-level cache misses

@@ -6,7 +6,7 @@ against the same gateway without `load`: the CPU the scrapes take, per endpoint 
 8b, the balancing: scenario 1's small add_sub request (wrk, 2 threads x 32 connections) through a backend of two
 endpoints (127.0.0.1 and 127.0.0.2) balanced `least_load`, against `round_robin`, alternated round by round.
 
-Run by scripts/bench (`--only 8`), or alone once the dist binary is built (`cargo build --profile dist`):
+Run by scripts/bench (`--only 8`), or alone once the production binary is built (`scripts/build-dist`):
     python3 scripts/bench_load.py --seconds 8 --rounds 3
 """
 

@@ -6,7 +6,7 @@ reports per gateway: `check-config` time, start time, RSS after start and after 
 `GET /metrics` bytes and time before and after traffic to 100 models, `POST /v2/repository/index` time, and
 add_sub requests/s and CPU per request under wrk, alternated with the 1-model gateway in the same run (A B A B).
 
-Run by scripts/bench (`--only 7`), or alone once the dist binary is built (`cargo build --profile dist`):
+Run by scripts/bench (`--only 7`), or alone once the production binary is built (`scripts/build-dist`):
     python3 scripts/bench_scale.py --seconds 8 --rounds 3
 """
 

@@ -9,7 +9,7 @@ request proxied to the REST backend (9a) and scenario 3a's, translated from REST
 `--baseline BINARY` adds a fifth gateway: another build of oipgate (one from before `[tracing]` existed) with the
 same configuration as "off", to show what tracing off costs against not having it at all.
 
-Run by scripts/bench (`--only 9`), or alone once the dist binary is built (`cargo build --profile dist`):
+Run by scripts/bench (`--only 9`), or alone once the production binary is built (`scripts/build-dist`):
     python3 scripts/bench_telemetry.py --seconds 8 --rounds 3 [--baseline /path/to/older/oipgate]
 """
 
