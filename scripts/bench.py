@@ -126,6 +126,29 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
+def model_server(name, ports):
+    """oipgate's model server, the backend of every scenario, on ports["backend_rest"] and ports["backend_grpc"]."""
+    return Server(
+        name,
+        [str(BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
+         f"127.0.0.1:{ports['backend_grpc']}"],
+        [ports["backend_rest"], ports["backend_grpc"]],
+    )
+
+
+def gateway_config(path, rest, grpc, ports, extra=""):
+    """Writes a gateway configuration before the model server at `ports` (GATEWAY_CONF, then `extra`) to `path`,
+    its doors on the ports `rest` and `grpc`; returns `path`."""
+    path.write_text(GATEWAY_CONF.format(rest=rest, grpc=grpc, backend_rest=ports["backend_rest"],
+                                        backend_grpc=ports["backend_grpc"]) + extra)
+    return path
+
+
+def gateway_env(workers):
+    """The environment a measured gateway runs in: `workers` door threads, warnings only in its log."""
+    return dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+
+
 def convert(body, source, target, header_length=None):
     command = [str(BINARY), "convert", "--from", source, "--to", target]
     if header_length is not None:
@@ -480,29 +503,11 @@ def start_all(work, workers):
                                       "nginx_rest", "nginx_grpc",
                                       "haproxy_rest", "haproxy_grpc", "floor_hyper", "floor_pingora",
                                       "floor_hyper_h2")}
-    backend = Server(
-        "model-server",
-        [str(BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
-         f"127.0.0.1:{ports['backend_grpc']}"],
-        [ports["backend_rest"], ports["backend_grpc"]],
-    )
-    config = work / "gateway.toml"
-    config.write_text(
-        GATEWAY_CONF.format(
-            rest=ports["rest"], grpc=ports["grpc"], backend_rest=ports["backend_rest"],
-            backend_grpc=ports["backend_grpc"],
-        )
-    )
-    env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+    backend = model_server("model-server", ports)
+    config = gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
+    env = gateway_env(workers)
     gateway = Server("oipgate", [str(BINARY), "serve", "--config", str(config)], [ports["rest"], ports["grpc"]], env)
-    auth_config = work / "gateway-auth.toml"
-    auth_config.write_text(
-        GATEWAY_CONF.format(
-            rest=ports["rest_auth"], grpc=ports["grpc_auth"], backend_rest=ports["backend_rest"],
-            backend_grpc=ports["backend_grpc"],
-        )
-        + AUTH_CONF
-    )
+    auth_config = gateway_config(work / "gateway-auth.toml", ports["rest_auth"], ports["grpc_auth"], ports, AUTH_CONF)
     gateway_auth = Server("oipgate_auth", [str(BINARY), "serve", "--config", str(auth_config)],
                           [ports["rest_auth"], ports["grpc_auth"]], env)
     prefix = work / "nginx"

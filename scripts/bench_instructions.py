@@ -116,19 +116,11 @@ def run(seconds, workers, binary, cache=False):
     body_file = bench.write(bench.OUT / "add_sub.json", body)
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "haproxy",
                                             "haproxy_grpc")}
-    backend = bench.Server(
-        "model-server",
-        [str(bench.BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
-         f"127.0.0.1:{ports['backend_grpc']}"],
-        [ports["backend_rest"], ports["backend_grpc"]],
-    )
+    backend = bench.model_server("model-server", ports)
     results = {}
     try:
-        config = work / "gateway.toml"
-        config.write_text(bench.GATEWAY_CONF.format(rest=ports["rest"], grpc=ports["grpc"],
-                                                    backend_rest=ports["backend_rest"],
-                                                    backend_grpc=ports["backend_grpc"]))
-        env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+        config = bench.gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
+        env = bench.gateway_env(workers)
         gateway = [str(binary), "serve", "--config", str(config)]
         rest = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub"
         results["oipgate REST passthrough"] = per_request(

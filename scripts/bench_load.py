@@ -47,7 +47,7 @@ def load_costs(seconds, rounds, connections, workers):
     port = bench.free_port()
     backend = bench.Server("model-server-load", [str(bench.BINARY), "model-server", "--rest", f"0.0.0.0:{port}"],
                            [port])
-    env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+    env = bench.gateway_env(workers)
     results = {"idle": [], "load": []}
     servers = []
     try:

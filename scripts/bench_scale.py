@@ -133,11 +133,8 @@ def scale(seconds, rounds, connections, workers):
     """Runs scenario 7; its results (a dict per gateway, and the alternated load runs)."""
     work = Path(bench.tempfile.mkdtemp(prefix="oipgate-scale-"))
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc")}
-    backend = bench.Server("model-server-scale", [str(bench.BINARY), "model-server", "--rest",
-                                                  f"127.0.0.1:{ports['backend_rest']}", "--grpc",
-                                                  f"127.0.0.1:{ports['backend_grpc']}"],
-                           [ports["backend_rest"], ports["backend_grpc"]])
-    env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+    backend = bench.model_server("model-server-scale", ports)
+    env = bench.gateway_env(workers)
     body, _ = bench.add_sub_json("1")
     body_file = bench.write(bench.OUT / "add_sub_scale.json", body)
     gateways, results = {}, {"gateways": [], "load": []}

@@ -35,19 +35,14 @@ PATHS = (
 def telemetry_costs(seconds, rounds, connections, workers, baseline=None):
     work = Path(bench.tempfile.mkdtemp(prefix="oipgate-telemetry-"))
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "otlp", "events")}
-    backend = bench.Server(
-        "model-server-telemetry",
-        [str(bench.BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
-         f"127.0.0.1:{ports['backend_grpc']}"],
-        [ports["backend_rest"], ports["backend_grpc"]],
-    )
+    backend = bench.model_server("model-server-telemetry", ports)
     sinks_binary = bench.bench_binaries(("telemetry_sinks",))["telemetry_sinks"]
     sinks = bench.Server(
         "telemetry-sinks",
         [sinks_binary, "--otlp", f"127.0.0.1:{ports['otlp']}", "--events", f"127.0.0.1:{ports['events']}"],
         [ports["otlp"], ports["events"]],
     )
-    env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS=str(workers))
+    env = bench.gateway_env(workers)
     gateways = []
     results = {"runs": []}
     variants = [(name, section, bench.BINARY) for name, section in VARIANTS]
@@ -56,13 +51,8 @@ def telemetry_costs(seconds, rounds, connections, workers, baseline=None):
     try:
         for name, section, binary in variants:
             rest, grpc = bench.free_port(), bench.free_port()
-            path = work / f"{name.replace(' ', '-')}.toml"
-            path.write_text(
-                bench.GATEWAY_CONF.format(
-                    rest=rest, grpc=grpc, backend_rest=ports["backend_rest"], backend_grpc=ports["backend_grpc"]
-                )
-                + section.format(otlp=ports["otlp"], events=ports["events"])
-            )
+            path = bench.gateway_config(work / f"{name.replace(' ', '-')}.toml", rest, grpc, ports,
+                                        section.format(otlp=ports["otlp"], events=ports["events"]))
             server = bench.Server(f"oipgate-{name}", [str(binary), "serve", "--config", str(path)], [rest], env)
             gateways.append((name, server, rest))
         time.sleep(1.0)

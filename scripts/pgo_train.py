@@ -8,7 +8,6 @@ and metadata), then stops both with SIGTERM so that they write their profiles on
     scripts/pgo_train.py INSTRUMENTED_BINARY [SECONDS]
 """
 
-import os
 import shutil
 import sys
 import tempfile
@@ -24,21 +23,12 @@ def main():
     bench.OUT.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="oipgate-pgo-"))
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc")}
-    backend = bench.Server(
-        "pgo-model-server",
-        [str(bench.BINARY), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
-         f"127.0.0.1:{ports['backend_grpc']}"],
-        [ports["backend_rest"], ports["backend_grpc"]],
-    )
+    backend = bench.model_server("pgo-model-server", ports)
     gateway = None
     try:
-        config = work / "gateway.toml"
-        config.write_text(bench.GATEWAY_CONF.format(rest=ports["rest"], grpc=ports["grpc"],
-                                                    backend_rest=ports["backend_rest"],
-                                                    backend_grpc=ports["backend_grpc"]))
-        env = dict(os.environ, RUST_LOG="warn", OIPGATE__RUNTIME__THREADS="2")
+        config = bench.gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
         gateway = bench.Server("pgo-oipgate", [str(bench.BINARY), "serve", "--config", str(config)],
-                               [ports["rest"], ports["grpc"]], env)
+                               [ports["rest"], ports["grpc"]], bench.gateway_env(2))
         rest = f"http://127.0.0.1:{ports['rest']}"
         grpc = f"http://127.0.0.1:{ports['grpc']}/inference.GRPCInferenceService/ModelInfer"
         json_header = {"Content-Type": "application/json"}
