@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import re
 import signal
 import socket
@@ -35,9 +36,18 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no server listens on, taken below the kernel's range for outgoing connections (32768 up by default):
+    a port the kernel picks for a listener is one its next outgoing connection may take as its own before the
+    server binds it, which happened between two runs here ("Address already in use")."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SystemExit("bench: no free port in 20000-32767")
 
 
 def wait_port(port, timeout=10.0):
