@@ -58,6 +58,7 @@ async fn gateway() -> Gateway {
         max_message_bytes: 64 << 20,
         max_concurrent_streams: 256,
         max_buffered_answer_bytes: 128 << 20,
+        header_timeout: std::time::Duration::from_secs(10),
     };
     tokio::spawn(grpc::serve(seat, live, limits, None, async move {
         let _ = stopped.await;

@@ -4,6 +4,7 @@ pub mod budget;
 pub mod flood;
 pub mod grpc;
 pub mod paths;
+pub mod preface;
 pub mod rest;
 
 use std::sync::Arc;

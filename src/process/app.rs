@@ -472,6 +472,7 @@ fn add_services(
             max_message_bytes: usize::try_from(limits.max_request_bytes).unwrap_or(usize::MAX),
             max_concurrent_streams: limits.max_concurrent_streams,
             max_buffered_answer_bytes: limits.max_buffered_answer_bytes,
+            header_timeout: limits.header_read_timeout,
         },
         tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
     };

@@ -22,6 +22,7 @@ use crate::dispatch::{CallContext, ConfigForm, Dispatcher, MODEL_STREAM_INFER, M
 use crate::error::{Error, Result};
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
+use crate::frontend::preface;
 use crate::guard::Principal;
 use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
@@ -559,7 +560,12 @@ pub struct GrpcLimits {
     pub max_concurrent_streams: u32,
     /// Bytes of inference answers one client connection may hold in the gateway unread.
     pub max_buffered_answer_bytes: usize,
+    /// How long a client may take over the HTTP/2 preface once its first byte has arrived.
+    pub header_timeout: Duration,
 }
+
+/// How long a new connection may wait before its first byte, as a REST connection may idle.
+const IDLE_OPENING: Duration = Duration::from_secs(60);
 
 /// Serves the gRPC front door on `listener` until `shutdown` resolves, then lets open calls finish.
 ///
@@ -645,15 +651,24 @@ pub async fn serve(
             let stop = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
+            // hyper waits for a preface without end: the gateway reads it, on the time limits of a REST head.
             match acceptor {
-                None => flood::serve(builder.serve_connection(TokioIo::new(stream), service), &watch, stop).await,
+                None => {
+                    if let Some(stream) = preface::after_preface(stream, IDLE_OPENING, limits.header_timeout).await {
+                        let connection = builder.serve_connection(TokioIo::new(stream), service);
+                        flood::serve(connection, &watch, stop).await;
+                    }
+                }
                 Some(acceptor) => {
                     let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => stream,
                         Ok(Err(error)) => return tracing::debug!(%error, "gRPC TLS handshake failed"),
                         Err(_) => return,
                     };
-                    flood::serve(builder.serve_connection(TokioIo::new(stream), service), &watch, stop).await;
+                    if let Some(stream) = preface::after_preface(stream, IDLE_OPENING, limits.header_timeout).await {
+                        let connection = builder.serve_connection(TokioIo::new(stream), service);
+                        flood::serve(connection, &watch, stop).await;
+                    }
                 }
             }
         });

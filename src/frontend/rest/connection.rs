@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::BytesMut;
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -18,13 +19,12 @@ use super::http1::{CLOSE_LINGER, Http1, KEEPALIVE};
 use crate::body::ClientBody;
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
+use crate::frontend::preface::{self, Opening, Rewound};
 use crate::frontend::stopping;
 use crate::process::live::{Active, Gateway};
 
 /// How long a TLS handshake may take.
 const HANDSHAKE: Duration = Duration::from_secs(10);
-/// The first bytes of an HTTP/2 connection (RFC 9113, section 3.4).
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
@@ -54,17 +54,19 @@ impl std::fmt::Debug for RestConnections {
 
 impl RestConnections {
     /// Serves one accepted connection until it closes.
-    pub async fn serve(self, tcp: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
+    pub async fn serve(self, mut tcp: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
         let _ = tcp.set_nodelay(true);
         // A connection's task lives as long as the connection, idle or not, and a future is as large as its largest
         // state: HTTP/2 and TLS (large states of their own) are boxed so an idle plain HTTP/1.1 connection stays small.
         if self.tls.is_some() {
             return Box::pin(self.serve_tls(tcp, peer, shutdown)).await;
         }
-        match first_bytes(&tcp, &shutdown, self.door.gateway()).await {
+        match first_bytes(&mut tcp, &shutdown, self.door.gateway(), self.header_timeout).await {
             (Arrival::Closed, _) => {}
-            (Arrival::Http2, _) => Box::pin(self.serve_http2(tcp, shutdown)).await,
-            (Arrival::Http1, held) => self.serve_http1(tcp, shutdown, held).await,
+            (Arrival::Http2, _) => {
+                Box::pin(self.serve_http2(Rewound::after_preface(tcp), shutdown)).await;
+            }
+            (Arrival::Http1(first), held) => self.serve_http1(tcp, first, shutdown, held).await,
         }
     }
 
@@ -76,18 +78,21 @@ impl RestConnections {
             Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
         };
         if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
-            self.serve_http2(tls, shutdown).await;
+            if let Some(tls) = preface::after_preface(tls, KEEPALIVE, self.header_timeout).await {
+                self.serve_http2(tls, shutdown).await;
+            }
         } else {
-            self.serve_http1(tls, shutdown, None).await;
+            self.serve_http1(tls, BytesMut::new(), shutdown, None).await;
         }
     }
 
-    /// Serves HTTP/1.1 requests on `stream`; `held` counts it as under way until its first request is answered.
-    async fn serve_http1<S>(self, stream: S, shutdown: ShutdownWatch, held: Option<Active>)
+    /// Serves HTTP/1.1 requests on `stream`, whose `first` bytes were read already; `held` counts it as under way
+    /// until its first request is answered.
+    async fn serve_http1<S>(self, stream: S, first: BytesMut, shutdown: ShutdownWatch, held: Option<Active>)
     where
         S: AsyncRead + AsyncWrite + Peek + Unpin + Send + 'static,
     {
-        Http1::new(stream, self.door, self.header_timeout, shutdown, held)
+        Http1::new(stream, first, self.door, self.header_timeout, shutdown, held)
             .serve()
             .await;
     }
@@ -148,43 +153,38 @@ impl<S: Send + Sync> Peek for tokio_rustls::server::TlsStream<S> {
 
 /// What a new connection opened with.
 enum Arrival {
-    Http1,
+    /// An HTTP/1.1 request's first bytes, read off the socket.
+    Http1(BytesMut),
+    /// HTTP/2's whole preface, read off the socket.
     Http2,
     Closed,
 }
 
 /// Waits, within the keep-alive timeout, for a new connection's first bytes, and tells HTTP/2's preface from an
-/// HTTP/1.1 request. Once shutdown has begun, a connection whose bytes are not here yet is given as long as an idle
-/// one, counted as under way so the process waits for it: it was accepted before the listener closed (or the
-/// sockets went to a new process), and its client may have sent its request already; closing it unanswered would
-/// fail that request.
-async fn first_bytes(tcp: &TcpStream, shutdown: &ShutdownWatch, gateway: &Arc<Gateway>) -> (Arrival, Option<Active>) {
-    let look = async move {
-        let mut head = [0u8; H2_PREFACE.len()];
-        loop {
-            let seen = match tcp.peek(&mut head).await {
-                Ok(0) | Err(_) => return Arrival::Closed,
-                Ok(seen) => seen,
-            };
-            if head[..seen] != H2_PREFACE[..seen] {
-                return Arrival::Http1;
-            }
-            if seen == H2_PREFACE.len() {
-                return Arrival::Http2;
-            }
-            // So far a part of the preface: the rest is on its way.
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+/// HTTP/1.1 request (the rest of a preface within the head's time limit). Once shutdown has begun, a connection
+/// whose bytes are not here yet is given as long as an idle one, counted as under way so the process waits for it:
+/// it was accepted before the listener closed (or the sockets went to a new process), and its client may have sent
+/// its request already; closing it unanswered would fail that request.
+async fn first_bytes(
+    tcp: &mut TcpStream,
+    shutdown: &ShutdownWatch,
+    gateway: &Arc<Gateway>,
+    header_timeout: Duration,
+) -> (Arrival, Option<Active>) {
+    let arrival = |opened| match opened {
+        Opening::Preface => Arrival::Http2,
+        Opening::Other(first) => Arrival::Http1(first),
+        Opening::Closed => Arrival::Closed,
     };
     let mut shutdown = shutdown.clone();
-    let mut look = std::pin::pin!(tokio::time::timeout(KEEPALIVE, look));
+    let mut look = std::pin::pin!(preface::opening(tcp, KEEPALIVE, header_timeout));
     tokio::select! {
         biased;
-        arrival = &mut look => (arrival.unwrap_or(Arrival::Closed), None),
+        opened = &mut look => (arrival(opened), None),
         () = stopping(&mut shutdown) => {
             let held = gateway.begin();
-            let arrival = tokio::time::timeout(CLOSE_LINGER, look).await;
-            (arrival.map_or(Arrival::Closed, |arrival| arrival.unwrap_or(Arrival::Closed)), Some(held))
+            let opened = tokio::time::timeout(CLOSE_LINGER, look).await;
+            (opened.map_or(Arrival::Closed, arrival), Some(held))
         }
     }
 }

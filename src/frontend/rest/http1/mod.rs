@@ -102,16 +102,14 @@ where
 {
     pub(super) fn new(
         io: S,
+        first: BytesMut,
         door: Arc<RestDoor>,
         header_timeout: Duration,
         shutdown: ShutdownWatch,
         held: Option<Active>,
     ) -> Self {
         Http1 {
-            wire: Wire {
-                io,
-                read: BytesMut::new(),
-            },
+            wire: Wire { io, read: first },
             door,
             header_timeout,
             shutdown,
