@@ -65,12 +65,17 @@ inference-header-content-length: 18446744073709551610\r\nconnection: close\r\n\r
 const TWO_LENGTHS: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\
 content-length: 12\r\n\r\n{}";
 
+/// An answer whose one length is given as a list, and again on a line of its own.
+const LISTED_LENGTH: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2, 2\r\n\
+content-length: 2\r\n\r\n{}";
+
 /// A gateway in front of three lying backends (one whose JSON header is longer than its body, one whose header length
 /// is near the top of a 64-bit number, one whose answer gives two lengths) and a real model server serving `identity`.
 struct Setup {
     liar: LyingBackend,
     huge: LyingBackend,
     framed: LyingBackend,
+    _listed: LyingBackend,
     _real: ModelServerProcess,
     gateway: GatewayProcess,
 }
@@ -79,11 +84,14 @@ fn setup() -> Setup {
     let liar = LyingBackend::start(HEADER_LONGER_THAN_BODY);
     let huge = LyingBackend::start(HEADER_NEAR_USIZE_MAX);
     let framed = LyingBackend::start(TWO_LENGTHS);
+    let listed = LyingBackend::start(LISTED_LENGTH);
     let real = ModelServerProcess::rest_only(&["--models", "identity"]);
     let gateway = GatewayProcess::start(&format!(
         r#"
         [limits]
         header_read_timeout_ms = 500
+        {}
+        {}
         {}
         {}
         {}
@@ -101,15 +109,18 @@ fn setup() -> Setup {
         backend("liar", "rest", [liar.address]),
         backend("huge", "rest", [huge.address]),
         backend("framed", "rest", [framed.address]),
+        backend("listed", "rest", [listed.address]),
         backend("real", "rest", [real.rest.unwrap()]),
         model("liar", "liar"),
         model("two_lengths", "framed"),
+        model("listed_length", "listed"),
         model("identity", "real"),
     ));
     Setup {
         liar,
         huge,
         framed,
+        _listed: listed,
         _real: real,
         gateway,
     }
@@ -172,6 +183,27 @@ async fn a_backend_answer_whose_lengths_do_not_add_up_is_a_bad_gateway_naming_it
 }
 
 #[tokio::test]
+async fn a_backend_length_given_as_a_list_or_twice_reaches_the_client_once_as_digits() {
+    let setup = setup();
+    let address = setup.gateway.rest;
+    let request = format!(
+        "POST /v2/models/listed_length/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: \
+         application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let answer = tokio::task::spawn_blocking(move || exchange(address, &[request.as_bytes()], Duration::ZERO))
+        .await
+        .unwrap();
+    assert_eq!(status(&answer), "200", "{answer}");
+    let lengths: Vec<&str> = answer
+        .lines()
+        .filter(|line| line.to_ascii_lowercase().starts_with("content-length:"))
+        .collect();
+    assert_eq!(lengths, ["content-length: 2"], "{answer}");
+    assert!(answer.ends_with("\r\n\r\n{}"), "{answer}");
+}
+
+#[tokio::test]
 async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
     let setup = setup();
     let address = setup.gateway.rest;
@@ -209,6 +241,58 @@ async fn malformed_and_oversized_requests_are_refused_and_never_forwarded() {
         (
             "a malformed chunk size",
             format!("{infer}transfer-encoding: chunked\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n").into_bytes(),
+            "400",
+        ),
+        // RFC 9112 §3.2: Host once, naming a host.
+        (
+            "an HTTP/1.1 request without Host",
+            b"POST /v2/models/liar/infer HTTP/1.1\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
+            "400",
+        ),
+        (
+            "two Host fields",
+            format!("{infer}host: y\r\ncontent-length: 2\r\n\r\n{{}}").into_bytes(),
+            "400",
+        ),
+        (
+            "a Host that is no host",
+            b"POST /v2/models/liar/infer HTTP/1.1\r\nhost: a b\r\ncontent-length: 2\r\n\r\n{}".to_vec(),
+            "400",
+        ),
+        // RFC 9112 §6.1: a coding not implemented is 501; chunked twice frames nothing.
+        (
+            "a transfer coding the gateway does not implement",
+            format!("{infer}transfer-encoding: gzip, chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n").into_bytes(),
+            "501",
+        ),
+        (
+            "chunked twice",
+            format!("{infer}transfer-encoding: chunked, chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n").into_bytes(),
+            "400",
+        ),
+        // One rule for every line of the framing: CR LF.
+        (
+            "a trailer line ended by a bare LF",
+            format!("{infer}transfer-encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\nx-trailer: 1\n\r\n").into_bytes(),
+            "400",
+        ),
+        (
+            "a size line ended by a bare LF",
+            format!("{infer}transfer-encoding: chunked\r\n\r\n2\n{{}}\r\n0\r\n\r\n").into_bytes(),
+            "400",
+        ),
+        (
+            "a gzip body cut short",
+            {
+                let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+                gzip.write_all(BODY.repeat(100).as_bytes()).unwrap();
+                let gzip = gzip.finish().unwrap();
+                let cut = &gzip[..gzip.len() - 9];
+                let mut request =
+                    format!("{infer}content-encoding: gzip\r\ncontent-length: {}\r\n\r\n", cut.len()).into_bytes();
+                request.extend_from_slice(cut);
+                request
+            },
             "400",
         ),
     ];

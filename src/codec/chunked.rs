@@ -1,4 +1,4 @@
-//! HTTP/1.1 chunked framing (RFC 9112 §7.1) read as it arrives, a byte at a time, as hyper's decoder reads it: the
+//! HTTP/1.1 chunked framing (RFC 9112 §7.1) read as it arrives, a byte at a time, every line ended by CR LF: the
 //! one reader of it, under `codec::http1::Framing`, which takes a chunked body off a buffer for the REST door's
 //! requests and the REST backend client's answers.
 
@@ -24,6 +24,8 @@ pub enum Chunk {
     Trailer,
     /// Within a trailer line.
     TrailerLine,
+    /// After a trailer line's carriage return.
+    TrailerLineEnd,
     /// After a carriage return at a trailer line's start.
     End,
     /// The body has ended.
@@ -64,7 +66,11 @@ impl Chunk {
                 (Chunk::DataEnd, b'\n') => Chunk::Start,
                 (Chunk::Trailer, b'\r') => Chunk::End,
                 (Chunk::End, b'\n') => Chunk::Done,
-                (Chunk::Trailer | Chunk::TrailerLine, b'\n') => Chunk::Trailer,
+                (Chunk::TrailerLine, b'\r') => Chunk::TrailerLineEnd,
+                (Chunk::TrailerLineEnd, b'\n') => Chunk::Trailer,
+                // Every line of the framing ends with CR LF, a trailer's as a size's: a bare LF, read by some
+                // proxies as a line's end and by others as none, would let them see different bodies.
+                (Chunk::Trailer | Chunk::TrailerLine, b'\n') => return Err(Malformed),
                 (Chunk::Trailer | Chunk::TrailerLine, _) => Chunk::TrailerLine,
                 _ => return Err(Malformed),
             };
@@ -121,7 +127,8 @@ mod tests {
 
     #[test]
     fn chunks_are_read_alike_in_pieces_of_any_size() {
-        let body = b"5;name=value\r\nhello\r\n6 \r\n world\r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\nNEXT";
+        let body =
+            b"5;name=value\r\nhello\r\n6 \r\n world\r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\nx-two: 2\r\n\r\nNEXT";
         for size in 1..=body.len() {
             let (data, after) = read(body, size).unwrap();
             assert_eq!(data, b"hello world0123456789", "pieces of {size}");
@@ -130,7 +137,7 @@ mod tests {
     }
 
     #[test]
-    fn framing_hyper_refuses_is_malformed() {
+    fn framing_hyper_refuses_and_bare_line_feeds_are_malformed() {
         for body in [
             &b"zz\r\n"[..],
             b"\r\n",
@@ -139,6 +146,11 @@ mod tests {
             b"1\r\na\n",
             b"1 2\r\n",
             b"fffffffffffffffff\r\n",
+            b"1\nx\r\n",
+            b"0\r\nx-trailer: 1\n\r\n",
+            b"0\r\n\n",
+            b"0\r\nx-trailer: 1\r\r\n",
+            b"1\r\nx\n",
         ] {
             assert_eq!(
                 read(body, body.len()),

@@ -17,6 +17,8 @@ pub const MIN_COMPRESSED_BYTES: usize = 1024;
 const STEP: usize = 64 * 1024;
 /// The size of each further piece.
 const PIECE: usize = 1 << 20;
+/// The most deflate expands its input: 258 bytes from each two-bit code, about 1032 to 1.
+const MOST_DEFLATE_RATIO: u64 = 1032;
 
 /// A content coding the gateway reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,17 +83,16 @@ pub fn decompress(coding: Coding, compressed: &[u8], limit: u64, what: &str) -> 
             ),
         )
     };
-    // gzip's trailer holds the size modulo 2^32: the true size is at least that.
+    // gzip's trailer holds the size modulo 2^32, when the body is whole: a size to make room for, never a reason to
+    // refuse (a truncated body's last bytes are no trailer), and no more than deflate can expand the body to.
     let hint = match coding {
         Coding::Gzip if compressed.len() >= 18 && compressed.starts_with(&[0x1f, 0x8b]) => {
             let tail: [u8; 4] = compressed[compressed.len() - 4..].try_into().unwrap_or_default();
-            Some(u64::from(u32::from_le_bytes(tail)))
+            let most = (compressed.len() as u64).saturating_mul(MOST_DEFLATE_RATIO).min(limit);
+            Some(u64::from(u32::from_le_bytes(tail))).filter(|size| *size <= most)
         }
         _ => None,
     };
-    if hint.is_some_and(|size| size > limit) {
-        return Err(too_large());
-    }
     let reader: Box<dyn Read + '_> = match coding {
         Coding::Gzip => Box::new(flate2::read::MultiGzDecoder::new(compressed)),
         Coding::Deflate => Box::new(flate2::read::ZlibDecoder::new(compressed)),
@@ -292,6 +293,40 @@ mod tests {
                 "{}",
                 refused.message()
             );
+        }
+    }
+
+    #[test]
+    fn a_truncated_body_is_malformed_naming_its_coding_however_it_is_cut() {
+        let data = vec![7u8; 100_000];
+        let mut gzip = flate2::write::GzEncoder::new(Vec::new(), Compression::default());
+        gzip.write_all(&data).unwrap();
+        let gzip = gzip.finish().unwrap();
+        let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), Compression::default());
+        zlib.write_all(&data).unwrap();
+        let zlib = zlib.finish().unwrap();
+        for (coding, whole) in [(Coding::Gzip, &gzip), (Coding::Deflate, &zlib)] {
+            assert_eq!(
+                decompress(coding, whole, 1 << 20, "request body").unwrap().len(),
+                data.len()
+            );
+            for cut in 1..whole.len() {
+                let error = decompress(coding, &whole[..whole.len() - cut], 1 << 20, "request body").unwrap_err();
+                assert_eq!(
+                    error.http_status(),
+                    400,
+                    "{} cut by {cut}: {}",
+                    coding.name(),
+                    error.message()
+                );
+                assert!(
+                    error
+                        .message()
+                        .contains(&format!("does not decompress as {}", coding.name())),
+                    "{}",
+                    error.message()
+                );
+            }
         }
     }
 }

@@ -85,12 +85,38 @@ pub fn content_length(value: &[u8]) -> Option<u64> {
     said
 }
 
-/// Whether a Transfer-Encoding value ends with `chunked`, the one coding that frames a body.
-pub fn is_chunked(value: &[u8]) -> bool {
-    value
-        .rsplit(|&byte| byte == b',')
-        .next()
-        .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+/// The transfer codings a head's Transfer-Encoding fields list, in order, across all of them (RFC 9112 §6.1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferCodings {
+    /// A Transfer-Encoding field was given.
+    pub given: bool,
+    /// How often `chunked` is listed.
+    pub chunked: u32,
+    /// The last coding listed is `chunked`, the one that frames a body.
+    pub last_chunked: bool,
+    /// A coding other than `chunked` is listed (the gateway implements none).
+    pub other: bool,
+}
+
+impl TransferCodings {
+    /// Notes one Transfer-Encoding field's value: a list whose empty elements are let go (RFC 9110 §5.6.1).
+    pub fn note(&mut self, value: &[u8]) {
+        self.given = true;
+        for coding in value.split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
+            if coding.is_empty() {
+                continue;
+            }
+            let chunked = coding.eq_ignore_ascii_case(b"chunked");
+            self.chunked += u32::from(chunked);
+            self.other |= !chunked;
+            self.last_chunked = chunked;
+        }
+    }
+
+    /// Whether `chunked` alone frames the body: listed once, last, beside no other coding.
+    pub fn only_chunked(&self) -> bool {
+        self.chunked == 1 && self.last_chunked && !self.other
+    }
 }
 
 /// Where a parsed head's headers lie in its buffer (the first [`PLACED`] of them), noted while the parse borrows the
@@ -169,12 +195,10 @@ fn parsed_value(value: Bytes) -> HeaderValue {
 #[derive(Debug)]
 pub struct Said {
     pub headers: HeaderMap,
-    /// Content-Length, when given (the same value however often).
+    /// Content-Length, when given (the same value however often; the map holds it once, as digits).
     pub length: Option<u64>,
-    /// A Transfer-Encoding was given.
-    pub coded: bool,
-    /// Its last coding is chunked.
-    pub chunked: bool,
+    /// The transfer codings listed.
+    pub codings: TransferCodings,
     /// `Connection` named `close`.
     pub close: bool,
     /// `Connection` named `keep-alive`.
@@ -200,8 +224,7 @@ impl Said {
             unread,
             headers: HeaderMap::with_capacity(count),
             length: None,
-            coded: false,
-            chunked: false,
+            codings: TransferCodings::default(),
             close: false,
             keep_alive: false,
             expects_continue: false,
@@ -218,13 +241,19 @@ impl Said {
         };
         if name == CONTENT_LENGTH {
             let said = content_length(value.as_bytes()).ok_or(BadHeader::Length)?;
-            if self.length.is_some_and(|before| before != said) {
-                return Err(BadHeader::TwoLengths);
+            match self.length.replace(said) {
+                Some(before) if before != said => return Err(BadHeader::TwoLengths),
+                // The same length again: the map keeps it once.
+                Some(_) => return Ok(()),
+                None => {}
             }
-            self.length = Some(said);
+            // A list of the same length (`5, 5`), or digits led by zeros, goes on as its one value.
+            if !is_canonical_length(value.as_bytes()) {
+                self.headers.append(name, HeaderValue::from(said));
+                return Ok(());
+            }
         } else if name == TRANSFER_ENCODING {
-            self.coded = true;
-            self.chunked = is_chunked(value.as_bytes());
+            self.codings.note(value.as_bytes());
         } else if name == CONNECTION {
             for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
                 if token.eq_ignore_ascii_case(b"close") {
@@ -239,6 +268,14 @@ impl Said {
         self.headers.append(name, value);
         Ok(())
     }
+}
+
+/// Whether a Content-Length value is a length as a sender should write it: digits, with no leading zero.
+fn is_canonical_length(value: &[u8]) -> bool {
+    !value.is_empty()
+        && value.len() <= 19
+        && value.iter().all(u8::is_ascii_digit)
+        && (value.len() == 1 || value[0] != b'0')
 }
 
 /// The names, unknown to `http`, that most of the gateway's messages carry: each taken from here rather than made
@@ -440,11 +477,42 @@ mod tests {
     }
 
     #[test]
-    fn only_a_last_chunked_coding_frames_a_body() {
-        assert!(is_chunked(b"chunked"));
-        assert!(is_chunked(b"gzip, Chunked "));
-        assert!(!is_chunked(b"chunked, gzip"));
-        assert!(!is_chunked(b"identity"));
+    fn transfer_codings_are_listed_across_fields_and_only_a_lone_last_chunked_frames_a_body() {
+        let codings = |fields: &[&[u8]]| {
+            let mut codings = TransferCodings::default();
+            for field in fields {
+                codings.note(field);
+            }
+            codings
+        };
+        assert!(codings(&[b"chunked"]).only_chunked());
+        assert!(codings(&[b" Chunked ", b""]).only_chunked());
+        assert!(codings(&[b", chunked,"]).only_chunked());
+        let gzip_chunked = codings(&[b"gzip", b"chunked"]);
+        assert!(gzip_chunked.last_chunked && gzip_chunked.other && !gzip_chunked.only_chunked());
+        assert!(!codings(&[b"chunked, gzip"]).last_chunked);
+        let twice = codings(&[b"chunked, chunked"]);
+        assert_eq!(twice.chunked, 2);
+        assert!(!twice.only_chunked());
+        assert!(!codings(&[b"identity"]).only_chunked());
+        assert!(codings(&[b""]).given && !codings(&[b""]).last_chunked);
+    }
+
+    #[test]
+    fn a_length_given_twice_or_as_a_list_is_kept_once_as_digits() {
+        let mut said = Said::new(4, b"");
+        said.note(b"content-length", HeaderValue::from_static("5, 5")).unwrap();
+        said.note(b"Content-Length", HeaderValue::from_static("5")).unwrap();
+        assert_eq!(said.length, Some(5));
+        let values: Vec<_> = said.headers.get_all(CONTENT_LENGTH).iter().collect();
+        assert_eq!(values, [HeaderValue::from_static("5")]);
+        let mut said = Said::new(1, b"");
+        said.note(b"content-length", HeaderValue::from_static("007")).unwrap();
+        assert_eq!(said.headers[CONTENT_LENGTH], "7");
+        assert!(matches!(
+            said.note(b"content-length", HeaderValue::from_static("8")),
+            Err(BadHeader::TwoLengths)
+        ));
     }
 
     #[test]

@@ -97,7 +97,7 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
         || broken("a malformed answer head"),
         |name, value| said.note(name, value),
     )?;
-    Ok(Parsed::Answer(said.into_head(status, asked_head)))
+    Ok(Parsed::Answer(said.into_head(status, asked_head)?))
 }
 
 /// An answer's headers, read.
@@ -115,28 +115,38 @@ impl AnswerSaid {
         })
     }
 
-    /// The head, its body framed as the headers say (RFC 9112 §6.3).
-    fn into_head(self, status: StatusCode, asked_head: bool) -> AnswerHead {
+    /// The head, its body framed as the headers say (RFC 9112 §6.3). A transfer coding other than `chunked` is one
+    /// the gateway cannot undo, and `chunked` twice frames nothing: both are broken answers.
+    fn into_head(self, status: StatusCode, asked_head: bool) -> io::Result<AnswerHead> {
         let AnswerSaid { version, mut said } = self;
+        let codings = said.codings;
+        if codings.other {
+            return Err(broken("an answer with a transfer coding other than chunked"));
+        }
+        if codings.chunked > 1 {
+            return Err(broken("an answer chunked more than once"));
+        }
+        // Framed both ways, the answer may be smuggling another: the chunks frame it, and its connection goes.
+        let framed_both_ways = codings.given && said.length.is_some();
         let framing = if asked_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
             Framing::Length(0)
-        } else if said.chunked {
+        } else if codings.last_chunked {
             // A length beside the chunks says nothing true about the body.
             said.headers.remove(CONTENT_LENGTH);
             Framing::chunked()
-        } else if said.coded {
+        } else if codings.given {
             Framing::UntilClose
         } else {
             said.length.map_or(Framing::UntilClose, Framing::Length)
         };
-        let close = said.close || (version == Version::HTTP_10 && !said.keep_alive);
-        AnswerHead {
+        let close = said.close || framed_both_ways || (version == Version::HTTP_10 && !said.keep_alive);
+        Ok(AnswerHead {
             status,
             version,
             reusable: !close && !matches!(framing, Framing::UntilClose),
             headers: said.headers,
             framing,
-        }
+        })
     }
 }
 

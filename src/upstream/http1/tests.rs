@@ -247,11 +247,30 @@ async fn get(
 }
 
 #[tokio::test]
+async fn an_answer_framed_both_ways_is_read_by_its_chunks_and_its_connection_not_kept() {
+    let (upstream, _, accepted) = scripted(|_, _| {
+        answer(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 99\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    })
+    .await;
+    for _ in 0..2 {
+        let answered = get(&upstream, Method::GET).await.unwrap();
+        assert_eq!(&answered.body[..], b"hello");
+        // The length beside the chunks is not passed on as the answer's.
+        assert!(answered.headers.get(CONTENT_LENGTH).is_none());
+    }
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "RFC 9112 §6.3: the connection is not kept"
+    );
+}
+
+#[tokio::test]
 async fn a_chunked_answer_in_pieces_is_read_whole_and_its_connection_kept() {
     let (upstream, received, accepted) = scripted(|_, _| Script {
         piece: 3,
         ..answer(
-            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 99\r\n\r\n\
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
               5;name=value\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: 1\r\n\r\n",
         )
     })
@@ -259,8 +278,6 @@ async fn a_chunked_answer_in_pieces_is_read_whole_and_its_connection_kept() {
     for _ in 0..2 {
         let answered = get(&upstream, Method::GET).await.unwrap();
         assert_eq!(&answered.body[..], b"hello world");
-        // The length beside the chunks is not passed on as the answer's.
-        assert!(answered.headers.get(CONTENT_LENGTH).is_none());
     }
     assert_eq!(
         accepted.load(Ordering::SeqCst),
@@ -347,7 +364,7 @@ async fn a_kept_connection_the_backend_closed_under_a_request_is_replaced() {
 
 #[tokio::test]
 async fn broken_answers_are_errors_naming_what_is_wrong() {
-    let cases: [(&[u8], &str); 7] = [
+    let cases: [(&[u8], &str); 10] = [
         (b"HTTP/1.1 2x0 OK\r\n\r\n", "malformed answer head"),
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nok",
@@ -370,6 +387,18 @@ async fn broken_answers_are_errors_naming_what_is_wrong() {
             "closed before the answer's end",
         ),
         (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "switching protocols"),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            "transfer coding other than chunked",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+            "chunked more than once",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nx-trailer: 1\n\r\n",
+            "malformed chunked framing",
+        ),
     ];
     for (sent, named) in cases {
         let (upstream, _, _) = scripted(move |_, _| Script {

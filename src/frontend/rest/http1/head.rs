@@ -112,6 +112,8 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
         version,
         // The Host a client names is the gateway's: never passed on (each hop names its own), and nothing routes on it.
         said: Said::new(places.count(), b"host"),
+        hosts: 0,
+        host_valid: true,
     };
     places.each(
         &head,
@@ -119,6 +121,24 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
         |name, value| said.note(name, value),
     )?;
     said.into_head(method, uri)
+}
+
+/// Whether a Host value is `uri-host [ ":" port ]` (RFC 9110 §7.2), or empty (a target without an authority).
+fn is_host(value: &[u8]) -> bool {
+    if value.is_empty() {
+        return true;
+    }
+    // No user information, path, query or fragment: an authority of a host and a port alone.
+    if value.iter().any(|byte| matches!(byte, b'@' | b'/' | b'?' | b'#')) {
+        return false;
+    }
+    // A port is digits (`Authority` reads any text after the colon as one).
+    let port = match value.iter().rposition(|&byte| byte == b':') {
+        Some(colon) if !value[colon..].contains(&b']') => &value[colon + 1..],
+        _ => &[][..],
+    };
+    port.iter().all(u8::is_ascii_digit)
+        && http::uri::Authority::try_from(value).is_ok_and(|authority| !authority.host().is_empty())
 }
 
 fn target_too_long() -> Refusal {
@@ -132,10 +152,18 @@ fn target_too_long() -> Refusal {
 struct RequestSaid {
     version: Version,
     said: Said,
+    /// How many Host fields it has.
+    hosts: u32,
+    /// Each of them is a host and optional port (or empty).
+    host_valid: bool,
 }
 
 impl RequestSaid {
     fn note(&mut self, name: &[u8], value: http::HeaderValue) -> Result<(), Refusal> {
+        if name.eq_ignore_ascii_case(b"host") {
+            self.hosts += 1;
+            self.host_valid &= is_host(value.as_bytes());
+        }
         self.said.note(name, value).map_err(|bad| {
             Refusal::bad(match bad {
                 BadHeader::Name => "a request header with an invalid name".to_owned(),
@@ -146,15 +174,42 @@ impl RequestSaid {
     }
 
     fn into_head(self, method: Method, uri: Uri) -> Result<Option<RequestHead>, Refusal> {
-        let RequestSaid { version, said } = self;
-        let framing = match (said.coded, said.length) {
+        let RequestSaid {
+            version,
+            said,
+            hosts,
+            host_valid,
+        } = self;
+        // RFC 9112 §3.2: an HTTP/1.1 request without Host, with two, or with one that names no host is refused.
+        match hosts {
+            0 if version == Version::HTTP_11 => return Err(Refusal::bad("an HTTP/1.1 request without a Host header")),
+            0 | 1 => {}
+            _ => return Err(Refusal::bad("a request with more than one Host header")),
+        }
+        if !host_valid {
+            return Err(Refusal::bad("a Host header that is not a host and optional port"));
+        }
+        let codings = said.codings;
+        let framing = match (codings.given, said.length) {
             (true, Some(_)) => return Err(Refusal::bad(FRAMED_BOTH_WAYS)),
             (true, None) if version == Version::HTTP_10 => {
                 return Err(Refusal::bad("an HTTP/1.0 request with a Transfer-Encoding"));
             }
-            (true, None) if !said.chunked => {
+            // RFC 9112 §6.3: without chunked last, the body's end cannot be told.
+            (true, None) if !codings.last_chunked => {
                 return Err(Refusal::bad(
                     "a Transfer-Encoding whose last coding is not chunked: the body's end cannot be told",
+                ));
+            }
+            (true, None) if codings.chunked > 1 => {
+                return Err(Refusal::bad("a Transfer-Encoding that lists chunked more than once"));
+            }
+            // RFC 9112 §6.1: a transfer coding the server does not implement is 501.
+            (true, None) if codings.other => {
+                return Err(Refusal::new(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "a Transfer-Encoding other than chunked is not implemented; send the body chunked, or compressed \
+                     with Content-Encoding",
                 ));
             }
             (true, None) => Framing::chunked(),
@@ -173,5 +228,105 @@ impl RequestSaid {
             keep_alive_10: http10 && said.keep_alive && !said.close,
             expects_continue: said.expects_continue && !http10,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(head: &str) -> Result<RequestHead, Refusal> {
+        read_head(&mut BytesMut::from(head.as_bytes())).map(|head| head.expect("a whole head"))
+    }
+
+    fn refused(head: &str) -> (StatusCode, String) {
+        let refusal = read(head).expect_err(head);
+        (refusal.status, refusal.message)
+    }
+
+    #[test]
+    fn host_is_required_once_and_must_name_a_host() {
+        for good in [
+            "host: x",
+            "Host: gateway:8000",
+            "host: [::1]:80",
+            "host: 127.0.0.1",
+            "host:",
+        ] {
+            assert!(read(&format!("GET / HTTP/1.1\r\n{good}\r\n\r\n")).is_ok(), "{good}");
+        }
+        assert!(read("GET / HTTP/1.0\r\n\r\n").is_ok(), "HTTP/1.0 needs no Host");
+        for (bad, says) in [
+            ("", "without a Host"),
+            ("host: a\r\nhost: a", "more than one Host"),
+            ("host: a\r\nHOST: b", "more than one Host"),
+            ("host: user@a", "not a host"),
+            ("host: a/b", "not a host"),
+            ("host: a b", "not a host"),
+            ("host: a:port", "not a host"),
+        ] {
+            let head = format!("GET / HTTP/1.1\r\n{bad}\r\n\r\n").replace("\r\n\r\n\r\n", "\r\n\r\n");
+            let (status, message) = refused(&head);
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}");
+            assert!(message.contains(says), "{bad}: {message}");
+        }
+    }
+
+    #[test]
+    fn transfer_codings_are_read_as_rfc_9112_says() {
+        let post = |fields: &str| format!("POST / HTTP/1.1\r\nhost: x\r\n{fields}\r\n");
+        assert!(matches!(
+            read(&post("transfer-encoding: chunked\r\n")).unwrap().framing,
+            Framing::Chunked(..)
+        ));
+        assert!(matches!(
+            read(&post("transfer-encoding: ,chunked\r\n")).unwrap().framing,
+            Framing::Chunked(..)
+        ));
+        for (fields, status, says) in [
+            (
+                "transfer-encoding: gzip, chunked\r\n",
+                StatusCode::NOT_IMPLEMENTED,
+                "not implemented",
+            ),
+            (
+                "transfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n",
+                StatusCode::NOT_IMPLEMENTED,
+                "not implemented",
+            ),
+            (
+                "transfer-encoding: chunked, chunked\r\n",
+                StatusCode::BAD_REQUEST,
+                "more than once",
+            ),
+            (
+                "transfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n",
+                StatusCode::BAD_REQUEST,
+                "more than once",
+            ),
+            (
+                "transfer-encoding: chunked, gzip\r\n",
+                StatusCode::BAD_REQUEST,
+                "last coding",
+            ),
+            ("transfer-encoding: \r\n", StatusCode::BAD_REQUEST, "last coding"),
+            (
+                "transfer-encoding: chunked\r\ncontent-length: 3\r\n",
+                StatusCode::BAD_REQUEST,
+                "both",
+            ),
+            (
+                "content-length: 3\r\ncontent-length: 4\r\n",
+                StatusCode::BAD_REQUEST,
+                "two different",
+            ),
+        ] {
+            let (got, message) = refused(&post(fields));
+            assert_eq!(got, status, "{fields}");
+            assert!(message.contains(says), "{fields}: {message}");
+        }
+        let head = read(&post("content-length: 3, 3\r\ncontent-length: 3\r\n")).unwrap();
+        assert!(matches!(head.framing, Framing::Length(3)));
+        assert_eq!(head.parts.headers.get_all("content-length").iter().count(), 1);
     }
 }
