@@ -13,6 +13,9 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 
+use crate::codec::rest::key_scan::KeyScan;
+use crate::frontend::rest::Http2BodyError;
+
 /// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (whether the chunks are compressed, then
 /// the length); the message's length when it is more than the prefix can say.
 pub fn grpc_message(message: Vec<Bytes>, compressed: bool) -> Result<Vec<Bytes>, usize> {
@@ -115,6 +118,61 @@ where
     Ok((body, trailers))
 }
 
+/// Chunks at least this long are kept as they came (shared): the bookkeeping of one is under 1% of its bytes.
+pub const SHARED_CHUNK: usize = 4096;
+/// Runs of shorter chunks are copied into blocks of this size.
+const COPY_BLOCK: usize = 64 * 1024;
+
+/// A body's chunks kept as they pass (what is read before routing, what the mirror and the payload log are handed):
+/// chunks of at least [`SHARED_CHUNK`] bytes as they came, shared, and runs of shorter ones copied together into
+/// blocks, so what is kept is bounded by the data it holds however finely a client cut it (a chunk of one byte
+/// would otherwise cost a 32-byte handle, and hold the buffer it was read into).
+#[derive(Debug, Default)]
+pub struct KeptChunks {
+    chunks: Vec<Bytes>,
+    /// The run of short chunks being copied, in the block they are copied into.
+    block: BytesMut,
+    length: usize,
+}
+
+impl KeptChunks {
+    pub fn push(&mut self, chunk: Bytes) {
+        self.length += chunk.len();
+        if chunk.len() >= SHARED_CHUNK {
+            self.seal();
+            self.chunks.push(chunk);
+            return;
+        }
+        if self.block.capacity() - self.block.len() < chunk.len() {
+            self.seal();
+            self.block.reserve(COPY_BLOCK);
+        }
+        self.block.extend_from_slice(&chunk);
+    }
+
+    /// Ends the run being copied: it is kept as it is, the rest of its block for the next run.
+    fn seal(&mut self) {
+        if !self.block.is_empty() {
+            self.chunks.push(self.block.split().freeze());
+        }
+    }
+
+    /// The bytes kept.
+    pub fn len(&self) -> usize {
+        self.length
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.length == 0
+    }
+
+    /// The chunks kept, in order.
+    pub fn into_chunks(mut self) -> Vec<Bytes> {
+        self.seal();
+        self.chunks
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 pub struct ChunksBody {
     chunks: VecDeque<Bytes>,
@@ -204,7 +262,8 @@ impl<B: Body + Unpin, T: Unpin> Body for Holding<B, T> {
 #[derive(Debug)]
 pub enum OutBody {
     Chunks(ChunksBody),
-    Relayed(Relayed),
+    /// Boxed: an attempt's view of a client's body is large, and most bodies are at hand whole.
+    Relayed(Box<Relayed>),
     /// The requests of a stream, as they come.
     Channel(ChannelBody),
 }
@@ -235,7 +294,7 @@ impl Body for OutBody {
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
         match self.get_mut() {
             OutBody::Chunks(body) => Pin::new(body).poll_frame(cx).map_err(|never| match never {}),
-            OutBody::Relayed(body) => Pin::new(body).poll_frame(cx),
+            OutBody::Relayed(body) => Pin::new(&mut **body).poll_frame(cx),
             OutBody::Channel(body) => body.chunks.poll_recv(cx).map(|chunk| chunk.map(|c| Ok(Frame::data(c)))),
         }
     }
@@ -266,8 +325,12 @@ pub enum RelayError {
     Unreadable,
     /// The client stopped sending its body for longer than the limit between reads.
     Stalled,
+    /// The client's body did not come whole within its limit.
+    Overdue,
     /// The client closed its connection before the body's end.
     Gone,
+    /// The body holds what the gateway refuses (a key read as it passed): [`RelaySource::refusal`] says what.
+    Refused,
 }
 
 impl std::fmt::Display for RelayError {
@@ -276,27 +339,65 @@ impl std::fmt::Display for RelayError {
             RelayError::TooLarge => "the request body is larger than the limit",
             RelayError::Unreadable => "the request body could not be read",
             RelayError::Stalled => "the request body stalled",
+            RelayError::Overdue => "the request body did not arrive whole in time",
             RelayError::Gone => "the client went away before sending the whole body",
+            RelayError::Refused => "the request body holds what the gateway refuses",
         })
     }
 }
 
 /// A client's request body held to a pace: a frame must arrive within `stall` of the previous one (or of the first
-/// read), so a client that trickles its body, or stops, gives up its connection instead of holding it.
+/// read), and the whole body within `total` of its first wait; so a client that trickles its body, or stops, gives
+/// up its connection (and whatever it was admitted to) instead of holding it. (Its bytes on the wire, framing with
+/// data, are bounded by the door's reader of each protocol.)
 #[derive(Debug)]
 pub struct RequestBody {
     body: ClientBody,
-    stall: std::time::Duration,
+    limits: BodyLimits,
     /// Armed while the body waits for bytes.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// When the whole body must have come, set at its first wait (a body at hand at once never waits).
+    due: Option<tokio::time::Instant>,
+}
+
+/// A body's next frame, its end, or why it failed.
+type Polled = Option<Result<Frame<Bytes>, RequestBodyError>>;
+
+/// What a request body is held to.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimits {
+    /// The longest it may go without bytes (`limits.body_read_timeout_ms`).
+    pub stall: std::time::Duration,
+    /// The longest it may take whole (`limits.body_total_timeout_ms`).
+    pub total: std::time::Duration,
+    /// The most bytes it may take on the wire (`limits.max_request_bytes`), read by the door's protocol readers.
+    pub bytes: u64,
 }
 
 impl RequestBody {
-    pub fn new(body: ClientBody, stall: std::time::Duration) -> RequestBody {
+    pub fn new(body: ClientBody, limits: BodyLimits) -> RequestBody {
         RequestBody {
             body,
-            stall,
+            limits,
             timer: None,
+            due: None,
+        }
+    }
+
+    /// The next frame from the door's body.
+    fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<Polled> {
+        match &mut self.body {
+            ClientBody::Http1(body) => Pin::new(body)
+                .poll_frame(cx)
+                .map(|frame| frame.map(|frame| frame.map_err(RequestBodyError::Http1))),
+            ClientBody::Http2(body) => Pin::new(body).poll_frame(cx).map(|frame| {
+                frame.map(|frame| {
+                    frame.map_err(|error| match error {
+                        Http2BodyError::Broken(error) => RequestBodyError::Broken(error),
+                        Http2BodyError::TooLarge(limit) => RequestBodyError::TooLarge(limit),
+                    })
+                })
+            }),
         }
     }
 }
@@ -305,7 +406,7 @@ impl RequestBody {
 #[derive(Debug)]
 pub enum ClientBody {
     Http1(crate::frontend::rest::Http1Body),
-    Http2(hyper::body::Incoming),
+    Http2(crate::frontend::rest::Http2Body),
 }
 
 /// Why a request body could not be read.
@@ -313,6 +414,10 @@ pub enum ClientBody {
 pub enum RequestBodyError {
     /// No bytes came for this long.
     Stalled(std::time::Duration),
+    /// The whole body did not come within this long.
+    Overdue(std::time::Duration),
+    /// It took more than this many bytes on the wire.
+    TooLarge(u64),
     /// An HTTP/1.1 body broke off (its connection closed, its chunks malformed).
     Http1(crate::frontend::rest::Http1BodyError),
     /// hyper could not read an HTTP/2 body (the stream reset, the connection closed).
@@ -327,6 +432,16 @@ impl std::fmt::Display for RequestBodyError {
                 "the request body stalled: no bytes for {} ms (limits.body_read_timeout_ms)",
                 stall.as_millis()
             ),
+            RequestBodyError::Overdue(total) => write!(
+                f,
+                "the request body did not arrive whole within {} ms (limits.body_total_timeout_ms)",
+                total.as_millis()
+            ),
+            RequestBodyError::TooLarge(limit) => write!(
+                f,
+                "the request body takes more than the limit of {limit} bytes (limits.max_request_bytes), its frames' \
+                 headers counted with its data"
+            ),
             RequestBodyError::Http1(error) => error.fmt(f),
             RequestBodyError::Broken(error) => error.fmt(f),
         }
@@ -336,7 +451,7 @@ impl std::fmt::Display for RequestBodyError {
 impl std::error::Error for RequestBodyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RequestBodyError::Stalled(_) => None,
+            RequestBodyError::Stalled(_) | RequestBodyError::Overdue(_) | RequestBodyError::TooLarge(_) => None,
             RequestBodyError::Http1(error) => Some(error),
             RequestBodyError::Broken(error) => Some(error),
         }
@@ -349,25 +464,33 @@ impl Body for RequestBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
-        let polled = match &mut this.body {
-            ClientBody::Http1(body) => Pin::new(body)
-                .poll_frame(cx)
-                .map(|frame| frame.map(|frame| frame.map_err(RequestBodyError::Http1))),
-            ClientBody::Http2(body) => Pin::new(body)
-                .poll_frame(cx)
-                .map(|frame| frame.map(|frame| frame.map_err(RequestBodyError::Broken))),
-        };
-        match polled {
+        match this.poll_inner(cx) {
             Poll::Ready(frame) => {
                 this.timer = None;
+                if let Some(due) = this.due
+                    && matches!(frame, Some(Ok(_)))
+                    && tokio::time::Instant::now() > due
+                {
+                    return Poll::Ready(Some(Err(RequestBodyError::Overdue(this.limits.total))));
+                }
                 Poll::Ready(frame)
             }
             Poll::Pending => {
-                let stall = this.stall;
-                let timer = this.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                let (stall, total) = (this.limits.stall, this.limits.total);
+                let now = tokio::time::Instant::now();
+                let due = *this.due.get_or_insert(now + total);
+                // One timer for both bounds, set at the wait's start: the nearer of the next byte's and the whole
+                // body's.
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until((now + stall).min(due))));
                 ready!(timer.as_mut().poll(cx));
                 this.timer = None;
-                Poll::Ready(Some(Err(RequestBodyError::Stalled(stall))))
+                Poll::Ready(Some(Err(if tokio::time::Instant::now() >= due {
+                    RequestBodyError::Overdue(total)
+                } else {
+                    RequestBodyError::Stalled(stall)
+                })))
             }
         }
     }
@@ -400,20 +523,23 @@ pub struct RelaySource {
     received: AtomicU64,
     /// 0 while fine; else 1 + the `RelayError`'s position.
     failure: AtomicU8,
+    /// Why the body was refused, when it was.
+    refusal: Mutex<Option<crate::error::Error>>,
     /// Length declared by the client, when it declared one.
     declared: Option<u64>,
 }
 
-/// Chunks gathered as they pass (shared, not copied), handed to `then` at the end of the body: the mirror's copy.
+/// Chunks kept as they pass ([`KeptChunks`]), handed to `then` at the end of the body: the mirror's and the payload
+/// log's copy.
 pub struct Tap {
-    chunks: Vec<Bytes>,
+    chunks: KeptChunks,
     then: Box<dyn FnOnce(Vec<Bytes>) + Send>,
 }
 
 impl Tap {
     pub fn new(then: Box<dyn FnOnce(Vec<Bytes>) + Send>) -> Tap {
         Tap {
-            chunks: Vec::new(),
+            chunks: KeptChunks::default(),
             then,
         }
     }
@@ -428,17 +554,35 @@ impl std::fmt::Debug for Tap {
 }
 
 impl RelaySource {
-    /// `read` is what was already read of `body`, counted against `limit`.
-    pub fn new(read: Vec<Bytes>, body: RequestBody, limit: u64, tap: Option<Tap>) -> RelaySource {
+    /// `read` is what was already read of `body`, counted against `limit`; what follows passes through `tap`, and
+    /// through `scan` (which has read `read`), whose refusal stops it.
+    pub fn new(
+        read: Vec<Bytes>,
+        body: RequestBody,
+        limit: u64,
+        tap: Option<Tap>,
+        scan: Option<KeyScan>,
+    ) -> RelaySource {
         let already: u64 = read.iter().map(|chunk| chunk.len() as u64).sum();
         let declared = body.size_hint().exact().map(|rest| rest + already);
         RelaySource {
-            body: Mutex::new(Some((read, body, tap))),
+            body: Mutex::new(Some(Unsent {
+                read,
+                body,
+                tap,
+                scan: scan.map(Box::new),
+            })),
             limit,
             received: AtomicU64::new(already),
             failure: AtomicU8::new(0),
+            refusal: Mutex::new(None),
             declared,
         }
+    }
+
+    /// What the body was refused for, when a key read as it passed stopped it.
+    pub fn refusal(&self) -> Option<crate::error::Error> {
+        self.refusal.lock().ok().and_then(|refusal| refusal.clone())
     }
 
     /// Bytes read from the client so far.
@@ -453,6 +597,8 @@ impl RelaySource {
             2 => Some(RelayError::Unreadable),
             3 => Some(RelayError::Stalled),
             4 => Some(RelayError::Gone),
+            5 => Some(RelayError::Refused),
+            6 => Some(RelayError::Overdue),
             _ => None,
         }
     }
@@ -468,15 +614,24 @@ impl RelaySource {
             RelayError::Unreadable => 2,
             RelayError::Stalled => 3,
             RelayError::Gone => 4,
+            RelayError::Refused => 5,
+            RelayError::Overdue => 6,
         };
         self.failure.store(code, Ordering::Relaxed);
         error
     }
 }
 
-/// A relayed body before any attempt has taken it: the chunks already read (sent first), the rest of the body, and
-/// the tap its chunks go through.
-type Unsent = (Vec<Bytes>, RequestBody, Option<Tap>);
+/// A relayed body before any attempt has taken it: the chunks already read (sent first), the rest of the body, the
+/// tap its chunks go through, and the scan that reads its keys as they pass.
+#[derive(Debug)]
+struct Unsent {
+    read: Vec<Bytes>,
+    body: RequestBody,
+    tap: Option<Tap>,
+    /// Boxed: most bodies pass unscanned.
+    scan: Option<Box<KeyScan>>,
+}
 
 /// One attempt's view of a [`RelaySource`].
 #[derive(Debug)]
@@ -486,6 +641,7 @@ pub struct Relayed {
     read: Vec<Bytes>,
     body: Option<RequestBody>,
     tap: Option<Tap>,
+    scan: Option<Box<KeyScan>>,
     done: bool,
 }
 
@@ -496,6 +652,7 @@ impl Relayed {
             read: Vec::new(),
             body: None,
             tap: None,
+            scan: None,
             done: false,
         }
     }
@@ -511,18 +668,27 @@ impl Body for Relayed {
             return Poll::Ready(None);
         }
         if this.body.is_none() {
-            let Some((mut read, body, mut tap)) = this.source.body.lock().ok().and_then(|mut body| body.take()) else {
+            let Some(Unsent {
+                mut read,
+                body,
+                mut tap,
+                scan,
+            }) = this.source.body.lock().ok().and_then(|mut body| body.take())
+            else {
                 // Another attempt read it first.
                 this.done = true;
                 return Poll::Ready(Some(Err(RelayError::Unreadable)));
             };
             if let Some(tap) = &mut tap {
-                tap.chunks.extend(read.iter().cloned());
+                for chunk in &read {
+                    tap.chunks.push(chunk.clone());
+                }
             }
             read.reverse();
             this.read = read;
             this.body = Some(body);
             this.tap = tap;
+            this.scan = scan;
         }
         if let Some(chunk) = this.read.pop() {
             return Poll::Ready(Some(Ok(Frame::data(chunk))));
@@ -535,13 +701,24 @@ impl Body for Relayed {
                 None => {
                     this.done = true;
                     if let Some(tap) = this.tap.take() {
-                        (tap.then)(tap.chunks);
+                        (tap.then)(tap.chunks.into_chunks());
                     }
                     return Poll::Ready(None);
                 }
                 Some(Err(RequestBodyError::Stalled(_))) => {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Stalled))));
+                }
+                Some(Err(RequestBodyError::Overdue(_))) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(this.source.fail(RelayError::Overdue))));
+                }
+                Some(Err(
+                    RequestBodyError::TooLarge(_)
+                    | RequestBodyError::Http1(crate::frontend::rest::Http1BodyError::TooLarge(_)),
+                )) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(this.source.fail(RelayError::TooLarge))));
                 }
                 Some(Err(RequestBodyError::Http1(crate::frontend::rest::Http1BodyError::Closed))) => {
                     this.done = true;
@@ -561,6 +738,17 @@ impl Body for Relayed {
                     if received > this.source.limit {
                         this.done = true;
                         return Poll::Ready(Some(Err(this.source.fail(RelayError::TooLarge))));
+                    }
+                    // A key the gateway refuses stops the body before its chunk leaves: the backend is sent a body
+                    // cut short, which it never serves.
+                    if let Some(scan) = &mut this.scan
+                        && let Err(refusal) = scan.feed(&data)
+                    {
+                        this.done = true;
+                        if let Ok(mut slot) = this.source.refusal.lock() {
+                            *slot = Some(refusal);
+                        }
+                        return Poll::Ready(Some(Err(this.source.fail(RelayError::Refused))));
                     }
                     if let Some(tap) = &mut this.tap {
                         tap.chunks.push(data.clone());

@@ -78,6 +78,108 @@ proptest! {
     }
 }
 
+/// A varint of `value` written in `bytes` bytes (padded with continuation bytes, as some encoders never do), with
+/// `extra` bits set above the 32 of a key where a fifth byte can carry them.
+fn varint_shaped(value: u64, bytes: usize, extra: u8) -> Vec<u8> {
+    let mut natural = 1;
+    while value >> (7 * natural) != 0 {
+        natural += 1;
+    }
+    let bytes = bytes.max(natural);
+    let mut out = Vec::new();
+    for index in 0..bytes {
+        let mut byte = ((value >> (7 * index).min(63)) & 0x7f) as u8;
+        if index == 4 {
+            byte |= extra << 4;
+        }
+        if index + 1 < bytes {
+            byte |= 0x80;
+        }
+        out.push(byte);
+    }
+    out
+}
+
+/// A field of `number` and `wire` type whose key takes the shape asked for, carrying `payload` when length-delimited.
+fn field_shaped(number: u64, wire: u64, (bytes, extra): (usize, u8), payload: &[u8]) -> Vec<u8> {
+    let mut field = varint_shaped(number << 3 | wire, bytes, extra);
+    match wire {
+        0 => field.push(1),
+        1 => field.extend_from_slice(&[0; 8]),
+        5 => field.extend_from_slice(&[0; 4]),
+        _ => {
+            field.extend(varint_shaped(payload.len() as u64, 1, 0));
+            field.extend_from_slice(payload);
+        }
+    }
+    field
+}
+
+/// Key shapes: mostly canonical, sometimes padded (within five bytes and past them) or carrying bits above 32.
+fn key_shape() -> impl Strategy<Value = (usize, u8)> {
+    prop_oneof![4 => Just((1usize, 0u8)), 2 => (1usize..=10, Just(0u8)), 1 => (5usize..=5, 0u8..8)]
+}
+
+/// A parameters map entry (its name one of those the gateway acts on, or not), its keys shaped as drawn.
+fn parameter_entry() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::sample::select(vec![
+            "shared_memory_region",
+            "shared_memory_offset",
+            "sequence_id",
+            "priority",
+            "a",
+        ]),
+        key_shape(),
+        key_shape(),
+        any::<u8>(),
+    )
+        .prop_map(|(name, name_key, value_key, value)| {
+            let mut entry = field_shaped(1, 2, name_key, name.as_bytes());
+            // An int64_param (field 2 of InferParameter, a varint).
+            let parameter = [0x10, value & 0x7f];
+            entry.extend(field_shaped(2, 2, value_key, &parameter));
+            entry
+        })
+}
+
+/// A `ModelInferRequest` of fields in any order and number: names, request parameters, inputs and outputs with
+/// parameters, and unknown fields, each key in a drawn shape and its wire type sometimes wrong.
+fn keyed_message() -> impl Strategy<Value = Vec<u8>> {
+    let field = (
+        prop::sample::select(vec![1u64, 2, 3, 4, 5, 6, 7, 99, 536_870_913]),
+        prop_oneof![8 => Just(2u64), 1 => prop::sample::select(vec![0u64, 1, 3, 4, 5, 6, 7])],
+        key_shape(),
+        prop::sample::select(vec!["m", "other", ""]),
+        parameter_entry(),
+        (key_shape(), key_shape()),
+    )
+        .prop_map(|(number, wire, shape, name, entry, (tensor_key, parameters_key))| {
+            let payload = match number {
+                4 => entry,
+                5 | 6 => {
+                    // A tensor: its name, then its parameters (field 4 of an input, 2 of an output).
+                    let mut tensor = field_shaped(1, 2, tensor_key, b"x");
+                    tensor.extend(field_shaped(if number == 5 { 4 } else { 2 }, 2, parameters_key, &entry));
+                    tensor
+                }
+                _ => name.as_bytes().to_vec(),
+            };
+            field_shaped(number & ((1 << 61) - 1), wire, shape, &payload)
+        });
+    prop::collection::vec(field, 0..6).prop_map(|fields| fields.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4000))]
+
+    #[test]
+    fn protobuf_keys_in_every_shape(message in keyed_message()) { fuzzing::protobuf_keys(&message); }
+
+    #[test]
+    fn protobuf_keys_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::protobuf_keys(&data); }
+}
+
 #[test]
 fn protobuf_mutations_of_a_valid_message() {
     use oipgate::codec::protobuf::request_to_proto;
@@ -95,6 +197,7 @@ fn protobuf_mutations_of_a_valid_message() {
             mutated[i] = byte;
             fuzzing::protobuf_request(&mutated);
             fuzzing::splice(&mutated);
+            fuzzing::protobuf_keys(&mutated);
         }
         fuzzing::protobuf_request(&wire[..i]);
         fuzzing::splice(&wire[..i]);
@@ -119,6 +222,7 @@ fn fuzz_crash_regressions() {
             "binary_request" => fuzzing::binary_request(input),
             "protobuf_request" => fuzzing::protobuf_request(input),
             "splice" => fuzzing::splice(input),
+            "protobuf_keys" => fuzzing::protobuf_keys(input),
             _ => fuzzing::decthings(input),
         }
     }

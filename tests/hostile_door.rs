@@ -115,3 +115,309 @@ async fn a_half_sent_preface_is_waited_for_without_polling_and_closed_at_the_hea
         .unwrap();
     drop(setup.server);
 }
+
+/// The gateway's peak resident memory so far, in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|value| value.split_whitespace().next())
+        .and_then(|value| value.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// A payload-log sink that reads every event and notes the size of each body it was sent.
+async fn measuring_sink() -> (SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+    use http_body_util::BodyExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let sizes: std::sync::Arc<std::sync::Mutex<Vec<usize>>> = std::sync::Arc::default();
+    let noted = sizes.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let noted = noted.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                    let noted = noted.clone();
+                    async move {
+                        let body = request.into_body().collect().await.unwrap().to_bytes();
+                        noted.lock().unwrap().push(body.len());
+                        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                            bytes::Bytes::new(),
+                        )))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    (address, sizes)
+}
+
+/// Sends `body` to the REST door as a chunked request of `chunk`-byte chunks; the answer's status and length.
+async fn chunked_request(address: SocketAddr, path: &str, body: &[u8], chunk: usize) -> (u16, usize) {
+    let mut wire = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\n\r\n"
+    )
+    .into_bytes();
+    for piece in body.chunks(chunk) {
+        wire.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        wire.extend_from_slice(piece);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\n\r\n");
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (mut reader, mut writer) = stream.split();
+    let (_, answer) = tokio::join!(
+        async move {
+            let _ = writer.write_all(&wire).await;
+        },
+        read_to_close(&mut reader)
+    );
+    let text = String::from_utf8_lossy(&answer[..answer.len().min(64)]).into_owned();
+    let status = text.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
+    (status, answer.len())
+}
+
+async fn read_to_close(reader: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(120), reader.read_to_end(&mut answer)).await;
+    answer
+}
+
+/// A JSON request for `identity` of about `bytes` bytes: an INT32 tensor of ones.
+fn json_of_size(bytes: usize) -> Vec<u8> {
+    let count = bytes / 2;
+    let data = vec!["1"; count].join(",");
+    format!(r#"{{"inputs":[{{"name":"x","datatype":"INT32","shape":[{count}],"data":[{data}]}}]}}"#).into_bytes()
+}
+
+#[tokio::test]
+async fn a_body_in_one_byte_chunks_holds_memory_bounded_by_its_data_with_the_payload_log_tapping_it() {
+    let (sink, sizes) = measuring_sink().await;
+    let setup = setup(&format!("[payload_log]\nurl = \"http://{sink}\"\nmode = \"request\""));
+    let pid = setup.gateway.pid();
+    let path = "/v2/models/identity/infer";
+    // Warmed with the same request sent plainly, so what the door's and the backend client's buffers grow to once
+    // is in the baseline.
+    let body = json_of_size(2 << 20);
+    let (status, _) = chunked_request(setup.gateway.rest, path, &body, 64 * 1024).await;
+    assert_eq!(status, 200);
+    common::eventually(Duration::from_secs(10), "the warm-up's event", || async {
+        !sizes.lock().unwrap().is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = peak_rss(pid);
+    // About 2 MiB of data in 12 MiB of framing: one chunk a byte.
+    let (status, answered) = chunked_request(setup.gateway.rest, path, &body, 1).await;
+    assert_eq!(status, 200, "{answered} bytes answered");
+    common::eventually(Duration::from_secs(30), "the event of the chunked request", || async {
+        sizes.lock().unwrap().len() == 2
+    })
+    .await;
+    // The payload log got the whole body, however it was cut.
+    assert!(sizes.lock().unwrap()[1] >= body.len(), "{:?}", sizes.lock().unwrap());
+    let grown = peak_rss(pid).saturating_sub(before);
+    // The stated bound (docs/SECURITY.md): twice the data the request and its answer carry, plus 8 MiB a request.
+    let data = (body.len() + answered) as u64;
+    let bound = 2 * data + (8 << 20);
+    assert!(
+        grown <= bound,
+        "peak memory grew {} KiB for {} KiB of data (bound {} KiB)",
+        grown >> 10,
+        data >> 10,
+        bound >> 10
+    );
+    eprintln!("peak memory grew {} KiB for {} KiB of data", grown >> 10, data >> 10);
+}
+
+/// Sends `body` to the REST door over h2c, `frame` bytes a DATA frame; the answer's status and length.
+async fn h2c_request(address: SocketAddr, path: &str, body: &[u8], frame: usize) -> (u16, usize) {
+    let tcp = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (mut client, connection) = h2::client::Builder::new()
+        .initial_connection_window_size(64 << 20)
+        .initial_window_size(16 << 20)
+        .handshake::<_, bytes::Bytes>(tcp)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("http://x{path}"))
+        .header("content-type", "application/json")
+        .body(())
+        .unwrap();
+    let (answer, mut sending) = client.send_request(request, false).unwrap();
+    let pieces: Vec<bytes::Bytes> = body.chunks(frame).map(bytes::Bytes::copy_from_slice).collect();
+    let send = async move {
+        for piece in pieces {
+            sending.reserve_capacity(piece.len());
+            if std::future::poll_fn(|cx| sending.poll_capacity(cx)).await.is_none() {
+                return;
+            }
+            if sending.send_data(piece, false).is_err() {
+                return;
+            }
+        }
+        let _ = sending.send_data(bytes::Bytes::new(), true);
+    };
+    let (_, answer) = tokio::join!(send, answer);
+    let answer = answer.unwrap();
+    let status = answer.status().as_u16();
+    let body = answer.into_body();
+    let mut length = 0;
+    let mut body = body;
+    while let Some(Ok(data)) = body.data().await {
+        length += data.len();
+        let _ = body.flow_control().release_capacity(data.len());
+    }
+    (status, length)
+}
+
+// On a runtime of its own threads: the client's connection answers the gateway's pings while its sender is busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_body_in_one_byte_frames_holds_memory_bounded_by_its_data_and_counts_its_frames() {
+    let (sink, sizes) = measuring_sink().await;
+    let setup = setup(&format!(
+        "max_request_bytes = 4194304\n[payload_log]\nurl = \"http://{sink}\"\nmode = \"request\""
+    ));
+    let pid = setup.gateway.pid();
+    let path = "/v2/models/identity/infer";
+    let body = json_of_size(300 << 10);
+    let (status, _) = h2c_request(setup.gateway.rest, path, &body, 16 << 10).await;
+    assert_eq!(status, 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = peak_rss(pid);
+    let (status, answered) = h2c_request(setup.gateway.rest, path, &body, 1).await;
+    assert_eq!(status, 200);
+    common::eventually(Duration::from_secs(30), "both events", || async {
+        sizes.lock().unwrap().len() == 2
+    })
+    .await;
+    let grown = peak_rss(pid).saturating_sub(before);
+    let data = (body.len() + answered) as u64;
+    eprintln!("peak memory grew {} KiB for {} KiB of data", grown >> 10, data >> 10);
+    assert!(
+        grown <= 2 * data + (8 << 20),
+        "peak memory grew {} KiB for {} KiB of data",
+        grown >> 10,
+        data >> 10
+    );
+    // Each frame's header counts with its data: 300 KiB of data in one-byte frames takes 3 MiB on the wire, within
+    // the 4 MiB limit; 500 KiB does not.
+    let (status, _) = h2c_request(setup.gateway.rest, path, &json_of_size(500 << 10), 1).await;
+    assert_eq!(status, 413);
+}
+
+const KEY: &str = "hostile-door-key";
+const BACKEND_TOKEN: &str = "x-echo-backend-token";
+
+/// A gateway with `[auth]` (one key) whose backends each add `x-echo-backend-token: s3cret` to every call:
+/// `identity` version 1 over REST, version 2 over gRPC; and the model server's own REST stream for `count`.
+fn operator_setup() -> Setup {
+    let server = ModelServerProcess::both();
+    let added = format!("headers = {{ \"{BACKEND_TOKEN}\" = \"s3cret\" }}\n");
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+[auth]
+[[auth.api_keys]]
+name = "caller"
+sha256 = "{}"
+models = ["*"]
+{}binary_data = true
+{added}{}{added}
+[[models]]
+name = "identity"
+versions = [ {{ version = "1", backend = "rest" }}, {{ version = "2", backend = "grpc", upstream_version = "1" }} ]
+default_version = "1"
+"#,
+        common::sha256_hex(KEY),
+        backend("rest", "rest", [server.rest.unwrap()]),
+        backend("grpc", "grpc", [server.grpc.unwrap()]),
+    ));
+    Setup { server, gateway }
+}
+
+#[tokio::test]
+async fn an_operators_header_takes_the_place_of_a_clients_of_the_same_name_on_every_path() {
+    let setup = operator_setup();
+    let client = common::http_client(false);
+    for version in ["1", "2"] {
+        let answer = common::send(
+            &client,
+            "POST",
+            &setup
+                .gateway
+                .rest_url(&format!("/v2/models/identity/versions/{version}/infer")),
+            &[("x-api-key", KEY.to_owned()), (BACKEND_TOKEN, "forged".to_owned())],
+            common::INT32_BODY,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        // The backend echoes every value it received: the operator's alone.
+        let received: Vec<_> = answer.headers.get_all(BACKEND_TOKEN).iter().collect();
+        assert_eq!(received, ["s3cret"], "REST to version {version}");
+    }
+    let mut grpc = setup.gateway.grpc_client().await;
+    for version in ["1", "2"] {
+        let mut request = tonic::Request::new(common::grpc_int32_request("identity", version));
+        request.metadata_mut().insert("x-api-key", KEY.parse().unwrap());
+        request.metadata_mut().insert(BACKEND_TOKEN, "forged".parse().unwrap());
+        let answer = grpc.model_infer(request).await.unwrap();
+        let received: Vec<_> = answer.metadata().get_all(BACKEND_TOKEN).iter().collect();
+        assert_eq!(received, ["s3cret"], "gRPC to version {version}");
+    }
+    drop(setup.server);
+}
+
+#[tokio::test]
+async fn credentials_in_grpc_request_trailers_stay_at_the_gateway() {
+    use prost::Message;
+    let setup = operator_setup();
+    for version in ["1", "2"] {
+        let tcp = tokio::net::TcpStream::connect(setup.gateway.grpc).await.unwrap();
+        let (mut client, connection) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(connection);
+        let request = http::Request::post(format!(
+            "http://{}/inference.GRPCInferenceService/ModelInfer",
+            setup.gateway.grpc
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("x-api-key", KEY)
+        .header("x-echo-probe", "1")
+        .body(())
+        .unwrap();
+        let (answer, mut sending) = client.send_request(request, false).unwrap();
+        let message = common::grpc_int32_request("identity", version).encode_to_vec();
+        let mut framed = vec![0];
+        framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        framed.extend_from_slice(&message);
+        sending.send_data(bytes::Bytes::from(framed), false).unwrap();
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("authorization", "Bearer trailer-secret".parse().unwrap());
+        trailers.insert("x-api-key", "trailer-key".parse().unwrap());
+        trailers.insert(BACKEND_TOKEN, "forged".parse().unwrap());
+        sending.send_trailers(trailers).unwrap();
+        let answer = answer.await.unwrap();
+        let received = answer
+            .headers()
+            .get("x-echo-received")
+            .map(|value| value.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        assert!(
+            received.contains("x-echo-probe"),
+            "version {version}: {:?}",
+            answer.headers()
+        );
+        assert!(!received.contains("authorization"), "version {version}: {received}");
+        assert!(!received.contains("x-api-key"), "version {version}: {received}");
+        let tokens: Vec<_> = answer.headers().get_all(BACKEND_TOKEN).iter().collect();
+        assert_eq!(tokens, ["s3cret"], "version {version}");
+    }
+}

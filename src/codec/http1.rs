@@ -343,6 +343,16 @@ impl Framing {
         }
     }
 
+    /// The bytes of data left before the next framing: of the body, or of the current chunk (none between chunks,
+    /// or until the connection's end).
+    pub fn data_left(&self) -> Option<u64> {
+        match self {
+            Framing::Length(left) => Some(*left),
+            Framing::Chunked(chunk, _) => chunk.data_left(),
+            Framing::UntilClose => None,
+        }
+    }
+
     /// How many bytes the next read should ask for, at most `most`: what is left of the body or of a chunk's data
     /// when known.
     pub fn want(&self, most: usize) -> usize {

@@ -23,15 +23,6 @@ const OUTPUT_PARAMETERS: u64 = 2;
 /// The name field of either.
 const TENSOR_NAME: u64 = 1;
 
-/// One entry of the request's `parameters` map, as protobuf encodes a map entry.
-#[derive(Clone, PartialEq, prost::Message)]
-struct ParameterEntry {
-    #[prost(string, tag = "1")]
-    key: String,
-    #[prost(message, optional, tag = "2")]
-    value: Option<crate::proto::InferParameter>,
-}
-
 /// The model name, version and request id of an encoded message. Protobuf lets a field repeat; the last occurrence
 /// wins.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -67,7 +58,47 @@ fn varint(bytes: &[u8], pos: &mut usize) -> Result<u64> {
     Err(Error::invalid("protobuf varint is longer than 10 bytes"))
 }
 
-/// Walks the top-level fields, checking only their framing.
+/// The most bytes of a key, or of a length, that C++ protobuf and upb read (a 32-bit varint's).
+const MOST_KEY_BYTES: usize = 5;
+
+/// A field's key read as prost, C++ protobuf and upb all read it, or refused where any of them would read it
+/// otherwise or not at all: at most five bytes (C++ and upb stop there; prost reads ten), a value within 32 bits (C++
+/// drops the bits above, so a key prost and the gateway once took as field 536870913 is field 1 to Triton), a field
+/// number from 1, and a wire type the V2 messages use (no groups, nor 6 and 7, which none of them reads).
+pub fn key(bytes: &[u8], pos: &mut usize) -> Result<(u32, u8)> {
+    let start = *pos;
+    let key = varint(bytes, pos)?;
+    if *pos - start > MOST_KEY_BYTES {
+        return Err(Error::invalid(format!(
+            "a protobuf field key of {} bytes (C++ protobuf reads at most {MOST_KEY_BYTES})",
+            *pos - start
+        )));
+    }
+    let key =
+        u32::try_from(key).map_err(|_| Error::invalid(format!("a protobuf field key beyond 32 bits ({key:#x})")))?;
+    let (number, wire_type) = (key >> 3, (key & 7) as u8);
+    if number == 0 {
+        return Err(Error::invalid("protobuf field number 0"));
+    }
+    if !matches!(wire_type, 0 | 1 | 2 | 5) {
+        return Err(Error::invalid(format!(
+            "protobuf wire type {wire_type} (field {number}) is not supported"
+        )));
+    }
+    Ok((number, wire_type))
+}
+
+/// A length-delimited field's length, held to what C++ protobuf reads: at most five bytes, below 2 GiB.
+fn length(bytes: &[u8], pos: &mut usize) -> Result<u64> {
+    let start = *pos;
+    let length = varint(bytes, pos)?;
+    if *pos - start > MOST_KEY_BYTES || length > u64::from(i32::MAX.unsigned_abs()) {
+        return Err(Error::invalid("a protobuf length C++ protobuf does not read"));
+    }
+    Ok(length)
+}
+
+/// Walks the top-level fields, checking only their framing (keys as every decoder reads them).
 fn fields(message: &[u8]) -> impl Iterator<Item = Result<Field>> + '_ {
     let mut pos = 0;
     std::iter::from_fn(move || {
@@ -76,34 +107,29 @@ fn fields(message: &[u8]) -> impl Iterator<Item = Result<Field>> + '_ {
         }
         let start = pos;
         let field = (|| {
-            let key = varint(message, &mut pos)?;
-            let number = key >> 3;
-            if number == 0 {
-                return Err(Error::invalid("protobuf field number 0"));
-            }
+            let (number, wire_type) = key(message, &mut pos)?;
             let mut value_start = pos;
-            match key & 7 {
+            match wire_type {
                 0 => {
                     varint(message, &mut pos)?;
                 }
                 1 => pos += 8,
                 5 => pos += 4,
-                2 => {
-                    let length = varint(message, &mut pos)?;
+                _ => {
+                    let length = length(message, &mut pos)?;
                     value_start = pos;
                     pos = usize::try_from(length)
                         .ok()
                         .and_then(|l| pos.checked_add(l))
                         .unwrap_or(usize::MAX);
                 }
-                other => return Err(Error::invalid(format!("protobuf wire type {other} is not supported"))),
             }
             if pos > message.len() {
                 return Err(Error::invalid("protobuf field runs past the end of the message"));
             }
             Ok(Field {
-                number,
-                wire_type: key & 7,
+                number: u64::from(number),
+                wire_type: u64::from(wire_type),
                 start,
                 end: pos,
                 value_start,
@@ -114,6 +140,21 @@ fn fields(message: &[u8]) -> impl Iterator<Item = Result<Field>> + '_ {
         }
         Some(field)
     })
+}
+
+/// The top-level fields of `message` as the gateway reads them: number, wire type and where a length-delimited
+/// value lies (for the differential checks of the key reader).
+#[cfg(any(test, feature = "fuzzing"))]
+pub fn field_places(message: &[u8]) -> Result<Vec<(u32, u8, std::ops::Range<usize>)>> {
+    fields(message)
+        .map(|field| {
+            let field = field?;
+            // Numbers and wire types were read as 32-bit keys.
+            let number = u32::try_from(field.number).unwrap_or(u32::MAX);
+            let wire_type = u8::try_from(field.wire_type).unwrap_or(u8::MAX);
+            Ok((number, wire_type, field.value_start..field.end))
+        })
+        .collect()
 }
 
 fn text_of<'a>(message: &'a [u8], field: &Field, what: &str) -> Result<&'a str> {
@@ -150,29 +191,62 @@ pub fn parameters(message: &[u8]) -> Result<Parameters> {
         if field.wire_type != 2 {
             return Err(Error::invalid("parameters is not encoded as a map"));
         }
-        let entry = <ParameterEntry as prost::Message>::decode(&message[field.value_start..field.end])
-            .map_err(|e| Error::invalid(format!("invalid request parameter: {e}")))?;
+        let (key, value) = parameter_entry(&message[field.value_start..field.end], "request")?;
         // A map entry given twice keeps its last value, as protobuf decoders do; one with no value set is dropped.
-        match entry.value.and_then(|value| value.parameter_choice) {
+        match value.and_then(|value| value.parameter_choice) {
             Some(choice) => {
-                parameters.insert(entry.key, super::protobuf::value_from_proto(choice));
+                parameters.insert(key.to_owned(), super::protobuf::value_from_proto(choice));
             }
             None => {
-                parameters.shift_remove(&entry.key);
+                parameters.shift_remove(key);
             }
         }
     }
     Ok(parameters)
 }
 
-/// Refuses a request whose inputs or requested outputs point at shared memory, reading only their names and the
-/// names of their parameters (tensor contents are skipped).
+/// One entry of a `parameters` map (`kind` names whose, in errors), its keys read as every decoder reads them: its
+/// name (field 1, the last given) and its value (field 2, merged as protobuf merges a message given twice).
+fn parameter_entry<'a>(entry: &'a [u8], kind: &str) -> Result<(&'a str, Option<crate::proto::InferParameter>)> {
+    let invalid = |what: &dyn std::fmt::Display| Error::invalid(format!("invalid {kind} parameter: {what}"));
+    let mut key = "";
+    let mut value: Option<crate::proto::InferParameter> = None;
+    for field in fields(entry) {
+        let field = field.map_err(|error| invalid(&error.message()))?;
+        match (field.number, field.wire_type) {
+            (1, 2) => key = text_of(entry, &field, "a parameter name").map_err(|e| invalid(&e.message()))?,
+            (2, 2) => {
+                let bytes = &entry[field.value_start..field.end];
+                // The value's own keys, as the entry's.
+                for inner in fields(bytes) {
+                    inner.map_err(|error| invalid(&error.message()))?;
+                }
+                let merged = value.get_or_insert_with(Default::default);
+                prost::Message::merge(merged, bytes).map_err(|error| invalid(&error))?;
+            }
+            (1 | 2, _) => return Err(invalid(&"a map entry field with the wrong wire type")),
+            _ => {}
+        }
+    }
+    Ok((key, value))
+}
+
+/// Refuses a request whose inputs, requested outputs or own parameters point at shared memory, reading only their
+/// names and the names of their parameters (tensor contents are skipped).
 pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
     for field in fields(message) {
         let field = field?;
         let (kind, parameters_field) = match field.number {
             INPUTS => ("input", INPUT_PARAMETERS),
             OUTPUTS => ("output", OUTPUT_PARAMETERS),
+            // The request's own parameters hold none either.
+            PARAMETERS if field.wire_type == 2 => {
+                let (key, _) = parameter_entry(&message[field.value_start..field.end], "request")?;
+                if reserved::SHARED_MEMORY.contains(&key) {
+                    return Err(reserved::shared_memory_anywhere(key));
+                }
+                continue;
+            }
             _ => continue,
         };
         if field.wire_type != 2 {
@@ -186,15 +260,14 @@ pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
             if inner.number == TENSOR_NAME {
                 name = text_of(tensor, &inner, "a tensor name")?;
             } else if inner.number == parameters_field && inner.wire_type == 2 {
-                let entry = <ParameterEntry as prost::Message>::decode(&tensor[inner.value_start..inner.end])
-                    .map_err(|e| Error::invalid(format!("invalid {kind} parameter: {e}")))?;
-                if reserved::SHARED_MEMORY.contains(&entry.key.as_str()) {
-                    shared = Some(entry.key);
+                let (key, _) = parameter_entry(&tensor[inner.value_start..inner.end], kind)?;
+                if reserved::SHARED_MEMORY.contains(&key) {
+                    shared = Some(key);
                 }
             }
         }
         if let Some(parameter) = shared {
-            return Err(reserved::shared_memory_error(kind, name, &parameter));
+            return Err(reserved::shared_memory_error(kind, name, parameter));
         }
     }
     Ok(())
@@ -408,6 +481,107 @@ mod tests {
             ),
             ("public", "3", "i")
         );
+    }
+
+    /// `value` as a varint of exactly `bytes` bytes (padded with continuation bytes), with `extra` bits set above
+    /// the 32 a key may have (only where the fifth byte can carry them).
+    fn varint_of(value: u64, bytes: usize, extra: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut rest = value;
+        for index in 0..bytes {
+            let mut byte = (rest & 0x7f) as u8;
+            rest >>= 7;
+            if index == 4 {
+                byte |= extra << 4;
+            }
+            if index + 1 < bytes {
+                byte |= 0x80;
+            }
+            out.push(byte);
+        }
+        out
+    }
+
+    fn with_name_key(key: Vec<u8>, name: &str) -> Vec<u8> {
+        let mut message = key;
+        message.push(u8::try_from(name.len()).unwrap());
+        message.extend_from_slice(name.as_bytes());
+        message
+    }
+
+    #[test]
+    fn field_keys_are_read_as_cpp_protobuf_and_upb_read_them_or_refused() {
+        let name_key = 1 << 3 | 2;
+        // Padded within five bytes: model_name to every decoder.
+        for bytes in 1..=5 {
+            let message = with_name_key(varint_of(name_key, bytes, 0), "m");
+            assert_eq!(model_fields(&message).unwrap().name, "m", "{bytes} bytes");
+            assert_eq!(ModelInferRequest::decode(&message[..]).unwrap().model_name, "m");
+        }
+        // Longer: prost reads model_name, C++ and upb refuse the message; so does the gateway.
+        for bytes in 6..=10 {
+            let message = with_name_key(varint_of(name_key, bytes, 0), "m");
+            assert_eq!(ModelInferRequest::decode(&message[..]).unwrap().model_name, "m");
+            let error = model_fields(&message).unwrap_err();
+            assert!(
+                error.message().contains("C++ protobuf reads at most 5"),
+                "{}",
+                error.message()
+            );
+        }
+        // Bits above 32 in the fifth byte: C++ drops them and reads model_name; the old reading took field
+        // 536870913 (an unknown field, skipped), so a caller could name one model to the gateway and another to
+        // Triton.
+        for extra in 1..8 {
+            let message = with_name_key(varint_of(name_key, 5, extra), "other");
+            let error = model_fields(&message).unwrap_err();
+            assert!(error.message().contains("beyond 32 bits"), "{}", error.message());
+        }
+        // Field number 0 (a key of 2), groups and the wire types no decoder reads.
+        for key in [2u64, 1 << 3 | 3, 1 << 3 | 4, 1 << 3 | 6, 1 << 3 | 7] {
+            assert!(
+                model_fields(&with_name_key(varint_of(key, 1, 0), "m")).is_err(),
+                "{key:#x}"
+            );
+        }
+        // A length of six bytes, which C++ does not read.
+        let mut message = varint_of(name_key, 1, 0);
+        message.extend(varint_of(1, 6, 0));
+        message.push(b'm');
+        assert!(model_fields(&message).is_err());
+    }
+
+    #[test]
+    fn shared_memory_in_an_input_is_found_whatever_shape_its_keys_take_or_the_message_is_refused() {
+        use crate::proto::model_infer_request::InferInputTensor;
+        use crate::proto::{InferParameter, infer_parameter::ParameterChoice};
+        let input = InferInputTensor {
+            name: "x".into(),
+            parameters: [(
+                "shared_memory_region".to_owned(),
+                InferParameter {
+                    parameter_choice: Some(ParameterChoice::StringParam("r".into())),
+                },
+            )]
+            .into_iter()
+            .collect(),
+            ..Default::default()
+        };
+        let input = input.encode_to_vec();
+        assert!(input.starts_with(&[0x0a]), "the input's name first");
+        // The input's parameters field (4) with its key written in five bytes, with and without bits above 32.
+        let name_field = &input[..3];
+        let parameters_field = &input[3..];
+        assert_eq!(parameters_field[0], 4 << 3 | 2);
+        for (extra, refused_for) in [(0u8, "sets shared_memory_region"), (1, "beyond 32 bits")] {
+            let mut tensor = name_field.to_vec();
+            tensor.extend(varint_of(4 << 3 | 2, 5, extra));
+            tensor.extend_from_slice(&parameters_field[1..]);
+            let mut message = vec![5 << 3 | 2, u8::try_from(tensor.len()).unwrap()];
+            message.extend(tensor);
+            let error = refuse_shared_memory(&message).unwrap_err();
+            assert!(error.message().contains(refused_for), "{extra}: {}", error.message());
+        }
     }
 
     #[test]

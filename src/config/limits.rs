@@ -16,6 +16,9 @@ pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
 /// How long a request body may go without bytes: nginx's `client_body_timeout` is 60 s; a tensor upload that
 /// pauses half a minute is not uploading.
 pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
+/// How long a whole REST request body may take: a minute, 64 MiB at about 9 Mbit/s. Beside the pause between reads,
+/// it bounds how long a body trickled a byte at a time holds its connection and what it was admitted to.
+pub const DEFAULT_BODY_TOTAL_TIMEOUT_MS: u64 = 60_000;
 /// Streams one HTTP/2 client connection may have open at once.
 pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
 /// Answers one HTTP/2 client connection may hold in the gateway unread: 128 MiB.
@@ -34,6 +37,8 @@ pub struct RawLimits {
     pub stream_idle_timeout_ms: Option<u64>,
     /// How long a REST request body may go without bytes, in milliseconds (then 408).
     pub body_read_timeout_ms: Option<u64>,
+    /// How long a whole REST request body may take to arrive, in milliseconds (then 408).
+    pub body_total_timeout_ms: Option<u64>,
     /// Streams one HTTP/2 client connection may have open at once, on both doors.
     pub max_concurrent_streams: Option<u32>,
     /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread, on both doors (past it, 429).
@@ -51,6 +56,8 @@ pub struct Limits {
     pub stream_idle_timeout: Duration,
     /// How long a REST request body may go without bytes (then 408).
     pub body_read_timeout: Duration,
+    /// How long a whole REST request body may take to arrive (then 408).
+    pub body_total_timeout: Duration,
     /// Streams one HTTP/2 client connection may have open at once.
     pub max_concurrent_streams: u32,
     /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread.
@@ -94,6 +101,12 @@ pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Li
             "body_read_timeout_ms",
             limits.body_read_timeout_ms,
             DEFAULT_BODY_READ_TIMEOUT_MS,
+        ),
+        body_total_timeout: millis(
+            problems,
+            "body_total_timeout_ms",
+            limits.body_total_timeout_ms,
+            DEFAULT_BODY_TOTAL_TIMEOUT_MS,
         ),
         max_concurrent_streams: u32::try_from(positive(
             problems,

@@ -46,7 +46,7 @@ impl Outgoing {
     fn body(&self) -> OutBody {
         match self {
             Outgoing::Whole(body) => ChunksBody::new(vec![body.clone()]).into(),
-            Outgoing::Relayed(source) => OutBody::Relayed(Relayed::new(source.clone())),
+            Outgoing::Relayed(source) => OutBody::Relayed(Box::new(Relayed::new(source.clone()))),
         }
     }
 

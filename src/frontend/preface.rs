@@ -57,11 +57,64 @@ pub async fn after_preface<S: AsyncRead + Unpin>(mut io: S, idle: Duration, head
     (opening(&mut io, idle, head).await == Opening::Preface).then(|| Rewound::after_preface(io))
 }
 
-/// A stream whose preface the gateway has read, read again by hyper before the rest.
+/// A DATA frame with less payload than this, not ending its stream, is a short one.
+const SHORT_DATA: u32 = 64;
+/// A read holding more short DATA frames than this puts the connection in short steps.
+const SHORT_FRAMES_A_READ: u32 = 32;
+/// A read in short steps takes at most this much.
+const SHORT_STEP: usize = 4096;
+
+/// A stream whose preface the gateway has read, read again by hyper before the rest; and whose HTTP/2 frames are
+/// counted as they pass. hyper reads and keeps every frame it can before the tasks it has woken run, a few hundred
+/// bytes of bookkeeping each: a client sending a flood of tiny DATA frames is read in short steps, yielding between
+/// them, so the frames are taken off hyper's queues as fast as they are put there.
 #[derive(Debug)]
 pub struct Rewound<S> {
     preface: &'static [u8],
     io: S,
+    frames: FrameCount,
+    /// Reads are short and yield between them.
+    short_steps: bool,
+    /// The next read yields first.
+    yield_next: bool,
+}
+
+/// Where the inbound frames stand: the header being read, or the payload being passed.
+#[derive(Debug, Default)]
+struct FrameCount {
+    header: [u8; 9],
+    header_read: usize,
+    payload_left: u32,
+}
+
+impl FrameCount {
+    /// Passes `bytes` of the frame stream; the short DATA frames whose headers were among them.
+    fn pass(&mut self, mut bytes: &[u8]) -> u32 {
+        let mut short = 0;
+        while !bytes.is_empty() {
+            if self.payload_left > 0 {
+                let skipped = u32::try_from(bytes.len()).unwrap_or(u32::MAX).min(self.payload_left);
+                bytes = &bytes[skipped as usize..];
+                self.payload_left -= skipped;
+                continue;
+            }
+            let taken = bytes.len().min(9 - self.header_read);
+            self.header[self.header_read..self.header_read + taken].copy_from_slice(&bytes[..taken]);
+            self.header_read += taken;
+            bytes = &bytes[taken..];
+            if self.header_read == 9 {
+                self.header_read = 0;
+                let length = u32::from_be_bytes([0, self.header[0], self.header[1], self.header[2]]);
+                let (kind, flags) = (self.header[3], self.header[4]);
+                // DATA (0) without END_STREAM (1).
+                if kind == 0 && flags & 1 == 0 && length < SHORT_DATA {
+                    short += 1;
+                }
+                self.payload_left = length;
+            }
+        }
+        short
+    }
 }
 
 impl<S> Rewound<S> {
@@ -70,6 +123,9 @@ impl<S> Rewound<S> {
         Rewound {
             preface: H2_PREFACE,
             io,
+            frames: FrameCount::default(),
+            short_steps: false,
+            yield_next: false,
         }
     }
 }
@@ -82,7 +138,26 @@ impl<S: AsyncRead + Unpin> AsyncRead for Rewound<S> {
             self.preface = &self.preface[taken..];
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        if self.yield_next {
+            self.yield_next = false;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let this = &mut *self;
+        let short = if this.short_steps {
+            let mut step = [0u8; SHORT_STEP];
+            let mut limited = ReadBuf::new(&mut step[..SHORT_STEP.min(buf.remaining())]);
+            std::task::ready!(Pin::new(&mut this.io).poll_read(cx, &mut limited))?;
+            buf.put_slice(limited.filled());
+            this.frames.pass(limited.filled())
+        } else {
+            let before = buf.filled().len();
+            std::task::ready!(Pin::new(&mut this.io).poll_read(cx, buf))?;
+            this.frames.pass(&buf.filled()[before..])
+        };
+        this.short_steps = short > SHORT_FRAMES_A_READ;
+        this.yield_next = this.short_steps;
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -171,5 +246,29 @@ mod tests {
             opening(&mut server, Duration::from_secs(60), Duration::from_secs(3)).await,
             Opening::Other(BytesMut::from(&b"PRI / HTTP/1.1\r\n"[..]))
         );
+    }
+
+    #[test]
+    fn short_data_frames_are_counted_however_the_stream_is_cut() {
+        let frame = |kind: u8, flags: u8, payload: u16| {
+            let [high, low] = payload.to_be_bytes();
+            let mut bytes = vec![0, high, low, kind, flags, 0, 0, 0, 1];
+            bytes.extend(std::iter::repeat_n(7u8, usize::from(payload)));
+            bytes
+        };
+        let mut stream = Vec::new();
+        for _ in 0..10 {
+            stream.extend(frame(0, 0, 1));
+        }
+        // Long data, a short last frame of its stream, and a short frame of another kind: none is short data.
+        stream.extend(frame(0, 0, 300));
+        stream.extend(frame(0, 1, 1));
+        stream.extend(frame(6, 0, 8));
+        for size in 1..stream.len() {
+            let mut count = FrameCount::default();
+            let short: u32 = stream.chunks(size).map(|piece| count.pass(piece)).sum();
+            assert_eq!(short, 10, "pieces of {size}");
+            assert_eq!((count.header_read, count.payload_left), (0, 0));
+        }
     }
 }

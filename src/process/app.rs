@@ -13,6 +13,7 @@ use pingora::server::{ListenFds, RunArgs, Server, ShutdownSignal, ShutdownSignal
 use pingora::services::Service;
 use pingora::services::background::{BackgroundService, background_service};
 
+use crate::body::BodyLimits;
 use crate::config::{Config, Shutdown};
 use crate::error::{Error, Result};
 use crate::frontend::grpc;
@@ -456,8 +457,11 @@ fn add_services(
     let rest = RestConnections {
         door: Arc::new(RestDoor::new(
             gateway.clone(),
-            limits.max_request_bytes,
-            limits.body_read_timeout,
+            BodyLimits {
+                stall: limits.body_read_timeout,
+                total: limits.body_total_timeout,
+                bytes: limits.max_request_bytes,
+            },
         )),
         tls: tls_on(|tls| tls.rest)
             .map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2", b"http/1.1"]))),

@@ -30,6 +30,28 @@ pub struct InferRequest {
     pub outputs: Vec<RequestedOutput>,
 }
 
+impl InferRequest {
+    /// Refuses the request when a shared-memory parameter stands anywhere in it: its own parameters, an input's or a
+    /// requested output's (the gateway never sends one on).
+    pub fn refuse_shared_memory(&self) -> crate::error::Result<()> {
+        use super::reserved;
+        if let Some(name) = self
+            .parameters
+            .keys()
+            .find(|key| reserved::SHARED_MEMORY.contains(&key.as_str()))
+        {
+            return Err(reserved::shared_memory_anywhere(name));
+        }
+        for input in &self.inputs {
+            reserved::refuse_shared_memory("input", &input.name, input.parameters.keys().map(String::as_str))?;
+        }
+        for output in &self.outputs {
+            reserved::refuse_shared_memory("output", &output.name, output.parameters.keys().map(String::as_str))?;
+        }
+        Ok(())
+    }
+}
+
 /// `$inference_response` / `ModelInferResponse`.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct InferResponse {

@@ -85,6 +85,15 @@ pub fn shared_memory_error(kind: &str, name: &str, parameter: &str) -> Error {
     ))
 }
 
+/// The refusal of a shared-memory parameter wherever it stands in a request (one read as it passes, before its
+/// tensor is known).
+pub fn shared_memory_anywhere(parameter: &str) -> Error {
+    Error::invalid(format!(
+        "the request sets {parameter}: shared memory cannot cross a gateway (the region is registered with one \
+         server, and the gateway may send the request to another); send the tensor's data in the request"
+    ))
+}
+
 fn describe(value: &ParamValue) -> String {
     match value {
         ParamValue::Int64(v) => format!("the negative number {v}"),

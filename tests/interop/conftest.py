@@ -17,8 +17,14 @@ import pytest
 # Each run drives one client family (see clients.py): the other family's files are not collected.
 # The Triton server run (scripts/interop's third) collects only its own file.
 collect_ignore = {
-    "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py"],
-    "kserve": ["test_endpoints.py", "test_errors.py", "test_triton.py", "test_mlserver_streams.py"],
+    "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py", "test_protobuf_keys.py"],
+    "kserve": [
+        "test_endpoints.py",
+        "test_errors.py",
+        "test_triton.py",
+        "test_mlserver_streams.py",
+        "test_protobuf_keys.py",
+    ],
     "triton-server": [
         "test_kserve_endpoints.py",
         "test_content_types.py",

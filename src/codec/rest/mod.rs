@@ -3,6 +3,7 @@
 pub mod data;
 pub mod format;
 pub mod generate;
+pub mod key_scan;
 pub mod metadata;
 pub mod number;
 pub mod parallel;
@@ -25,7 +26,7 @@ pub use metadata::{
 };
 pub use request::{
     BINARY_DATA, BINARY_DATA_OUTPUT, LONGEST_RESERVED_NAME, RestRequest, decode_request, encode_request,
-    mentions_reserved, raw_binary_request, reserved_parameters,
+    may_name_shared_memory, mentions_reserved, raw_binary_request, reserved_parameters,
 };
 pub use response::{decode_response, decode_stream_event, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;

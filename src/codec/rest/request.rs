@@ -98,6 +98,14 @@ fn reserved_keys(text: &[u8]) -> [bool; RESERVED_KEYS.len()] {
     found
 }
 
+/// Whether a JSON `text` may name a shared-memory parameter as a key: it holds the name, or escapes that could spell
+/// it. Two searches that run at memory speed, where reading the keys steps through every byte.
+pub fn may_name_shared_memory(text: &[u8]) -> bool {
+    static SHARED_MEMORY: LazyLock<memchr::memmem::Finder<'static>> =
+        LazyLock::new(|| memchr::memmem::Finder::new(reserved::SHARED_MEMORY_PREFIX.as_bytes()));
+    memchr::memchr(b'\\', text).is_some() || SHARED_MEMORY.find(text).is_some()
+}
+
 /// Whether `text` mentions a name [`reserved_parameters`] looks for (most requests mention none).
 pub fn mentions_reserved(text: &[u8]) -> bool {
     reserved_keys(text).contains(&true)

@@ -58,8 +58,10 @@ where
         };
     let message = match read_message(&headers, body, limit).await {
         Ok((message, trailers)) => {
-            // Trailers sent with the request join its metadata, as tonic's unary calls have it.
-            if let Some(trailers) = trailers {
+            // Trailers sent with the request join its metadata, as tonic's unary calls have it: without credentials,
+            // as its headers went on.
+            if let Some(mut trailers) = trailers {
+                dispatcher.guard().strip_credentials(&mut trailers);
                 headers.extend(trailers);
             }
             message

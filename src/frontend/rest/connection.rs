@@ -14,6 +14,7 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use super::Http2Body;
 use super::RestDoor;
 use super::http1::{CLOSE_LINGER, Http1, KEEPALIVE};
 use crate::body::ClientBody;
@@ -111,9 +112,8 @@ impl RestConnections {
             let budget = budget.clone();
             async move {
                 let (parts, body) = request.into_parts();
-                let answer = door
-                    .answer(Box::new(parts), ClientBody::Http2(body), Some(&budget))
-                    .await;
+                let body = ClientBody::Http2(Http2Body::drain(body, door.max_request_bytes()));
+                let answer = door.answer(Box::new(parts), body, Some(&budget)).await;
                 call.finish(answer.status().as_u16() == crate::error::CLIENT_CLOSED_REQUEST);
                 Ok::<_, Infallible>(answer)
             }

@@ -10,9 +10,10 @@ use http_body_util::BodyExt;
 
 use super::answer::{Capture, Record, Rename, form_of};
 use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
-use crate::body::{RelayError, RelaySource, RequestBody, Tap};
+use crate::body::{KeptChunks, RelayError, RelaySource, RequestBody, Tap};
 use crate::codec::compression::{self, Coding};
 use crate::codec::decthings;
+use crate::codec::rest::key_scan::KeyScan;
 use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{Affinity, CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
@@ -78,15 +79,18 @@ impl RestDoor {
         // The body's start is read before the request is routed: the sequence its parameters name decides where it
         // goes.
         let start = match self.body_start(body, &asked).await {
-            Ok(start) => request_reserved(&start, &asked).map(|reserved| (start, reserved)),
+            Ok(start) => request_reserved(&start, &asked).map(|(reserved, scan)| (start, reserved, scan)),
             Err(error) => Err(error),
         };
-        let sequence = start.as_ref().ok().and_then(|(_, reserved)| reserved.sequence.clone());
+        let sequence = start
+            .as_ref()
+            .ok()
+            .and_then(|(_, reserved, _)| reserved.sequence.clone());
         let routing = record.trace.child("route", SpanKind::Internal, Vec::new);
         let (routed, route_metrics) = dispatcher.route(model, version, &asked.headers.forward, sequence);
         record.route = Some(route_metrics);
         let routed = routed?;
-        let (start, reserved) = start?;
+        let (start, reserved, scan) = start?;
         dispatcher.shed(&routed.route, reserved.priority)?;
         dispatcher.note_route(&routing, &record.trace, &routed.route);
         drop(routing);
@@ -105,7 +109,9 @@ impl RestDoor {
             target.timeout = reserved
                 .timeout
                 .map_or(target.timeout, |limit| limit.min(target.timeout));
-            return self.pass_through(body, record, target, routed, asked, start).await;
+            return self
+                .pass_through(body, record, target, routed, asked, (start, scan))
+                .await;
         }
         // Boxed: decoding, dispatching over another protocol and encoding make a large state, which the passthrough's
         // future would otherwise be as large as.
@@ -155,6 +161,15 @@ impl RestDoor {
         step.outcome(&decoded);
         drop(step);
         let (request, binary_outputs) = decoded?;
+        // Read whole, the request is held to what its start was routed by: a routing parameter past that start, or a
+        // shared-memory one anywhere, is refused.
+        request.refuse_shared_memory()?;
+        if Reserved::from_parameters(&request.parameters)? != reserved {
+            return Err(Error::invalid(format!(
+                "the request's parameters lie past the first {WHOLE_BODY_LIMIT} bytes of its body, which the gateway \
+                 reads to route it; send \"parameters\" ahead of \"inputs\""
+            )));
+        }
         if crossing {
             dispatcher
                 .metrics()
@@ -237,7 +252,7 @@ impl RestDoor {
         target: Passthrough,
         routed: Routed,
         mut asked: Asked<'_>,
-        start: BodyStart,
+        (start, scan): (BodyStart, Option<KeyScan>),
     ) -> Result<Reply> {
         record.in_flight = Some(target.backend_metrics.call());
         let dispatcher = record.dispatcher().clone();
@@ -262,7 +277,7 @@ impl RestDoor {
             forward: asked.headers.forward,
             affinity: routed.affinity,
         });
-        let outgoing = self.outgoing(start, keep_compressed, body, record, mirror)?;
+        let outgoing = self.outgoing((start, scan), keep_compressed, body, record, mirror)?;
         let deadline = Deadline::after(target.timeout);
         let sent = dispatcher
             .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
@@ -307,7 +322,7 @@ impl RestDoor {
         let Some(incoming) = body.as_mut() else {
             return Ok(BodyStart::Whole(Bytes::new()));
         };
-        let mut read = Vec::new();
+        let mut read = KeptChunks::default();
         let mut length = 0;
         // A body of unknown length is read until it ends or passes the limit of a whole one.
         while length < wanted || (asked.declared.is_none() && length <= WHOLE_BODY_LIMIT) {
@@ -323,6 +338,7 @@ impl RestDoor {
                 Some(Err(error)) => return Err(super::body_error(error)),
                 None => {
                     *body = None;
+                    let mut read = read.into_chunks();
                     return Ok(BodyStart::Whole(match read.len() {
                         1 => read.pop().unwrap_or_default(),
                         _ => Bytes::from(read.concat()),
@@ -330,14 +346,14 @@ impl RestDoor {
                 }
             }
         }
-        Ok(BodyStart::Partial(read))
+        Ok(BodyStart::Partial(read.into_chunks()))
     }
 
     /// The body to send: whole when all of it is at hand, else relayed as it arrives after what was read. The
     /// mirror gets the same chunks.
     fn outgoing(
         &self,
-        start: BodyStart,
+        (start, scan): (BodyStart, Option<KeyScan>),
         keep_compressed: bool,
         body: &mut Option<RequestBody>,
         record: &mut Record,
@@ -386,7 +402,7 @@ impl RestDoor {
                 }
             }))
         });
-        let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap));
+        let source = Arc::new(RelaySource::new(read, incoming, self.max_request_bytes, tap, scan));
         record.relayed = Some(source.clone());
         Ok(Outgoing::Relayed(source))
     }
@@ -408,6 +424,12 @@ impl RestDoor {
                 ErrorKind::RequestTimeout,
                 Origin::Client,
                 "the request body stalled (limits.body_read_timeout_ms)",
+            )),
+            RelayError::Refused => source.refusal(),
+            RelayError::Overdue => Some(Error::new(
+                ErrorKind::RequestTimeout,
+                Origin::Client,
+                "the request body did not arrive whole in time (limits.body_total_timeout_ms)",
             )),
         }
     }
@@ -456,24 +478,25 @@ enum BodyStart {
     Partial(Vec<Bytes>),
 }
 
-/// What a request's reserved parameters ask (its sequence, its timeout), from the start of its JSON header; a
-/// Decthings or raw binary body has none. In a JSON body too long to be read whole before it is sent, `parameters`
-/// counts only when it is in the first `WHOLE_BODY_LIMIT` bytes, where the clients that send sequences write it
-/// (ahead of the inputs).
-fn request_reserved(start: &BodyStart, asked: &Asked<'_>) -> Result<Reserved> {
+/// What a request's reserved parameters ask (its sequence, its timeout), from the start of its JSON header, and the
+/// scan that reads the rest of a JSON body as it passes; a Decthings or raw binary body has none. A JSON header at
+/// hand whole is read whole: its shared-memory parameters refused wherever they stand. In a JSON body too long to be
+/// read whole before it is sent, `parameters` counts only when it is in the first `WHOLE_BODY_LIMIT` bytes, where the
+/// clients that send sequences write it (ahead of the inputs): the scan refuses a routing parameter past them.
+fn request_reserved(start: &BodyStart, asked: &Asked<'_>) -> Result<(Reserved, Option<KeyScan>)> {
     if asked.decthings_in || asked.header_length == Some(0) {
-        return Ok(Reserved::default());
+        return Ok((Reserved::default(), None));
     }
     let joined;
-    let (bytes, whole): (&[u8], bool) = match start {
-        BodyStart::Whole(whole) | BodyStart::Decompressed { body: whole, .. } => (whole, true),
-        BodyStart::Partial(read) if read.len() == 1 => (&read[0], false),
+    let (bytes, whole, read): (&[u8], bool, &[Bytes]) = match start {
+        BodyStart::Whole(whole) | BodyStart::Decompressed { body: whole, .. } => (whole, true, &[]),
+        BodyStart::Partial(read) if read.len() == 1 => (&read[0], false, read),
         // Joined only when a reserved name is there to read: the chunks and their seams are searched first, so the
         // start of a large body is not copied for nothing.
-        BodyStart::Partial(read) if !partial_mentions_reserved(read) => return Ok(Reserved::default()),
+        BodyStart::Partial(read) if !partial_mentions_reserved(read) => (&[], false, read),
         BodyStart::Partial(read) => {
             joined = read.concat();
-            (&joined, false)
+            (&joined, false, read)
         }
     };
     let (json, whole) = match asked
@@ -481,13 +504,28 @@ fn request_reserved(start: &BodyStart, asked: &Asked<'_>) -> Result<Reserved> {
         .map(|length| usize::try_from(length).unwrap_or(usize::MAX))
     {
         Some(length) if length <= bytes.len() => (&bytes[..length], true),
+        // The binary extension's header is read whole before routing; a start not searched holds none.
         Some(_) => (bytes, false),
         None => (bytes, whole),
     };
-    match rest::reserved_parameters(json, whole)? {
-        Some(parameters) => Reserved::from_parameters(&parameters),
-        None => Ok(Reserved::default()),
+    let reserved = match rest::reserved_parameters(json, whole)? {
+        Some(parameters) => Reserved::from_parameters(&parameters)?,
+        None => Reserved::default(),
+    };
+    if whole {
+        // A shared-memory key is spelled with its name or with escapes; a header with neither holds none.
+        if rest::may_name_shared_memory(json) {
+            KeyScan::new(None, u64::MAX).feed(json)?;
+        }
+        return Ok((reserved, None));
     }
+    // A JSON body sent on before its end: its start scanned now, the rest as it passes.
+    let routed = read.iter().map(|chunk| chunk.len() as u64).sum();
+    let mut scan = KeyScan::new(None, routed);
+    for chunk in read {
+        scan.feed(chunk)?;
+    }
+    Ok((reserved, Some(scan)))
 }
 
 /// Whether chunks read in a row mention a reserved parameter's name, within a chunk or across the seams between

@@ -15,15 +15,17 @@ mod answer;
 pub mod connection;
 mod generate;
 mod http1;
+mod http2_body;
 mod infer;
 
 pub use answer::AnswerBody;
 use answer::{Record, Rename};
 pub use http1::{Http1Body, Http1BodyError};
+pub use http2_body::{Http2Body, Http2BodyError};
 
 use super::budget::AnswerBudget;
 use super::paths::{Route, route};
-use crate::body::{ClientBody, RequestBody, RequestBodyError};
+use crate::body::{BodyLimits, ClientBody, RequestBody, RequestBodyError};
 use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -46,8 +48,8 @@ pub const MAX_TARGET_BYTES: usize = 8 * 1024;
 pub struct RestDoor {
     gateway: Arc<Gateway>,
     max_request_bytes: u64,
-    /// The longest a request body may go without bytes (then 408).
-    body_stall: Duration,
+    /// What a request body is held to: its pace, its whole time, its bytes on the wire.
+    body_limits: BodyLimits,
 }
 
 /// What a request is answered with, before the answer's head is made.
@@ -69,16 +71,21 @@ enum Reply {
 }
 
 impl RestDoor {
-    pub fn new(gateway: Arc<Gateway>, max_request_bytes: u64, body_stall: Duration) -> Self {
+    pub fn new(gateway: Arc<Gateway>, body_limits: BodyLimits) -> Self {
         RestDoor {
             gateway,
-            max_request_bytes,
-            body_stall,
+            max_request_bytes: body_limits.bytes,
+            body_limits,
         }
     }
 
     pub fn gateway(&self) -> &Arc<Gateway> {
         &self.gateway
+    }
+
+    /// The most bytes a request body may take (`limits.max_request_bytes`).
+    pub fn max_request_bytes(&self) -> u64 {
+        self.max_request_bytes
     }
 
     /// Answers one request; `budget` is an HTTP/2 connection's bound on the answers it holds unread.
@@ -93,7 +100,7 @@ impl RestDoor {
         if let Some(traces) = record.dispatcher().traces() {
             record.trace = request_span(traces, &parts);
         }
-        let mut body = Some(RequestBody::new(body, self.body_stall));
+        let mut body = Some(RequestBody::new(body, self.body_limits));
         let reply = match authenticate(&mut parts, &mut record) {
             Ok(()) => self.handle(&parts, &mut body, &mut record).await,
             Err(error) => Err(error),
@@ -357,7 +364,12 @@ fn body_error(error: RequestBodyError) -> Error {
                 .any(|h2| h2.is_reset() && h2.is_remote())
     };
     match error {
-        RequestBodyError::Stalled(_) => Error::new(ErrorKind::RequestTimeout, Origin::Client, error.to_string()),
+        RequestBodyError::Stalled(_) | RequestBodyError::Overdue(_) => {
+            Error::new(ErrorKind::RequestTimeout, Origin::Client, error.to_string())
+        }
+        RequestBodyError::TooLarge(_) | RequestBodyError::Http1(Http1BodyError::TooLarge(_)) => {
+            Error::new(ErrorKind::PayloadTooLarge, Origin::Client, error.to_string())
+        }
         RequestBodyError::Http1(_) => Error::new(
             ErrorKind::Cancelled,
             Origin::Client,

@@ -332,7 +332,11 @@ impl GrpcUpstream {
             .body(body)
             .map_err(|e| Error::internal(format!("cannot build a gRPC request for {method}: {e}")))?;
         let headers = request.headers_mut();
-        for (name, value) in metadata.iter().chain(self.added.iter()) {
+        // The operator's metadata takes the place of a client's of the same name.
+        for (name, value) in metadata.iter().filter(|(name, _)| !self.added.contains_key(*name)) {
+            headers.append(name, value.clone());
+        }
+        for (name, value) in self.added.iter() {
             headers.append(name, value.clone());
         }
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));

@@ -33,9 +33,14 @@ impl Kept {
         head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
         head.extend_from_slice(request.host.as_bytes());
         head.extend_from_slice(b"\r\n");
-        for headers in request.headers {
+        // The operator's headers (the last map) take the place of a client's of the same name: a backend reading the
+        // first of two would otherwise read the client's.
+        let [client, added] = request.headers;
+        for (index, headers) in [client, added].into_iter().enumerate() {
             for (name, value) in headers {
-                if [&HOST, &USER_AGENT, &CONTENT_LENGTH, &TRANSFER_ENCODING, &CONNECTION].contains(&name) {
+                if [&HOST, &USER_AGENT, &CONTENT_LENGTH, &TRANSFER_ENCODING, &CONNECTION].contains(&name)
+                    || (index == 0 && !added.is_empty() && added.contains_key(name))
+                {
                     continue;
                 }
                 head.extend_from_slice(name.as_str().as_bytes());

@@ -18,6 +18,8 @@ pub enum Http1BodyError {
     Framing(crate::codec::http1::BadFraming),
     /// The answer was sent before the body was read: the rest of it is not.
     Abandoned,
+    /// The body took more than this many bytes on the wire, its framing counted with its data.
+    TooLarge(u64),
 }
 
 impl std::fmt::Display for Http1BodyError {
@@ -26,6 +28,11 @@ impl std::fmt::Display for Http1BodyError {
             Http1BodyError::Closed => f.write_str("the connection closed before the body's end"),
             Http1BodyError::Framing(bad) => write!(f, "the body's {bad}"),
             Http1BodyError::Abandoned => f.write_str("the body was not read before the answer"),
+            Http1BodyError::TooLarge(limit) => write!(
+                f,
+                "the request body takes more than the limit of {limit} bytes (limits.max_request_bytes), its chunks' \
+                 framing counted with its data"
+            ),
         }
     }
 }

@@ -28,7 +28,7 @@ use write::{How, write_answer};
 use super::RestDoor;
 use super::answer::Record;
 use super::connection::Peek;
-use crate::body::ClientBody;
+use crate::body::{ClientBody, SHARED_CHUNK};
 use crate::codec::http1::Framing;
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
 use crate::process::live::Active;
@@ -94,6 +94,10 @@ enum Waited {
 struct Wire<S> {
     io: S,
     read: BytesMut,
+    /// `read` is a buffer made for one piece of a body's data, and sized to it: the pieces split off it share it
+    /// with nothing but more of that data, so they are handed on as they are. Any other buffer holds heads or
+    /// framing beside its data, whose pieces are copied out rather than keep it all.
+    pure: bool,
 }
 
 impl<S> Http1<S>
@@ -109,7 +113,11 @@ where
         held: Option<Active>,
     ) -> Self {
         Http1 {
-            wire: Wire { io, read: first },
+            wire: Wire {
+                io,
+                read: first,
+                pure: false,
+            },
             door,
             header_timeout,
             shutdown,
@@ -293,6 +301,8 @@ where
                     framing,
                     failed: false,
                     continue_sent: if expects_continue { 0 } else { CONTINUE.len() },
+                    wire: 0,
+                    limit: self.door.max_request_bytes(),
                 });
                 Http1Body::fed(feed)
             }
@@ -334,6 +344,28 @@ impl<S: AsyncRead + AsyncWrite + Peek + Unpin> Wire<S> {
     fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
         if self.read.capacity() - self.read.len() < want.min(READ_SIZE) {
             self.read.reserve(want.max(READ_SIZE));
+            self.pure = false;
+        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)
+    }
+
+    /// Reads more of a body framed by `framing`: into a buffer of its own, sized to the data left (of the body, or of
+    /// its chunk), when nothing else is at hand and that data is long; else as [`Self::poll_fill`] does.
+    fn poll_fill_body(&mut self, cx: &mut Context<'_>, framing: &Framing) -> Poll<io::Result<usize>> {
+        let want = framing.want(BODY_READ);
+        let data_left = framing.data_left();
+        if self.read.is_empty()
+            && self.read.capacity() == 0
+            && data_left.is_some_and(|left| left >= SHARED_CHUNK as u64)
+        {
+            self.read = BytesMut::with_capacity(want);
+            self.pure = true;
+        } else if self.read.capacity() - self.read.len() < want.min(READ_SIZE) || data_left.is_none() {
+            // Framing, or a short piece of data: read with whatever follows it, into a buffer of mixed bytes.
+            if self.read.capacity() - self.read.len() < READ_SIZE.min(want) {
+                self.read.reserve(READ_SIZE);
+            }
+            self.pure = false;
         }
         tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.read)
     }
@@ -411,13 +443,18 @@ impl<S: AsyncRead + AsyncWrite + Peek + Unpin> Wire<S> {
     }
 }
 
-/// Feeds a request's body from the connection to the door, a piece at a time as the door asks for it.
+/// Feeds a request's body from the connection to the door, a piece at a time as the door asks for it: each piece all
+/// the data the connection has read, however many chunks it came in.
 struct Feeder {
     feed: Arc<Feed>,
     framing: Framing,
     failed: bool,
     /// Bytes of `100 Continue` written (all of it when none is due).
     continue_sent: usize,
+    /// The body's bytes on the wire so far, its framing's with its data's.
+    wire: u64,
+    /// The most the body may take on the wire (`limits.max_request_bytes`): framing counts as data does.
+    limit: u64,
 }
 
 impl Feeder {
@@ -443,8 +480,8 @@ impl Feeder {
             }
         }
         loop {
-            match self.framing.take(&mut wire.read) {
-                Err(bad) => return self.fail(Http1BodyError::Framing(bad)),
+            match self.take_run(&mut wire.read, wire.pure) {
+                Err(error) => return self.fail(error),
                 Ok(Some(piece)) => {
                     self.feed.push(piece);
                     if self.framing.is_done() {
@@ -456,12 +493,38 @@ impl Feeder {
                     self.feed.end(Ok(()));
                     return Poll::Ready(());
                 }
-                Ok(None) => match std::task::ready!(wire.poll_fill(cx, self.framing.want(BODY_READ))) {
+                Ok(None) => match std::task::ready!(wire.poll_fill_body(cx, &self.framing)) {
                     Ok(0) | Err(_) => return self.fail(Http1BodyError::Closed),
                     Ok(_) => {}
                 },
             }
         }
+    }
+
+    /// Takes all the body's data `read` holds, as one piece: from a buffer of its own (`pure`), as it lies; else
+    /// copied out, every chunk of it into one piece, so no piece holds a buffer of framing and heads for a few bytes
+    /// of data, and a body sent in tiny chunks costs one piece a read, not one a chunk.
+    fn take_run(&mut self, read: &mut BytesMut, pure: bool) -> Result<Option<Bytes>, Http1BodyError> {
+        let before = read.len();
+        let mut run: Option<BytesMut> = None;
+        let taken = loop {
+            match self.framing.take(read) {
+                Err(bad) => break Err(Http1BodyError::Framing(bad)),
+                Ok(Some(piece)) if pure && run.is_none() => break Ok(Some(piece)),
+                Ok(Some(piece)) => run
+                    .get_or_insert_with(|| BytesMut::with_capacity(before))
+                    .extend_from_slice(&piece),
+                Ok(None) => break Ok(run.take().map(BytesMut::freeze)),
+            }
+            if self.framing.is_done() {
+                break Ok(run.take().map(BytesMut::freeze));
+            }
+        };
+        self.wire += (before - read.len()) as u64;
+        if self.wire > self.limit {
+            return Err(Http1BodyError::TooLarge(self.limit));
+        }
+        taken
     }
 
     fn fail(&mut self, error: Http1BodyError) -> Poll<()> {
