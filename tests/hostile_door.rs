@@ -421,3 +421,214 @@ async fn credentials_in_grpc_request_trailers_stay_at_the_gateway() {
         assert_eq!(tokens, ["s3cret"], "version {version}");
     }
 }
+
+/// The model server's count of `identity` inferences, every outcome.
+async fn identity_calls(server: &ModelServerProcess) -> u64 {
+    let json = common::get(&server.rest_url("/v2/models/identity/stats")).await.json();
+    let count = |value: &serde_json::Value| {
+        value["count"]
+            .as_u64()
+            .or_else(|| value["count"].as_str().and_then(|c| c.parse().ok()))
+            .unwrap_or(0)
+    };
+    json["model_stats"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| count(&entry["inference_stats"]["success"]) + count(&entry["inference_stats"]["fail"]))
+        .sum()
+}
+
+/// A JSON request of `lead` (members ahead of its inputs, each followed by a comma), a first input of about
+/// `padding` bytes of ones, `last_input`, and `rest` (members after its inputs, each led by a comma).
+fn padded(lead: &str, padding: usize, last_input: &str, rest: &str) -> String {
+    let count = padding / 2;
+    let data = vec!["1"; count].join(",");
+    format!(
+        r#"{{{lead}"inputs":[{{"name":"pad","datatype":"INT32","shape":[{count}],"data":[{data}]}},{last_input}]{rest}}}"#
+    )
+}
+
+#[tokio::test]
+async fn reserved_parameters_are_refused_wherever_they_stand_on_every_path_and_never_reach_a_backend() {
+    let setup = setup("");
+    let plain = r#"{"name":"x","datatype":"INT32","shape":[1],"data":[1]}"#;
+    let shared = r#"{"name":"x","datatype":"INT32","shape":[1],"data":[1],"parameters":{"shared_memory_region":"r"}}"#;
+    let escaped =
+        r#"{"name":"x","datatype":"INT32","shape":[1],"data":[1],"parameters":{"shared\u005fmemory_offset":0}}"#;
+    let cases = [
+        (padded("", 1 << 20, shared, ""), "cannot cross a gateway"),
+        (padded("", 1 << 20, escaped, ""), "cannot cross a gateway"),
+        (
+            padded("", 1 << 20, plain, r#","parameters":{"shared_memory_region":"r"}"#),
+            "cannot cross a gateway",
+        ),
+        (
+            padded("", 1 << 20, plain, r#","parameters":{"sequence_id":5}"#),
+            "past the first",
+        ),
+        (
+            padded(
+                r#""parameters":{"priority":1},"#,
+                1 << 20,
+                plain,
+                r#","parameters":{"priority":2}"#,
+            ),
+            "twice",
+        ),
+    ];
+    let before = identity_calls(&setup.server).await;
+    let client = common::http_client(false);
+    for version in ["1", "2"] {
+        let url = setup
+            .gateway
+            .rest_url(&format!("/v2/models/identity/versions/{version}/infer"));
+        for (body, says) in &cases {
+            let answer = common::send(&client, "POST", &url, &[], body.clone()).await;
+            let text = String::from_utf8_lossy(&answer.body);
+            assert_eq!(answer.status, 400, "version {version}: {text}");
+            assert!(text.contains(says), "version {version}: {text}");
+            // Sent in chunks of unknown length too.
+            let path = format!("/v2/models/identity/versions/{version}/infer");
+            let (status, _) = chunked_request(setup.gateway.rest, &path, body.as_bytes(), 1000).await;
+            assert_eq!(status, 400, "version {version}, chunked: {says}");
+        }
+    }
+    assert_eq!(
+        identity_calls(&setup.server).await,
+        before,
+        "a refused request reached the backend"
+    );
+    // The same padding with nothing reserved in it goes through.
+    let answer = common::post(
+        &setup.gateway.rest_url("/v2/models/identity/infer"),
+        padded(r#""parameters":{"priority":1},"#, 1 << 20, plain, ""),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+}
+
+#[tokio::test]
+async fn a_trickled_body_holds_its_admission_no_longer_than_the_whole_body_limit() {
+    let server = ModelServerProcess::both();
+    let gateway = GatewayProcess::start(&format!(
+        r#"
+[limits]
+body_read_timeout_ms = 1000
+body_total_timeout_ms = 2000
+{}
+[[models]]
+name = "capped"
+versions = [ {{ version = "1", backend = "rest", upstream_name = "identity" }} ]
+max_concurrent = 1
+"#,
+        backend("rest", "rest", [server.rest.unwrap()]),
+    ));
+    let url = gateway.rest_url("/v2/models/capped/infer");
+    // A body that comes a byte at a time, never pausing as long as the pause between reads allows.
+    let mut stream = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
+    let body = common::INT32_BODY.as_bytes();
+    stream
+        .write_all(
+            format!(
+                "POST /v2/models/capped/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\n\r\n",
+                body.len() + 1000
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    let trickle = tokio::spawn(async move {
+        for byte in body.iter().chain(std::iter::repeat(&b' ')).take(body.len() + 1000) {
+            if writer.write_all(&[*byte]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    // While it trickles, it holds the model's one place.
+    common::eventually(Duration::from_secs(10), "the trickled call admitted", || async {
+        common::post(&url, common::INT32_BODY).await.status == 429
+    })
+    .await;
+    let answer = read_to_close_within(&mut reader, Duration::from_secs(30)).await;
+    trickle.abort();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_total_timeout_ms"), "{answer}");
+    // Its place is free again.
+    assert_eq!(common::post(&url, common::INT32_BODY).await.status, 200);
+}
+
+async fn read_to_close_within(reader: &mut (impl tokio::io::AsyncRead + Unpin), limit: Duration) -> Vec<u8> {
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(limit, reader.read_to_end(&mut answer)).await;
+    assert!(
+        read.is_ok(),
+        "no answer within {limit:?}: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    answer
+}
+
+#[tokio::test]
+async fn every_listener_holds_at_most_max_connections_and_the_metrics_listener_times_out_heads() {
+    let setup = setup("max_connections = 8");
+    for (listener, address) in [
+        ("rest", setup.gateway.rest),
+        ("grpc", setup.gateway.grpc),
+        ("metrics", setup.gateway.metrics),
+    ] {
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            held.push(tokio::net::TcpStream::connect(address).await.unwrap());
+        }
+        // Let the listener take them all up before one more comes.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut extra = tokio::net::TcpStream::connect(address).await.unwrap();
+        let closed = read_until_closed(&mut extra, Duration::from_secs(5)).await;
+        assert_eq!(
+            closed.as_deref(),
+            Some(&b""[..]),
+            "{listener}: a connection past the cap is closed at once"
+        );
+        drop(held);
+        // Room again once they close.
+        common::eventually(Duration::from_secs(10), "a connection served again", || async {
+            if listener == "grpc" {
+                let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+                    .unwrap()
+                    .connect()
+                    .await
+                else {
+                    return false;
+                };
+                let mut client =
+                    oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient::new(channel);
+                return common::grpc_live(&mut client).await;
+            }
+            let Ok(mut stream) = tokio::net::TcpStream::connect(address).await else {
+                return false;
+            };
+            let _ = stream
+                .write_all(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .await;
+            matches!(read_until_closed(&mut stream, Duration::from_secs(2)).await, Some(answer) if !answer.is_empty())
+        })
+        .await;
+        let refused = setup
+            .gateway
+            .metric(&format!("oipgate_connections_refused_total{{listener=\"{listener}\"}}"))
+            .await;
+        assert!(refused >= 1.0, "{listener}: {refused}");
+    }
+    // A head begun on the metrics listener and never finished is closed at the head time limit (1 s).
+    let mut stream = tokio::net::TcpStream::connect(setup.gateway.metrics).await.unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n").await.unwrap();
+    assert!(
+        read_until_closed(&mut stream, Duration::from_secs(20)).await.is_some(),
+        "a half-sent head kept its metrics connection"
+    );
+}

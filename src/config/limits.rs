@@ -21,6 +21,8 @@ pub const DEFAULT_BODY_READ_TIMEOUT_MS: u64 = 30_000;
 pub const DEFAULT_BODY_TOTAL_TIMEOUT_MS: u64 = 60_000;
 /// Streams one HTTP/2 client connection may have open at once.
 pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
+/// Connections each listener (REST, gRPC, metrics) holds open at once; one past it is closed as it is accepted.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 10_000;
 /// Answers one HTTP/2 client connection may hold in the gateway unread: 128 MiB.
 pub const DEFAULT_MAX_BUFFERED_ANSWER_BYTES: u64 = 128 << 20;
 
@@ -41,6 +43,8 @@ pub struct RawLimits {
     pub body_total_timeout_ms: Option<u64>,
     /// Streams one HTTP/2 client connection may have open at once, on both doors.
     pub max_concurrent_streams: Option<u32>,
+    /// Connections each listener (REST, gRPC, metrics) holds open at once.
+    pub max_connections: Option<u32>,
     /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread, on both doors (past it, 429).
     pub max_buffered_answer_bytes: Option<u64>,
 }
@@ -60,6 +64,8 @@ pub struct Limits {
     pub body_total_timeout: Duration,
     /// Streams one HTTP/2 client connection may have open at once.
     pub max_concurrent_streams: u32,
+    /// Connections each listener holds open at once.
+    pub max_connections: usize,
     /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread.
     pub max_buffered_answer_bytes: usize,
 }
@@ -115,6 +121,13 @@ pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Li
             u64::from(DEFAULT_MAX_CONCURRENT_STREAMS),
         ))
         .unwrap_or(DEFAULT_MAX_CONCURRENT_STREAMS),
+        max_connections: usize::try_from(positive(
+            problems,
+            "limits.max_connections",
+            limits.max_connections.map(u64::from),
+            u64::from(DEFAULT_MAX_CONNECTIONS),
+        ))
+        .unwrap_or(usize::MAX),
         max_buffered_answer_bytes: usize::try_from(positive(
             problems,
             "limits.max_buffered_answer_bytes",

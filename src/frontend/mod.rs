@@ -69,9 +69,33 @@ type Handed = (std::net::TcpStream, std::net::SocketAddr, Occupied);
 struct Spread {
     open: Vec<AtomicUsize>,
     inboxes: Vec<mpsc::UnboundedSender<Handed>>,
+    cap: ConnectionCap,
+}
+
+/// The most connections a listener holds open at once (`[limits] max_connections`), and the count of those closed
+/// as they were accepted past it.
+#[derive(Debug, Clone)]
+pub struct ConnectionCap {
+    pub most: usize,
+    pub refused: Option<prometheus::IntCounter>,
+}
+
+impl ConnectionCap {
+    /// No cap (tests and tools).
+    pub fn none() -> ConnectionCap {
+        ConnectionCap {
+            most: usize::MAX,
+            refused: None,
+        }
+    }
 }
 
 impl Spread {
+    /// Whether the listener holds as many connections as it may.
+    fn full(&self) -> bool {
+        self.open.iter().map(|open| open.load(Ordering::Relaxed)).sum::<usize>() >= self.cap.most
+    }
+
     /// The thread serving fewest connections, when it serves fewer than `me`.
     fn fewer_than(&self, me: usize) -> Option<usize> {
         let mine = self.open[me].load(Ordering::Relaxed);
@@ -106,12 +130,13 @@ struct Place {
 }
 
 impl Seat {
-    /// A place at `socket` for each of `threads` threads.
-    pub fn all(socket: &std::net::TcpListener, threads: usize) -> std::io::Result<Vec<Seat>> {
+    /// A place at `socket` for each of `threads` threads, which together hold at most `cap` connections.
+    pub fn all(socket: &std::net::TcpListener, threads: usize, cap: ConnectionCap) -> std::io::Result<Vec<Seat>> {
         let (inboxes, receivers): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::unbounded_channel()).unzip();
         let spread = Arc::new(Spread {
             open: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
             inboxes,
+            cap,
         });
         receivers
             .into_iter()
@@ -201,6 +226,13 @@ where
             () = &mut stop => break,
         };
         match accepted {
+            Ok((stream, _)) if place.spread.full() => {
+                // Closed at once, before any of it is read: the client is told, where a backlog would keep it waiting.
+                drop(stream);
+                if let Some(refused) = &place.spread.cap.refused {
+                    refused.inc();
+                }
+            }
             Ok((stream, peer)) => {
                 if let Some(stream) = place.hand_over(stream, peer) {
                     serve(stream, peer, place.occupy(place.index));
@@ -272,7 +304,11 @@ mod tests {
         let socket = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let address = socket.local_addr().unwrap();
         let (served, taken) = std::sync::mpsc::channel();
-        for (index, seat) in Seat::all(&socket, 2).unwrap().into_iter().enumerate() {
+        for (index, seat) in Seat::all(&socket, 2, ConnectionCap::none())
+            .unwrap()
+            .into_iter()
+            .enumerate()
+        {
             let served = served.clone();
             spawn_door_thread(format!("spread-{index}"), async move {
                 if index == 1 {

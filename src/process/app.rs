@@ -51,7 +51,8 @@ enum Serves {
         limits: grpc::GrpcLimits,
         tls: Option<tokio_rustls::TlsAcceptor>,
     },
-    Metrics(Arc<Gateway>),
+    /// The metrics listener, its heads held to this time limit.
+    Metrics(Arc<Gateway>, Duration),
 }
 
 /// A listening socket and what is served on it, as one of pingora's services: the socket comes from the previous
@@ -63,6 +64,8 @@ struct Listener {
     /// Bound before the server started, so a taken port fails the start with its address named.
     bound: Option<std::net::TcpListener>,
     serves: Serves,
+    /// The most connections it holds open at once.
+    cap: crate::frontend::ConnectionCap,
     failure: Arc<tokio::sync::Notify>,
 }
 
@@ -135,10 +138,10 @@ impl Listener {
     /// Starts serving on `socket`: one accept loop per thread, each on its own runtime.
     fn start(&self, socket: &std::net::TcpListener, shutdown: &ShutdownWatch) -> std::io::Result<()> {
         let threads = match self.serves {
-            Serves::Metrics(_) => 1,
+            Serves::Metrics(..) => 1,
             _ => self.threads.max(1),
         };
-        let seats = crate::frontend::Seat::all(socket, threads)?;
+        let seats = crate::frontend::Seat::all(socket, threads, self.cap.clone())?;
         for (index, seat) in seats.into_iter().enumerate() {
             let mut stop = shutdown.clone();
             let name = format!("{}-{index}", self.name);
@@ -168,15 +171,11 @@ impl Listener {
                         std::future::pending::<()>().await;
                     })?;
                 }
-                Serves::Metrics(gateway) => {
-                    let gateway = gateway.clone();
-                    let listener = socket.try_clone()?;
+                Serves::Metrics(gateway, header_timeout) => {
+                    let (gateway, header_timeout) = (gateway.clone(), *header_timeout);
                     crate::frontend::spawn_door_thread(name, async move {
-                        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                            return;
-                        };
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        metrics::serve(listener, gateway, stopping).await;
+                        metrics::serve(seat, gateway, header_timeout, stopping).await;
                     })?;
                 }
             }
@@ -444,6 +443,10 @@ fn add_services(
         threads: config.threads,
         bound,
         serves,
+        cap: crate::frontend::ConnectionCap {
+            most: config.limits.max_connections,
+            refused: Some(gateway.metrics().connections_refused(name)),
+        },
         failure: failure.clone(),
     };
     let tls_on = |door: fn(&crate::config::ServerTls) -> bool| {
@@ -486,7 +489,7 @@ fn add_services(
             "metrics",
             address,
             sockets.metrics,
-            Serves::Metrics(gateway.clone()),
+            Serves::Metrics(gateway.clone(), limits.header_read_timeout),
         ));
     }
     server.add_service(background_service(

@@ -196,6 +196,17 @@ impl RestUpstream {
                 .unsent(),
             Failure::Http { error, unsent: true } => failed(error.to_string()).caused_by(error).unsent(),
             Failure::Http { error, unsent: false } => failed(error.to_string()).caused_by(error).with_retryable(false),
+            // The client's side: the endpoint is not counted as failing, and the call is not tried again.
+            Failure::Body(error) => Error::new(
+                ErrorKind::InvalidArgument,
+                Origin::Client,
+                format!(
+                    "the request body could not be sent to backend {}: {error}",
+                    self.authority
+                ),
+            )
+            .caused_by(error)
+            .with_retryable(false),
         }
     }
 

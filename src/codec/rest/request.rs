@@ -192,6 +192,7 @@ pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestReq
     let mut reader = Reader::new(&header);
     let mut request = InferRequest::default();
     let mut inputs_seen = false;
+    let mut parameters_seen = false;
     let mut requested: Vec<RequestedOutput> = Vec::new();
     let mut members = reader.object()?;
     while let Some(key) = members.next(&mut reader)? {
@@ -199,7 +200,14 @@ pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestReq
             "id" => request.id = optional_string(&mut reader)?,
             "model_name" => request.model_name = optional_string(&mut reader)?.unwrap_or_default(),
             "model_version" => request.model_version = optional_string(&mut reader)?.filter(|v| !v.is_empty()),
-            "parameters" => request.parameters = read_parameters(&mut reader)?,
+            "parameters" => {
+                // Backends read the first or the last of two: the gateway takes neither.
+                if parameters_seen {
+                    return Err(Error::invalid("\"parameters\" is given twice"));
+                }
+                parameters_seen = true;
+                request.parameters = read_parameters(&mut reader)?;
+            }
             "inputs" => {
                 if inputs_seen {
                     return Err(Error::invalid("\"inputs\" is given twice"));

@@ -4,29 +4,24 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
+use hyper_util::rt::TokioIo;
 
-/// Serves `GET /metrics` (and `/`), and the fleet status page (`GET /status`, `GET /status.json`), on `listener`
-/// until `shutdown` resolves.
+/// Serves `GET /metrics` (and `/`), and the fleet status page (`GET /status`, `GET /status.json`), at `seat` until
+/// `shutdown` resolves: HTTP/1.1 (what Prometheus and browsers speak to it), each request head within
+/// `header_timeout`, at most `[limits] max_connections` connections at once (the seat's cap).
 pub async fn serve(
-    listener: TcpListener,
+    seat: crate::frontend::Seat,
     gateway: Arc<crate::process::live::Gateway>,
+    header_timeout: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = &mut shutdown => return,
-        };
-        let Ok((stream, _)) = accepted else { continue };
+    crate::frontend::accept_loop(seat, "metrics", shutdown, |stream, _peer, occupied| {
         let _ = stream.set_nodelay(true);
         let gateway = gateway.clone();
         tokio::spawn(async move {
@@ -34,11 +29,15 @@ pub async fn serve(
                 let gateway = gateway.clone();
                 async move { Ok::<_, Infallible>(answer(&gateway, &request).await) }
             });
-            let _ = auto::Builder::new(TokioExecutor::new())
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
+            drop(occupied);
         });
-    }
+    })
+    .await;
 }
 
 async fn answer<B>(gateway: &crate::process::live::Gateway, request: &Request<B>) -> Response<Full<Bytes>> {

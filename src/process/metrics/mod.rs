@@ -92,6 +92,8 @@ pub struct Metrics {
     /// configured.
     spans: IntCounterVec,
     payload_events: IntCounterVec,
+    /// `oipgate_connections_refused_total` by listener.
+    connections_refused: IntCounterVec,
 }
 
 /// Inference streams: the client streams open, and per public model version the backend streams closed, their
@@ -507,10 +509,18 @@ impl Metrics {
              (the queue, [payload_log] max_queue, was full).",
             &["result"],
         )?;
+        let connections_refused = counters(
+            &registry,
+            "oipgate_connections_refused_total",
+            "Connections closed as they were accepted, by listener (rest, grpc, metrics): the listener already held \
+             [limits] max_connections.",
+            &["listener"],
+        )?;
         Ok(Arc::new(Metrics {
             bound: families.bound.clone(),
             spans,
             payload_events,
+            connections_refused,
             unknown_route: RouteMetrics::new(&requests, &mirrors, [UNKNOWN, UNKNOWN, NO_BACKEND], 0),
             requests,
             auth_denied,
@@ -565,6 +575,10 @@ impl Metrics {
     }
 
     /// `oipgate_payload_log_events_total` for `result`: sent, failed or dropped.
+    pub fn connections_refused(&self, listener: &str) -> IntCounter {
+        self.connections_refused.with_label_values(&[listener])
+    }
+
     pub fn payload_events(&self, result: &str) -> IntCounter {
         self.payload_events.with_label_values(&[result])
     }

@@ -244,6 +244,9 @@ pub(super) enum Failure {
     Connect(Box<dyn std::error::Error + Send + Sync>),
     /// The exchange failed; `unsent` when none of the request reached the connection.
     Http { error: io::Error, unsent: bool },
+    /// The request's own body failed (its client went away, stalled, or sent what the gateway refuses): the
+    /// backend is not at fault.
+    Body(io::Error),
 }
 
 /// Sends `request` on one of this thread's idle connections to the endpoint, or a new one. A request that could
@@ -273,6 +276,7 @@ pub(super) async fn send(
         scratch::give(std::mem::take(&mut kept.head));
         match exchanged {
             Ok(head) => return Ok(head.into_response(kept, clients.token.clone())),
+            Err(error) if writing.body_failed => return Err(Failure::Body(error)),
             Err(error) => {
                 let again = reused
                     && !writing.body_failed
