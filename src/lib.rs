@@ -7,6 +7,8 @@ pub mod config;
 pub mod dispatch;
 pub mod error;
 pub mod frontend;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod guard;
 pub mod headers;
 pub mod modelserver;

@@ -2,7 +2,7 @@
 //! (The coverage-guided fuzzers in fuzz/ go much further; see README.md.)
 
 use bytes::Bytes;
-use oipgate::codec::fuzzing;
+use oipgate::fuzzing;
 use proptest::prelude::*;
 
 const JSON_SEEDS: &[&str] = &[
@@ -180,6 +180,188 @@ proptest! {
     fn protobuf_keys_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::protobuf_keys(&data); }
 }
 
+/// A chunked body's framing: chunks of drawn sizes with and without extensions, a last chunk, trailers; line ends
+/// sometimes a bare LF or CR.
+fn chunked_body() -> impl Strategy<Value = Vec<u8>> {
+    let line_end = prop_oneof![8 => Just("\r\n"), 1 => Just("\n"), 1 => Just("\r")];
+    let chunk = (0usize..40, any::<bool>(), line_end.clone(), line_end.clone());
+    (
+        prop::collection::vec(chunk, 0..5),
+        prop::collection::vec(("[a-z-]{1,8}", line_end.clone()), 0..3),
+        line_end,
+    )
+        .prop_map(|(chunks, trailers, last_end)| {
+            let mut body = Vec::new();
+            for (size, extension, size_end, data_end) in chunks {
+                body.extend_from_slice(format!("{size:x}").as_bytes());
+                if extension {
+                    body.extend_from_slice(b";name=value");
+                }
+                body.extend_from_slice(size_end.as_bytes());
+                body.extend(std::iter::repeat_n(b'x', size));
+                body.extend_from_slice(data_end.as_bytes());
+            }
+            body.extend_from_slice(b"0\r\n");
+            for (name, end) in trailers {
+                body.extend_from_slice(format!("{name}: 1{end}").as_bytes());
+            }
+            body.extend_from_slice(last_end.as_bytes());
+            body
+        })
+}
+
+/// One request of a pipeline: its Host fields, its body's framing fields (lengths, codings, both), and a body.
+fn request_head_and_body() -> impl Strategy<Value = Vec<u8>> {
+    let hosts = prop::sample::select(vec!["host: x\r\n", "", "host: a\r\nhost: b\r\n", "host: a b\r\n"]);
+    let framing = prop::sample::select(vec![
+        "",
+        "content-length: 3\r\n",
+        "content-length: 3, 3\r\n",
+        "content-length: 3\r\ncontent-length: 3\r\n",
+        "content-length: 3\r\ncontent-length: 4\r\n",
+        "content-length: +3\r\n",
+        "transfer-encoding: chunked\r\n",
+        "transfer-encoding: Chunked \r\n",
+        "transfer-encoding: gzip, chunked\r\n",
+        "transfer-encoding: chunked, chunked\r\n",
+        "transfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n",
+        "transfer-encoding: chunked, gzip\r\n",
+        "transfer-encoding: chunked\r\ncontent-length: 3\r\n",
+    ]);
+    let version = prop::sample::select(vec!["HTTP/1.1", "HTTP/1.0"]);
+    let body = prop_oneof![Just(b"abc".to_vec()), chunked_body()];
+    (version, hosts, framing, body).prop_map(|(version, hosts, framing, body)| {
+        let mut request = format!("POST /v2/models/m/infer {version}\r\n{hosts}{framing}\r\n").into_bytes();
+        request.extend(body);
+        request
+    })
+}
+
+/// Pipelines of such requests, sometimes mutated.
+fn pipeline() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::collection::vec(request_head_and_body(), 1..4),
+        prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..3),
+    )
+        .prop_map(|(requests, edits)| {
+            let mut bytes = requests.concat();
+            for (at, byte) in edits {
+                let index = at.index(bytes.len());
+                bytes[index] = byte;
+            }
+            bytes
+        })
+}
+
+/// A backend's answer: status, framing fields and a body.
+fn answer() -> impl Strategy<Value = Vec<u8>> {
+    (
+        any::<u8>(),
+        prop::sample::select(vec![
+            "200 OK",
+            "100 Continue",
+            "204 No Content",
+            "304 Not Modified",
+            "101 Switching",
+        ]),
+        prop::sample::select(vec![
+            "",
+            "content-length: 3\r\n",
+            "content-length: 3, 3\r\n",
+            "transfer-encoding: chunked\r\n",
+            "transfer-encoding: chunked\r\ncontent-length: 9\r\n",
+            "transfer-encoding: gzip\r\n",
+            "connection: close\r\n",
+        ]),
+        prop_oneof![Just(b"abc".to_vec()), chunked_body()],
+    )
+        .prop_map(|(flags, status, framing, body)| {
+            let mut answer = vec![flags];
+            answer.extend_from_slice(format!("HTTP/1.1 {status}\r\n{framing}\r\n").as_bytes());
+            answer.extend(body);
+            answer
+        })
+}
+
+/// JSON requests whose keys may name shared memory, plainly or with escapes, anywhere.
+fn keyed_json() -> impl Strategy<Value = Vec<u8>> {
+    let key = prop::sample::select(vec![
+        "shared_memory_region",
+        "\\u0073hared_memory_offset",
+        "shared\\u005fmemory_byte_size",
+        "sequence_id",
+        "parameters",
+        "name",
+        "data",
+    ]);
+    let value = prop::sample::select(vec![
+        "1",
+        "\"shared_memory_region\"",
+        "[1,2]",
+        "{}",
+        "null",
+        "\"a\\\"b\"",
+    ]);
+    let member = (key, value).prop_map(|(key, value)| format!("\"{key}\":{value}"));
+    (
+        prop::collection::vec(member.clone(), 0..4),
+        prop::collection::vec(member, 0..3),
+        any::<u8>(),
+    )
+        .prop_map(|(outer, inner, piece)| {
+            let inner = inner.join(",");
+            let mut members = outer;
+            members.push(format!("\"inputs\":[{{{inner}}}]"));
+            let mut bytes = vec![piece];
+            bytes.extend_from_slice(format!("{{{}}}", members.join(",")).as_bytes());
+            bytes
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn chunked_framings(piece in any::<u8>(), body in chunked_body(), tail in prop::collection::vec(any::<u8>(), 0..8)) {
+        let mut input = vec![piece];
+        input.extend(body);
+        input.extend(tail);
+        fuzzing::chunked(&input);
+    }
+
+    #[test]
+    fn chunked_arbitrary(data in prop::collection::vec(any::<u8>(), 0..96)) { fuzzing::chunked(&data); }
+
+    #[test]
+    fn http1_pipelines(bytes in pipeline()) {
+        fuzzing::http1_framing(&bytes);
+        fuzzing::http1_request_head(&bytes);
+    }
+
+    #[test]
+    fn http1_answers(bytes in answer()) { fuzzing::http1_answer(&bytes); }
+
+    #[test]
+    fn http1_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) {
+        fuzzing::http1_framing(&data);
+        fuzzing::http1_request_head(&data);
+        fuzzing::http1_answer(&data);
+    }
+
+    #[test]
+    fn compression_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::compression(&data); }
+
+    #[test]
+    fn key_scan_of_keyed_json(bytes in keyed_json()) { fuzzing::key_scan(&bytes); }
+
+    #[test]
+    fn key_scan_mutated(data in mutated(JSON_SEEDS), piece in any::<u8>()) {
+        let mut input = vec![piece];
+        input.extend(data);
+        fuzzing::key_scan(&input);
+    }
+}
+
 #[test]
 fn protobuf_mutations_of_a_valid_message() {
     use oipgate::codec::protobuf::request_to_proto;
@@ -223,6 +405,12 @@ fn fuzz_crash_regressions() {
             "protobuf_request" => fuzzing::protobuf_request(input),
             "splice" => fuzzing::splice(input),
             "protobuf_keys" => fuzzing::protobuf_keys(input),
+            "chunked" => fuzzing::chunked(input),
+            "http1_framing" => fuzzing::http1_framing(input),
+            "http1_request_head" => fuzzing::http1_request_head(input),
+            "http1_answer" => fuzzing::http1_answer(input),
+            "compression" => fuzzing::compression(input),
+            "key_scan" => fuzzing::key_scan(input),
             _ => fuzzing::decthings(input),
         }
     }

@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::binary_request.
+//! Fuzz target: oipgate::fuzzing::binary_request.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::binary_request(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::binary_request(data));

@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::decthings.
+//! Fuzz target: oipgate::fuzzing::decthings.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::decthings(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::decthings(data));

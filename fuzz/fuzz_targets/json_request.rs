@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::json_request.
+//! Fuzz target: oipgate::fuzzing::json_request.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::json_request(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::json_request(data));

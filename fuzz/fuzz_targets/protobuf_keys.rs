@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::protobuf_keys.
+//! Fuzz target: oipgate::fuzzing::protobuf_keys.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::protobuf_keys(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::protobuf_keys(data));

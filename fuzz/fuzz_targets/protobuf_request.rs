@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::protobuf_request.
+//! Fuzz target: oipgate::fuzzing::protobuf_request.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::protobuf_request(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::protobuf_request(data));

@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::rename.
+//! Fuzz target: oipgate::fuzzing::rename.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::rename(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::rename(data));

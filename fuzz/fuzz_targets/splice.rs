@@ -1,4 +1,4 @@
-//! Fuzz target: oipgate::codec::fuzzing::splice.
+//! Fuzz target: oipgate::fuzzing::splice.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::codec::fuzzing::splice(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::splice(data));

@@ -4,8 +4,6 @@ pub mod chunked;
 pub mod compression;
 pub mod decthings;
 pub mod exposition;
-#[cfg(feature = "fuzzing")]
-pub mod fuzzing;
 pub mod http1;
 pub mod model_config;
 pub mod protobuf;

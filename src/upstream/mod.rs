@@ -3,6 +3,8 @@
 
 pub mod grpc;
 mod http1;
+#[cfg(feature = "fuzzing")]
+pub use http1::read_answer_head;
 pub mod rest;
 
 use std::future::Future;

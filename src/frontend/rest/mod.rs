@@ -20,6 +20,8 @@ mod infer;
 
 pub use answer::AnswerBody;
 use answer::{Record, Rename};
+#[cfg(feature = "fuzzing")]
+pub use http1::read_request_head;
 pub use http1::{Http1Body, Http1BodyError};
 pub use http2_body::{Http2Body, Http2BodyError};
 

@@ -32,6 +32,12 @@ pub(super) struct AnswerHead {
 }
 
 impl AnswerHead {
+    /// Its status, its body's framing and whether its connection may be kept.
+    #[cfg(feature = "fuzzing")]
+    pub(super) fn described(&self) -> (StatusCode, Framing, bool) {
+        (self.status, self.framing, self.reusable)
+    }
+
     /// The answer, its body read from `kept` (which goes back to the endpoint of `token` once the body is read).
     pub(super) fn into_response(self, kept: Box<Kept>, token: Arc<()>) -> http::Response<BackendBody> {
         let mut response = http::Response::new(BackendBody {

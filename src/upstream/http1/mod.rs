@@ -6,6 +6,7 @@
 
 mod answer;
 mod request;
+
 #[cfg(test)]
 mod tests;
 
@@ -25,6 +26,23 @@ use crate::codec::http1::{poll_write_slices, scratch};
 pub use answer::BackendBody;
 use answer::{AnswerHead, Parsed, read_head};
 use request::{Sending, Writing};
+
+/// The backend client's reading of the answer head at the start of `read` (taken off it when whole; interim answers
+/// skipped), for the fuzz targets: its status, its body's framing and whether its connection may be kept, `None`
+/// while partial, or why it is a broken answer.
+#[cfg(feature = "fuzzing")]
+pub fn read_answer_head(
+    read: &mut BytesMut,
+    asked_head: bool,
+) -> io::Result<Option<(http::StatusCode, crate::codec::http1::Framing, bool)>> {
+    loop {
+        match read_head(read, asked_head)? {
+            Parsed::Answer(head) => return Ok(Some(head.described())),
+            Parsed::Interim => {}
+            Parsed::Partial => return Ok(None),
+        }
+    }
+}
 
 /// How long a kept connection may sit idle before it is closed rather than used: backends commonly close theirs
 /// after 60 to 120 seconds, and a request sent on a connection the backend is closing fails.

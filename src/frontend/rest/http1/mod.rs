@@ -21,6 +21,15 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use body::Feed;
+
+/// The door's reading of the request head at the start of `read` (taken off it when whole), for the fuzz targets:
+/// its body's framing, `None` while partial, or the status it is refused with.
+#[cfg(feature = "fuzzing")]
+pub fn read_request_head(read: &mut BytesMut) -> Result<Option<Framing>, http::StatusCode> {
+    head::read_head(read)
+        .map(|head| head.map(|head| head.framing))
+        .map_err(|refusal| refusal.status)
+}
 pub use body::{Http1Body, Http1BodyError};
 use head::{Refusal, RequestHead};
 use write::{How, write_answer};

@@ -1,0 +1,4 @@
+//! Fuzz target: oipgate::fuzzing::http1_framing.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::http1_framing(data));

@@ -1,0 +1,4 @@
+//! Fuzz target: oipgate::fuzzing::http1_request_head.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| oipgate::fuzzing::http1_request_head(data));
