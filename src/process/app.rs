@@ -318,15 +318,10 @@ fn drain(gateway: &Gateway, grace: Duration) {
     let started = Instant::now();
     // The accept loops stop on their next turn; a moment lets them, so no request starts after this.
     std::thread::sleep(Duration::from_millis(50));
-    while gateway.active() > 0 && started.elapsed() < grace {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    if gateway.active() > 0 {
+    // Woken by the last request's end, not polled.
+    if !gateway.wait_idle(grace.saturating_sub(started.elapsed())) {
         gateway.end_streams();
-        let ending = Instant::now();
-        while gateway.active() > 0 && ending.elapsed() < STREAMS_END {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        gateway.wait_idle(STREAMS_END);
     }
     let left = gateway.active();
     if left > 0 {

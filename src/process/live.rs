@@ -36,6 +36,9 @@ pub struct Gateway {
     /// Set when a shutdown's grace period has run out: streams still open end with UNAVAILABLE.
     streams_ending: tokio::sync::watch::Sender<bool>,
     active: AtomicUsize,
+    /// Woken when the last request under way ends while a shutdown waits for it (`awaiting_idle`).
+    idle: (std::sync::Mutex<()>, std::sync::Condvar),
+    awaiting_idle: AtomicBool,
     /// Snapshots installed since start (1: the first).
     generation: AtomicU64,
     /// The last reload's outcome: when, and the problems that refused it.
@@ -61,7 +64,12 @@ pub struct Active(Arc<Gateway>);
 
 impl Drop for Active {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::AcqRel);
+        // The last request's end wakes a shutdown waiting for it; otherwise nothing waits.
+        if self.0.active.fetch_sub(1, Ordering::AcqRel) == 1 && self.0.awaiting_idle.load(Ordering::Acquire) {
+            let (lock, idle) = &self.0.idle;
+            drop(lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            idle.notify_all();
+        }
     }
 }
 
@@ -94,6 +102,8 @@ impl Gateway {
             draining: AtomicBool::new(false),
             streams_ending: tokio::sync::watch::Sender::new(false),
             active: AtomicUsize::new(0),
+            idle: (std::sync::Mutex::new(()), std::sync::Condvar::new()),
+            awaiting_idle: AtomicBool::new(false),
             generation: AtomicU64::new(1),
             last_reload: std::sync::Mutex::new(None),
         }))
@@ -135,6 +145,17 @@ impl Gateway {
     /// Requests under way.
     pub fn active(&self) -> usize {
         self.active.load(Ordering::Acquire)
+    }
+
+    /// Waits (blocking the thread) until no request is under way or `limit` has passed; whether none is.
+    pub fn wait_idle(&self, limit: Duration) -> bool {
+        self.awaiting_idle.store(true, Ordering::Release);
+        let (lock, idle) = &self.idle;
+        let guard = lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_guard, _) = idle
+            .wait_timeout_while(guard, limit, |()| self.active() > 0)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.active() == 0
     }
 
     /// From now on readiness says no, so load balancers stop sending.
