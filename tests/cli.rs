@@ -49,6 +49,19 @@ fn demo_runs_and_its_printed_curl_examples_work() {
             curls.push(format!("curl --max-time 10 {command}"));
         }
     }
+    // The Python example: the script between its here-document's lines.
+    let mut python = Vec::new();
+    let mut inside = false;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        match line.as_str() {
+            "python3 - <<'EOF'" => inside = true,
+            "EOF" if inside => break,
+            _ if inside => python.push(line),
+            _ => {}
+        }
+    }
+    assert!(!python.is_empty(), "the demo prints a Python example");
     assert!(curls.len() >= 4, "the demo prints curl examples: {curls:?}");
     let up = (0..100).any(|_| {
         std::net::TcpStream::connect(&rest).is_ok() || {
@@ -67,8 +80,19 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         );
         answers.push(String::from_utf8(output.stdout).unwrap());
     }
+    // Run as printed, with the tritonclient the interop suite installs (scripts/test prepares it first).
+    let printed = run_python_example(&python.join("\n"));
     let _ = child.kill();
     let _ = child.wait();
+    for module in ["tritonclient.http", "tritonclient.grpc"] {
+        for version in ["1", "2"] {
+            assert!(
+                printed.contains(&format!("{module} add_sub version {version} OUTPUT0 = [")),
+                "{printed}"
+            );
+        }
+    }
+    assert!(printed.contains("count streamed [0, 1, 2]"), "{printed}");
     assert!(
         answers[0].contains(r#""model_version":"1""#) && answers[0].contains(r#""data":[1,2,3,4"#),
         "{}",
@@ -121,6 +145,34 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         );
         assert!(exposition.contains(&line), "{line} missing from\n{exposition}");
     }
+}
+
+/// Runs `script` with the interop suite's Python (tritonclient and numpy); its standard output. Fails, naming what to
+/// run, when that environment has not been made.
+fn run_python_example(script: &str) -> String {
+    use std::io::Write;
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/interop/clients/bin/python");
+    assert!(
+        python.exists(),
+        "{} is missing: `scripts/interop --prepare` makes it (scripts/test does, before the tests)",
+        python.display()
+    );
+    let mut child = Command::new(&python)
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "the printed Python example failed:\n{printed}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    printed
 }
 
 #[test]

@@ -266,3 +266,116 @@ async fn compressed_grpc_messages_reach_both_backends() {
         }
     }
 }
+
+/// A REST "backend" that answers every inference with one binary-extension answer compressed with gzip, whatever
+/// the request asked for (Triton compresses for a client's `Accept-Encoding`; this one always does).
+fn compressing_backend() -> (std::net::SocketAddr, Vec<u8>, usize) {
+    // A long id, so the compressed answer is shorter than its JSON header alone (the case Triton's answers hit).
+    let header = format!(
+        r#"{{"id":"{}","model_name":"up","model_version":"1","outputs":[{{"name":"y","datatype":"INT32","shape":[2],"parameters":{{"binary_data_size":8}}}}]}}"#,
+        "a".repeat(400)
+    );
+    let header = header.as_bytes();
+    let mut decoded = header.to_vec();
+    decoded.extend_from_slice(&int32s([7, 8]));
+    let compressed = gzip(&decoded);
+    assert!(compressed.len() < header.len());
+    let mut answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-encoding: gzip\r\n\
+         inference-header-content-length: {}\r\ncontent-length: {}\r\n\r\n",
+        header.len(),
+        compressed.len()
+    )
+    .into_bytes();
+    answer.extend_from_slice(&compressed);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let answer = answer.clone();
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut buffer = [0u8; 4096];
+                loop {
+                    // A request's head, then as much body as it says.
+                    let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buffer) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buffer[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|line| line.strip_prefix("content-length:"))
+                        .and_then(|value| value.trim().parse().ok())
+                        .unwrap_or(0);
+                    while seen.len() < end + 4 + length {
+                        match stream.read(&mut buffer) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buffer[..n]),
+                        }
+                    }
+                    seen.drain(..end + 4 + length);
+                    if stream.write_all(&answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (address, decoded, header.len())
+}
+
+#[tokio::test]
+async fn a_compressed_backend_answer_passes_untouched_or_is_read_and_renamed_on_its_decoded_bytes() {
+    let (address, decoded, header_length) = compressing_backend();
+    let gateway = GatewayProcess::start(&format!(
+        r#"{}binary_data = true
+[[models]]
+name = "plain"
+versions = [ {{ version = "1", backend = "zipped", upstream_name = "up" , upstream_version = "1" }} ]
+[[models]]
+name = "up"
+versions = [ {{ version = "1", backend = "zipped" }} ]
+"#,
+        backend("zipped", "rest", [address]),
+    ));
+    let client = http_client(false);
+    let body = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}],"outputs":[{"name":"y","parameters":{"binary_data":true}}]}"#;
+    // Passed on as it came: the lengths are of the decoded body, and the client decodes it.
+    let answer = send(
+        &client,
+        "POST",
+        &gateway.rest_url("/v2/models/up/infer"),
+        &[("accept-encoding", "gzip".to_owned())],
+        body,
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.header("content-encoding"), Some("gzip"));
+    assert_eq!(gunzip(&answer.body), decoded);
+    // An aliased model's answer, compressed though it was not asked to be: read, and its names restored.
+    let answer = send(&client, "POST", &gateway.rest_url("/v2/models/plain/infer"), &[], body).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let renamed_length: usize = answer
+        .header("inference-header-content-length")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let header: serde_json::Value = serde_json::from_slice(&answer.body[..renamed_length]).unwrap();
+    assert_eq!(
+        (header["model_name"].as_str(), header["model_version"].as_str()),
+        (Some("plain"), Some("1"))
+    );
+    assert_eq!(&answer.body[renamed_length..], &decoded[header_length..]);
+    // Translated (gRPC to a REST backend): decoded before it is read.
+    let mut grpc = gateway.grpc_client().await;
+    let mut request = common::grpc_int32_request("up", "1");
+    request.inputs[0].name = "x".into();
+    let reply = grpc.model_infer(request).await.unwrap().into_inner();
+    assert_eq!(reply.outputs[0].name, "y");
+    assert_eq!(reply.raw_output_contents[0], int32s([7, 8]));
+}

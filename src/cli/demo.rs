@@ -231,13 +231,14 @@ for module, url in [(httpclient, "{rest}"), (grpcclient, "{grpc}")]:
         inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
         inputs[0].set_data_from_numpy(a)
         inputs[1].set_data_from_numpy(b)
-        result = client.infer("add_sub", inputs, model_version=version, headers=key)
+        # A copy each call: tritonclient.http writes the request's own headers into the dict it is given.
+        result = client.infer("add_sub", inputs, model_version=version, headers=dict(key))
         print(module.__name__, "add_sub version", version, "OUTPUT0 =", result.as_numpy("OUTPUT0")[0][:4], "...")
 
 # A stream (ModelStreamInfer): the decoupled model count answers one request with three responses.
 streamed = []
 client = grpcclient.InferenceServerClient(url="{grpc}")
-client.start_stream(callback=lambda result, error: streamed.append(error or int(result.as_numpy("OUTPUT0")[0])), headers=key)
+client.start_stream(callback=lambda result, error: streamed.append(error or int(result.as_numpy("OUTPUT0")[0])), headers=dict(key))
 count = grpcclient.InferInput("INPUT0", [1], "INT32")
 count.set_data_from_numpy(np.array([3], dtype=np.int32))
 client.async_stream_infer("count", [count])

@@ -60,6 +60,18 @@ pub fn request_coding(headers: &HeaderMap) -> Result<Option<Coding>> {
     Ok(coding)
 }
 
+/// The coding of a backend's answer from its `Content-Encoding`: `None` for none or `identity`; any other coding is a
+/// broken answer the gateway cannot read.
+pub fn answer_content_coding(headers: &HeaderMap, authority: &str) -> Result<Option<Coding>> {
+    request_coding(headers).map_err(|_| {
+        Error::new(
+            ErrorKind::BadGateway,
+            Origin::Upstream,
+            format!("backend {authority} answered in a Content-Encoding the gateway cannot read ({ACCEPTED} are)"),
+        )
+    })
+}
+
 fn unsupported(what: &str) -> Error {
     Error::new(
         ErrorKind::UnsupportedEncoding,

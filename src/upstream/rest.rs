@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use super::Replied;
 use super::http1::{self, BackendBody, Failure};
 use crate::body::{ChunksBody, OutBody};
+use crate::codec::compression;
 use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -135,9 +136,21 @@ impl RestUpstream {
             &self.authority,
         )
         .await?;
+        let mut headers = head.headers;
+        // A compressed answer (a backend that compresses for the client's Accept-Encoding) is read as its bytes.
+        let body = match compression::answer_content_coding(&headers, &self.authority)? {
+            None => body,
+            Some(coding) => {
+                headers.remove(http::header::CONTENT_ENCODING);
+                headers.remove(http::header::CONTENT_LENGTH);
+                let limit = self.max_response_bytes as u64;
+                compression::decompress(coding, &body, limit, "backend answer")
+                    .map_err(|error| Error::new(ErrorKind::BadGateway, Origin::Upstream, error.message().to_owned()))?
+            }
+        };
         Ok(RestAnswer {
             status: head.status,
-            headers: head.headers,
+            headers,
             body,
         })
     }

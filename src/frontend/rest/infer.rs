@@ -290,8 +290,66 @@ impl RestDoor {
         record.endpoint = Some(authority.clone());
         record.lease = Some(lease);
         let (head, answer) = response.into_parts();
+        let compressed = head.headers.contains_key(http::header::CONTENT_ENCODING);
+        if compressed && target.aliased && head.status == StatusCode::OK {
+            // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
+            return Box::pin(self.rename_compressed(head, answer, &target, &authority)).await;
+        }
         let (head, rename) = answer_head(head, &target, &authority)?;
         Ok(Reply::Proxied(Box::new(head), answer, rename, deadline.until))
+    }
+
+    /// A compressed answer of an aliased model, read whole and decompressed within the limit, its names restored.
+    async fn rename_compressed(
+        &self,
+        mut head: http::response::Parts,
+        answer: crate::upstream::BackendBody,
+        target: &Passthrough,
+        authority: &str,
+    ) -> Result<Reply> {
+        let broken = |message: String| Error::new(ErrorKind::BadGateway, Origin::Upstream, message);
+        let limit = usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX);
+        let (body, _) = crate::body::gather(answer, limit, crate::body::BodyLength::ContentLength(None))
+            .await
+            .map_err(|_| {
+                broken(format!(
+                    "backend {authority} answered more than {limit} bytes, or broke off"
+                ))
+            })?;
+        let coding = compression::answer_content_coding(&head.headers, authority)?;
+        let body = match coding {
+            Some(coding) => compression::decompress(coding, &body, self.max_request_bytes, "backend answer")
+                .map_err(|error| broken(error.message().to_owned()))?,
+            None => body,
+        };
+        let mut passed = std::mem::take(&mut head.headers);
+        headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT, |_, _| {});
+        passed.remove(http::header::CONTENT_ENCODING);
+        passed.remove(http::header::CONTENT_LENGTH);
+        let header_length = rest::inference_header_length(passed.get(INFERENCE_HEADER_CONTENT_LENGTH))
+            .map_err(Error::into_upstream_protocol_error)?
+            .map_or(body.len(), |length| usize::try_from(length).unwrap_or(usize::MAX));
+        if header_length > body.len() {
+            return Err(broken(format!(
+                "backend {authority} answered with Inference-Header-Content-Length {header_length}, longer than its \
+                 whole decompressed body ({} bytes)",
+                body.len()
+            )));
+        }
+        let (name, version) = (&target.route.model, &target.route.version);
+        let renamed_length = rest::rename::renamed_length(header_length, name, version)
+            .ok_or_else(|| broken(format!("backend {authority} sent a JSON header too long to rename")))?;
+        let renamed = rest::rename::rename_header(&body[..header_length], name, version, renamed_length)
+            .map_err(Error::into_upstream_protocol_error)?;
+        if passed.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
+            passed.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(renamed_length));
+        }
+        target.route.name_served_version(&mut passed);
+        Ok(Reply::Buffered(
+            head.status,
+            passed,
+            vec![Bytes::from(renamed), body.slice(header_length..)],
+        ))
     }
 
     /// Reads the start of the body: all of it when it is small (a body of unknown length is read up to that size,
@@ -626,7 +684,10 @@ fn answer_head(
         };
         slot.get_or_insert_with(|| value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()));
     });
-    check_lengths(header_length.flatten(), length.flatten(), authority)?;
+    // The JSON header's length is of the decoded body: a compressed answer's length says nothing of it.
+    if !passed.contains_key(http::header::CONTENT_ENCODING) {
+        check_lengths(header_length.flatten(), length.flatten(), authority)?;
+    }
     target.route.name_served_version(&mut passed);
     let rename = if target.aliased {
         let (name, version) = (target.route.model.clone(), target.route.version.clone());
