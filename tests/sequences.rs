@@ -322,3 +322,59 @@ async fn a_malformed_sequence_id_is_refused_on_both_doors() {
         assert!(refused.message().contains("sequence_id"), "{}", refused.message());
     }
 }
+
+#[tokio::test]
+async fn a_streams_sequences_reach_rest_replicas_in_order_while_its_other_requests_go_side_by_side() {
+    let (a, b) = (ModelServerProcess::both(), ModelServerProcess::both());
+    let gateway = GatewayProcess::start(&two_replicas(&a, &b, ""));
+    // Many sequences, their steps interleaved and sent back to back on one stream to the REST backend: sent side by
+    // side, a sequence's START could reach its replica after its second step, which is then refused.
+    const STREAM_SEQUENCES: u64 = 40;
+    const STREAM_STEPS: i32 = 5;
+    let mut messages = Vec::new();
+    for step in 0..STREAM_STEPS {
+        for sequence in 0..STREAM_SEQUENCES {
+            let mut request = grpc_request("1", 5000 + sequence, false, step == 0, step + 1);
+            request.id = format!("{sequence}-{step}");
+            if step == STREAM_STEPS - 1 {
+                request.parameters.insert(
+                    "sequence_end".to_owned(),
+                    InferParameter {
+                        parameter_choice: Some(ParameterChoice::BoolParam(true)),
+                    },
+                );
+            }
+            messages.push(request);
+        }
+    }
+    let total = messages.len();
+    let mut client = grpc_client(gateway.grpc).await;
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(messages))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut sums = std::collections::HashMap::new();
+    for _ in 0..total {
+        let answer = tokio::time::timeout(Duration::from_secs(30), answers.message())
+            .await
+            .expect("every request answered")
+            .unwrap()
+            .expect("the stream goes on");
+        assert!(answer.error_message.is_empty(), "{}", answer.error_message);
+        let response = answer.infer_response.unwrap();
+        let (sequence, step) = response.id.split_once('-').unwrap();
+        let step: i64 = step.parse().unwrap();
+        sums.insert((sequence.to_owned(), step), grpc_sum(&response));
+    }
+    for sequence in 0..STREAM_SEQUENCES {
+        for step in 0..i64::from(STREAM_STEPS) {
+            // The running sum of 1, 2, ... step + 1: every step reached the replica holding the sequence, in order.
+            assert_eq!(
+                sums[&(sequence.to_string(), step)],
+                (step + 1) * (step + 2) / 2,
+                "sequence {sequence} step {step}"
+            );
+        }
+    }
+}

@@ -33,6 +33,39 @@ pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStrea
 /// per stream, as stickiness would.
 type ChosenVersions = HashMap<(String, String), String>;
 
+/// A stream's sequences on REST backends, each request sent only once the one before it in its sequence has been
+/// answered: separate HTTP requests reach a replica in any order, and Triton refuses a sequence whose START comes
+/// second. Each sequence keeps the signal its last request gives when answered; other requests go side by side.
+#[derive(Default)]
+struct SequenceOrder {
+    last: HashMap<(String, crate::protocol::SequenceId), tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl SequenceOrder {
+    /// For a request of `model` in `affinity`'s sequence: what to wait for before sending it (the previous request's
+    /// answer), and what to signal once it is answered.
+    fn place(
+        &mut self,
+        model: &str,
+        affinity: &crate::dispatch::fleet::Affinity,
+    ) -> (
+        Option<tokio::sync::oneshot::Receiver<()>>,
+        Option<tokio::sync::oneshot::Sender<()>>,
+    ) {
+        let crate::dispatch::fleet::Affinity::Sequence(sequence) = affinity else {
+            return (None, None);
+        };
+        let key = (model.to_owned(), sequence.id.clone());
+        let previous = self.last.remove(&key);
+        let (answered, next) = tokio::sync::oneshot::channel();
+        // The sequence's last request: nothing comes after it to wait.
+        if !sequence.end {
+            self.last.insert(key, next);
+        }
+        (previous, Some(answered))
+    }
+}
+
 /// Most of a backend's error body read for its message.
 const ERROR_BODY_BYTES: usize = 64 << 10;
 
@@ -202,6 +235,7 @@ impl Dispatcher {
 
         let mut legs: HashMap<usize, Leg> = HashMap::new();
         let mut chosen = ChosenVersions::new();
+        let mut order = SequenceOrder::default();
         let mut running: JoinSet<Result<()>> = JoinSet::new();
         let mut reading = true;
         let idle_limit = self.stream_idle_timeout;
@@ -221,7 +255,7 @@ impl Dispatcher {
                         // Sending can wait (a backend that reads slowly, or holds its stream's headers until its
                         // first response): the client going away, the deadline and a shutdown still count.
                         let sent = tokio::select! {
-                            sent = self.stream_request(message, context, &mut chosen, &mut legs, &mut running, answers) => sent,
+                            sent = self.stream_request(message, context, (&mut chosen, &mut order), &mut legs, &mut running, answers) => sent,
                             () = answers.closed() => return (StreamResult::Cancelled, None),
                             () = &mut deadline => break past_deadline(context),
                             () = &mut ending => break shutting_down(),
@@ -278,7 +312,7 @@ impl Dispatcher {
         self: &Arc<Self>,
         message: Bytes,
         context: &CallContext,
-        chosen: &mut ChosenVersions,
+        (chosen, order): (&mut ChosenVersions, &mut SequenceOrder),
         legs: &mut HashMap<usize, Leg>,
         running: &mut JoinSet<Result<()>>,
         answers: &Answers,
@@ -328,22 +362,31 @@ impl Dispatcher {
                     let this = self.clone();
                     let context = context.clone();
                     let answers = answers.clone();
-                    running.spawn(async move { this.decoupled_over_rest(routed, request, context, answers).await });
+                    let (previous, answered) = order.place(fields.name, &routed.affinity);
+                    running.spawn(async move {
+                        if let Some(previous) = previous {
+                            let _ = previous.await;
+                        }
+                        let done = this.decoupled_over_rest(routed, request, context, answers).await;
+                        drop(answered);
+                        done
+                    });
                     Ok(())
                 }
                 Replicas::Rest { .. } => {
                     let request = decode_grpc_request(message.clone())?;
                     let record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
                     let call = (Self::deadline(context, &route), context.clone());
-                    running.spawn(unary_over_rest(
-                        backend,
-                        routed,
-                        request,
-                        call,
-                        answers.clone(),
-                        id.clone(),
-                        record,
-                    ));
+                    let (previous, answered) = order.place(fields.name, &routed.affinity);
+                    let unary = unary_over_rest(backend, routed, request, call, answers.clone(), id.clone(), record);
+                    running.spawn(async move {
+                        if let Some(previous) = previous {
+                            let _ = previous.await;
+                        }
+                        let done = unary.await;
+                        drop(answered);
+                        done
+                    });
                     Ok(())
                 }
             }

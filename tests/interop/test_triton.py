@@ -383,3 +383,44 @@ def test_generate_through_the_gateway_equals_triton_alone(triton):  # noqa: F811
             through = [json.loads(through)] if path == "generate" else events(through)
             expected = [dict(answer, model_name=public) for answer in direct]
             assert through == expected, (path, public)
+
+
+def stream_sequences(address: str, model: str, first_id: int, sequences: int, steps: int) -> dict:
+    """`sequences` sequences of `steps` steps on one ModelStreamInfer stream, their steps interleaved and sent back to
+    back (as simple_grpc_sequence_stream_infer_client sends them); the running sum answered for each step."""
+    import queue
+
+    answers = queue.Queue()
+    client = triton_grpc.InferenceServerClient(url=address)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for step in range(steps):
+        for sequence in range(sequences):
+            tensor = triton_grpc.InferInput("INPUT0", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([step + 1], dtype=np.int32))
+            client.async_stream_infer(
+                model,
+                [tensor],
+                request_id=f"{sequence}-{step}",
+                sequence_id=first_id + sequence,
+                sequence_start=step == 0,
+                sequence_end=step == steps - 1,
+            )
+    sums = {}
+    for _ in range(sequences * steps):
+        result, error = answers.get(timeout=60)
+        assert error is None, error
+        response = result.get_response()
+        sums[response.id] = int(result.as_numpy("OUTPUT0")[0])
+    client.stop_stream()
+    return sums
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_a_streams_sequences_reach_rest_replicas_in_order(triton, round_):  # noqa: F811
+    """Through the gRPC door to Triton's REST listeners (two replicas): every step of every sequence reaches the
+    replica holding the sequence, in the order it was sent; repeated, since the race it guards against is one."""
+    sequences, steps = 8, 6
+    sums = stream_sequences(triton.gateways[0].grpc, "accumulate", 9000 + 100 * round_, sequences, steps)
+    for sequence in range(sequences):
+        for step in range(steps):
+            assert sums[f"{sequence}-{step}"] == (step + 1) * (step + 2) // 2, (sequence, step, sums)
