@@ -17,13 +17,14 @@ use oipgate::protocol::{DataType, Tensor};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use tokio::net::TcpListener;
 
-/// Spans as the collector received them.
+/// Spans as the collector received them, and the resource each export named for its spans.
 #[derive(Clone, Default)]
-struct Received(Arc<Mutex<Vec<Span>>>);
+struct Received(Arc<Mutex<Vec<Span>>>, Arc<Mutex<Vec<Vec<KeyValue>>>>);
 
 #[tonic::async_trait]
 impl TraceService for Received {
@@ -31,13 +32,15 @@ impl TraceService for Received {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let spans = request
-            .into_inner()
-            .resource_spans
-            .into_iter()
-            .flat_map(|resource| resource.scope_spans)
-            .flat_map(|scope| scope.spans);
-        self.0.lock().unwrap().extend(spans);
+        for resource_spans in request.into_inner().resource_spans {
+            let resource = resource_spans
+                .resource
+                .map(|resource| resource.attributes)
+                .unwrap_or_default();
+            self.1.lock().unwrap().push(resource);
+            let spans = resource_spans.scope_spans.into_iter().flat_map(|scope| scope.spans);
+            self.0.lock().unwrap().extend(spans);
+        }
         Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
@@ -161,10 +164,29 @@ async fn spans_reach_a_real_otlp_receiver_and_the_backends_join_their_trace() {
         grpc_backend,
     };
     let rest_trace = rest_to_grpc_is_one_trace(&setup).await;
+    spans_carry_the_service_resource(&setup.received);
     let grpc_trace = grpc_to_rest_is_one_trace(&setup).await;
     let stream_trace = a_stream_is_one_span(&setup).await;
     unsampled_requests_record_nothing(&setup, [rest_trace, grpc_trace, stream_trace]).await;
     a_full_export_queue_drops_spans(&setup).await;
+}
+
+/// Every export names the service the spans come from: Jaeger and Tempo group spans by it.
+fn spans_carry_the_service_resource(received: &Received) {
+    let resources = received.1.lock().unwrap().clone();
+    assert!(!resources.is_empty());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    for resource in resources {
+        let text = |key: &str| match resource.iter().find(|kv| kv.key == key).and_then(|kv| kv.value.clone()) {
+            Some(AnyValue {
+                value: Some(Value::StringValue(text)),
+            }) => text,
+            other => panic!("the resource has {key} = {other:?}: {resource:?}"),
+        };
+        assert_eq!(text("service.name"), "gateway-under-test");
+        assert_eq!(text("service.version"), env!("CARGO_PKG_VERSION"));
+        assert_eq!(text("service.instance.id"), host.trim());
+    }
 }
 
 /// REST -> gRPC: decoded, sent to the gRPC backend, encoded back; the trace's id.

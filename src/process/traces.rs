@@ -45,12 +45,16 @@ impl Traces {
     pub fn start(config: &Tracing, metrics: &Metrics) -> Result<Traces> {
         let runtime = super::telemetry_runtime();
         let _entered = runtime.enter();
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
+        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(config.otlp_endpoint.clone())
             .with_timeout(config.timeout)
             .build()
             .map_err(|error| Error::internal(format!("cannot make the OTLP exporter: {error}")))?;
+        // The SDK hands the resource to its own processors; spans queued by the gateway's reach the exporter, which
+        // is told it here, or every span would leave with no service.
+        let resource = resource(config);
+        exporter.set_resource(&resource);
         let (sender, spans) = mpsc::channel(config.max_queue);
         runtime.spawn(export(exporter, spans, metrics.spans_exported()));
         let provider = SdkTracerProvider::builder()
@@ -60,11 +64,7 @@ impl Traces {
             })
             // A trace begun here has been sampled already (see `request`): the SDK decides only for a client's.
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)))
-            .with_resource(
-                opentelemetry_sdk::Resource::builder()
-                    .with_service_name(config.service_name.clone())
-                    .build(),
-            )
+            .with_resource(resource)
             .build();
         let tracer = provider.tracer("oipgate");
         Ok(Traces {
@@ -192,6 +192,23 @@ impl Trace {
         TraceContextPropagator::new().inject_context(&recording.context, &mut HeadersMut(&mut headers));
         Cow::Owned(headers)
     }
+}
+
+/// What the spans come from: the configured service's name, the gateway's version, and the host it runs on.
+fn resource(config: &Tracing) -> opentelemetry_sdk::Resource {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".to_owned());
+    opentelemetry_sdk::Resource::builder()
+        .with_service_name(config.service_name.clone())
+        .with_attributes([
+            KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
+            KeyValue::new("service.instance.id", host),
+        ])
+        .build()
 }
 
 /// Finished spans into the export queue; one that does not fit is dropped and counted, never waited for.
