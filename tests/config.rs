@@ -105,7 +105,7 @@ fn routes_resolve_public_names_to_backends() {
     assert!(
         version
             .message()
-            .contains("unknown version '9' of model 'add_sub' (it has 1, 2)"),
+            .contains("Request for unknown model: 'add_sub' version 9 is not found (it has 1, 2)"),
         "{version}"
     );
     assert_eq!(table.versions("add_sub").unwrap(), ["1", "2"]);

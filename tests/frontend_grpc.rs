@@ -301,7 +301,7 @@ async fn typed_rpcs_and_errors() {
     let unknown = client.model_infer(add_sub("nope", "")).await.unwrap_err();
     assert_eq!(
         (unknown.code(), unknown.message()),
-        (Code::NotFound, "unknown model 'nope'")
+        (Code::NotFound, "Request for unknown model: 'nope' is not found")
     );
     let mut bad = add_sub("add_sub", "1");
     bad.inputs[1].shape = vec![16];

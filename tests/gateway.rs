@@ -93,7 +93,16 @@ async fn rest_endpoints_and_errors() {
     assert_eq!(metadata["name"], "oipgate");
     assert_eq!(
         metadata["extensions"],
-        json!(["binary_tensor_data", "model_repository", "statistics"])
+        json!([
+            "binary_tensor_data",
+            "sequence",
+            "model_repository",
+            "schedule_policy",
+            "model_configuration",
+            "statistics",
+            "parameters",
+            "generate"
+        ])
     );
     let model = get(&gateway.rest_url("/v2/models/classifier/versions/3")).await.json();
     assert_eq!(

@@ -607,7 +607,11 @@ async fn every_listener_holds_at_most_max_connections_and_the_metrics_listener_t
                 };
                 let mut client =
                     oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient::new(channel);
-                return common::grpc_live(&mut client).await;
+                // Refused while the listener is still full: tried again.
+                return client
+                    .server_live(oipgate::proto::ServerLiveRequest {})
+                    .await
+                    .is_ok_and(|live| live.into_inner().live);
             }
             let Ok(mut stream) = tokio::net::TcpStream::connect(address).await else {
                 return false;

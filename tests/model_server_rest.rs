@@ -64,7 +64,12 @@ async fn unknown_things_and_wrong_methods() {
     }
     let infer = post(&server.rest_url("/v2/models/nope/infer"), add_sub_json("INT32")).await;
     assert_eq!(infer.status, 404);
-    assert!(infer.json()["error"].as_str().unwrap().contains("unknown model 'nope'"));
+    assert!(
+        infer.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("Request for unknown model: 'nope' is not found")
+    );
     let version = post(
         &server.rest_url("/v2/models/add_sub/versions/9/infer"),
         add_sub_json("INT32"),
@@ -75,7 +80,7 @@ async fn unknown_things_and_wrong_methods() {
         version.json()["error"]
             .as_str()
             .unwrap()
-            .contains("unknown version '9'")
+            .contains("Request for unknown model: 'add_sub' version 9 is not found")
     );
     let wrong = get(&server.rest_url("/v2/models/add_sub/infer")).await;
     assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
@@ -341,7 +346,12 @@ async fn readiness_flips_with_the_repository_extension() {
     assert_eq!(get(&server.rest_url("/v2/health/ready")).await.status, 503);
     let infer = post(&server.rest_url("/v2/models/add_sub/infer"), add_sub_json("INT32")).await;
     assert_eq!(infer.status, 503);
-    assert!(infer.json()["error"].as_str().unwrap().contains("not ready"));
+    assert!(
+        infer.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("is not at ready state")
+    );
     let ready_only = post(&server.rest_url("/v2/repository/index"), r#"{"ready": true}"#)
         .await
         .json();

@@ -89,7 +89,7 @@ async fn backend_errors_keep_their_codes_and_messages() {
     let unknown = request("nope", vec![]);
     let error = model_infer(&client, unknown, None).await.unwrap_err();
     assert_eq!((error.grpc_code(), error.http_status().as_u16()), (Code::NotFound, 404));
-    assert_eq!(error.message(), "unknown model 'nope'");
+    assert_eq!(error.message(), "Request for unknown model: 'nope' is not found");
     assert_eq!(error.origin(), Origin::Upstream);
 
     let mut flaky = request(

@@ -86,7 +86,7 @@ async fn errors_keep_status_and_message() {
         .unwrap_err();
     assert_eq!(
         (error.http_status().as_u16(), error.message()),
-        (404, "unknown model 'nope'")
+        (404, "Request for unknown model: 'nope' is not found")
     );
     assert_eq!(error.origin(), Origin::Upstream);
     let mut bad = add_sub();

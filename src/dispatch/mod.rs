@@ -111,8 +111,21 @@ pub struct Dispatcher {
     payload_log: Option<Arc<PayloadLogger>>,
 }
 
-/// Extensions the gateway supports, as its server metadata reports them.
-pub const EXTENSIONS: [&str; 3] = ["binary_tensor_data", "model_repository", "statistics"];
+/// Triton's extensions the gateway serves itself, in Triton's names, as its server metadata reports them: the binary
+/// tensor data of REST bodies, sequences kept on their replica, the repository index and model load and unload, the
+/// `priority` and `timeout` parameters (`schedule_policy`), models' configuration, statistics, request parameters
+/// carried to the backends, and generate. Not the shared-memory extensions (a region is on the client's host),
+/// trace, logging or classification (the backend's own, when it has it).
+pub const EXTENSIONS: [&str; 8] = [
+    "binary_tensor_data",
+    "sequence",
+    "model_repository",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+    "parameters",
+    "generate",
+];
 
 impl Dispatcher {
     /// A dispatcher with metrics of its own (TLS files read now; backends found through DNS start with none).

@@ -22,6 +22,36 @@ pub enum Route<'a> {
     RepositoryIndex,
     RepositoryLoad(&'a str),
     RepositoryUnload(&'a str),
+    /// Triton's shared-memory extensions: the regions registered (of one region, or all), a region's registration,
+    /// and its (or every region's) unregistration.
+    SharedMemoryStatus(SharedMemory),
+    SharedMemoryRegister(SharedMemory, &'a str),
+    SharedMemoryUnregister(SharedMemory),
+}
+
+/// Which of Triton's shared-memory extensions an endpoint belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedMemory {
+    System,
+    Cuda,
+}
+
+impl SharedMemory {
+    /// How the extension names the regions, in messages.
+    pub fn kind(self) -> &'static str {
+        match self {
+            SharedMemory::System => "system",
+            SharedMemory::Cuda => "CUDA",
+        }
+    }
+
+    fn from_segment(segment: &str) -> Option<SharedMemory> {
+        match segment {
+            "systemsharedmemory" => Some(SharedMemory::System),
+            "cudasharedmemory" => Some(SharedMemory::Cuda),
+            _ => None,
+        }
+    }
 }
 
 impl Route<'_> {
@@ -34,12 +64,15 @@ impl Route<'_> {
             | Route::ModelMetadata(..)
             | Route::ModelReady(..)
             | Route::ModelConfig(..)
-            | Route::ModelStatistics(..) => Method::GET,
+            | Route::ModelStatistics(..)
+            | Route::SharedMemoryStatus(_) => Method::GET,
             Route::Infer(..)
             | Route::Generate(..)
             | Route::RepositoryIndex
             | Route::RepositoryLoad(_)
-            | Route::RepositoryUnload(_) => Method::POST,
+            | Route::RepositoryUnload(_)
+            | Route::SharedMemoryRegister(..)
+            | Route::SharedMemoryUnregister(_) => Method::POST,
         }
     }
 }
@@ -63,6 +96,14 @@ impl<'a> Route<'a> {
             Route::RepositoryIndex => "POST /v2/repository/index",
             Route::RepositoryLoad(_) => "POST /v2/repository/models/{model}/load",
             Route::RepositoryUnload(_) => "POST /v2/repository/models/{model}/unload",
+            Route::SharedMemoryStatus(SharedMemory::System) => "GET /v2/systemsharedmemory/status",
+            Route::SharedMemoryStatus(SharedMemory::Cuda) => "GET /v2/cudasharedmemory/status",
+            Route::SharedMemoryRegister(SharedMemory::System, _) => {
+                "POST /v2/systemsharedmemory/region/{region}/register"
+            }
+            Route::SharedMemoryRegister(SharedMemory::Cuda, _) => "POST /v2/cudasharedmemory/region/{region}/register",
+            Route::SharedMemoryUnregister(SharedMemory::System) => "POST /v2/systemsharedmemory/unregister",
+            Route::SharedMemoryUnregister(SharedMemory::Cuda) => "POST /v2/cudasharedmemory/unregister",
         }
     }
 
@@ -81,7 +122,10 @@ impl<'a> Route<'a> {
             | Route::Live
             | Route::Ready
             | Route::ModelStatistics(None, _)
-            | Route::RepositoryIndex => None,
+            | Route::RepositoryIndex
+            | Route::SharedMemoryStatus(_)
+            | Route::SharedMemoryRegister(..)
+            | Route::SharedMemoryUnregister(_) => None,
         }
     }
 }
@@ -124,6 +168,14 @@ pub fn route(path: &str) -> Option<Route<'_>> {
         ["models", model, "versions", version] => Route::ModelMetadata(model, Some(version)),
         ["models", model, "versions", version, "ready"] => Route::ModelReady(model, Some(version)),
         ["models", model, "versions", version, "infer"] => Route::Infer(model, Some(version)),
+        [memory, "status"] => Route::SharedMemoryStatus(SharedMemory::from_segment(memory)?),
+        [memory, "region", _, "status"] => Route::SharedMemoryStatus(SharedMemory::from_segment(memory)?),
+        [memory, "region", region, "register"] => {
+            Route::SharedMemoryRegister(SharedMemory::from_segment(memory)?, region)
+        }
+        [memory, "unregister"] | [memory, "region", _, "unregister"] => {
+            Route::SharedMemoryUnregister(SharedMemory::from_segment(memory)?)
+        }
         _ => return None,
     })
 }
@@ -173,6 +225,19 @@ mod tests {
             route("/v2/models/m/versions/3/stats"),
             Some(Route::ModelStatistics(Some("m"), Some("3")))
         );
+        assert_eq!(
+            route("/v2/systemsharedmemory/region/r/status"),
+            Some(Route::SharedMemoryStatus(SharedMemory::System))
+        );
+        assert_eq!(
+            route("/v2/cudasharedmemory/region/r/register"),
+            Some(Route::SharedMemoryRegister(SharedMemory::Cuda, "r"))
+        );
+        assert_eq!(
+            route("/v2/systemsharedmemory/unregister"),
+            Some(Route::SharedMemoryUnregister(SharedMemory::System))
+        );
+        assert_eq!(route("/v2/othersharedmemory/status"), None);
         assert_eq!(route("/v2/models/m/versions"), None);
         assert_eq!(route("/v2/models/m/versions/2/infer/more"), None);
         assert_eq!(route("/v1/models/m"), None);

@@ -106,8 +106,19 @@ async fn answer_on_stream(
     }
 }
 
+/// The built-in model server's refusal of a shared-memory region: it reads tensors from requests only.
+pub(super) fn no_shared_memory(kind: &str, name: &str) -> crate::error::Error {
+    crate::error::Error::new(
+        crate::error::ErrorKind::Unimplemented,
+        crate::error::Origin::Gateway,
+        format!("{kind} shared-memory region '{name}': the built-in model server reads tensors from requests only"),
+    )
+}
+
 #[tonic::async_trait]
 impl GrpcInferenceService for GrpcModelServer {
+    crate::no_shared_memory_rpcs!(no_shared_memory);
+
     async fn server_live(&self, _: Request<ServerLiveRequest>) -> Result<Response<ServerLiveResponse>, Status> {
         Ok(Response::new(ServerLiveResponse { live: true }))
     }

@@ -113,7 +113,7 @@ impl Repository {
     fn served(&self, name: &str) -> Result<&Served> {
         self.models
             .get(name)
-            .ok_or_else(|| Error::not_found(format!("unknown model '{name}'")))
+            .ok_or_else(|| Error::not_found(format!("Request for unknown model: '{name}' is not found")))
     }
 
     /// The model and version a request names; no version means the latest.
@@ -128,7 +128,7 @@ impl Repository {
         }
         .ok_or_else(|| {
             Error::not_found(format!(
-                "unknown version '{}' of model '{name}'",
+                "Request for unknown model: '{name}' version {} is not found",
                 version.unwrap_or_default()
             ))
         })?;
@@ -360,7 +360,7 @@ impl Repository {
             Some(name) => vec![
                 self.models
                     .get_key_value(name)
-                    .ok_or_else(|| Error::not_found(format!("unknown model '{name}'")))?,
+                    .ok_or_else(|| Error::not_found(format!("Request for unknown model: '{name}' is not found")))?,
             ],
             None => self.models.iter().collect(),
         };
@@ -460,6 +460,6 @@ fn ready(name: &str, served: &Served) -> Result<()> {
     Err(Error::new(
         ErrorKind::Unavailable,
         Origin::Upstream,
-        format!("model '{name}' is not ready: it has been unloaded"),
+        format!("Request for unknown model: '{name}' is not at ready state: it has been unloaded"),
     ))
 }

@@ -147,6 +147,11 @@ where
             repository.set_ready(model, load)?;
             Response::new(ChunksBody::default())
         }
+        Route::SharedMemoryStatus(_) => json_response(StatusCode::OK, b"[]".to_vec()),
+        Route::SharedMemoryUnregister(_) => Response::new(ChunksBody::default()),
+        Route::SharedMemoryRegister(memory, region) => {
+            return Err(super::grpc::no_shared_memory(memory.kind(), region));
+        }
     })
 }
 

@@ -201,6 +201,8 @@ impl BackgroundService for Control {
 
 /// How long streams ended at the close of a grace period get to send their status.
 const STREAMS_END: Duration = Duration::from_millis(500);
+/// How long the process waits, once no request is under way, for the last answers' bytes to leave their connections.
+const LAST_BYTES: Duration = Duration::from_millis(50);
 
 /// SIGTERM and SIGINT start a graceful shutdown: readiness says no at once; after the drain delay the listeners
 /// close; requests under way get the grace period; the process exits as soon as none is left. SIGQUIT hands the
@@ -323,6 +325,8 @@ fn drain(gateway: &Gateway, grace: Duration) {
         gateway.end_streams();
         gateway.wait_idle(STREAMS_END);
     }
+    // A request ends as its answer's last bytes are handed to its connection: a moment lets them leave.
+    std::thread::sleep(LAST_BYTES);
     let left = gateway.active();
     if left > 0 {
         tracing::warn!(

@@ -94,6 +94,67 @@ pub fn shared_memory_anywhere(parameter: &str) -> Error {
     ))
 }
 
+/// The refusal of a shared-memory region's registration: the region is memory on the client's host.
+pub fn shared_memory_registration_refused(kind: &str, name: &str) -> Error {
+    Error::invalid(format!(
+        "{kind} shared-memory region '{name}' cannot be registered through a gateway: the region is memory on the \
+         client's host, and the gateway may send each request to another server; send the tensors' data in the \
+         requests"
+    ))
+}
+
+/// The shared-memory RPCs of a server that holds no regions (a gateway, whose requests go to other hosts): status
+/// lists none, unregistering succeeds (a client's clean-up), registering is refused with `$refused(kind, name)`.
+#[macro_export]
+macro_rules! no_shared_memory_rpcs {
+    ($refused:path) => {
+        $crate::no_shared_memory_rpcs!(@ok system_shared_memory_status, SystemSharedMemoryStatusRequest, SystemSharedMemoryStatusResponse);
+        $crate::no_shared_memory_rpcs!(@refused $refused, "system", system_shared_memory_register, SystemSharedMemoryRegisterRequest, SystemSharedMemoryRegisterResponse);
+        $crate::no_shared_memory_rpcs!(@ok system_shared_memory_unregister, SystemSharedMemoryUnregisterRequest, SystemSharedMemoryUnregisterResponse);
+        $crate::no_shared_memory_rpcs!(@ok cuda_shared_memory_status, CudaSharedMemoryStatusRequest, CudaSharedMemoryStatusResponse);
+        $crate::no_shared_memory_rpcs!(@refused $refused, "CUDA", cuda_shared_memory_register, CudaSharedMemoryRegisterRequest, CudaSharedMemoryRegisterResponse);
+        $crate::no_shared_memory_rpcs!(@ok cuda_shared_memory_unregister, CudaSharedMemoryUnregisterRequest, CudaSharedMemoryUnregisterResponse);
+    };
+    // Written as `#[async_trait]` writes an `async fn`: the attribute does not see into this macro's output.
+    (@ok $method:ident, $request:ident, $response:ident) => {
+        fn $method<'life0, 'async_trait>(
+            &'life0 self,
+            _: tonic::Request<$crate::proto::$request>,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = Result<tonic::Response<$crate::proto::$response>, tonic::Status>>
+                    + Send
+                    + 'async_trait,
+            >,
+        >
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            Box::pin(async move { Ok(tonic::Response::new($crate::proto::$response::default())) })
+        }
+    };
+    (@refused $refused:path, $kind:literal, $method:ident, $request:ident, $response:ident) => {
+        fn $method<'life0, 'async_trait>(
+            &'life0 self,
+            request: tonic::Request<$crate::proto::$request>,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = Result<tonic::Response<$crate::proto::$response>, tonic::Status>>
+                    + Send
+                    + 'async_trait,
+            >,
+        >
+        where
+            'life0: 'async_trait,
+            Self: 'async_trait,
+        {
+            let refusal: tonic::Status = $refused($kind, &request.get_ref().name).into();
+            Box::pin(async move { Err(refusal) })
+        }
+    };
+}
+
 fn describe(value: &ParamValue) -> String {
     match value {
         ParamValue::Int64(v) => format!("the negative number {v}"),

@@ -107,7 +107,8 @@ impl RouteTable {
     fn model(&self, model: &str) -> Result<&ModelRoutes> {
         self.models
             .get(model)
-            .ok_or_else(|| Error::not_found(format!("unknown model '{model}'")))
+            // Triton's wording: clients and tools match on it.
+            .ok_or_else(|| Error::not_found(format!("Request for unknown model: '{model}' is not found")))
     }
 
     /// Routes one request: a named version is that version; otherwise the weights split requests, by the
@@ -179,7 +180,7 @@ impl ModelRoutes {
     fn named(&self, model: &str, version: &str) -> Result<&Arc<VersionRoute>> {
         self.versions.get(version).ok_or_else(|| {
             Error::not_found(format!(
-                "unknown version '{version}' of model '{model}' (it has {})",
+                "Request for unknown model: '{model}' version {version} is not found (it has {})",
                 self.names.join(", ")
             ))
         })

@@ -106,3 +106,50 @@ def test_model_configuration_of_a_backend_without_it_is_a_clear_501(fleet, kind,
     status = str(refused.value.status())
     assert status in ("501", "StatusCode.UNIMPLEMENTED"), status
     assert f"backend {kind}-{protocol} keeps no model configuration" in refused.value.message()
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+def test_the_extensions_announced_are_those_the_gateway_serves(fleet, client_protocol):
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    metadata = (
+        client.get_server_metadata(as_json=True) if client_protocol == "grpc" else client.get_server_metadata()
+    )
+    assert metadata["extensions"] == [
+        "binary_tensor_data",
+        "sequence",
+        "model_repository",
+        "schedule_policy",
+        "model_configuration",
+        "statistics",
+        "parameters",
+        "generate",
+    ]
+    # Each one answers through the gateway, as the clients call it.
+    public = public_name("oipgate", client_protocol, "echo")
+    assert client.get_model_repository_index()
+    assert client.get_inference_statistics(public)
+    assert client.get_model_config(public)
+
+
+@pytest.mark.parametrize("client_protocol", PROTOCOLS)
+def test_shared_memory_calls_status_none_unregister_succeeds_register_says_why_not(fleet, client_protocol):
+    from tritonclient.utils import InferenceServerException
+
+    client = triton(client_protocol, address(fleet.gateway, client_protocol))
+    system = client.get_system_shared_memory_status()
+    cuda = client.get_cuda_shared_memory_status()
+    if client_protocol == "grpc":
+        assert not system.regions and not cuda.regions
+    else:
+        assert system == [] and cuda == []
+    # A client's clean-up succeeds: there is nothing to unregister.
+    client.unregister_system_shared_memory()
+    client.unregister_system_shared_memory("region")
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("region")
+    with pytest.raises(InferenceServerException) as refused:
+        client.register_system_shared_memory("region", "/key", 64)
+    assert "cannot be registered through a gateway" in refused.value.message()
+    with pytest.raises(InferenceServerException) as refused:
+        client.register_cuda_shared_memory("region", b"\0" * 64, 0, 64)
+    assert "cannot be registered through a gateway" in refused.value.message()

@@ -37,6 +37,7 @@ use crate::proto::{
     RepositoryModelUnloadRequest, RepositoryModelUnloadResponse, ServerLiveRequest, ServerLiveResponse,
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
+use crate::protocol::reserved;
 use opentelemetry::KeyValue;
 
 mod infer;
@@ -138,18 +139,6 @@ fn call_span(traces: &Traces, path: &str, headers: &http::HeaderMap) -> Trace {
     })
 }
 
-/// A response carrying the backend's end-to-end metadata and the request id.
-fn with_metadata<T>(message: T, mut metadata: http::HeaderMap, request_id: Option<http::HeaderValue>) -> Response<T> {
-    if let Some(id) = request_id {
-        metadata.insert(super::REQUEST_ID, id);
-    }
-    Response::from_parts(
-        tonic::metadata::MetadataMap::from_headers(metadata),
-        message,
-        tonic::Extensions::default(),
-    )
-}
-
 /// The typed RPCs.
 #[derive(Debug, Clone)]
 struct Typed {
@@ -217,25 +206,12 @@ impl GrpcInferenceService for Typed {
         Err(Status::internal("ModelStreamInfer is served on the raw path"))
     }
 
-    async fn model_infer(&self, request: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
-        // Not reached: the router sends ModelInfer to the raw path. Kept correct all the same.
-        let context = context(&request);
-        let request_id = context.forward.get(super::REQUEST_ID).cloned();
-        let message = request.into_inner();
-        let (model, model_version) = (message.model_name.clone(), message.model_version.clone());
-        let dispatcher = self.gateway.dispatcher();
-        dispatcher.guard().authorize(context.principal.as_deref(), &model)?;
-        let _admission = dispatcher.guard().admit(context.principal.as_deref(), &model)?;
-        let decoded = protobuf::request_from_proto(message)?;
-        let replied = dispatcher
-            .infer(&model, version(&model_version), decoded, &context)
-            .await?;
-        Ok(with_metadata(
-            protobuf::response_to_proto(replied.value),
-            replied.headers,
-            request_id,
-        ))
+    async fn model_infer(&self, _: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
+        // Not reached: the door sends ModelInfer to its raw path, the one way an inference is served.
+        Err(Status::internal("ModelInfer is served on the raw path"))
     }
+
+    crate::no_shared_memory_rpcs!(reserved::shared_memory_registration_refused);
 
     async fn repository_index(
         &self,

@@ -244,6 +244,16 @@ impl RestDoor {
                     .await?;
                 Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
+            // A region is memory on the client's host: the gateway holds none, lets a client's clean-up succeed, and
+            // refuses to register one.
+            Route::SharedMemoryStatus(_) => Reply::Json(StatusCode::OK, b"[]".to_vec()),
+            Route::SharedMemoryUnregister(_) => Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new()),
+            Route::SharedMemoryRegister(memory, region) => {
+                return Err(crate::protocol::reserved::shared_memory_registration_refused(
+                    memory.kind(),
+                    region,
+                ));
+            }
             Route::Infer(..) => return Err(Error::internal("an inference taken for another endpoint")),
             Route::Generate(model, version, call) => {
                 record.admission = Some(guard.admit(principal, model)?);
