@@ -9,44 +9,70 @@ use crate::codec::rest::{self, RestRequest};
 use crate::codec::{decthings, protobuf};
 use crate::proto::ModelInferRequest;
 
-/// The JSON request decoder.
+/// The JSON request decoder: whatever it accepts is valid, encodes (in the binary extension, which carries every
+/// value exactly), and decodes again to the same request.
 pub fn json_request(data: &[u8]) {
-    if let Ok(RestRequest::Request { request, .. }) = rest::decode_request(Bytes::copy_from_slice(data), None) {
-        for input in &request.inputs {
-            assert!(input.validate().is_ok(), "accepted an invalid tensor");
-        }
-        // Whatever was accepted encodes and decodes again.
-        if let Ok(body) = rest::encode_request(&request, true) {
-            let again = rest::decode_request(body.to_bytes(), body.header_length.map(|l| l as u64));
-            assert!(again.is_ok(), "re-encoded request was rejected: {:?}", again.err());
-        }
+    let Ok(RestRequest::Request { request, .. }) = rest::decode_request(Bytes::copy_from_slice(data), None) else {
+        return;
+    };
+    for input in &request.inputs {
+        assert!(input.validate().is_ok(), "accepted an invalid tensor");
     }
+    let body = rest::encode_request(&request, true).expect("a request the decoder accepted encodes");
+    let again = rest::decode_request(body.to_bytes(), body.header_length.map(|l| l as u64))
+        .expect("a re-encoded request decodes");
+    let RestRequest::Request { request: again, .. } = again else {
+        panic!("a re-encoded request decodes as a raw binary body");
+    };
+    // Compared as written out: a NaN parameter is the same parameter, though not equal to itself.
+    assert_eq!(
+        format!("{again:?}"),
+        format!("{request:?}"),
+        "the round trip changed the request"
+    );
 }
 
-/// The binary-extension parser: the first two bytes choose the header length.
+/// The binary-extension parser (the first two bytes choose the header length): whatever it accepts, answered with
+/// its inputs as outputs, encodes and decodes again to the same tensors.
 pub fn binary_request(data: &[u8]) {
     let Some((prefix, body)) = data.split_first_chunk::<2>() else {
         return;
     };
     let header_length = u64::from(u16::from_le_bytes(*prefix)) % (body.len() as u64 + 2);
     let body = Bytes::copy_from_slice(body);
-    if let Ok(RestRequest::Request {
+    let Ok(RestRequest::Request {
         request,
         binary_outputs,
     }) = rest::decode_request(body, Some(header_length))
-    {
-        for input in &request.inputs {
-            assert!(input.validate().is_ok(), "accepted an invalid tensor");
-        }
-        let response = crate::protocol::InferResponse {
-            outputs: request.inputs,
-            ..Default::default()
-        };
-        let encoded = rest::encode_response(&response, &binary_outputs);
-        if let Ok(body) = encoded {
-            let back = rest::decode_response(body.to_bytes(), body.header_length.map(|l| l as u64));
-            assert!(back.is_ok(), "re-encoded response was rejected: {:?}", back.err());
-        }
+    else {
+        return;
+    };
+    for input in &request.inputs {
+        assert!(input.validate().is_ok(), "accepted an invalid tensor");
+    }
+    let response = crate::protocol::InferResponse {
+        outputs: request.inputs.clone(),
+        ..Default::default()
+    };
+    // As the request asked (some outputs as JSON, which writes every NaN alike): it must encode and decode.
+    let asked = rest::encode_response(&response, &binary_outputs).expect("accepted tensors encode as asked");
+    rest::decode_response(asked.to_bytes(), asked.header_length.map(|l| l as u64))
+        .expect("an answer encoded as asked decodes");
+    // All binary, which carries every bit: the same tensors come back.
+    let all_binary = rest::BinaryOutputs {
+        all: true,
+        outputs: Vec::new(),
+    };
+    let encoded = rest::encode_response(&response, &all_binary).expect("accepted tensors encode as an answer");
+    let back = rest::decode_response(encoded.to_bytes(), encoded.header_length.map(|l| l as u64))
+        .expect("a re-encoded answer decodes");
+    assert_eq!(back.outputs.len(), request.inputs.len());
+    for (output, input) in back.outputs.iter().zip(&request.inputs) {
+        assert_eq!(
+            (&output.name, output.datatype, &output.shape, &output.data),
+            (&input.name, input.datatype, &input.shape, &input.data),
+            "the round trip changed a tensor"
+        );
     }
 }
 

@@ -211,7 +211,9 @@ async fn mirror_counts(gateway: &GatewayProcess, model: &str, total: f64) -> Has
         let mut counts = HashMap::new();
         for result in ["ok", "error", "shed"] {
             let series = format!(r#"oipgate_mirror_requests_total{{model="{model}",result="{result}",version="2"}}"#);
-            counts.insert(result, gateway.metric(&series).await);
+            // Each result's series is made at its first copy: absent is none of that result, and the sum below reads
+            // them present.
+            counts.insert(result, gateway.metric_if_present(&series).await.unwrap_or(0.0));
         }
         if counts.values().sum::<f64>() >= total || start.elapsed() > Duration::from_secs(10) {
             return counts;

@@ -297,6 +297,15 @@ pub fn serve_once(path: &Path) -> Output {
         .unwrap()
 }
 
+/// The value of `series` (its name and labels exactly as exposed) in a Prometheus exposition.
+fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(series)?;
+        // The whole series, not one whose labels merely begin alike.
+        rest.starts_with(' ').then(|| rest.trim().parse().ok()).flatten()
+    })
+}
+
 /// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
 pub struct GatewayProcess {
     child: Child,
@@ -424,12 +433,22 @@ impl GatewayProcess {
         String::from_utf8(answer.body.to_vec()).unwrap()
     }
 
-    /// The value of one series, given as its name and labels exactly as exposed; 0 when absent.
+    /// The value of one series, given as its name and labels exactly as exposed; fails, showing the family's
+    /// series, when it is absent (a renamed metric, or labels that do not match, never reads as 0).
     pub async fn metric(&self, series: &str) -> f64 {
         let text = self.metrics().await;
-        text.lines()
-            .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.trim().parse().ok()))
-            .unwrap_or(0.0)
+        series_value(&text, series).unwrap_or_else(|| {
+            let family = series.split('{').next().unwrap_or(series);
+            let exposed: Vec<&str> = text.lines().filter(|line| line.starts_with(family)).collect();
+            panic!("no series {series}; the family's: {exposed:#?}")
+        })
+    }
+
+    /// The value of a series that may not exist yet (counters are made at their first event): `None` while absent.
+    /// A test that reads absence as "none happened" also reads the series present, or a renamed metric would pass
+    /// unseen.
+    pub async fn metric_if_present(&self, series: &str) -> Option<f64> {
+        series_value(&self.metrics().await, series)
     }
 
     /// A [`grpc_client`] of the gRPC front door.
