@@ -157,11 +157,7 @@ async fn a_body_that_expands_past_the_limit_is_refused_without_the_memory() {
         ("gzip", gzip_gibibyte_of_zeros()),
         ("deflate", deflate_gibibyte_of_zeros()),
     ];
-    let peak = || {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", gateway.pid())).unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap().to_owned();
-        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
-    };
+    let peak = || gateway.peak_rss();
     // Warmed up first: the threads' allocators and buffers are not what is measured.
     for version in ["1", "2"] {
         let url = gateway.rest_url(&format!("/v2/models/add_sub/versions/{version}/infer"));

@@ -12,7 +12,7 @@ use common::{GatewayProcess, INT32_BODY as BODY, ModelServerProcess, get, http_c
 use oipgate::proto::RepositoryIndexRequest;
 
 #[tokio::test]
-async fn a_dead_replica_loses_no_request_is_ejected_and_comes_back() {
+async fn a_dead_replica_loses_at_most_the_request_under_way_is_ejected_and_comes_back() {
     // Replica b is stopped and started again on the same ports, which are held for it meanwhile.
     let (b_rest, b_grpc) = (hold_port(), hold_port());
     let start_b = || ModelServerProcess::named_at("b", b_rest.address(), Some(b_grpc.address()));

@@ -838,15 +838,60 @@ async fn proxied_bodies_of_every_length_and_framing_arrive_whole_and_renamed() {
 
 #[tokio::test]
 async fn keep_alive_connections_serve_request_after_request_and_h2c_shares_the_port() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let setup = setup("");
-    let url = setup.gateway.rest_url("/v2/models/add_sub/infer");
-    for h2c in [false, true] {
-        // One client, so one connection (or one HTTP/2 connection's streams) carries every request.
-        let client = http_client(h2c);
-        for round in 0..20 {
-            let answer = send(&client, "POST", &url, &[], add_sub_json("INT32")).await;
-            assert_eq!(answer.status, 200, "h2c {h2c}, round {round}: {:?}", answer.body);
-            tokio::time::sleep(Duration::from_millis(if round % 5 == 0 { 50 } else { 0 })).await;
+    let json = add_sub_json("INT32");
+    // HTTP/1.1: one connection carries every request, answered in turn (pauses between some).
+    let stream = tokio::net::TcpStream::connect(setup.gateway.rest).await.unwrap();
+    let mut stream = tokio::io::BufReader::new(stream);
+    for round in 0..20 {
+        let request = format!(
+            "POST /v2/models/add_sub/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{json}",
+            json.len()
+        );
+        stream.get_mut().write_all(request.as_bytes()).await.unwrap();
+        let mut status = String::new();
+        stream.read_line(&mut status).await.unwrap();
+        assert!(status.starts_with("HTTP/1.1 200"), "round {round}: {status:?}");
+        let mut length = 0;
+        loop {
+            let mut line = String::new();
+            stream.read_line(&mut line).await.unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                length = value.trim().parse().unwrap();
+            }
         }
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).await.unwrap();
+        assert!(
+            String::from_utf8_lossy(&body).contains("\"model_name\":\"add_sub\""),
+            "round {round}"
+        );
+        tokio::time::sleep(Duration::from_millis(if round % 5 == 0 { 50 } else { 0 })).await;
     }
+    // h2c on the same port: one HTTP/2 connection's streams carry every request.
+    let tcp = tokio::net::TcpStream::connect(setup.gateway.rest).await.unwrap();
+    let (mut client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    for round in 0..20 {
+        let request = http::Request::post("http://x/v2/models/add_sub/infer")
+            .header("content-type", "application/json")
+            .body(())
+            .unwrap();
+        let (answer, mut sending) = client.send_request(request, false).unwrap();
+        sending.send_data(Bytes::from(json.clone()), true).unwrap();
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status(), 200, "h2c round {round}");
+        let mut body = answer.into_body();
+        while let Some(data) = body.data().await {
+            let data = data.unwrap();
+            let _ = body.flow_control().release_capacity(data.len());
+        }
+        tokio::time::sleep(Duration::from_millis(if round % 5 == 0 { 50 } else { 0 })).await;
+    }
+    assert!(!connection.is_finished(), "the one HTTP/2 connection is still open");
 }

@@ -83,15 +83,14 @@ async fn connections_with_half_a_preface(address: SocketAddr, count: usize) -> V
 #[tokio::test]
 async fn a_half_sent_preface_is_waited_for_without_polling_and_closed_at_the_head_time_limit_on_both_doors() {
     let setup = setup("");
-    let pid = setup.gateway.pid();
     for address in [setup.gateway.rest, setup.gateway.grpc] {
         let mut waiting = connections_with_half_a_preface(address, 100).await;
         // Let the gateway see them all, then count its switches over a second of their waiting. Polled every
         // millisecond, as they once were, each door thread is switched about a thousand times in it.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let before = context_switches(pid);
+        let before = context_switches(setup.gateway.pid());
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let switched = context_switches(pid) - before;
+        let switched = context_switches(setup.gateway.pid()) - before;
         assert!(
             switched < 200,
             "{switched} context switches in half a second with 100 connections waiting for their preface ({address})"
@@ -114,18 +113,6 @@ async fn a_half_sent_preface_is_waited_for_without_polling_and_closed_at_the_hea
         .await
         .unwrap();
     drop(setup.server);
-}
-
-/// The gateway's peak resident memory so far, in bytes.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|value| value.split_whitespace().next())
-        .and_then(|value| value.parse().ok())
-        .unwrap();
-    kib * 1024
 }
 
 /// A payload-log sink that reads every event and notes the size of each body it was sent.
@@ -202,7 +189,6 @@ fn json_of_size(bytes: usize) -> Vec<u8> {
 async fn a_body_in_one_byte_chunks_holds_memory_bounded_by_its_data_with_the_payload_log_tapping_it() {
     let (sink, sizes) = measuring_sink().await;
     let setup = setup(&format!("[payload_log]\nurl = \"http://{sink}\"\nmode = \"request\""));
-    let pid = setup.gateway.pid();
     let path = "/v2/models/identity/infer";
     // Warmed with the same request sent plainly, so what the door's and the backend client's buffers grow to once
     // is in the baseline.
@@ -214,7 +200,7 @@ async fn a_body_in_one_byte_chunks_holds_memory_bounded_by_its_data_with_the_pay
     })
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let before = peak_rss(pid);
+    let before = setup.gateway.peak_rss();
     // About 2 MiB of data in 12 MiB of framing: one chunk a byte.
     let (status, answered) = chunked_request(setup.gateway.rest, path, &body, 1).await;
     assert_eq!(status, 200, "{answered} bytes answered");
@@ -224,7 +210,7 @@ async fn a_body_in_one_byte_chunks_holds_memory_bounded_by_its_data_with_the_pay
     .await;
     // The payload log got the whole body, however it was cut.
     assert!(sizes.lock().unwrap()[1] >= body.len(), "{:?}", sizes.lock().unwrap());
-    let grown = peak_rss(pid).saturating_sub(before);
+    let grown = setup.gateway.peak_rss().saturating_sub(before);
     // The stated bound (docs/SECURITY.md): twice the data the request and its answer carry, plus 8 MiB a request.
     let data = (body.len() + answered) as u64;
     let bound = 2 * data + (8 << 20);
@@ -286,20 +272,19 @@ async fn an_h2c_body_in_one_byte_frames_holds_memory_bounded_by_its_data_and_cou
     let setup = setup(&format!(
         "max_request_bytes = 4194304\n[payload_log]\nurl = \"http://{sink}\"\nmode = \"request\""
     ));
-    let pid = setup.gateway.pid();
     let path = "/v2/models/identity/infer";
     let body = json_of_size(300 << 10);
     let (status, _) = h2c_request(setup.gateway.rest, path, &body, 16 << 10).await;
     assert_eq!(status, 200);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let before = peak_rss(pid);
+    let before = setup.gateway.peak_rss();
     let (status, answered) = h2c_request(setup.gateway.rest, path, &body, 1).await;
     assert_eq!(status, 200);
     common::eventually(Duration::from_secs(30), "both events", || async {
         sizes.lock().unwrap().len() == 2
     })
     .await;
-    let grown = peak_rss(pid).saturating_sub(before);
+    let grown = setup.gateway.peak_rss().saturating_sub(before);
     let data = (body.len() + answered) as u64;
     eprintln!("peak memory grew {} KiB for {} KiB of data", grown >> 10, data >> 10);
     assert!(

@@ -368,13 +368,6 @@ async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
-/// The gateway's resident memory now, in bytes.
-fn resident(gateway: &GatewayProcess) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", gateway.pid())).unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap().to_owned();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
-}
-
 /// A stream of `requests` whose client reads the first answer, then stops reading for `pause`: the stream, to read the
 /// rest, and the most the gateway's resident memory stood above `before` meanwhile (sampled every 100 ms).
 async fn stalled(
@@ -389,7 +382,7 @@ async fn stalled(
     let until = Instant::now() + pause;
     while Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        largest = largest.max(resident(gateway).saturating_sub(before));
+        largest = largest.max(gateway.rss().saturating_sub(before));
     }
     (answers, largest)
 }
@@ -422,12 +415,12 @@ async fn long_streams_and_clients_that_stop_reading_keep_the_gateway_memory_flat
         ],
     )
     .await;
-    let before = resident(&gateway);
+    let before = gateway.rss();
 
     // Ten thousand responses pass through, memory flat.
     let by_id = stream(&gateway, vec![count_request("counter", "many", 10_000, &[])]).await;
     assert_eq!(by_id["many"].len(), 10_000);
-    let grown = resident(&gateway).saturating_sub(before);
+    let grown = gateway.rss().saturating_sub(before);
     assert!(grown < 8 << 20, "10,000 responses grew the gateway by {grown} bytes");
 
     // 96 MiB of answers for a client that reads one, then stops for three seconds: what the gateway holds is
@@ -458,7 +451,7 @@ async fn a_client_that_stops_reading_tiny_responses_gets_them_all() {
     let server = ModelServerProcess::both();
     let gateway = gateway(&server);
     stream(&gateway, vec![count_request("counter", "warm", 1_000, &[])]).await;
-    let before = resident(&gateway);
+    let before = gateway.rss();
     let requests = vec![count_request("counter", "tiny", RESPONSES, &[])];
     let (mut answers, largest) = stalled(&gateway, requests, before, Duration::from_secs(10)).await;
     // (Measured at about 4 MiB.)

@@ -78,14 +78,20 @@ async fn an_upgrade_under_load_on_both_doors_fails_no_request() {
     grpc.model_infer(common::grpc_int32_request("identity", ""))
         .await
         .unwrap();
+    // Every request answered once the old process was gone was the new one's, and is in its log, besides the two
+    // just sent: at least that many inference lines.
     let served_by_new = new
         .log_lines()
         .iter()
-        .filter(|line| line.contains("oipgate::access"))
+        .filter(|line| {
+            line.contains("oipgate::access")
+                && (line.contains("path=\"/v2/models/add_sub/infer\"") || line.contains("path=\"ModelInfer\""))
+        })
         .count();
+    let after_old = served - at_exit;
     assert!(
-        served_by_new > 0,
-        "the new process ({}) logs the requests it served",
+        served_by_new >= after_old + 2,
+        "the new process ({}) logged {served_by_new} inferences; it served at least {after_old} and the 2 probes",
         new.pid()
     );
     assert_ne!(new.pid(), old_pid);

@@ -426,6 +426,27 @@ impl GatewayProcess {
         format!("http://{}{path}", self.rest)
     }
 
+    /// The process's resident memory now, in bytes.
+    pub fn rss(&self) -> u64 {
+        self.memory_status("VmRSS:")
+    }
+
+    /// The most resident memory the process has held since it started, in bytes.
+    pub fn peak_rss(&self) -> u64 {
+        self.memory_status("VmHWM:")
+    }
+
+    fn memory_status(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix(field))
+            .and_then(|value| value.split_whitespace().next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("no {field} in the process's status"));
+        kib * 1024
+    }
+
     /// The Prometheus exposition from the metrics listener.
     pub async fn metrics(&self) -> String {
         let answer = get(&format!("http://{}/metrics", self.metrics)).await;
