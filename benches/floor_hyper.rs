@@ -4,10 +4,12 @@
 //! `http1::Builder::serve_connection`, bodies collected whole. HTTP/2 (`--http2`): `http2::Builder::serve_connection`
 //! and an `http2_only` client, bodies and trailers streamed through untouched.
 //! `floor_hyper --listen ADDR --upstream ADDR --threads N [--http2]`; without arguments (as `cargo test` runs it) it
-//! does nothing.
+//! runs both proxies briefly in front of a model server of its own, and checks their answers.
 
 #[path = "support/arguments.rs"]
 mod arguments;
+#[path = "support/self_check.rs"]
+mod self_check;
 use arguments::argument;
 
 use bytes::Bytes;
@@ -22,11 +24,61 @@ type Failure = Box<dyn std::error::Error + Send + Sync>;
 
 fn main() -> Result<(), Failure> {
     let (Some(listen), Some(upstream)) = (argument("--listen"), argument("--upstream")) else {
-        return Ok(());
+        return checked();
     };
     let threads: usize = argument("--threads").map_or(Ok(2), |t| t.parse())?;
     let http2 = std::env::args().any(|a| a == "--http2");
     let listener = std::net::TcpListener::bind(&listen)?;
+    proxy(listener, upstream, threads, http2)?;
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Both proxies, briefly, in front of a model server: an inference through each (a gRPC call through HTTP/2's).
+fn checked() -> Result<(), Failure> {
+    let (rest, grpc) = self_check::model_server()?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?.to_string();
+    proxy(listener, rest.to_string(), 1, false)?;
+    self_check::check_http1(&address)?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    proxy(listener, grpc.to_string(), 1, true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let mut client = oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient::connect(format!(
+            "http://{address}"
+        ))
+        .await?;
+        let request = oipgate::proto::ModelInferRequest {
+            model_name: "identity".into(),
+            inputs: vec![oipgate::proto::model_infer_request::InferInputTensor {
+                name: "x".into(),
+                datatype: "INT32".into(),
+                shape: vec![2],
+                contents: Some(oipgate::proto::InferTensorContents {
+                    int_contents: vec![7, 8],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let answer = client.model_infer(request).await?.into_inner();
+        let raw = answer
+            .raw_output_contents
+            .first()
+            .ok_or("an answer without raw contents")?;
+        if raw[..] != [7, 0, 0, 0, 8, 0, 0, 0] {
+            return Err(format!("unexpected answer through the HTTP/2 proxy: {answer:?}").into());
+        }
+        Ok::<_, Failure>(())
+    })
+}
+
+/// Serves the proxy on `listener` from `threads` threads of their own.
+fn proxy(listener: std::net::TcpListener, upstream: String, threads: usize, http2: bool) -> Result<(), Failure> {
     listener.set_nonblocking(true)?;
     for _ in 0..threads {
         let listener = listener.try_clone()?;
@@ -37,9 +89,7 @@ fn main() -> Result<(), Failure> {
             runtime.block_on(serve(listener, upstream, http2))
         });
     }
-    loop {
-        std::thread::park();
-    }
+    Ok(())
 }
 
 /// The request's target at the upstream.

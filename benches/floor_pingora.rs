@@ -1,10 +1,12 @@
 //! The smallest pingora reverse proxy: a reference row of the load harness (`scripts/bench`), the cost of pingora's
 //! HTTP proxy path that the REST door no longer takes. `ProxyHttp` with only `upstream_peer`, one `HttpPeer`.
-//! `floor_pingora --listen ADDR --upstream ADDR --threads N`; without arguments (as `cargo test` runs it) it does
-//! nothing.
+//! `floor_pingora --listen ADDR --upstream ADDR --threads N`; without arguments (as `cargo test` runs it) it runs
+//! briefly in front of a model server of its own, and checks an answer.
 
 #[path = "support/arguments.rs"]
 mod arguments;
+#[path = "support/self_check.rs"]
+mod self_check;
 use arguments::argument;
 
 use async_trait::async_trait;
@@ -30,9 +32,28 @@ impl ProxyHttp for Proxy {
 
 fn main() {
     let (Some(listen), Some(upstream)) = (argument("--listen"), argument("--upstream")) else {
+        checked();
         return;
     };
     let threads = argument("--threads").and_then(|t| t.parse().ok()).unwrap_or(2);
+    run(listen, upstream, threads);
+}
+
+/// The proxy, briefly, in front of a model server: an inference through it. pingora's server runs until the
+/// process ends, which it does once the answer is checked.
+fn checked() {
+    let (rest, _) = self_check::model_server().expect("a model server");
+    let listen = format!("127.0.0.1:{}", self_check::free_port().expect("a free port"));
+    let address = listen.clone();
+    std::thread::spawn(move || run(listen, rest.to_string(), 1));
+    if let Err(error) = self_check::check_http1(&address) {
+        eprintln!("floor_pingora: {error}");
+        std::process::exit(1);
+    }
+    std::process::exit(0);
+}
+
+fn run(listen: String, upstream: String, threads: usize) {
     let conf = ServerConf {
         threads,
         ..Default::default()

@@ -2,7 +2,8 @@
 //! collector (the collector's own service from opentelemetry-proto, which decodes every span) and a CloudEvents sink
 //! that reads each event whole and answers 200, as KServe's message dumper does. Every second both counts go to
 //! stderr.
-//! `telemetry_sinks --otlp ADDR --events ADDR`; without arguments (as `cargo test` runs it) it does nothing.
+//! `telemetry_sinks --otlp ADDR --events ADDR`; without arguments (as `cargo test` runs it) it starts both briefly,
+//! sends each spans and an event, and checks they are counted.
 
 #[path = "support/arguments.rs"]
 mod arguments;
@@ -40,50 +41,93 @@ impl TraceService for Collector {
 }
 
 fn main() -> Result<(), Failure> {
-    let (Some(otlp), Some(events)) = (argument("--otlp"), argument("--events")) else {
-        return Ok(());
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()?;
+    let (Some(otlp), Some(events)) = (argument("--otlp"), argument("--events")) else {
+        return runtime.block_on(checked());
+    };
     runtime.block_on(async move {
-        let spans = Collector::default();
-        let received_events = Arc::new(AtomicU64::new(0));
-        let otlp = tokio::net::TcpListener::bind(&otlp).await?;
-        let events = tokio::net::TcpListener::bind(&events).await?;
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(spans.clone()))
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(otlp)),
-        );
-        let counted = received_events.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((tcp, _)) = events.accept().await else { return };
-                let counted = counted.clone();
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                        let counted = counted.clone();
-                        async move {
-                            let _ = request.into_body().collect().await;
-                            counted.fetch_add(1, Ordering::Relaxed);
-                            Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::new())))
-                        }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
-                        .await;
-                });
-            }
-        });
+        let (spans, received_events) = sinks(&otlp, &events).await?;
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             eprintln!(
                 "spans={} events={}",
-                spans.0.load(Ordering::Relaxed),
+                spans.load(Ordering::Relaxed),
                 received_events.load(Ordering::Relaxed)
             );
         }
     })
+}
+
+/// Both sinks, briefly: three spans exported to the collector and one event posted to the sink, each counted.
+async fn checked() -> Result<(), Failure> {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
+    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+    let otlp = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let events = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let (spans, received_events) = sinks(&otlp.to_string(), &events.to_string()).await?;
+    let mut client = TraceServiceClient::connect(format!("http://{otlp}")).await?;
+    client
+        .export(ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                scope_spans: vec![ScopeSpans {
+                    spans: vec![Span::default(); 3],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+        })
+        .await?;
+    let mut stream = tokio::net::TcpStream::connect(events).await?;
+    tokio::io::AsyncWriteExt::write_all(
+        &mut stream,
+        b"POST / HTTP/1.1\r\nhost: sink\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+    )
+    .await?;
+    let mut answer = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut answer).await?;
+    if !answer.starts_with(b"HTTP/1.1 200") {
+        return Err(format!("the sink answered {}", String::from_utf8_lossy(&answer)).into());
+    }
+    let (spans, received) = (spans.load(Ordering::Relaxed), received_events.load(Ordering::Relaxed));
+    if (spans, received) != (3, 1) {
+        return Err(format!("counted {spans} spans and {received} events, not 3 and 1").into());
+    }
+    Ok(())
+}
+
+/// The collector on `otlp` and the sink on `events`, serving on this runtime; their counts of spans and events.
+async fn sinks(otlp: &str, events: &str) -> Result<(Arc<AtomicU64>, Arc<AtomicU64>), Failure> {
+    let spans = Collector::default();
+    let received_events = Arc::new(AtomicU64::new(0));
+    let otlp = tokio::net::TcpListener::bind(otlp).await?;
+    let events = tokio::net::TcpListener::bind(events).await?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(spans.clone()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(otlp)),
+    );
+    let counted = received_events.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = events.accept().await else { return };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                    let counted = counted.clone();
+                    async move {
+                        let _ = request.into_body().collect().await;
+                        counted.fetch_add(1, Ordering::Relaxed);
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::new())))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    Ok((spans.0, received_events))
 }
