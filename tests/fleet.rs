@@ -303,22 +303,41 @@ async fn a_full_endpoint_refuses_after_a_bounded_wait_and_nothing_to_serve_is_re
         model("slow", "narrow"),
         model("identity", "dead"),
     ));
-    let slow = r#"{"parameters":{"delay_ms":800},"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
+    let slow = r#"{"parameters":{"delay_ms":5000},"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}]}"#;
     let client = http_client(false);
     let url = gateway.rest_url("/v2/models/slow/infer");
     let first = tokio::spawn({
         let (client, url) = (client.clone(), url.clone());
         async move { send(&client, "POST", &url, &[], slow).await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let start = Instant::now();
+    common::eventually(Duration::from_secs(10), "the first call at the endpoint", || async {
+        gateway
+            .metric_if_present(r#"oipgate_in_flight{backend="narrow"}"#)
+            .await
+            == Some(1.0)
+    })
+    .await;
+    // Refused once its 50 ms in the queue are up, while the first call (five seconds) still holds the endpoint:
+    // the bounded wait, not a wait for the endpoint to free.
     let second = send(&client, "POST", &url, &[], slow).await;
     assert_eq!(second.status, 429, "{:?}", second.body);
-    assert!(start.elapsed() < Duration::from_millis(500));
+    assert!(
+        !first.is_finished(),
+        "refused before the first call's five seconds were up"
+    );
     assert_eq!(first.await.unwrap().status, 200);
 
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let start = Instant::now();
+    // Nothing to serve (the one endpoint dead, ejected by its health checks): refused at once, 503 naming why, where
+    // trying the dead endpoint would have been a 502 that it cannot be reached.
+    common::eventually(Duration::from_secs(10), "the dead endpoint ejected", || async {
+        gateway
+            .metric_if_present(&format!(
+                "oipgate_endpoint_healthy{{backend=\"dead\",endpoint=\"{dead}\"}}"
+            ))
+            .await
+            == Some(0.0)
+    })
+    .await;
     let refused = send(
         &client,
         "POST",
@@ -328,7 +347,11 @@ async fn a_full_endpoint_refuses_after_a_bounded_wait_and_nothing_to_serve_is_re
     )
     .await;
     assert_eq!(refused.status, 503, "{:?}", refused.body);
-    assert!(start.elapsed() < Duration::from_millis(200));
+    assert!(
+        String::from_utf8_lossy(&refused.body).contains("no endpoint"),
+        "{:?}",
+        refused.body
+    );
     let ready = send(&client, "GET", &gateway.rest_url("/v2/health/ready"), &[], "").await;
     assert_eq!(ready.status, 503);
 }
