@@ -95,7 +95,7 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
         let series = gauge(ip);
         async move { gateway.metrics().await.contains(&series) }
     };
-    eventually(Duration::from_secs(5), "the first endpoint", || exposed("127.0.0.2")).await;
+    eventually(Duration::from_secs(10), "the first endpoint", || exposed("127.0.0.2")).await;
     assert!(!exposed("127.0.0.3").await);
 
     let by_three = Arc::new(AtomicUsize::new(0));
@@ -123,16 +123,16 @@ async fn endpoints_follow_dns_answers_without_disturbing_the_others() {
 
     // A second record: a second endpoint, sharing the traffic.
     records.lock().unwrap().push(three_ip());
-    eventually(Duration::from_secs(5), "the second endpoint", || exposed("127.0.0.3")).await;
+    eventually(Duration::from_secs(10), "the second endpoint", || exposed("127.0.0.3")).await;
     let before = by_three.load(Ordering::Relaxed);
-    eventually(Duration::from_secs(5), "traffic on the second endpoint", || {
+    eventually(Duration::from_secs(10), "traffic on the second endpoint", || {
         std::future::ready(by_three.load(Ordering::Relaxed) > before + 20)
     })
     .await;
 
     // The first record goes: its endpoint is dropped (series too); then its server can stop with nothing lost.
     records.lock().unwrap().retain(|ip| *ip != two_ip());
-    eventually(Duration::from_secs(5), "the first endpoint to go", || async {
+    eventually(Duration::from_secs(10), "the first endpoint to go", || async {
         !exposed("127.0.0.2").await
     })
     .await;
@@ -160,12 +160,12 @@ async fn the_system_resolver_serves_names_without_a_dns_server() {
         model("identity", "local")
     ));
     let series = format!("oipgate_endpoint_healthy{{backend=\"local\",endpoint=\"127.0.0.1:{port}\"}}");
-    eventually(Duration::from_secs(5), "localhost resolved", || async {
+    eventually(Duration::from_secs(10), "localhost resolved", || async {
         gateway.metrics().await.contains(&series)
     })
     .await;
     // The series appears as the configuration with the endpoint is built, a moment before it serves.
-    eventually(Duration::from_secs(5), "a call to reach localhost", || async {
+    eventually(Duration::from_secs(10), "a call to reach localhost", || async {
         post(&gateway.rest_url("/v2/models/identity/infer"), BODY).await.status == 200
     })
     .await;
@@ -189,7 +189,7 @@ async fn every_a_and_aaaa_record_is_an_endpoint() {
         format!("[::1]:{port}"),
     ] {
         let series = format!("oipgate_endpoint_healthy{{backend=\"both\",endpoint=\"{endpoint}\"}}");
-        eventually(Duration::from_secs(5), &series, || async {
+        eventually(Duration::from_secs(10), &series, || async {
             gateway.metrics().await.contains(&series)
         })
         .await;

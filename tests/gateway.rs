@@ -608,7 +608,9 @@ async fn end_to_end_headers_cross_every_path_and_hop_by_hop_ones_never_do() {
     }
 }
 
-const SLOW_MS: u64 = 4000;
+/// The slow model's delay: a minute, so a call the gateway does not end early is seen waiting for it, whatever the
+/// machine's load (ended calls are cancelled: no test waits it out).
+const SLOW_MS: u64 = 60_000;
 
 /// A gRPC request for `model` at `version` with one INT32 input, x = [1], in raw contents.
 fn one_int32_grpc_request(model: &str, version: &str) -> ModelInferRequest {

@@ -371,19 +371,15 @@ async fn a_client_dribbling_its_headers_gets_408_and_the_connection_closes() {
     let setup = setup();
     let address = setup.gateway.rest;
     let head = b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-slow: abcdefghijklmnopqrstuvwxyz\r\n\r\n";
-    let started = std::time::Instant::now();
     let answer = tokio::task::spawn_blocking(move || {
         let bytes: Vec<&[u8]> = head.chunks(1).collect();
         exchange(address, &bytes, Duration::from_millis(50))
     })
     .await
     .unwrap();
+    // The head's time limit answered, where a head let through whole would have been answered 200.
     assert_eq!(status(&answer), "408", "{answer}");
     assert!(answer.contains("did not arrive in time"), "{answer}");
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "closed long before the whole head would have come"
-    );
 
     // The head of a request pipelined behind another is timed as a head once its first bytes have come.
     let answer = tokio::task::spawn_blocking(move || {

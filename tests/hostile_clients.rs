@@ -53,7 +53,8 @@ async fn served(setup: &Setup) {
         .model_infer(common::grpc_int32_request("identity", "2"))
         .await
         .expect("a gRPC call is served");
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    // Starved, a call would wait on the attackers for as long as they go on (longer than any test's patience).
+    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
 }
 
 /// The model server's count of `identity` inferences (every outcome).
@@ -123,8 +124,8 @@ async fn slowloris_connections_are_all_closed_by_the_head_timeout_while_others_a
     for connection in trickling {
         let (closed, answer, took) = connection.await.unwrap();
         assert!(closed, "a trickling connection was never closed");
-        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
-        assert!(took < Duration::from_secs(5), "{took:?}");
+        // Closed by the head's time limit: the trickle itself never ends.
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer} after {took:?}");
     }
     served(&setup).await;
 }
@@ -135,15 +136,14 @@ async fn a_stalled_body_gets_408_and_does_not_hold_the_backend() {
     let before = identity_calls(&setup.server).await;
     // A small body, read whole before the backend is called: the backend never hears of it.
     let mut stream = tokio::net::TcpStream::connect(setup.gateway.rest).await.unwrap();
-    let started = Instant::now();
     stream
         .write_all(b"POST /v2/models/identity/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"inputs\":")
         .await
         .unwrap();
     let answer = read_until_closed(&mut stream, Duration::from_secs(15)).await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    // The pause between reads ended it (the message names which bound), not the body's end, which never comes.
     assert!(answer.contains("body_read_timeout_ms"), "{answer}");
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     // A large body, relayed to the backend as it comes: its call is cut off when the client stalls.
     let mut stream = tokio::net::TcpStream::connect(setup.gateway.rest).await.unwrap();
     stream
@@ -249,7 +249,7 @@ async fn reset_flood(port: SocketAddr, path: &str, content_type: &str, pause: Du
     };
     let ended = match ended {
         Some(error) => error,
-        None => tokio::time::timeout(Duration::from_secs(5), connection)
+        None => tokio::time::timeout(Duration::from_secs(30), connection)
             .await
             .expect("the connection is closed")
             .unwrap()

@@ -291,6 +291,7 @@ async fn simple_string_with_typed_bytes_and_slow() {
     };
     let started = std::time::Instant::now();
     let response = client.model_infer(slow).await.unwrap().into_inner();
+    // A lower bound: load only lengthens the call.
     assert!(started.elapsed() >= std::time::Duration::from_millis(100));
     assert_eq!(decode_int32s(&response.raw_output_contents[0]), [9]);
 }
@@ -381,8 +382,13 @@ async fn a_stream_answers_each_request_as_triton_does() {
 async fn a_client_that_goes_away_stops_its_stream() {
     let server = ModelServerProcess::grpc_only(&[]);
     let mut client = server.grpc_client().await;
-    // A thousand responses 10 ms apart: ten seconds, unless the stream is stopped.
-    let long = count_request("count", "long", 1000, &[("delay_ms", ParameterChoice::Int64Param(10))]);
+    // A hundred thousand responses 10 ms apart: a quarter of an hour, unless the stream is stopped.
+    let long = count_request(
+        "count",
+        "long",
+        100_000,
+        &[("delay_ms", ParameterChoice::Int64Param(10))],
+    );
     let mut answers = client
         .model_stream_infer(tokio_stream::iter(vec![long]))
         .await
@@ -413,8 +419,9 @@ async fn a_client_that_goes_away_stops_its_stream() {
             assert_eq!(statistics.model_stats[0].inference_count, 0);
             break;
         }
+        // Far short of the quarter of an hour the model would go on for, whatever the machine's load.
         assert!(
-            started.elapsed() < std::time::Duration::from_secs(2),
+            started.elapsed() < std::time::Duration::from_secs(60),
             "the model went on after its client went away"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;

@@ -247,6 +247,7 @@ async fn simple_string_slow_and_flaky() {
     )
     .await;
     assert_eq!(slow.status, 200);
+    // A lower bound: load only lengthens the call.
     assert!(
         started.elapsed() >= Duration::from_millis(300),
         "slow answered before its delay"

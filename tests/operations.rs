@@ -71,7 +71,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
         if step == 11 {
             // A backend named by a version but not configured: refused, the running configuration stays.
             gateway.rewrite(&step_config(&a, &b, step).replace("backend = \"a\"", "backend = \"nowhere\""));
-            eventually(Duration::from_secs(5), "the invalid file to be refused", || async {
+            eventually(Duration::from_secs(10), "the invalid file to be refused", || async {
                 reloads("error").await >= 1.0
             })
             .await;
@@ -83,7 +83,7 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
             }
             expected_ok += 1.0;
             let target = expected_ok;
-            eventually(Duration::from_secs(5), "the rewrite to be applied", || async {
+            eventually(Duration::from_secs(10), "the rewrite to be applied", || async {
                 reloads("ok").await >= target
             })
             .await;
@@ -93,10 +93,14 @@ async fn twenty_rewrites_under_steady_load_fail_no_request() {
         // what tells that this step's file is the one served.)
         let with_echo = step != 11 && step % 4 >= 2 || step == 11 && 10 % 4 >= 2;
         let expected = if with_echo { 200 } else { 404 };
-        eventually(Duration::from_secs(5), &format!("step {step} to be served"), || async {
-            let answer = post(&gateway.rest_url("/v2/models/echo/infer"), BODY).await;
-            answer.status == expected
-        })
+        eventually(
+            Duration::from_secs(10),
+            &format!("step {step} to be served"),
+            || async {
+                let answer = post(&gateway.rest_url("/v2/models/echo/infer"), BODY).await;
+                answer.status == expected
+            },
+        )
         .await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -139,7 +143,7 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
     // A reload that leaves the backend as it was keeps its endpoints' state: still ejected, no new retries.
     gateway.rewrite(&config("second"));
     gateway.signal("HUP");
-    eventually(Duration::from_secs(5), "the reload", || async {
+    eventually(Duration::from_secs(10), "the reload", || async {
         gateway
             .metric_if_present("oipgate_config_reloads_total{result=\"ok\"}")
             .await
@@ -160,7 +164,7 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
     let message = "models[0].versions[0].backend: no backend named \"missing\"";
     assert!(String::from_utf8_lossy(&check.stderr).contains(message));
     gateway.signal("HUP");
-    eventually(Duration::from_secs(5), "the refusal", || async {
+    eventually(Duration::from_secs(10), "the refusal", || async {
         gateway
             .metric_if_present("oipgate_config_reloads_total{result=\"error\"}")
             .await
@@ -180,8 +184,10 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
 #[tokio::test]
 async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero() {
     let a = ModelServerProcess::named("a");
+    // A drain delay of three seconds and a grace period of a minute: what happens within each is told apart by
+    // events (readiness, a refused connection, the exit), with room to spare on a loaded machine.
     let mut gateway = GatewayProcess::start(&format!(
-        "[shutdown]\ngrace_period_ms = 10000\ndrain_delay_ms = 600\n{}{}",
+        "[shutdown]\ngrace_period_ms = 60000\ndrain_delay_ms = 3000\n{}{}",
         backend("a", "rest", [a.rest.unwrap()]),
         model("slow", "a")
     ));
@@ -189,30 +195,35 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
     let url = gateway.rest_url("/v2/models/slow/infer");
     let slow = tokio::spawn(async move {
         let body =
-            r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":{"delay_ms":1500}}"#;
+            r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":{"delay_ms":5000}}"#;
         post(&url, body).await
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    eventually(Duration::from_secs(10), "the slow call under way", || async {
+        gateway.metric_if_present(r#"oipgate_in_flight{backend="a"}"#).await == Some(1.0)
+    })
+    .await;
     let signalled = Instant::now();
     gateway.signal("TERM");
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // Within the drain delay: still accepting, but not ready.
-    let ready = get(&gateway.rest_url("/v2/health/ready")).await;
-    assert_eq!(ready.status, 503);
+    // Within the drain delay: not ready, but still accepting (this very check connects).
+    // Within the drain delay's three seconds: after them the listener closes, and readiness cannot be asked.
+    eventually(Duration::from_secs(3), "readiness off", || async {
+        get(&gateway.rest_url("/v2/health/ready")).await.status == 503
+    })
+    .await;
     assert_eq!(get(&gateway.rest_url("/v2/health/live")).await.status, 200);
     assert!(!grpc_ready(&mut gateway.grpc_client().await).await);
     // After it the listeners are closed.
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(
-        std::net::TcpStream::connect(gateway.rest).is_err(),
-        "REST stopped accepting"
-    );
+    eventually(Duration::from_secs(20), "REST to stop accepting", || async {
+        std::net::TcpStream::connect(gateway.rest).is_err()
+    })
+    .await;
     let answer = slow.await.unwrap();
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
-    let status = gateway.wait_exit(Duration::from_secs(5)).expect("exits once drained");
+    let status = gateway.wait_exit(Duration::from_secs(50)).expect("exits once drained");
     assert!(status.success(), "{status:?}");
+    // The slow call ends about five seconds after the signal; the grace period, a minute after it.
     assert!(
-        signalled.elapsed() < Duration::from_secs(6),
+        signalled.elapsed() < Duration::from_secs(40),
         "exit came when the last request finished, not at the end of the grace period"
     );
 }
@@ -328,7 +339,7 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
     grpc.model_infer(request).await.unwrap();
 
     let mut lines: Vec<serde_json::Value> = Vec::new();
-    eventually(Duration::from_secs(3), "five access-log lines", || {
+    eventually(Duration::from_secs(10), "five access-log lines", || {
         lines = gateway
             .log_lines()
             .iter()
@@ -452,7 +463,7 @@ async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_acr
     // A reload that keeps m0 keeps its count; a larger bound lets m3 have its own series from now on.
     gateway.rewrite(&config(10, &["m0", "m3"]));
     gateway.signal("HUP");
-    eventually(Duration::from_secs(5), "the reload", || async {
+    eventually(Duration::from_secs(10), "the reload", || async {
         gateway
             .metric_if_present("oipgate_config_reloads_total{result=\"ok\"}")
             .await

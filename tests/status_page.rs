@@ -146,7 +146,7 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
     // Replica b killed: within the health interval both its endpoints show as out, with why.
     drop(b.take());
     let status_url = format!("http://{}/status.json", gateway.metrics);
-    eventually(Duration::from_secs(5), "b's endpoints to be out", || async {
+    eventually(Duration::from_secs(10), "b's endpoints to be out", || async {
         let json = get(&status_url).await.json();
         json["backends"]
             .as_array()

@@ -226,10 +226,11 @@ async fn a_stream_keeps_the_version_its_first_request_got() {
 async fn long_stream(
     client: &mut oipgate::proto::grpc_inference_service_client::GrpcInferenceServiceClient<tonic::transport::Channel>,
 ) -> tonic::Streaming<oipgate::proto::ModelStreamInferResponse> {
+    // A hundred thousand responses 10 ms apart: a quarter of an hour, far past any bound a test waits for it.
     let long = count_request(
         "counter",
         "long",
-        1000,
+        100_000,
         &[("delay_ms", ParameterChoice::Int64Param(10))],
     );
     client
@@ -271,11 +272,11 @@ async fn a_client_that_goes_away_stops_the_backends_stream() {
     }
     drop(answers);
     let started = Instant::now();
-    // The backend's request stops (counted as failed, cut short) soon after, not ten seconds later (measured: 4 to
-    // 13 ms from the drop to the backend's statistics showing it).
+    // The backend's request stops (counted as failed, cut short) soon after, not a quarter of an hour later
+    // (measured: 4 to 13 ms from the drop to the backend's statistics showing it).
     while count_statistics(&server).await != (0, 1) {
         assert!(
-            started.elapsed() < Duration::from_secs(2),
+            started.elapsed() < Duration::from_secs(60),
             "the backend's stream went on after the client went away"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -294,7 +295,7 @@ async fn a_backend_that_goes_away_ends_the_stream_with_an_error() {
     drop(server);
     let started = Instant::now();
     let ended = loop {
-        match tokio::time::timeout(Duration::from_secs(5), answers.message()).await {
+        match tokio::time::timeout(Duration::from_secs(30), answers.message()).await {
             Ok(Ok(Some(_))) => continue,
             Ok(outcome) => break outcome,
             Err(_) => panic!("the stream hung after its backend went away"),
@@ -305,26 +306,28 @@ async fn a_backend_that_goes_away_ends_the_stream_with_an_error() {
         matches!(status.code(), Code::Unavailable | Code::Internal | Code::Unknown),
         "{status:?}"
     );
-    assert!(started.elapsed() < Duration::from_secs(5));
+    // The backend's stream had a quarter of an hour to go.
+    assert!(started.elapsed() < Duration::from_secs(60));
 }
 
 #[tokio::test]
 async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
     let server = ModelServerProcess::both();
-    let gateway = GatewayProcess::start(&format!("[limits]\nstream_idle_timeout_ms = 300\n{}", config(&server)));
+    let gateway = GatewayProcess::start(&format!("[limits]\nstream_idle_timeout_ms = 2000\n{}", config(&server)));
     let mut client = gateway.grpc_client().await;
-    // Responses 100 ms apart keep a stream alive past the idle limit; a second of silence ends it.
+    // Responses 100 ms apart keep a stream alive past the idle limit (three seconds of them, the limit two, each gap
+    // a twentieth of it); ten seconds of silence end one.
     let steady = count_request(
         "counter",
         "steady",
-        6,
+        30,
         &[("delay_ms", ParameterChoice::Int64Param(100))],
     );
     let silent = count_request(
         "counter",
         "silent",
         2,
-        &[("delay_ms", ParameterChoice::Int64Param(1000))],
+        &[("delay_ms", ParameterChoice::Int64Param(10_000))],
     );
     let mut answers = client
         .model_stream_infer(tokio_stream::iter(vec![steady]))
@@ -335,7 +338,7 @@ async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
     while answers.message().await.unwrap().is_some() {
         steps += 1;
     }
-    assert_eq!(steps, 6);
+    assert_eq!(steps, 30);
     let mut answers = client
         .model_stream_infer(tokio_stream::iter(vec![silent]))
         .await
@@ -355,7 +358,6 @@ async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
     );
     let mut request = tonic::Request::new(tokio_stream::iter(vec![long]));
     request.set_timeout(Duration::from_millis(400));
-    let started = Instant::now();
     let mut answers = client.model_stream_infer(request).await.unwrap().into_inner();
     let ended = loop {
         match answers.message().await {
@@ -364,8 +366,8 @@ async fn a_silent_stream_and_a_stream_past_its_deadline_are_ended() {
             Err(status) => break status,
         }
     };
+    // Its ten seconds of responses would have ended it cleanly: the deadline ended it.
     assert_eq!(ended.code(), Code::DeadlineExceeded, "{ended:?}");
-    assert!(started.elapsed() < Duration::from_secs(3));
 }
 
 /// A stream of `requests` whose client reads the first answer, then stops reading for `pause`: the stream, to read the
@@ -417,22 +419,27 @@ async fn long_streams_and_clients_that_stop_reading_keep_the_gateway_memory_flat
     .await;
     let before = gateway.rss();
 
-    // Ten thousand responses pass through, memory flat.
-    let by_id = stream(&gateway, vec![count_request("counter", "many", 10_000, &[])]).await;
-    assert_eq!(by_id["many"].len(), 10_000);
+    // A hundred thousand responses pass through, memory flat: under a hundred bytes a response, where keeping each
+    // one's bookkeeping would cost more.
+    const MANY: i32 = 100_000;
+    let by_id = stream(&gateway, vec![count_request("counter", "many", MANY, &[])]).await;
+    assert_eq!(by_id["many"].len(), MANY.unsigned_abs() as usize);
     let grown = gateway.rss().saturating_sub(before);
-    assert!(grown < 8 << 20, "10,000 responses grew the gateway by {grown} bytes");
+    assert!(
+        grown < 100 * u64::from(MANY.unsigned_abs()),
+        "{MANY} responses grew the gateway by {grown} bytes"
+    );
 
     // 96 MiB of answers for a client that reads one, then stops for three seconds: what the gateway holds is
     // bounded by its buffers and the HTTP/2 windows, not by what the backend could send.
     let requests: Vec<_> = (0..1536).map(|id| identity_request(id, 64 << 10)).collect();
     let (mut answers, largest) = stalled(&gateway, requests, before, Duration::from_secs(3)).await;
-    // (Measured at 8.7 to 17.4 MiB over six runs, the same before and after #19: the 2 MiB window of the backend's
-    // stream, the client's stream window, the buffers, and memory the allocator keeps from the requests that passed.
-    // Once, on a loaded CI machine, 25.4 MiB. Unbounded, it would be the 96 MiB.)
+    // (Measured at 8.7 to 17.4 MiB over six runs: the 2 MiB window of the backend's stream, the client's stream
+    // window, the buffers, and memory the allocator keeps from the requests that passed; once, on a loaded CI
+    // machine, 25.4 MiB.) Bounded by half the data: unbounded, it would be the 96 MiB.
     assert!(
-        largest < 32 << 20,
-        "a client that stopped reading grew the gateway by {largest} bytes"
+        largest < 48 << 20,
+        "a client that stopped reading grew the gateway by {largest} bytes of 96 MiB sent"
     );
     // Then everything arrives.
     let mut received = 1;
@@ -474,7 +481,7 @@ async fn a_client_that_stops_reading_tiny_responses_gets_them_all() {
 async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
     let server = ModelServerProcess::both();
     let mut gateway = GatewayProcess::start(&format!(
-        "[shutdown]\ndrain_delay_ms = 0\ngrace_period_ms = 600\n{}",
+        "[shutdown]\ndrain_delay_ms = 0\ngrace_period_ms = 3000\n{}",
         config(&server)
     ));
     let mut client = gateway.grpc_client().await;
@@ -493,12 +500,14 @@ async fn a_stream_open_when_the_grace_period_ends_is_told_unavailable() {
     };
     assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
     assert!(ended.message().contains("shutting down"), "{ended:?}");
+    // About 300 responses in the three seconds of grace on a quiet machine; a stream cut at once would have few.
     assert!(
         received > 20,
         "the stream was cut before its grace period: {received} responses"
     );
-    assert!(started.elapsed() < Duration::from_secs(3));
-    let status = gateway.wait_exit(Duration::from_secs(5)).expect("the gateway exits");
+    // The backend's stream had a quarter of an hour to go.
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let status = gateway.wait_exit(Duration::from_secs(30)).expect("the gateway exits");
     assert!(status.success(), "{status:?}");
 }
 

@@ -674,8 +674,9 @@ async fn payload_logging_samples_its_share_and_a_dead_sink_costs_the_clients_not
         let started = Instant::now();
         let answer = common::send(&client, "POST", &url, &[], json.clone()).await;
         assert_eq!(answer.status, 200);
+        // Waiting on the sink, a request would wait its 30 s delivery timeout.
         assert!(
-            started.elapsed() < Duration::from_secs(5),
+            started.elapsed() < Duration::from_secs(20),
             "a request waited on the sink: {:?}",
             started.elapsed()
         );

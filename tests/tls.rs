@@ -153,7 +153,7 @@ async fn presented(pki: &Pki, address: SocketAddr, with_client_cert: bool) -> Re
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _ = stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
     let mut first = [0u8; 9];
-    tokio::time::timeout(Duration::from_secs(2), stream.read_exact(&mut first))
+    tokio::time::timeout(Duration::from_secs(20), stream.read_exact(&mut first))
         .await
         .map_err(|_| "no answer".to_owned())?
         .map_err(|e| e.to_string())?;
@@ -199,7 +199,7 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
             .await
             .unwrap();
         let mut answer = Vec::new();
-        let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut answer)).await;
+        let read = tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut answer)).await;
         assert!(
             read.is_ok(),
             "a plaintext client on {door} is answered or closed promptly"

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::ports::dead_endpoint;
@@ -110,23 +110,18 @@ async fn a_deadline_cuts_the_call() {
         vec![Tensor::new("x", DataType::Int8, vec![1], Bytes::from_static(&[1])).unwrap()],
     );
     slow.parameters.insert("delay_ms".into(), ParamValue::Int64(5_000));
-    let started = Instant::now();
+    // Let run, the call would succeed after its five seconds: the timeout is the deadline's.
     let error = model_infer(&client, slow, Some(Duration::from_millis(200)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Timeout);
     assert_eq!(error.grpc_code(), Code::DeadlineExceeded);
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "the call was not cut at its deadline"
-    );
 }
 
 #[tokio::test]
 async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
     let down = dead_endpoint();
     let client = GrpcUpstream::new(&down.endpoint(), Duration::from_secs(1), 1024, None);
-    let started = Instant::now();
     let error = client
         .unary(
             MODEL_INFER,
@@ -137,10 +132,10 @@ async fn a_backend_that_is_down_is_a_quick_bad_gateway() {
         )
         .await
         .unwrap_err();
+    // A bad gateway, told by the refused connection: waiting out the call's five seconds would have been a timeout.
     assert_eq!(error.kind(), ErrorKind::BadGateway);
     assert_eq!(error.grpc_code(), Code::Unavailable);
     assert!(error.is_retryable());
-    assert!(started.elapsed() < Duration::from_secs(3));
 }
 
 #[tokio::test]

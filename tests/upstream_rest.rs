@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::ports::dead_endpoint;
@@ -140,7 +140,7 @@ async fn deadline_and_a_backend_that_is_down() {
         ..InferRequest::default()
     };
     slow.parameters.insert("delay_ms".into(), ParamValue::Int64(5_000));
-    let started = Instant::now();
+    // Let run, the call would succeed after its five seconds: the 504 is the deadline's.
     let error = client
         .infer(
             "slow",
@@ -152,7 +152,6 @@ async fn deadline_and_a_backend_that_is_down() {
         .await
         .unwrap_err();
     assert_eq!((error.kind(), error.http_status().as_u16()), (ErrorKind::Timeout, 504));
-    assert!(started.elapsed() < Duration::from_secs(3));
 
     let dead = dead_endpoint();
     let down = RestUpstream::new(&dead.endpoint(), Duration::from_secs(1), 1024, None);
