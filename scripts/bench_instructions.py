@@ -2,7 +2,8 @@
 """Instructions a small request costs, counted under valgrind's callgrind: for a machine too noisy to compare CPU
 time between builds (docs/BENCHMARKS.md, "Run 4 of 2026-11-24").
 
-Runs oipgate (scenario 1's REST passthrough and scenario 3a's REST JSON -> gRPC), the smallest hyper proxy
+Runs oipgate (scenario 1's REST passthrough, with its access log off and on, and scenario 3a's REST JSON -> gRPC),
+the smallest hyper proxy
 (benches/floor_hyper.rs) and HAProxy (scenario 1's faster peer, when installed) under callgrind in front of
 oipgate's model server, each twice: wrk (1 thread x 8
 connections) for SECONDS and for 3 x SECONDS. What the longer run counted beyond the shorter, divided by the
@@ -115,7 +116,7 @@ def run(seconds, workers, binary, cache=False):
     body, _ = bench.add_sub_json(1)
     body_file = bench.write(bench.OUT / "add_sub.json", body)
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "haproxy",
-                                            "haproxy_grpc")}
+                                            "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
     backend = bench.model_server("model-server", ports)
     results = {}
     try:
@@ -125,6 +126,11 @@ def run(seconds, workers, binary, cache=False):
         rest = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub"
         results["oipgate REST passthrough"] = per_request(
             "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env, cache)
+        # As users run it: the access log on (the default `info`), its stderr a file (bench.Server's log).
+        logged = dict(env)
+        logged.pop("RUST_LOG", None)
+        results["oipgate REST passthrough, access log on"] = per_request(
+            "oipgate-logged", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, logged, cache)
         results["oipgate REST JSON -> gRPC"] = per_request(
             "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env, cache)
         floor = bench.floor_binaries()["floor_hyper"]
@@ -138,10 +144,15 @@ def run(seconds, workers, binary, cache=False):
             haproxy_conf = work / "haproxy.cfg"
             haproxy_conf.write_text(bench.HAPROXY_CONF.format(
                 workers=workers, haproxy_rest=ports["haproxy"], haproxy_grpc=ports["haproxy_grpc"],
+                haproxy_rest_logged=ports["haproxy_rest_logged"], haproxy_grpc_logged=ports["haproxy_grpc_logged"],
                 rest=ports["backend_rest"], grpc=ports["backend_grpc"]))
             results["HAProxy"] = per_request(
                 "haproxy", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy"],
                 f"http://127.0.0.1:{ports['haproxy']}/v2/models/add_sub/infer", body_file, seconds, cache=cache)
+            results["HAProxy, httplog to a ring"] = per_request(
+                "haproxy-logged", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy_rest_logged"],
+                f"http://127.0.0.1:{ports['haproxy_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
+                cache=cache)
     finally:
         backend.stop()
     return results

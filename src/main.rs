@@ -8,7 +8,7 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use oipgate::cli::convert::{Form, convert};
 use oipgate::modelserver::{self, ModelServerConfig};
-use oipgate::process::logging::LogFormat;
+use oipgate::process::logging::LogOptions;
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
 /// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them (and the largest are kept
@@ -48,9 +48,8 @@ enum Command {
         /// The gateway's Prometheus metrics address (`GET /metrics`).
         #[arg(long, default_value = "127.0.0.1:8002")]
         metrics: SocketAddr,
-        /// Log lines (stderr) as text or JSON; `RUST_LOG` filters them (default `info`).
-        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-        log_format: LogFormat,
+        #[command(flatten)]
+        log: LogOptions,
     },
     /// Serves the built-in models over REST and gRPC (a real Open Inference Protocol backend).
     ModelServer {
@@ -80,10 +79,8 @@ enum Command {
         /// watched, and re-read on SIGHUP.
         #[arg(long)]
         config: std::path::PathBuf,
-        /// Log lines (stderr) as text or JSON; `RUST_LOG` filters them (default `info`). One access-log line per
-        /// request, target `oipgate::access`.
-        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-        log_format: LogFormat,
+        #[command(flatten)]
+        log: LogOptions,
         /// Take over the listening sockets of the gateway now running (zero-downtime binary upgrade): start this,
         /// then send the running process SIGQUIT; it hands its sockets over, stops accepting, finishes what it has
         /// under way and exits.
@@ -117,12 +114,11 @@ fn main() -> ExitCode {
             rest,
             grpc,
             metrics,
-            log_format,
-        } => {
-            oipgate::process::logging::init(log_format);
+            log,
+        } => init_logs(&log).and_then(|()| {
             return_freed_memory_periodically();
             oipgate::cli::demo::run(oipgate::cli::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
-        }
+        }),
         Command::Convert {
             from,
             to,
@@ -130,11 +126,10 @@ fn main() -> ExitCode {
         } => run_convert(from, to, header_length),
         Command::Serve {
             config,
-            log_format,
+            log,
             upgrade,
             upgrade_socket,
-        } => {
-            oipgate::process::logging::init(log_format);
+        } => init_logs(&log).and_then(|()| {
             return_freed_memory_periodically();
             run_serve(
                 &config,
@@ -143,7 +138,7 @@ fn main() -> ExitCode {
                     upgrade_socket,
                 },
             )
-        }
+        }),
         Command::CheckConfig { file } => return check_config(&file),
         Command::ModelServer {
             rest,
@@ -161,6 +156,8 @@ fn main() -> ExitCode {
             slow_delay: std::time::Duration::from_millis(slow_delay_ms),
         }),
     };
+    // Access-log lines still waiting for their batch are written before the process goes.
+    oipgate::process::log_writer::flush();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -168,6 +165,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn init_logs(options: &LogOptions) -> Result<(), Box<dyn std::error::Error>> {
+    oipgate::process::logging::init(options).map_err(|error| match &options.file {
+        Some(file) => format!("cannot open the log file {}: {error}", file.display()).into(),
+        None => error.into(),
+    })
 }
 
 fn run_convert(from: Form, to: Form, header_length: Option<u64>) -> Result<(), Box<dyn std::error::Error>> {

@@ -482,3 +482,198 @@ async fn request_series_are_made_at_first_use_bounded_by_max_series_and_kept_acr
         "{after}"
     );
 }
+
+/// `count` identity requests over REST, eight at a time, with request ids `{prefix}{i}`; every one answered 200.
+async fn identity_requests(gateway: &GatewayProcess, prefix: &str, count: usize) {
+    let url = gateway.rest_url("/v2/models/identity/infer");
+    let tasks: Vec<_> = (0..8)
+        .map(|task| {
+            let (url, prefix) = (url.clone(), prefix.to_owned());
+            tokio::spawn(async move {
+                let client = http_client(false);
+                for i in (task..count).step_by(8) {
+                    let answer = send(&client, "POST", &url, &[("x-request-id", format!("{prefix}{i}"))], BODY).await;
+                    assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+/// The request ids of the access-log lines in `text`.
+fn logged_request_ids(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|line| line.contains(" oipgate::access: request "))
+        .filter_map(|line| line.split(" request_id=").nth(1)?.split(' ').next().map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_access_line_of_a_load_is_in_the_log_file_after_sigterm_and_none_dropped() {
+    let a = ModelServerProcess::named("a");
+    let dir = common::unique_temp_dir("oipgate-access-log");
+    let file = dir.join("access.log");
+    let mut gateway = GatewayProcess::start_with(
+        &format!("{}{}", backend("a", "rest", [a.rest.unwrap()]), model("identity", "a")),
+        &["--log-file", file.to_str().unwrap()],
+        false,
+    );
+    identity_requests(&gateway, "r", 3000).await;
+    assert_eq!(gateway.metric("oipgate_access_log_dropped_total").await, 0.0);
+    // The signal comes at once: lines still in the writer's batch are written by the drain.
+    gateway.signal("TERM");
+    let status = gateway.wait_exit(Duration::from_secs(60)).expect("exits once drained");
+    assert!(status.success(), "{status:?}");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let mut ids = logged_request_ids(&text);
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3000, "every request's line, once");
+    assert!(text.contains("drained; exiting"), "the drain's own line is there too");
+    // The text format's layout, field by field, as before the log was batched.
+    let line = text.lines().find(|line| line.contains("request_id=r0 ")).unwrap();
+    let (timestamp, rest) = line.split_once("  INFO oipgate::access: request ").unwrap();
+    assert_eq!(timestamp.len(), "2026-11-26T18:58:22.832041Z".len(), "{line}");
+    assert!(timestamp.ends_with('Z') && timestamp.as_bytes()[10] == b'T', "{line}");
+    let names: Vec<&str> = rest
+        .split(' ')
+        .filter_map(|field| field.split_once('=').map(|(name, _)| name))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "request_id",
+            "protocol",
+            "path",
+            "model",
+            "version",
+            "backend",
+            "endpoint",
+            "status",
+            "bytes_in",
+            "bytes_out",
+            "duration_ms",
+            "translated",
+            "principal"
+        ],
+        "{line}"
+    );
+    let expected = format!(
+        "request_id=r0 protocol=\"rest\" path=\"/v2/models/identity/infer\" model=identity version=1 backend=a \
+         endpoint={} status=200 bytes_in={} ",
+        a.rest.unwrap(),
+        BODY.len()
+    );
+    assert!(rest.starts_with(&expected), "{line}");
+}
+
+#[tokio::test]
+async fn sigusr1_and_sighup_reopen_the_log_file_a_rotation_moved() {
+    let a = ModelServerProcess::named("a");
+    let dir = common::unique_temp_dir("oipgate-rotate");
+    let file = dir.join("access.log");
+    let gateway = GatewayProcess::start_with(
+        &format!("{}{}", backend("a", "rest", [a.rest.unwrap()]), model("identity", "a")),
+        &["--log-file", file.to_str().unwrap()],
+        false,
+    );
+    let read = |path: &std::path::Path| std::fs::read_to_string(path).unwrap_or_default();
+    let rounds = [("a-", Some("USR1")), ("b-", Some("HUP")), ("c-", None)];
+    for (round, (prefix, signal)) in rounds.into_iter().enumerate() {
+        identity_requests(&gateway, prefix, 40).await;
+        eventually(Duration::from_secs(10), "the round's lines written", || {
+            std::future::ready(logged_request_ids(&read(&file)).len() == 40)
+        })
+        .await;
+        if let Some(signal) = signal {
+            std::fs::rename(&file, dir.join(format!("access.log.{round}"))).unwrap();
+            gateway.signal(signal);
+            // The signal's own line comes first to the new file.
+            eventually(Duration::from_secs(10), "the file made again", || {
+                std::future::ready(file.exists())
+            })
+            .await;
+        }
+    }
+    for (path, prefix) in [
+        (dir.join("access.log.0"), "a-"),
+        (dir.join("access.log.1"), "b-"),
+        (file, "c-"),
+    ] {
+        let ids = logged_request_ids(&read(&path));
+        assert_eq!(ids.len(), 40, "{}", path.display());
+        assert!(
+            ids.iter().all(|id| id.starts_with(prefix)),
+            "{}: {ids:?}",
+            path.display()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_log_sink_that_stops_reading_drops_counted_lines_and_holds_back_no_request() {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let a = ModelServerProcess::named("a");
+    let dir = common::unique_temp_dir("oipgate-stalled-log");
+    let fifo = dir.join("log.fifo");
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    // The reader is open (so the gateway's open does not wait) but reads nothing until every request is answered.
+    let mut reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    let gateway = GatewayProcess::start_with(
+        &format!("{}{}", backend("a", "rest", [a.rest.unwrap()]), model("identity", "a")),
+        &["--log-file", fifo.to_str().unwrap(), "--log-buffer-bytes", "16384"],
+        false,
+    );
+    const REQUESTS: usize = 2000;
+    identity_requests(&gateway, "r", REQUESTS).await;
+    let dropped: usize = format!("{}", gateway.metric("oipgate_access_log_dropped_total").await)
+        .parse()
+        .expect("a whole count");
+    // The pipe holds 64 KiB and the batch 16 KiB, some 250 lines of the 2000 between them.
+    assert!(dropped > REQUESTS / 2, "dropped {dropped}");
+    let mut text = Vec::new();
+    let mut chunk = vec![0u8; 1 << 16];
+    eventually(Duration::from_secs(20), "every line not dropped", || {
+        loop {
+            match reader.read(&mut chunk) {
+                Ok(0) => break,
+                Ok(read) => text.extend_from_slice(&chunk[..read]),
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(error) => panic!("{error}"),
+            }
+        }
+        std::future::ready(logged_request_ids(&String::from_utf8_lossy(&text)).len() + dropped >= REQUESTS)
+    })
+    .await;
+    let mut ids = logged_request_ids(&String::from_utf8_lossy(&text));
+    let written = ids.len();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), written, "no line twice");
+    assert_eq!(
+        written + dropped,
+        REQUESTS,
+        "each line written or counted, none lost unaccounted"
+    );
+    // Every line kept is whole.
+    let text = String::from_utf8(text).unwrap();
+    assert!(
+        text.lines()
+            .filter(|line| line.contains("oipgate::access"))
+            .all(|line| line.ends_with("principal=-"))
+    );
+}

@@ -190,12 +190,11 @@ async fn a_stream_reaches_both_backends_under_the_public_names() {
     let first = "oipgate_stream_first_response_seconds_count{model=\"counter\",version=\"4\"}";
     assert_eq!(gateway.metric(first).await, 1.0);
     // One access-log line for the whole client stream, with its counts.
-    let lines = gateway.log_lines();
-    let line = lines
-        .iter()
-        .find(|line| line.contains("oipgate::access: stream "))
-        .cloned();
-    let line = line.unwrap_or_else(|| panic!("no stream line in {lines:?}"));
+    let is_stream = |line: &String| line.contains("oipgate::access: stream ");
+    let lines = gateway
+        .logged("the stream's access line", |lines| lines.iter().any(is_stream))
+        .await;
+    let line = lines.iter().find(|line| is_stream(line)).cloned().unwrap();
     for field in ["result=\"ok\"", "requests=8", "responses=12", "failed_requests=2"] {
         assert!(line.contains(field), "{field} in {line}");
     }

@@ -336,6 +336,7 @@ fn drain(gateway: &Gateway, grace: Duration) {
     } else {
         tracing::info!("drained; exiting");
     }
+    super::log_writer::flush();
 }
 
 /// Runs the gateway until SIGTERM or SIGINT (both graceful), or until SIGQUIT hands its listening sockets to a new

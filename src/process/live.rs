@@ -184,7 +184,7 @@ impl Gateway {
     }
 
     /// Runs until the process ends: resolves DNS backends, then keeps health checks, DNS discovery, the
-    /// configuration-file watch and SIGHUP going.
+    /// configuration-file watch, SIGHUP and SIGUSR1 going.
     pub async fn run(self: Arc<Self>) {
         {
             let mut state = self.state.lock().await;
@@ -198,7 +198,12 @@ impl Gateway {
             }
             self.restart_health(&mut state);
         }
-        tokio::join!(self.clone().watch(), self.clone().on_hangup(), self.clone().discover());
+        tokio::join!(
+            self.clone().watch(),
+            self.clone().on_hangup(),
+            self.clone().on_user_signal(),
+            self.clone().discover()
+        );
     }
 
     /// Reads the configuration file again and, when it is valid and its TLS files are good, serves by it from now
@@ -315,7 +320,22 @@ impl Gateway {
         }
     }
 
-    /// Reloads on SIGHUP.
+    /// Reopens the log file on SIGUSR1 (log rotation without a reload).
+    async fn on_user_signal(self: Arc<Self>) {
+        #[cfg(unix)]
+        {
+            let Ok(mut signals) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()) else {
+                tracing::warn!("cannot listen for SIGUSR1; SIGHUP reopens the log file too");
+                return;
+            };
+            while signals.recv().await.is_some() {
+                super::log_writer::reopen();
+                tracing::info!("SIGUSR1: log file reopened");
+            }
+        }
+    }
+
+    /// Reopens the log file and reloads on SIGHUP.
     async fn on_hangup(self: Arc<Self>) {
         #[cfg(unix)]
         {
@@ -324,6 +344,7 @@ impl Gateway {
                 return;
             };
             while hangups.recv().await.is_some() {
+                super::log_writer::reopen();
                 tracing::info!("SIGHUP: reloading the configuration");
                 let _ = self.reload().await;
             }

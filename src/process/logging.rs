@@ -1,6 +1,11 @@
 //! Logs: `tracing` with `RUST_LOG`-style filtering, as text for people or JSON lines for collectors, and the one
-//! access-log line each request gets.
+//! access-log line each request gets, formatted here on the request's thread and written in batches by
+//! [`log_writer`](super::log_writer).
 
+use std::cell::RefCell;
+use std::io::Write;
+
+use crate::process::log_writer;
 use crate::process::metrics::{Finished, RouteMetrics};
 
 /// The `tracing` target of access-log lines, so they can be filtered on their own (`RUST_LOG=oipgate::access=off`).
@@ -16,19 +21,49 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the process's log writer: to stderr, filtered by `RUST_LOG` (default `info`). Calling it again does
-/// nothing.
-pub fn init(format: LogFormat) {
+/// Where and how the process logs: its command-line options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogOptions {
+    /// Log lines as text or JSON; `RUST_LOG` filters them (default `info`). One access-log line per request, target
+    /// `oipgate::access`.
+    #[arg(long = "log-format", value_enum, default_value_t = LogFormat::Text)]
+    pub format: LogFormat,
+    /// Append log lines to this file instead of stderr; SIGHUP and SIGUSR1 reopen it (log rotation).
+    #[arg(long = "log-file")]
+    pub file: Option<std::path::PathBuf>,
+    /// The most bytes of access-log lines waiting for the log's writer; past it lines are dropped, counted in
+    /// `oipgate_access_log_dropped_total`, and no request waits.
+    #[arg(long = "log-buffer-bytes", default_value_t = log_writer::DEFAULT_BOUND)]
+    pub buffer_bytes: usize,
+}
+
+impl Default for LogOptions {
+    fn default() -> LogOptions {
+        LogOptions {
+            format: LogFormat::Text,
+            file: None,
+            buffer_bytes: log_writer::DEFAULT_BOUND,
+        }
+    }
+}
+
+static FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+/// Installs the process's log writer, filtered by `RUST_LOG` (default `info`). Calling it again does nothing.
+pub fn init(options: &LogOptions) -> std::io::Result<()> {
+    log_writer::install(options.file.clone(), options.buffer_bytes)?;
+    let _ = FORMAT.set(options.format);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(log_writer::ImmediateLines)
         .with_target(true);
-    let _ = match format {
+    let _ = match options.format {
         LogFormat::Text => builder.with_ansi(false).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
     };
+    Ok(())
 }
 
 /// Writes the access-log line of one finished inference stream: what it carried and how it ended.
@@ -36,19 +71,17 @@ pub fn stream(request_id: Option<&str>, summary: &crate::dispatch::StreamSummary
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
-    tracing::info!(
-        target: ACCESS,
-        request_id = %request_id.filter(|v| !v.is_empty()).unwrap_or("-"),
-        protocol = "grpc",
-        path = crate::dispatch::MODEL_STREAM_INFER,
-        result = summary.result.label(),
-        requests = summary.requests,
-        responses = summary.responses,
-        failed_requests = summary.failed,
-        error = ?summary.error.as_ref().map_or("-", |error| error.message()),
-        duration_ms = duration.as_secs_f64() * 1000.0,
-        "stream"
-    );
+    AccessLine::write("stream", |line| {
+        line.plain("request_id", field(request_id));
+        line.quoted("protocol", "grpc");
+        line.quoted("path", crate::dispatch::MODEL_STREAM_INFER);
+        line.quoted("result", summary.result.label());
+        line.number("requests", summary.requests);
+        line.number("responses", summary.responses);
+        line.number("failed_requests", summary.failed);
+        line.quoted("error", summary.error.as_ref().map_or("-", |error| error.message()));
+        line.float("duration_ms", duration.as_secs_f64() * 1000.0);
+    });
 }
 
 /// Writes the access-log line of one finished request.
@@ -56,24 +89,184 @@ pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
-    fn field(value: Option<&str>) -> &str {
-        value.filter(|v| !v.is_empty()).unwrap_or("-")
+    AccessLine::write("request", |line| {
+        line.plain("request_id", field(request.request_id));
+        line.quoted("protocol", request.protocol.label());
+        line.quoted("path", request.target);
+        line.plain("model", field(route.map(|r| r.model.as_str())));
+        line.plain("version", field(route.map(|r| r.version.as_str())));
+        line.plain("backend", field(route.map(|r| r.backend.as_str())));
+        line.plain("endpoint", field(request.endpoint));
+        line.number("status", u64::from(request.status));
+        line.number("bytes_in", request.request_bytes);
+        line.number("bytes_out", request.response_bytes);
+        line.float("duration_ms", request.duration.as_secs_f64() * 1000.0);
+        line.boolean("translated", request.translated);
+        line.plain("principal", field(request.principal.map(crate::guard::Principal::name)));
+    });
+}
+
+fn field(value: Option<&str>) -> &str {
+    value.filter(|v| !v.is_empty()).unwrap_or("-")
+}
+
+/// One access-log line being formatted, in the process's format, into its thread's buffer: the same fields and
+/// layout `tracing`'s own formatters give every other line, without their per-field dispatch and write calls.
+struct AccessLine {
+    bytes: Vec<u8>,
+    json: bool,
+}
+
+thread_local! {
+    static LINE: RefCell<AccessLine> = const { RefCell::new(AccessLine { bytes: Vec::new(), json: false }) };
+    /// The second last formatted, and its text up to the fraction.
+    static SECOND: RefCell<(u64, [u8; 19])> = const { RefCell::new((u64::MAX, [0; 19])) };
+}
+
+impl AccessLine {
+    fn write(message: &str, fields: impl FnOnce(&mut AccessLine)) {
+        LINE.with_borrow_mut(|line| {
+            line.bytes.clear();
+            line.json = FORMAT.get().copied().unwrap_or_default() == LogFormat::Json;
+            if line.json {
+                line.bytes.extend_from_slice(b"{\"timestamp\":\"");
+                timestamp(&mut line.bytes, std::time::SystemTime::now());
+                line.bytes.extend_from_slice(b"\",\"level\":\"INFO\"");
+                line.quoted("message", message);
+                fields(line);
+                line.quoted("target", ACCESS);
+                line.bytes.extend_from_slice(b"}\n");
+            } else {
+                timestamp(&mut line.bytes, std::time::SystemTime::now());
+                line.bytes.extend_from_slice(b"  INFO ");
+                line.bytes.extend_from_slice(ACCESS.as_bytes());
+                line.bytes.extend_from_slice(b": ");
+                line.bytes.extend_from_slice(message.as_bytes());
+                fields(line);
+                line.bytes.push(b'\n');
+            }
+            log_writer::access_line(&line.bytes);
+            // A rare long line does not keep its buffer's size for the thread's life.
+            if line.bytes.capacity() > 16 << 10 {
+                line.bytes = Vec::new();
+            }
+        });
     }
-    tracing::info!(
-        target: ACCESS,
-        request_id = %field(request.request_id),
-        protocol = request.protocol.label(),
-        path = request.target,
-        model = %field(route.map(|r| r.model.as_str())),
-        version = %field(route.map(|r| r.version.as_str())),
-        backend = %field(route.map(|r| r.backend.as_str())),
-        endpoint = %field(request.endpoint),
-        status = request.status,
-        bytes_in = request.request_bytes,
-        bytes_out = request.response_bytes,
-        duration_ms = request.duration.as_secs_f64() * 1000.0,
-        translated = request.translated,
-        principal = %field(request.principal.map(crate::guard::Principal::name)),
-        "request"
+
+    fn name(&mut self, name: &str) {
+        if self.json {
+            self.bytes.extend_from_slice(b",\"");
+            self.bytes.extend_from_slice(name.as_bytes());
+            self.bytes.extend_from_slice(b"\":");
+        } else {
+            self.bytes.push(b' ');
+            self.bytes.extend_from_slice(name.as_bytes());
+            self.bytes.push(b'=');
+        }
+    }
+
+    /// A string shown as it is in text (an identifier) and as a JSON string.
+    fn plain(&mut self, name: &str, value: &str) {
+        if self.json {
+            return self.quoted(name, value);
+        }
+        self.name(name);
+        self.bytes.extend_from_slice(value.as_bytes());
+    }
+
+    /// A string quoted and escaped in both formats.
+    fn quoted(&mut self, name: &str, value: &str) {
+        self.name(name);
+        if self.json {
+            let _ = serde_json::to_writer(&mut self.bytes, value);
+        } else {
+            let _ = write!(self.bytes, "{value:?}");
+        }
+    }
+
+    fn number(&mut self, name: &str, value: u64) {
+        self.name(name);
+        let _ = write!(self.bytes, "{value}");
+    }
+
+    fn float(&mut self, name: &str, value: f64) {
+        self.name(name);
+        if self.json {
+            let _ = serde_json::to_writer(&mut self.bytes, &value);
+        } else {
+            let _ = write!(self.bytes, "{value}");
+        }
+    }
+
+    fn boolean(&mut self, name: &str, value: bool) {
+        self.name(name);
+        self.bytes.extend_from_slice(if value { b"true" } else { b"false" });
+    }
+}
+
+/// `time` as RFC 3339 in UTC with microseconds (`2026-11-26T18:58:22.832041Z`), as `tracing`'s formatters write it.
+fn timestamp(out: &mut Vec<u8>, time: std::time::SystemTime) {
+    let since = time.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let second = since.as_secs();
+    SECOND.with_borrow_mut(|(cached, text)| {
+        if *cached != second {
+            *cached = second;
+            *text = civil(second);
+        }
+        out.extend_from_slice(text);
+    });
+    let _ = write!(out, ".{:06}Z", since.subsec_micros());
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` of a Unix second (the days-to-civil conversion of Howard Hinnant's `chrono`-compatible
+/// algorithms).
+fn civil(second: u64) -> [u8; 19] {
+    let days = i64::try_from(second / 86_400).unwrap_or(0);
+    let of_day = second % 86_400;
+    let shifted = days + 719_468;
+    let era = shifted.div_euclid(146_097);
+    let day_of_era = shifted.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let month_index = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_index + 2) / 5 + 1;
+    let month = if month_index < 10 {
+        month_index + 3
+    } else {
+        month_index - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    let mut text = [0u8; 19];
+    let written = format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        of_day / 3600,
+        of_day / 60 % 60,
+        of_day % 60
     );
+    let length = written.len().min(19);
+    text[..length].copy_from_slice(&written.as_bytes()[..length]);
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_read_as_rfc_3339_in_utc() {
+        let at = |seconds: u64, micros: u32| {
+            let mut out = Vec::new();
+            timestamp(
+                &mut out,
+                std::time::UNIX_EPOCH + std::time::Duration::new(seconds, micros * 1000),
+            );
+            String::from_utf8(out).expect("ASCII")
+        };
+        assert_eq!(at(0, 0), "1970-01-01T00:00:00.000000Z");
+        assert_eq!(at(1_795_719_502, 832_041), "2026-11-26T18:58:22.832041Z");
+        // A leap day, and the last second of a century year that is not a leap year.
+        assert_eq!(at(951_782_400, 1), "2000-02-29T00:00:00.000001Z");
+        assert_eq!(at(4_107_542_399, 999_999), "2100-02-28T23:59:59.999999Z");
+        assert_eq!(at(4_107_542_400, 0), "2100-03-01T00:00:00.000000Z");
+    }
 }

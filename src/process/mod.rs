@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod app;
 pub mod live;
+pub mod log_writer;
 pub mod logging;
 pub mod metrics;
 pub mod payload_log;

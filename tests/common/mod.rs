@@ -390,7 +390,7 @@ impl GatewayProcess {
         std::fs::rename(&aside, self.config_path()).unwrap();
     }
 
-    /// Sends a signal (`TERM`, `INT`, `HUP`) to the gateway.
+    /// Sends a signal (`TERM`, `INT`, `HUP`, `QUIT`, `USR1`) to the gateway.
     pub fn signal(&self, name: &str) {
         use nix::sys::signal::{Signal, kill};
         let signal = match name {
@@ -398,6 +398,7 @@ impl GatewayProcess {
             "INT" => Signal::SIGINT,
             "HUP" => Signal::SIGHUP,
             "QUIT" => Signal::SIGQUIT,
+            "USR1" => Signal::SIGUSR1,
             other => panic!("no signal {other}"),
         };
         let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
@@ -419,6 +420,18 @@ impl GatewayProcess {
     /// The log lines written so far (only when started with `capture_log`).
     pub fn log_lines(&self) -> Vec<String> {
         self.log.as_ref().map(|l| l.lock().unwrap().clone()).unwrap_or_default()
+    }
+
+    /// The log lines once `check` holds of them (access-log lines reach the log in batches, some milliseconds after
+    /// their request's answer); panics naming `what` when it does not within ten seconds.
+    pub async fn logged(&self, what: &str, check: impl Fn(&[String]) -> bool) -> Vec<String> {
+        let mut lines = Vec::new();
+        eventually(std::time::Duration::from_secs(10), what, || {
+            lines = self.log_lines();
+            std::future::ready(check(&lines))
+        })
+        .await;
+        lines
     }
 
     /// The URL of `path` on the REST front door.

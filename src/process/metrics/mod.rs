@@ -74,6 +74,8 @@ impl ClientProtocol {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Access-log lines the log's writer dropped, as of the last scrape.
+    access_log_dropped: IntCounter,
     /// The bound on series per family, `[metrics] max_series`.
     bound: Arc<SeriesBound>,
     requests: Arc<Family<IntCounterVec>>,
@@ -516,8 +518,18 @@ impl Metrics {
              [limits] max_connections.",
             &["listener"],
         )?;
+        let access_log_dropped = registered(
+            &registry,
+            IntCounter::new(
+                "oipgate_access_log_dropped_total",
+                "Access-log lines dropped because the lines waiting for the log's writer already filled \
+                 --log-buffer-bytes (the log's file or stderr was slower than the requests).",
+            )
+            .map_err(metric_error)?,
+        )?;
         Ok(Arc::new(Metrics {
             bound: families.bound.clone(),
+            access_log_dropped,
             spans,
             payload_events,
             connections_refused,
@@ -688,6 +700,15 @@ impl Metrics {
 
     /// The registry in Prometheus' text exposition format.
     pub fn render(&self) -> String {
+        // The writer counts for the whole process; the counter catches up with it as it is read, one reader at a
+        // time so none adds what another just did.
+        static CATCHING_UP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        {
+            let _one = CATCHING_UP.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let dropped = crate::process::log_writer::dropped();
+            self.access_log_dropped
+                .inc_by(dropped.saturating_sub(self.access_log_dropped.get()));
+        }
         TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .unwrap_or_else(|e| format!("# metrics could not be encoded: {e}\n"))
