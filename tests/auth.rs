@@ -254,9 +254,9 @@ async fn grpc_infer(
     model: &str,
     version: &str,
     credential: Option<&str>,
-) -> Result<(), tonic::Status> {
+) -> Result<oipgate::proto::ModelInferResponse, tonic::Status> {
     let request = grpc_request(common::grpc_int32_request(model, version), credential);
-    client.model_infer(request).await.map(drop)
+    client.model_infer(request).await.map(tonic::Response::into_inner)
 }
 
 fn error_text(answer: &HttpAnswer) -> String {
@@ -304,7 +304,7 @@ async fn credentials_are_asked_for_on_both_doors_and_probes_stay_open() {
     let checked = health
         .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
         .await;
-    assert!(checked.is_ok(), "{checked:?}");
+    assert_eq!(checked.unwrap().into_inner().status, 1, "SERVING");
     for version in ["1", "2"] {
         let missing = grpc_infer(&mut client, "identity", version, None).await.unwrap_err();
         assert_eq!(missing.code(), tonic::Code::Unauthenticated, "{missing:?}");
@@ -568,7 +568,14 @@ async fn rate_limits_answer_429_with_retry_after_then_let_calls_in_again() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
-    assert!(status.metadata().get("retry-after").is_some());
+    assert!(
+        status
+            .metadata()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|seconds| seconds.parse::<u64>().ok())
+            .is_some_and(|seconds| seconds >= 1)
+    );
     // Other principals are not held back.
     assert_eq!(infer(&setup, "identity", &[bearer(TEAM_KEY)]).await.status, 200);
     // Each principal a token names has a bucket of its own: dave's six, then 429; erin's untouched.
@@ -580,8 +587,8 @@ async fn rate_limits_answer_429_with_retry_after_then_let_calls_in_again() {
     assert!(error_text(&refused).contains("principal 'dave' is over its rate limit"));
     let erin = setup.issuer.token(json!({"sub": "erin"}));
     assert_eq!(infer(&setup, "identity", &[bearer(&erin)]).await.status, 200);
-    let status = grpc_infer(&mut client, "identity", "2", Some(&erin)).await;
-    assert!(status.is_ok(), "{status:?}");
+    let answer = grpc_infer(&mut client, "identity", "2", Some(&erin)).await.unwrap();
+    assert_eq!(answer.raw_output_contents, [common::int32s([7, 8])]);
     // Refused, a principal is let in again once its bucket has refilled (quick's, twice a second).
     let quick = [bearer(QUICK_KEY)];
     let served = served_before_refused(|| async { infer(&setup, "identity", &quick).await.status == 200 }).await;
@@ -597,7 +604,12 @@ async fn rate_limits_answer_429_with_retry_after_then_let_calls_in_again() {
     let refused = infer(&setup, "metered", &[bearer(OPS_KEY)]).await;
     assert_eq!(refused.status, 429);
     assert!(error_text(&refused).contains("model 'metered' is over its rate limit"));
-    assert!(refused.header("retry-after").is_some());
+    assert!(
+        refused
+            .header("retry-after")
+            .and_then(|seconds| seconds.parse::<u64>().ok())
+            .is_some_and(|seconds| seconds >= 1)
+    );
     let status = grpc_infer(&mut client, "metered", "", Some(TEAM_KEY))
         .await
         .unwrap_err();

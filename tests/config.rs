@@ -160,13 +160,18 @@ fn duplicates_bad_endpoints_and_protocols() {
         problems(&EXAMPLE.replace("protocol = \"grpc\"", "protocol = \"http\"")),
         ["backends[1].protocol: \"http\" is not \"rest\" or \"grpc\""]
     );
+    let named = Endpoint::parse("model-a.fleet.svc:9000").expect("DNS names are endpoints");
+    assert_eq!((named.host.as_str(), named.port), ("model-a.fleet.svc", 9000));
+    let v6 = Endpoint::parse("[::1]:9000").unwrap();
+    assert_eq!((v6.host.as_str(), v6.port), ("::1", 9000));
+    assert_eq!(v6.to_string(), "[::1]:9000");
+    let bad_name = Endpoint::parse("bad_name:9000").unwrap_err().to_string();
+    assert!(bad_name.contains("\"bad_name:9000\" is not host:port"), "{bad_name}");
+    let port_zero = Endpoint::parse("host:0").unwrap_err().to_string();
     assert!(
-        Endpoint::parse("model-a.fleet.svc:9000").is_ok(),
-        "DNS names are endpoints"
+        port_zero.contains("\"host:0\" is not host:port") && port_zero.contains("non-zero port"),
+        "{port_zero}"
     );
-    assert!(Endpoint::parse("[::1]:9000").is_ok());
-    assert!(Endpoint::parse("bad_name:9000").is_err());
-    assert!(Endpoint::parse("host:0").is_err());
 }
 
 #[test]

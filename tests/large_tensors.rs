@@ -72,7 +72,12 @@ fn errors_deep_in_large_arrays_are_the_one_thread_errors() {
         .to_string();
     assert!(short.contains(&format!("expected {} elements", COUNT + 1)), "{short}");
     let trailing = format!("[{},]", vec!["1"; COUNT].join(","));
-    assert!(data::parse_data(trailing.as_bytes(), DataType::Int32, COUNT as u64).is_err());
+    let trailing = data::parse_data(trailing.as_bytes(), DataType::Int32, COUNT as u64)
+        .unwrap_err()
+        .to_string();
+    // The trailing comma promises an element past the last one (elements count from 0).
+    let expected = format!("element {} of INT32 data: expected an integer, got `]`", COUNT);
+    assert!(trailing.contains(&expected), "{trailing}");
     let nested = format!("[[{}],[1]]", vec!["1"; COUNT - 1].join(","));
     assert_eq!(
         data::parse_data(nested.as_bytes(), DataType::Int8, COUNT as u64)

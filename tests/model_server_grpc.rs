@@ -219,7 +219,15 @@ async fn readiness_flips_with_repository_rpcs() {
         })
         .await
         .unwrap();
-    assert!(client.model_infer(add_sub_request("1", true)).await.is_ok());
+    let reloaded = client
+        .model_infer(add_sub_request("1", true))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        decode_int32s(&reloaded.raw_output_contents[0]),
+        (1..17).collect::<Vec<_>>()
+    );
 }
 
 #[tokio::test]

@@ -84,7 +84,11 @@ async fn unknown_things_and_wrong_methods() {
     );
     let wrong = get(&server.rest_url("/v2/models/add_sub/infer")).await;
     assert_eq!((wrong.status, wrong.header("allow")), (405, Some("POST")));
-    assert!(wrong.json()["error"].as_str().is_some());
+    let error = wrong.json()["error"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        error.contains("/v2/models/add_sub/infer answers POST only, not GET"),
+        "{error}"
+    );
     let wrong = post(&server.rest_url("/v2/health/ready"), "").await;
     assert_eq!((wrong.status, wrong.header("allow")), (405, Some("GET")));
 }

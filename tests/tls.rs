@@ -274,8 +274,17 @@ async fn tls_front_doors_and_tls_backends_with_mtls() {
     let mut grpc = back.grpc_client().await;
     for version in ["1", "2"] {
         let request = common::grpc_int32_request("identity", version);
-        let answer = grpc.model_infer(request).await;
-        assert!(answer.is_ok(), "gRPC version {version}: {answer:?}");
+        let answer = grpc
+            .model_infer(request)
+            .await
+            .unwrap_or_else(|status| panic!("gRPC version {version}: {status:?}"))
+            .into_inner();
+        assert_eq!(answer.model_version, version);
+        assert_eq!(
+            answer.raw_output_contents,
+            [common::int32s([7, 8])],
+            "gRPC version {version}"
+        );
     }
     // Streams to a gRPC backend have connections of their own, with the same TLS.
     let request = common::grpc_int32_request("identity", "2");
