@@ -1,4 +1,4 @@
-//! Codec benchmarks, each beside its baseline measured in the same run (see docs/BENCHMARKS.md).
+//! Codec benchmarks, each beside its baseline measured in the same run (see docs/BENCHMARKS.md, "Codec benchmarks").
 
 use std::hint::black_box;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Instructions a small request costs, counted under valgrind's callgrind: for a machine too noisy to compare CPU
-time between builds (docs/BENCHMARKS.md, "Run 4 of 2026-11-24").
+time between builds (docs/benchmarks/history.md, "Run 4 of 2026-11-24").
 
 Runs oipgate (scenario 1's REST passthrough, with its access log off and on, and scenario 3a's REST JSON -> gRPC),
 the smallest hyper proxy

@@ -1,4 +1,4 @@
-"""Scenario 8 of the load harness: what `least_load` costs (docs/BENCHMARKS.md, "Load-aware routing").
+"""Scenario 8 of the load harness: what `least_load` costs (docs/BENCHMARKS.md, "Scenario 8: load-aware routing").
 
 8a, the scrapes: a gateway with one backend of 100 endpoints (127.0.0.1 to 127.0.0.100, all the one model server,
 which listens on every loopback address) and `load = { preset = "triton", interval_ms = 100 }`, idle for SECONDS,

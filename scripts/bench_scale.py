@@ -1,4 +1,5 @@
-"""Scenario 7 of the load harness: one gateway in front of many models (docs/BENCHMARKS.md, "Ten thousand models").
+"""Scenario 7 of the load harness: one gateway in front of many models (docs/BENCHMARKS.md,
+"Scenario 7: ten thousand models").
 
 Generates configurations of 1, 1,000 and 10,000 public models over 200 backends (each model an alias of the model
 server's add_sub, spread over the backends, which all reach the one model server), starts a gateway on each, and
@@ -192,7 +193,8 @@ def report(results):
 
 
 def targets(results):
-    """The targets of docs/BENCHMARKS.md at 10,000 models, against the 1-model gateway of the same run."""
+    """The targets of docs/BENCHMARKS.md ("Scenario 7: ten thousand models") at 10,000 models, against the 1-model
+    gateway of the same run."""
     by = {g["models"]: g for g in results["gateways"]}
     one, big = by.get(1), by.get(10000)
     if not one or not big:

@@ -1,4 +1,5 @@
-"""Scenario 9 of the load harness: what traces and payload logging cost (docs/BENCHMARKS.md, "Telemetry").
+"""Scenario 9 of the load harness: what traces and payload logging cost (docs/BENCHMARKS.md,
+"Scenario 9: traces and payload log").
 
 Four gateways on the same backends, alike but for one section: none (tracing off), `[tracing]` at sample_ratio 0.01,
 `[tracing]` at 1.0, and `[payload_log]` at sample_ratio 1.0. The spans go to a real OTLP collector and the events to
