@@ -2,9 +2,9 @@
 """Instructions a small request costs, counted under valgrind's callgrind: for a machine too noisy to compare CPU
 time between builds (docs/benchmarks/history.md, "Run 4 of 2026-11-24").
 
-Runs oipgate (scenario 1's REST passthrough, with its access log off and on, and scenario 3a's REST JSON -> gRPC),
-the smallest hyper proxy
-(benches/floor_hyper.rs) and HAProxy (scenario 1's faster peer, when installed) under callgrind in front of
+Runs oipgate (scenario 1's REST passthrough, with its access log off and on, scenario 3a's REST JSON -> gRPC, and
+scenario 2's gRPC passthrough, driven by h2load with 1 connection x 8 streams), the smallest hyper proxy
+(benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2) and HAProxy (scenario 1's faster peer, when installed) under callgrind in front of
 oipgate's model server, each twice: wrk (1 thread x 8
 connections) for SECONDS and for 3 x SECONDS. What the longer run counted beyond the shorter, divided by the
 requests it served beyond them, is the instructions a request costs, start-up and idle work taken out. Prints those
@@ -43,8 +43,18 @@ CALLGRIND_TIMEOUT = 120.0
 MISSES = ("I1mr", "D1mr", "D1mw")
 
 
-def counted(name, command, port, url, body, seconds, env=None, cache=False):
-    """Runs `command` under callgrind, drives `url` with wrk for `seconds`; its totals by event and requests."""
+def wrk_load(url, body):
+    """Drives `url` with wrk (1 thread x 8 connections) posting `body`: the REST rows' load."""
+    return lambda seconds: bench.wrk(url, body, {"Content-Type": "application/json"}, seconds, 8, 1)
+
+
+def h2load_load(url, body):
+    """Drives `url` with h2load (1 connection x 8 streams) sending the gRPC frame in `body`: the gRPC rows' load."""
+    return lambda seconds: bench.h2load(url, body, seconds, 1, 8)
+
+
+def counted(name, command, port, load, seconds, env=None, cache=False):
+    """Runs `command` under callgrind, drives it with `load` for `seconds`; its totals by event and requests."""
     out = bench.OUT / f"callgrind-{name}-{seconds}.out"
     server = bench.Server(
         f"callgrind-{name}",
@@ -57,12 +67,12 @@ def counted(name, command, port, url, body, seconds, env=None, cache=False):
         server.stop()
         raise SystemExit(f"bench: {name} under callgrind does not listen on {port}: {server.log.read_text()[-2000:]}")
     time.sleep(1)
-    load = bench.wrk(url, body, {"Content-Type": "application/json"}, seconds, 8, 1)
+    served = load(seconds)
     server.stop()
     lines = out.read_text().splitlines()
     events = next(line.split()[1:] for line in lines if line.startswith("events:"))
     totals = next(line.split()[1:] for line in lines if line.startswith(("totals:", "summary:")))
-    return out, dict(zip(events, map(int, totals))), load["requests"]
+    return out, dict(zip(events, map(int, totals))), served["requests"]
 
 
 def functions(out, event="Ir"):
@@ -82,9 +92,10 @@ def functions(out, event="Ir"):
     return found
 
 
-def per_request(name, command, port, url, body, seconds, env=None, cache=False):
-    short_out, short_totals, short_requests = counted(name, command, port, url, body, seconds, env, cache)
-    long_out, long_totals, long_requests = counted(name, command, port, url, body, 3 * seconds, env, cache)
+def per_request(name, command, port, url, body, seconds, env=None, cache=False, load=None):
+    load = load or wrk_load(url, body)
+    short_out, short_totals, short_requests = counted(name, command, port, load, seconds, env, cache)
+    long_out, long_totals, long_requests = counted(name, command, port, load, 3 * seconds, env, cache)
     served = long_requests - short_requests
     if served <= 0:
         raise SystemExit(f"bench: {name} served no more requests in the longer run")
@@ -115,7 +126,11 @@ def run(seconds, workers, binary, cache=False):
     work.mkdir(exist_ok=True)
     body, _ = bench.add_sub_json(1)
     body_file = bench.write(bench.OUT / "add_sub.json", body)
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "haproxy",
+    message, _ = bench.convert(bench.add_sub_json("2")[0], "json", "protobuf")
+    grpc_file = bench.write(bench.OUT / "add_sub.grpc", bench.grpc_frame(bench.encode_name(message, "add_sub", "2")))
+    grpc_path = "/inference.GRPCInferenceService/ModelInfer"
+    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "floor_h2",
+                                            "haproxy",
                                             "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
     backend = bench.model_server("model-server", ports)
     results = {}
@@ -139,6 +154,17 @@ def run(seconds, workers, binary, cache=False):
                       f"127.0.0.1:{ports['backend_rest']}", "--threads", str(workers)],
             ports["floor"], f"http://127.0.0.1:{ports['floor']}/v2/models/add_sub/infer", body_file, seconds,
             cache=cache)
+        # The gRPC door's passthrough (add_sub version 2 is on the gRPC backend) and its floor: the same smallest
+        # hyper proxy on HTTP/2 in front of the gRPC backend.
+        grpc_url = f"http://127.0.0.1:{ports['grpc']}{grpc_path}"
+        results["oipgate gRPC passthrough"] = per_request(
+            "oipgate-grpc", gateway, ports["grpc"], grpc_url, grpc_file, seconds, env, cache,
+            load=h2load_load(grpc_url, grpc_file))
+        floor_h2_url = f"http://127.0.0.1:{ports['floor_h2']}{grpc_path}"
+        results["floor: smallest hyper HTTP/2 proxy"] = per_request(
+            "floor-h2", [floor, "--listen", f"127.0.0.1:{ports['floor_h2']}", "--upstream",
+                         f"127.0.0.1:{ports['backend_grpc']}", "--threads", str(workers), "--http2"],
+            ports["floor_h2"], floor_h2_url, grpc_file, seconds, cache=cache, load=h2load_load(floor_h2_url, grpc_file))
         haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
         if haproxy:
             haproxy_conf = work / "haproxy.cfg"
@@ -166,6 +192,12 @@ def report(results):
     floor = results["floor: smallest hyper proxy"]["functions"]
     lines += ["", "REST passthrough, instructions a request by function (oipgate, the floor):", ""]
     lines += [f"    {count:8.0f} {floor.get(name, 0):8.0f}  {name[:110]}" for name, count in list(ours.items())[:25]]
+    if "oipgate gRPC passthrough" in results:
+        ours_grpc = results["oipgate gRPC passthrough"]["functions"]
+        floor_h2 = results["floor: smallest hyper HTTP/2 proxy"]["functions"]
+        lines += ["", "gRPC passthrough, instructions a call by function (oipgate, the HTTP/2 floor):", ""]
+        lines += [f"    {count:8.0f} {floor_h2.get(name, 0):8.0f}  {name[:110]}"
+                  for name, count in list(ours_grpc.items())[:25]]
     if "misses" in results["oipgate REST passthrough"]:
         lines += ["", "| setup | " + " | ".join(f"{event} a request" for event in MISSES) + " |",
                   "|---|" + "---|" * len(MISSES)]

@@ -177,7 +177,16 @@ impl AccessLine {
     /// A string quoted and escaped in both formats.
     fn quoted(&mut self, name: &str, value: &str) {
         self.name(name);
-        if self.json {
+        // Most values (paths, labels) need no escape in either format: quoted as they are, which is what both
+        // escapers would write, without their per-character dispatch.
+        if value
+            .bytes()
+            .all(|byte| (b' '..=b'~').contains(&byte) && byte != b'"' && byte != b'\\')
+        {
+            self.bytes.push(b'"');
+            self.bytes.extend_from_slice(value.as_bytes());
+            self.bytes.push(b'"');
+        } else if self.json {
             let _ = serde_json::to_writer(&mut self.bytes, value);
         } else {
             let _ = write!(self.bytes, "{value:?}");
@@ -186,7 +195,8 @@ impl AccessLine {
 
     fn number(&mut self, name: &str, value: u64) {
         self.name(name);
-        let _ = write!(self.bytes, "{value}");
+        self.bytes
+            .extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
     }
 
     fn float(&mut self, name: &str, value: f64) {
@@ -215,7 +225,16 @@ fn timestamp(out: &mut Vec<u8>, time: std::time::SystemTime) {
         }
         out.extend_from_slice(text);
     });
-    let _ = write!(out, ".{:06}Z", since.subsec_micros());
+    let micros = since.subsec_micros();
+    let mut fraction = *b".000000Z";
+    for (place, digit) in fraction[1..7]
+        .iter_mut()
+        .rev()
+        .zip(std::iter::successors(Some(micros), |m| Some(m / 10)))
+    {
+        *place = b'0' + (digit % 10) as u8;
+    }
+    out.extend_from_slice(&fraction);
 }
 
 /// `YYYY-MM-DDTHH:MM:SS` of a Unix second (the days-to-civil conversion of Howard Hinnant's `chrono`-compatible
@@ -268,5 +287,44 @@ mod tests {
         assert_eq!(at(951_782_400, 1), "2000-02-29T00:00:00.000001Z");
         assert_eq!(at(4_107_542_399, 999_999), "2100-02-28T23:59:59.999999Z");
         assert_eq!(at(4_107_542_400, 0), "2100-03-01T00:00:00.000000Z");
+    }
+
+    #[test]
+    fn values_are_quoted_as_the_formats_escapers_quote_them() {
+        for value in [
+            "/v2/models/add_sub/infer",
+            "",
+            "a b~",
+            "say \"hi\"",
+            "back\\slash",
+            "tab\there",
+            "é",
+            "\u{7f}",
+        ] {
+            for json in [false, true] {
+                let mut line = AccessLine {
+                    bytes: Vec::new(),
+                    json,
+                };
+                line.quoted("k", value);
+                let expected = if json {
+                    format!(",\"k\":{}", serde_json::to_string(value).unwrap())
+                } else {
+                    format!(" k={value:?}")
+                };
+                assert_eq!(
+                    String::from_utf8(line.bytes).unwrap(),
+                    expected,
+                    "{value:?}, json {json}"
+                );
+            }
+        }
+        let mut line = AccessLine {
+            bytes: Vec::new(),
+            json: false,
+        };
+        line.number("n", u64::MAX);
+        line.number("z", 0);
+        assert_eq!(String::from_utf8(line.bytes).unwrap(), format!(" n={} z=0", u64::MAX));
     }
 }

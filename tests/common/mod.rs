@@ -638,6 +638,20 @@ pub struct Load {
     workers: Vec<tokio::task::JoinHandle<()>>,
 }
 
+/// Whether a call failed because the server's GOAWAY refused its stream: one above the GOAWAY's last stream id, which
+/// RFC 9113 section 6.8 says the server never processed. A server draining gracefully sends GOAWAY, a PING, then the
+/// final GOAWAY; a stream the client opens between the first and the PING's answer can arrive after it.
+fn refused_by_goaway(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            return h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR);
+        }
+        source = error.source();
+    }
+    false
+}
+
 impl Load {
     /// How long one call may take before it counts as a failure.
     pub const CALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -696,11 +710,13 @@ impl Load {
         self.worker(move || {
             let mut client = client.clone();
             async move {
-                client
-                    .model_infer(grpc_int32_request("identity", ""))
-                    .await
-                    .map(drop)
-                    .map_err(|status| format!("gRPC {status:?}"))
+                let mut answer = client.model_infer(grpc_int32_request("identity", "")).await;
+                if answer.as_ref().is_err_and(refused_by_goaway) {
+                    // gRPC clients retry such a call at once on a new connection ("transparent retry"); tonic's
+                    // client leaves that to its caller.
+                    answer = client.model_infer(grpc_int32_request("identity", "")).await;
+                }
+                answer.map(drop).map_err(|status| format!("gRPC {status:?}"))
             }
         });
     }
