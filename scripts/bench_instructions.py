@@ -3,12 +3,12 @@
 time between builds (docs/benchmarks/history.md, "Run 4 of 2026-11-24").
 
 Runs oipgate (scenario 1's REST passthrough, with its access log off and on, scenario 3a's REST JSON -> gRPC, and
-scenario 2's gRPC passthrough, driven by h2load with 1 connection x 8 streams), the smallest hyper proxy
-(benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2) and HAProxy (scenario 1's faster peer, when installed) under callgrind in front of
-oipgate's model server, each twice: wrk (1 thread x 8
-connections) for SECONDS and for 3 x SECONDS. What the longer run counted beyond the shorter, divided by the
-requests it served beyond them, is the instructions a request costs, start-up and idle work taken out. Prints those
-and, per request, the functions where oipgate spends the most instructions of its own; writes
+scenario 2's gRPC passthrough), the smallest hyper proxy (benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2) and
+HAProxy (scenario 1's faster peer, when installed) under callgrind in front of oipgate's model server, each twice:
+wrk (1 thread x 8 connections; h2load, 1 connection x 8 streams, for gRPC) for SECONDS and for 3 x SECONDS. What
+the longer run counted beyond the shorter, divided by the requests it served beyond them, is the instructions a
+request costs, start-up and idle work taken out. Prints those and, per request, the functions where oipgate spends
+the most instructions of its own; writes
 target/bench/instructions.json.
 
 Counts agree from run to run within about 5% whatever else the machine does (how fast requests come changes how
@@ -130,8 +130,7 @@ def run(seconds, workers, binary, cache=False):
     grpc_file = bench.write(bench.OUT / "add_sub.grpc", bench.grpc_frame(bench.encode_name(message, "add_sub", "2")))
     grpc_path = "/inference.GRPCInferenceService/ModelInfer"
     ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "floor_h2",
-                                            "haproxy",
-                                            "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
+                                            "haproxy", "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
     backend = bench.model_server("model-server", ports)
     results = {}
     try:
@@ -164,7 +163,8 @@ def run(seconds, workers, binary, cache=False):
         results["floor: smallest hyper HTTP/2 proxy"] = per_request(
             "floor-h2", [floor, "--listen", f"127.0.0.1:{ports['floor_h2']}", "--upstream",
                          f"127.0.0.1:{ports['backend_grpc']}", "--threads", str(workers), "--http2"],
-            ports["floor_h2"], floor_h2_url, grpc_file, seconds, cache=cache, load=h2load_load(floor_h2_url, grpc_file))
+            ports["floor_h2"], floor_h2_url, grpc_file, seconds, cache=cache,
+            load=h2load_load(floor_h2_url, grpc_file))
         haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
         if haproxy:
             haproxy_conf = work / "haproxy.cfg"
