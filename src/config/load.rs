@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::backends::Endpoint;
+use super::endpoint::Endpoint;
 use super::{Problems, positive};
 
 /// Default time between two scrapes of an endpoint, in milliseconds.

@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod backends;
+pub mod endpoint;
 pub mod limits;
 pub mod listen;
 pub mod load;
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 
 pub use auth::{ApiKey, Auth, Jwt, ModelScope};
 pub use backends::*;
+pub use endpoint::Endpoint;
 pub use limits::*;
 pub use listen::*;
 pub use load::{LoadSource, RawLoad};
