@@ -11,6 +11,9 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 /// The header that identifies a request end to end.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// The binary extension's header giving the JSON part's length.
+pub const INFERENCE_HEADER_CONTENT_LENGTH: HeaderName = HeaderName::from_static("inference-header-content-length");
+
 /// gRPC's own headers and trailers, named once: a name given as text is parsed again at every use.
 pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
@@ -171,7 +174,7 @@ impl<'a> RequestHeaders<'a> {
                 &mut read.accept
             } else if *name == header::ACCEPT_ENCODING {
                 &mut read.accept_encoding
-            } else if *name == crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH {
+            } else if *name == INFERENCE_HEADER_CONTENT_LENGTH {
                 &mut read.inference_header_length
             } else {
                 has_id |= *name == REQUEST_ID;

@@ -1,5 +1,6 @@
 //! oipgate: an inference gateway for the Open Inference Protocol (KServe V2).
 
+pub mod app;
 pub mod body;
 pub mod cli;
 pub mod codec;
@@ -11,10 +12,12 @@ pub mod frontend;
 pub mod fuzzing;
 pub mod guard;
 pub mod headers;
+pub mod live;
 pub mod modelserver;
-pub mod process;
 pub mod protocol;
 pub mod routing;
+pub mod runtime;
+pub mod telemetry;
 pub mod tls;
 pub mod upstream;
 

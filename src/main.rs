@@ -8,20 +8,20 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use oipgate::cli::convert::{Form, convert};
 use oipgate::modelserver::{self, ModelServerConfig};
-use oipgate::process::logging::LogOptions;
+use oipgate::telemetry::logging::LogOptions;
 
 /// glibc's malloc hands every large buffer back to the kernel and faults fresh pages in for the next, which for
 /// multi-megabyte tensors costs more than decoding them; mimalloc keeps and reuses them (and the largest are kept
-/// for the next ones: see `process::allocator`).
+/// for the next ones: see `app::allocator`).
 #[global_allocator]
-static ALLOCATOR: oipgate::process::allocator::Allocator = oipgate::process::allocator::Allocator;
+static ALLOCATOR: oipgate::app::allocator::Allocator = oipgate::app::allocator::Allocator;
 
 /// mimalloc returns freed pages to the kernel only when the heap that owns them is next used, so memory freed by a
 /// thread that then goes quiet stays resident: a thousand keep-alive connections going idle at once free hyper's
 /// buffers (about 12 KiB each) and the door threads then wait; a reload frees the previous snapshot. The gateway's
 /// builder thread (which builds every snapshot) asks for the purge once a second.
 fn return_freed_memory_periodically() {
-    oipgate::process::on_release_freed_memory(oipgate::process::allocator::release_freed_memory);
+    oipgate::runtime::on_release_freed_memory(oipgate::app::allocator::release_freed_memory);
 }
 
 #[derive(Parser)]
@@ -87,7 +87,7 @@ enum Command {
         #[arg(long)]
         upgrade: bool,
         /// The Unix socket the sockets are handed over through (the same for the old process and the new).
-        #[arg(long, default_value = oipgate::process::app::DEFAULT_UPGRADE_SOCKET)]
+        #[arg(long, default_value = oipgate::app::DEFAULT_UPGRADE_SOCKET)]
         upgrade_socket: std::path::PathBuf,
     },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
@@ -133,7 +133,7 @@ fn main() -> ExitCode {
             return_freed_memory_periodically();
             run_serve(
                 &config,
-                &oipgate::process::app::Process {
+                &oipgate::app::Process {
                     upgrade,
                     upgrade_socket,
                 },
@@ -157,7 +157,7 @@ fn main() -> ExitCode {
         }),
     };
     // Access-log lines still waiting for their batch are written before the process goes.
-    oipgate::process::log_writer::flush();
+    oipgate::telemetry::log_writer::flush();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -168,7 +168,7 @@ fn main() -> ExitCode {
 }
 
 fn init_logs(options: &LogOptions) -> Result<(), Box<dyn std::error::Error>> {
-    oipgate::process::logging::init(options).map_err(|error| match &options.file {
+    oipgate::telemetry::logging::init(options).map_err(|error| match &options.file {
         Some(file) => format!("cannot open the log file {}: {error}", file.display()).into(),
         None => error.into(),
     })
@@ -238,18 +238,15 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     }
 }
 
-fn run_serve(
-    path: &std::path::Path,
-    process: &oipgate::process::app::Process,
-) -> Result<(), Box<dyn std::error::Error>> {
+fn run_serve(path: &std::path::Path, process: &oipgate::app::Process) -> Result<(), Box<dyn std::error::Error>> {
     let owned = path.to_path_buf();
-    let config = oipgate::process::on_builder_thread(move || {
+    let config = oipgate::runtime::on_builder_thread(move || {
         oipgate::config::Config::load(&owned, &oipgate::config::environment_overrides())
     })
     .map_err(|problems| {
         let lines: Vec<String> = problems.iter().map(|p| format!("{}: {p}", path.display())).collect();
         lines.join("\n")
     })?;
-    oipgate::process::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
+    oipgate::app::serve(config, "oipgate", Some(path.to_path_buf()), process)?;
     Ok(())
 }

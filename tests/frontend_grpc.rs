@@ -43,11 +43,11 @@ async fn gateway() -> Gateway {
         model("identity", "fleet-b"),
     );
     let config = validate(raw::parse(&text, &[]).unwrap()).unwrap();
-    let live = oipgate::process::live::Gateway::new(
+    let live = oipgate::live::Gateway::new(
         config,
         "oipgate-test",
         None,
-        oipgate::process::metrics::Metrics::new().unwrap(),
+        oipgate::telemetry::metrics::Metrics::new().unwrap(),
     )
     .unwrap();
     let listener = oipgate::frontend::bind("127.0.0.1:0".parse().unwrap()).unwrap();

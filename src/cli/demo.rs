@@ -74,7 +74,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
     let config = config::validate(raw)
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
     println!("{}", examples(options, &rest_backends, &grpc_backends));
-    let served = crate::process::app::serve(config, "oipgate-demo", None, &crate::process::app::Process::default());
+    let served = crate::app::serve(config, "oipgate-demo", None, &crate::app::Process::default());
     runtime.block_on(async {
         for replica in replicas {
             replica.shutdown().await;

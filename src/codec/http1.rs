@@ -282,7 +282,7 @@ fn is_canonical_length(value: &[u8]) -> bool {
 /// (and allocated) again for every message that carries it.
 static KNOWN: [HeaderName; 3] = [
     crate::headers::REQUEST_ID,
-    crate::codec::rest::INFERENCE_HEADER_CONTENT_LENGTH,
+    crate::headers::INFERENCE_HEADER_CONTENT_LENGTH,
     crate::headers::OIP_MODEL_VERSION,
 ];
 

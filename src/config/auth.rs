@@ -114,7 +114,7 @@ pub(super) fn validate_auth(problems: &mut Problems, auth: &RawAuth, models: &Ha
                 format!("{path}.name"),
                 "must be 1 to 64 visible ASCII characters (it is a metrics label)",
             );
-        } else if key.name == crate::process::metrics::OTHER_PRINCIPAL {
+        } else if key.name == super::OTHER_LABEL {
             problems.add(
                 format!("{path}.name"),
                 "is the label of calls by no configured principal",

@@ -28,6 +28,10 @@ pub use process::*;
 pub use raw::{Problem, RawConfig};
 pub use telemetry::{LogMode, LoggedTensors, PayloadLog, Tracing};
 
+/// The metrics label standing for every series past its bound and for calls by no configured principal: no
+/// configured name may take it.
+pub const OTHER_LABEL: &str = "_other";
+
 /// A validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {

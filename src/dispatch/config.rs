@@ -8,11 +8,11 @@ use prost::Message;
 
 use super::Dispatcher;
 use super::backend::{Replicas, Try};
-use super::fleet::Affinity;
 use crate::codec::{model_config, rest, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::process::traces::Trace;
 use crate::proto::{ModelConfigRequest, ModelConfigResponse};
+use crate::routing::Affinity;
+use crate::telemetry::traces::Trace;
 
 const MODEL_CONFIG: &str = "/inference.GRPCInferenceService/ModelConfig";
 

@@ -11,6 +11,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::Sequence;
+use crate::routing::Affinity;
 use arc_swap::ArcSwapOption;
 use prometheus::{IntCounter, IntGauge};
 
@@ -253,18 +254,6 @@ impl EndpointState {
             }
         }
     }
-}
-
-/// What ties a call to an endpoint.
-#[derive(Debug, Clone, Default)]
-pub enum Affinity {
-    /// Nothing: the backend's load balancing spreads calls.
-    #[default]
-    None,
-    /// The hash of the model's sticky header: the key of a backend balanced by consistent hashing.
-    Sticky(u64),
-    /// A request of a stateful sequence: it goes to the sequence's own endpoint, whatever the load balancing.
-    Sequence(Arc<Sequence>),
 }
 
 /// A call holding its place at an endpoint: counted in flight (and holding a slot when limited) until dropped.

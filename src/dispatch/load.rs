@@ -13,7 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use super::backend::BackendClients;
 use crate::codec::exposition::{self, Reported};
 use crate::config::LoadSource;
-use crate::process::metrics::Metrics;
+use crate::telemetry::metrics::Metrics;
 
 /// The most a scrape reads: a server's whole metrics are tens of KiB; a larger answer is a failed scrape.
 const MAX_SCRAPE_BYTES: usize = 4 << 20;

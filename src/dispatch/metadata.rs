@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use http::HeaderMap;
 
+use super::Dispatcher;
 use super::backend::{BackendClients, Try};
 use super::probe::endpoint_model_metadata;
-use super::{Affinity, Dispatcher};
 use crate::error::Result;
-use crate::process::traces::Trace;
 use crate::protocol::ModelMetadata;
+use crate::routing::Affinity;
 use crate::routing::VersionRoute;
+use crate::telemetry::traces::Trace;
 
 /// How long model metadata is used without fetching it again.
 const METADATA_FRESH: Duration = Duration::from_secs(5);

@@ -7,9 +7,9 @@ use std::time::Duration;
 use super::{Affinity, BackendClients, CallContext, Replicas, Try, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
-use crate::process::traces::Trace;
 use crate::protocol::InferRequest;
 use crate::routing::VersionRoute;
+use crate::telemetry::traces::Trace;
 
 /// A request copied for the mirror, in the form the client sent it.
 #[derive(Debug)]
@@ -56,7 +56,7 @@ pub(super) async fn mirror_call(
                 headers.insert(http::header::CONTENT_TYPE, content_type);
             }
             if let Some(length) = header_length {
-                headers.insert(rest::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
+                headers.insert(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH, length.into());
             }
             let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), "/infer");
             let answer = backend

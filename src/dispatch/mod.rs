@@ -16,12 +16,12 @@ use crate::codec::{protobuf, splice};
 use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::Guard;
-use crate::process::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
-use crate::process::payload_log::PayloadLogger;
-use crate::process::traces::{Trace, Traces};
 use crate::proto::{ModelInferRequest, ModelInferResponse};
 use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelState, ParamValue, Sequence, ServerMetadata};
-use crate::routing::{RouteTable, Routed, VersionRoute};
+use crate::routing::{Affinity, RouteTable, Routed, VersionRoute};
+use crate::telemetry::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
+use crate::telemetry::payload_log::PayloadLogger;
+use crate::telemetry::traces::{Trace, Traces};
 use crate::tls::Prepared;
 use crate::upstream::Replied;
 use opentelemetry::KeyValue;
@@ -43,7 +43,6 @@ mod stream;
 mod window;
 
 use backend::{BackendClients, Replicas, Try};
-pub use fleet::Affinity;
 
 pub use config::{ConfigForm, ModelConfigAnswer};
 use metadata::MetadataCache;
@@ -329,7 +328,7 @@ impl Dispatcher {
         else {
             return Ok(());
         };
-        self.metrics.rate_limited(crate::guard::Limited::Queue);
+        self.metrics.rate_limited(crate::guard::Limited::Queue.label());
         let wait = backend
             .fleet
             .policy

@@ -10,11 +10,12 @@ use http::HeaderMap;
 use super::Dispatcher;
 use super::backend::Replicas;
 use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
-use crate::dispatch::fleet::{Affinity, Lease};
+use crate::dispatch::fleet::Lease;
 use crate::error::{Error, Result};
-use crate::process::metrics::BackendMetrics;
-use crate::process::traces::Trace;
+use crate::routing::Affinity;
 use crate::routing::{Routed, VersionRoute};
+use crate::telemetry::metrics::BackendMetrics;
+use crate::telemetry::traces::Trace;
 use crate::upstream::{BackendBody, Deadline};
 
 /// A REST request proxied to a backend unchanged but for its path.

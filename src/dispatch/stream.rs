@@ -20,11 +20,12 @@ use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
 use crate::config::StreamDialect;
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::process::metrics::{Metrics, StreamLeg, StreamResult};
-use crate::process::traces::Trace;
 use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
 use crate::protocol::{ParamValue, Reserved, StreamCall};
 use crate::routing::VersionRoute;
+use crate::telemetry::logging::FinishedStream;
+use crate::telemetry::metrics::{Metrics, StreamLeg, StreamResult};
+use crate::telemetry::traces::Trace;
 use crate::upstream::grpc::StreamRequests;
 
 pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
@@ -47,12 +48,12 @@ impl SequenceOrder {
     fn place(
         &mut self,
         model: &str,
-        affinity: &crate::dispatch::fleet::Affinity,
+        affinity: &crate::routing::Affinity,
     ) -> (
         Option<tokio::sync::oneshot::Receiver<()>>,
         Option<tokio::sync::oneshot::Sender<()>>,
     ) {
-        let crate::dispatch::fleet::Affinity::Sequence(sequence) = affinity else {
+        let crate::routing::Affinity::Sequence(sequence) = affinity else {
             return (None, None);
         };
         let key = (model.to_owned(), sequence.id.clone());
@@ -82,6 +83,22 @@ pub struct StreamSummary {
     pub result: StreamResult,
     /// The error that ended the stream, if one did.
     pub error: Option<Error>,
+}
+
+impl StreamSummary {
+    /// Writes the stream's access-log line.
+    pub fn log(&self, request_id: Option<&str>, duration: Duration) {
+        crate::telemetry::logging::stream(&FinishedStream {
+            request_id,
+            path: MODEL_STREAM_INFER,
+            result: self.result.label(),
+            requests: self.requests,
+            responses: self.responses,
+            failed: self.failed,
+            error: self.error.as_ref().map(Error::message),
+            duration,
+        });
+    }
 }
 
 /// The client's side of a stream: where its answers go, counted, and when a message last passed either way.

@@ -3,7 +3,6 @@
 pub mod budget;
 pub mod flood;
 pub mod grpc;
-pub mod paths;
 pub mod preface;
 pub mod rest;
 

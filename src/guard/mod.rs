@@ -19,7 +19,8 @@ pub use jwt::JwtKeys;
 
 use crate::config::{Config, ModelScope, Rate};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::process::metrics::{Metrics, OTHER_PRINCIPAL};
+use crate::telemetry::ReportedPrincipal;
+use crate::telemetry::metrics::{Metrics, OTHER_PRINCIPAL};
 
 /// The header carrying an API key, besides `Authorization: Bearer`.
 pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
@@ -148,6 +149,16 @@ impl Principal {
     /// Whether the principal may use the public model `model`.
     pub fn may_use(&self, model: &str) -> bool {
         self.models.allows(model)
+    }
+}
+
+impl ReportedPrincipal for Principal {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn counted(&self) -> Option<usize> {
+        self.counted
     }
 }
 
@@ -458,12 +469,12 @@ impl Guard {
 
     /// Counts a call refused by a limit: 429 / RESOURCE_EXHAUSTED, telling the client when to come back.
     fn limited(&self, limited: Limited, message: String, wait: Duration) -> Error {
-        self.metrics.rate_limited(limited);
+        self.metrics.rate_limited(limited.label());
         Error::new(ErrorKind::Overloaded, Origin::Client, message).with_retry_after(wait)
     }
 
     fn denied(&self, denied: Denied, error: Error) -> Error {
-        self.metrics.auth_denied(denied);
+        self.metrics.auth_denied(denied.label());
         error
     }
 

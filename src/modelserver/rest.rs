@@ -14,9 +14,10 @@ use super::ModelServerState;
 use crate::body::{ChannelBody, ChunksBody, OutBody};
 use crate::codec::compression;
 use crate::codec::rest::generate as generate_codec;
-use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
+use crate::codec::rest::{self, EncodedBody, RestRequest};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::frontend::paths::{Route, route};
+use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
+use crate::protocol::paths::{Route, route};
 use crate::protocol::{ModelReady, ServerLive, ServerReady, StreamCall};
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<ChunksBody> {

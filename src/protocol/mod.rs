@@ -1,8 +1,10 @@
-//! The protocol's data model: datatypes, tensors, parameters and the messages of every endpoint.
+//! The protocol's data model: datatypes, tensors, parameters, the messages of every endpoint and the REST paths
+//! that name them.
 
 pub mod datatype;
 pub mod messages;
 pub mod parameters;
+pub mod paths;
 pub mod reserved;
 pub mod sequence;
 pub mod tensor;

@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::config::{Config, ModelConfig};
-use crate::dispatch::fleet::Affinity;
 use crate::error::{Error, Result};
 use crate::protocol::Sequence;
 
@@ -250,4 +249,16 @@ fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<V
         sticky_header: model.sticky_header.clone(),
         mirror,
     })
+}
+
+/// What ties a call to an endpoint.
+#[derive(Debug, Clone, Default)]
+pub enum Affinity {
+    /// Nothing: the backend's load balancing spreads calls.
+    #[default]
+    None,
+    /// The hash of the model's sticky header: the key of a backend balanced by consistent hashing.
+    Sticky(u64),
+    /// A request of a stateful sequence: it goes to the sequence's own endpoint, whatever the load balancing.
+    Sequence(Arc<Sequence>),
 }

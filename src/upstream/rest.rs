@@ -13,10 +13,11 @@ use super::Replied;
 use super::http1::{self, BackendBody, Failure};
 use crate::body::{ChunksBody, OutBody};
 use crate::codec::compression;
-use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
+use crate::codec::rest::{self, EncodedBody};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
+use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
 
 /// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.

@@ -31,9 +31,7 @@ pub use request::{
 pub use response::{decode_response, decode_stream_event, encode_response};
 pub use tensor_doc::BINARY_DATA_SIZE;
 
-/// The binary extension's header giving the JSON part's length.
-pub const INFERENCE_HEADER_CONTENT_LENGTH: http::HeaderName =
-    http::HeaderName::from_static("inference-header-content-length");
+use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// The JSON part's length a binary-extension body declares (`Inference-Header-Content-Length`); `None` when the
 /// body is JSON alone.

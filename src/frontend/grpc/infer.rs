@@ -16,12 +16,13 @@ use crate::error::Result;
 use crate::frontend::budget::AnswerBudget;
 use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
-use crate::process::live::{Active, Gateway};
-use crate::process::metrics::{ClientProtocol, RequestTimer};
-use crate::process::payload_log::{Form, Inference, Logged, PayloadLogger};
-use crate::process::traces::Trace;
+use crate::live::{Active, Gateway};
 use crate::protocol::Reserved;
 use crate::routing::VersionRoute;
+use crate::telemetry::metrics::RequestTimer;
+use crate::telemetry::payload_log::{Form, Inference, Logged, PayloadLogger};
+use crate::telemetry::traces::Trace;
+use crate::telemetry::{ClientProtocol, ReportedPrincipal};
 use opentelemetry::trace::SpanKind;
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
@@ -184,13 +185,15 @@ async fn infer(
         message.len() as u64,
     );
     timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
-    timer.principal = principal;
-    context.principal = timer.principal.clone();
+    timer.principal = principal
+        .clone()
+        .map(|principal| principal as Arc<dyn ReportedPrincipal>);
+    context.principal = principal.clone();
     // Refused by the name it gives, whether or not that model exists, before a backend is chosen.
     let admitted = match &fields {
         Ok(fields) => dispatcher
             .guard()
-            .authorize(timer.principal.as_deref(), fields.name)
+            .authorize(principal.as_deref(), fields.name)
             .and_then(|()| dispatcher.guard().admit_model(fields.name))
             .map(Some),
         Err(_) => Ok(None),

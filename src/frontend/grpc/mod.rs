@@ -26,9 +26,7 @@ use crate::frontend::preface;
 use crate::guard::Principal;
 use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
-use crate::process::live::Gateway;
-use crate::process::metrics::{ClientProtocol, Finished};
-use crate::process::traces::{Trace, Traces};
+use crate::live::Gateway;
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
@@ -38,6 +36,8 @@ use crate::proto::{
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 use crate::protocol::reserved;
+use crate::telemetry::traces::{Trace, Traces};
+use crate::telemetry::{ClientProtocol, Finished, ReportedPrincipal};
 use opentelemetry::KeyValue;
 
 mod infer;
@@ -433,7 +433,9 @@ where
                         request_id: request_id.as_deref(),
                         endpoint: None,
                         translated: false,
-                        principal: principal.as_deref(),
+                        principal: principal
+                            .as_deref()
+                            .map(|principal| principal as &dyn ReportedPrincipal),
                     },
                 );
             }
@@ -476,7 +478,7 @@ fn message_encoding(headers: &http::HeaderMap) -> Result<Option<CompressionEncod
 /// dropped; and an oversized request's status is corrected. tonic refuses an oversized message from its length
 /// prefix, before reading it, but says OUT_OF_RANGE; the protocol's table (and the REST door's 413) says
 /// RESOURCE_EXHAUSTED. The status may come in the headers (trailers-only) or in the trailers.
-fn finish_answer(response: &mut http::Response<tonic::body::Body>, limit: usize, active: crate::process::live::Active) {
+fn finish_answer(response: &mut http::Response<tonic::body::Body>, limit: usize, active: crate::live::Active) {
     let rewritten = rewrite_size_status(response.headers_mut(), limit);
     if rewritten && response.extensions().get::<Status>().is_some() {
         // tonic keeps the status here too, and writes it from here on the wire.

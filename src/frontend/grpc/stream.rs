@@ -15,7 +15,7 @@ use crate::codec::protobuf::RawDecoder;
 use crate::dispatch::{MODEL_STREAM_INFER, StreamAnswer};
 use crate::error::Error;
 use crate::headers::{GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS};
-use crate::process::live::Gateway;
+use crate::live::Gateway;
 
 /// ModelStreamInfer: the client's messages are read as they come (framing, size limit and decompression by tonic's
 /// decoder) and carried by the dispatcher on its own task; its answers are framed onto the response as they come,
@@ -70,7 +70,7 @@ where
             .infer_stream(requests, context, answers, gateway.streams_ending())
             .await;
         metrics.streams_open().dec();
-        crate::process::logging::stream(request_id.as_deref(), &summary, started.elapsed());
+        summary.log(request_id.as_deref(), started.elapsed());
         if trace.is_on() {
             trace.set("oip.requests", i64::try_from(summary.requests).unwrap_or(i64::MAX));
             trace.set("oip.responses", i64::try_from(summary.responses).unwrap_or(i64::MAX));

@@ -13,17 +13,19 @@ use http_body::{Body, Frame, SizeHint};
 
 use crate::body::{ChunksBody, RelaySource};
 use crate::codec::compression::{self, Coding, Compressor, MIN_COMPRESSED_BYTES};
-use crate::codec::rest::{self, EncodedBody, INFERENCE_HEADER_CONTENT_LENGTH};
+use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::Dispatcher;
 use crate::dispatch::fleet::Lease;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::guard::{Admission, Principal};
-use crate::process::live::{Active, Gateway};
-use crate::process::metrics::{ClientProtocol, Finished, InFlight, RouteMetrics};
-use crate::process::payload_log::{Form, Inference, Logged, PayloadLogger};
-use crate::process::traces::Trace;
+use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
+use crate::live::{Active, Gateway};
 use crate::routing::VersionRoute;
+use crate::telemetry::metrics::{InFlight, RouteMetrics};
+use crate::telemetry::payload_log::{Form, Inference, Logged, PayloadLogger};
+use crate::telemetry::traces::Trace;
+use crate::telemetry::{ClientProtocol, Finished, ReportedPrincipal};
 
 /// One request on its way through the door; reported to the metrics and the access log when dropped, which is when
 /// its answer's body has been sent (or the client left: then its status is 499).
@@ -239,7 +241,10 @@ impl Drop for Record {
                 request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
                 endpoint: self.endpoint.as_deref(),
                 translated: self.translated,
-                principal: self.principal.as_deref(),
+                principal: self
+                    .principal
+                    .as_deref()
+                    .map(|principal| principal as &dyn ReportedPrincipal),
             },
         );
     }

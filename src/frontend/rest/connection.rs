@@ -14,15 +14,15 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
-use super::Http2Body;
 use super::RestDoor;
-use super::http1::{CLOSE_LINGER, Http1, KEEPALIVE};
+use super::http1::{CLOSE_LINGER, Http1, KEEPALIVE, Peek};
 use crate::body::ClientBody;
+use crate::body::http2::Http2Body;
 use crate::frontend::budget::AnswerBudget;
 use crate::frontend::flood::{self, ResetWatch};
 use crate::frontend::preface::{self, Opening, Rewound};
 use crate::frontend::stopping;
-use crate::process::live::{Active, Gateway};
+use crate::live::{Active, Gateway};
 
 /// How long a TLS handshake may take.
 const HANDSHAKE: Duration = Duration::from_secs(10);
@@ -126,28 +126,6 @@ impl RestConnections {
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         // On shutdown, GOAWAY: streams under way finish, new ones go elsewhere.
         flood::serve(connection, &watch, stopping(&mut shutdown)).await;
-    }
-}
-
-/// A stream whose next bytes can be waited for without reading them (plain TCP; TLS cannot), so an idle connection
-/// holds no read buffer.
-pub trait Peek {
-    const CAN_PEEK: bool;
-    /// Waits until the stream can be read (never, for a stream that cannot tell).
-    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send;
-}
-
-impl Peek for TcpStream {
-    const CAN_PEEK: bool = true;
-    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
-        TcpStream::readable(self)
-    }
-}
-
-impl<S: Send + Sync> Peek for tokio_rustls::server::TlsStream<S> {
-    const CAN_PEEK: bool = false;
-    async fn readable(&self) -> std::io::Result<()> {
-        std::future::pending().await
     }
 }
 

@@ -80,7 +80,7 @@ impl RestDoor {
                 match rest_codec::decode_request(
                     raw,
                     rest_codec::inference_header_length(
-                        parts.headers.get(rest_codec::INFERENCE_HEADER_CONTENT_LENGTH),
+                        parts.headers.get(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH),
                     )?,
                 )? {
                     RestRequest::Request { request, .. } => request,

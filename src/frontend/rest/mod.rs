@@ -15,25 +15,23 @@ mod answer;
 pub mod connection;
 mod generate;
 mod http1;
-mod http2_body;
 mod infer;
 
 pub use answer::AnswerBody;
 use answer::{Record, Rename};
 #[cfg(feature = "fuzzing")]
 pub use http1::read_request_head;
-pub use http1::{Http1Body, Http1BodyError};
-pub use http2_body::{Http2Body, Http2BodyError};
 
 use super::budget::AnswerBudget;
-use super::paths::{Route, route};
+use crate::body::http1::Http1BodyError;
 use crate::body::{BodyLimits, ClientBody, RequestBody, RequestBodyError};
 use crate::codec::rest::{self, EncodedBody};
 use crate::dispatch::{ConfigForm, ModelConfigAnswer, RepositoryAction};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::process::live::Gateway;
-use crate::process::traces::Trace;
+use crate::live::Gateway;
+use crate::protocol::paths::{Route, route};
 use crate::protocol::{ModelReady, ServerLive, ServerReady};
+use crate::telemetry::traces::Trace;
 use crate::upstream::BackendBody;
 use opentelemetry::KeyValue;
 
@@ -357,7 +355,7 @@ impl Joined {
 }
 
 /// The span of a request at the door, named for its endpoint.
-fn request_span(traces: &crate::process::traces::Traces, parts: &http::request::Parts) -> Trace {
+fn request_span(traces: &crate::telemetry::traces::Traces, parts: &http::request::Parts) -> Trace {
     traces.request(&parts.headers, || {
         let name = route(parts.uri.path()).map_or("unknown endpoint", |route| route.template());
         let attributes = vec![

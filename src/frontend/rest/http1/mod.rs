@@ -3,7 +3,6 @@
 //! for it; a client that leaves cancelling its request; the head's time limit (408), keep-alive, lingering close and
 //! drain on shutdown.
 
-mod body;
 mod head;
 mod write;
 
@@ -20,7 +19,7 @@ use pingora::server::ShutdownWatch;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
-use body::Feed;
+use crate::body::http1::{Feed, Http1Body, Http1BodyError};
 
 /// The door's reading of the request head at the start of `read` (taken off it when whole), for the fuzz targets:
 /// its body's framing, `None` while partial, or the status it is refused with.
@@ -30,17 +29,15 @@ pub fn read_request_head(read: &mut BytesMut) -> Result<Option<Framing>, http::S
         .map(|head| head.map(|head| head.framing))
         .map_err(|refusal| refusal.status)
 }
-pub use body::{Http1Body, Http1BodyError};
 use head::{Refusal, RequestHead};
 use write::{How, write_answer};
 
 use super::RestDoor;
 use super::answer::Record;
-use super::connection::Peek;
 use crate::body::{ClientBody, SHARED_CHUNK};
 use crate::codec::http1::Framing;
 use crate::frontend::{MAX_HEAD_BYTES, stopping};
-use crate::process::live::Active;
+use crate::live::Active;
 
 /// How long a connection may stay open with no request under way, as nginx's `keepalive_timeout`.
 pub(super) const KEEPALIVE: Duration = Duration::from_secs(60);
@@ -540,5 +537,27 @@ impl Feeder {
         self.failed = true;
         self.feed.end(Err(error));
         Poll::Ready(())
+    }
+}
+
+/// A stream whose next bytes can be waited for without reading them (plain TCP; TLS cannot), so an idle connection
+/// holds no read buffer.
+pub trait Peek {
+    const CAN_PEEK: bool;
+    /// Waits until the stream can be read (never, for a stream that cannot tell).
+    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send;
+}
+
+impl Peek for tokio::net::TcpStream {
+    const CAN_PEEK: bool = true;
+    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
+        tokio::net::TcpStream::readable(self)
+    }
+}
+
+impl<S: Send + Sync> Peek for tokio_rustls::server::TlsStream<S> {
+    const CAN_PEEK: bool = false;
+    async fn readable(&self) -> io::Result<()> {
+        std::future::pending().await
     }
 }

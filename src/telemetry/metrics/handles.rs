@@ -7,8 +7,8 @@ use std::time::Instant;
 use prometheus::{GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::family::Family;
-use super::{CODE_LABELS, CODES, ClientProtocol, OTHER_PRINCIPAL};
-use crate::guard::Principal;
+use super::{CODE_LABELS, CODES, OTHER_PRINCIPAL};
+use crate::telemetry::{ClientProtocol, ReportedPrincipal};
 
 /// `oipgate_requests_total` and `oipgate_mirror_requests_total` for one public model version and its backend. The
 /// series are made when first used (a route never called adds none), then kept here, so a request's count is one
@@ -95,7 +95,7 @@ impl RouteMetrics {
     }
 
     /// Counts a request of `protocol` answered with `status`, under `principal` when it is a configured one.
-    pub(super) fn count(&self, protocol: ClientProtocol, status: u16, principal: Option<&Principal>) {
+    pub(super) fn count(&self, protocol: ClientProtocol, status: u16, principal: Option<&dyn ReportedPrincipal>) {
         let index = CODES.iter().position(|&code| code == status).unwrap_or(CODES.len());
         let make = |name: &str| {
             self.requests.series(&[

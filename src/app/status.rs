@@ -6,8 +6,8 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use super::live::Gateway;
 use crate::dispatch::status::FleetStatus;
+use crate::live::Gateway;
 
 /// The page: plain HTML and a script that reads `/status.json` every two seconds.
 pub const PAGE: &str = include_str!("status.html");

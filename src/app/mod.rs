@@ -13,14 +13,18 @@ use pingora::server::{ListenFds, RunArgs, Server, ShutdownSignal, ShutdownSignal
 use pingora::services::Service;
 use pingora::services::background::{BackgroundService, background_service};
 
+pub mod allocator;
+mod metrics_listener;
+pub mod status;
+
 use crate::body::BodyLimits;
 use crate::config::{Config, Shutdown};
 use crate::error::{Error, Result};
 use crate::frontend::grpc;
 use crate::frontend::rest::RestDoor;
 use crate::frontend::rest::connection::RestConnections;
-use crate::process::live::Gateway;
-use crate::process::metrics::{self, Metrics};
+use crate::live::Gateway;
+use crate::telemetry::metrics::Metrics;
 
 /// Where a new process started with `--upgrade` waits for the running one's listening sockets.
 pub const DEFAULT_UPGRADE_SOCKET: &str = "/tmp/oipgate-upgrade.sock";
@@ -175,7 +179,7 @@ impl Listener {
                     let (gateway, header_timeout) = (gateway.clone(), *header_timeout);
                     crate::frontend::spawn_door_thread(name, async move {
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
-                        metrics::serve(seat, gateway, header_timeout, stopping).await;
+                        metrics_listener::serve(seat, gateway, header_timeout, stopping).await;
                     })?;
                 }
             }
@@ -336,7 +340,7 @@ fn drain(gateway: &Gateway, grace: Duration) {
     } else {
         tracing::info!("drained; exiting");
     }
-    super::log_writer::flush();
+    crate::telemetry::log_writer::flush();
 }
 
 /// Runs the gateway until SIGTERM or SIGINT (both graceful), or until SIGQUIT hands its listening sockets to a new
@@ -372,7 +376,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
 fn start_gateway(config: &Config, name: &str, path: Option<PathBuf>) -> Result<Arc<Gateway>> {
     let metrics = Metrics::new()?;
     let (built, name) = (config.clone(), name.to_owned());
-    super::on_builder_thread(move || Gateway::new(built, &name, path, metrics))
+    crate::runtime::on_builder_thread(move || Gateway::new(built, &name, path, metrics))
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))
 }
 

@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Tracing;
 use crate::error::{Error, Result};
-use crate::process::metrics::Metrics;
+use crate::telemetry::metrics::Metrics;
 
 /// How often the queue of finished spans is sent: the export task sleeps rather than waits on the queue, so a
 /// request that finishes a span never wakes another thread.
@@ -43,7 +43,7 @@ impl Traces {
     /// Starts the tracer and its exporter (on the telemetry thread); the collector is connected to when the first
     /// spans are sent.
     pub fn start(config: &Tracing, metrics: &Metrics) -> Result<Traces> {
-        let runtime = super::telemetry_runtime();
+        let runtime = crate::runtime::telemetry_runtime();
         let _entered = runtime.enter();
         let mut exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()

@@ -19,10 +19,11 @@ use prost::Message;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::codec::protobuf;
-use crate::codec::rest::{self, BinaryOutputs, INFERENCE_HEADER_CONTENT_LENGTH, RestRequest};
+use crate::codec::rest::{self, BinaryOutputs, RestRequest};
 use crate::config::{LoggedTensors, PayloadLog};
-use crate::process::metrics::Metrics;
+use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::routing::VersionRoute;
+use crate::telemetry::metrics::Metrics;
 
 /// How often the queue is sent: the sending task sleeps rather than waits on the queue, so a request that queues
 /// an event never wakes another thread.
@@ -89,7 +90,7 @@ impl PayloadLogger {
     /// Starts the sending task on the telemetry thread.
     pub fn start(config: &PayloadLog, metrics: &Metrics) -> PayloadLogger {
         let (queue, events) = mpsc::channel(config.max_queue);
-        let runtime = super::telemetry_runtime();
+        let runtime = crate::runtime::telemetry_runtime();
         let _entered = runtime.enter();
         runtime.spawn(send(
             config.clone(),

@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 
 use crate::config::{Config, Discovery, Endpoint, Problem};
 use crate::dispatch::Dispatcher;
-use crate::process::metrics::Metrics;
+use crate::telemetry::metrics::Metrics;
 use crate::tls::{BackendMaterial, Prepared, ServerIdentity};
 
 /// How long one DNS resolution may take.
@@ -233,7 +233,7 @@ impl Gateway {
         };
         state.fingerprint = fingerprint(path, &state.config);
         let owned = path.clone();
-        let (config, prepared) = super::on_builder_thread(move || {
+        let (config, prepared) = crate::runtime::on_builder_thread(move || {
             let config = Config::load(&owned, &crate::config::environment_overrides())?;
             let prepared = Prepared::load(&config)?;
             Ok::<_, Vec<Problem>>((config, prepared))
@@ -269,7 +269,7 @@ impl Gateway {
         let previous = self.dispatcher();
         let server = prepared.server.take();
         let (name, metrics, discovered) = (self.name.clone(), self.metrics.clone(), state.discovered.clone());
-        let (dispatcher, config, prepared) = super::on_builder_thread(move || {
+        let (dispatcher, config, prepared) = crate::runtime::on_builder_thread(move || {
             let dispatcher = Dispatcher::build(&config, &name, metrics, &prepared, &discovered, Some(&previous));
             (dispatcher, config, prepared)
         });
@@ -329,7 +329,7 @@ impl Gateway {
                 return;
             };
             while signals.recv().await.is_some() {
-                super::log_writer::reopen();
+                crate::telemetry::log_writer::reopen();
                 tracing::info!("SIGUSR1: log file reopened");
             }
         }
@@ -344,7 +344,7 @@ impl Gateway {
                 return;
             };
             while hangups.recv().await.is_some() {
-                super::log_writer::reopen();
+                crate::telemetry::log_writer::reopen();
                 tracing::info!("SIGHUP: reloading the configuration");
                 let _ = self.reload().await;
             }

@@ -1,16 +1,5 @@
-//! The running gateway process: its wiring, signals and binary upgrade (`app`), the live state swapped on reload and
-//! discovery (`live`), what it reports (`metrics`, `logging`, `traces`, `payload_log`), and its allocator
-//! (`allocator`).
-
-pub mod allocator;
-pub mod app;
-pub mod live;
-pub mod log_writer;
-pub mod logging;
-pub mod metrics;
-pub mod payload_log;
-pub mod status;
-pub mod traces;
+//! The process's helper threads: the builder thread that builds configurations and returns freed memory, and the
+//! small runtime telemetry exports run on.
 
 use std::sync::{OnceLock, mpsc};
 use std::time::Duration;

@@ -17,7 +17,7 @@ use hyper_util::rt::TokioIo;
 /// `header_timeout`, at most `[limits] max_connections` connections at once (the seat's cap).
 pub async fn serve(
     seat: crate::frontend::Seat,
-    gateway: Arc<crate::process::live::Gateway>,
+    gateway: Arc<crate::live::Gateway>,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -40,7 +40,7 @@ pub async fn serve(
     .await;
 }
 
-async fn answer<B>(gateway: &crate::process::live::Gateway, request: &Request<B>) -> Response<Full<Bytes>> {
+async fn answer<B>(gateway: &crate::live::Gateway, request: &Request<B>) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match (request.method(), request.uri().path()) {
         (&Method::GET, "/metrics" | "/") => (
             StatusCode::OK,
@@ -50,12 +50,12 @@ async fn answer<B>(gateway: &crate::process::live::Gateway, request: &Request<B>
         (&Method::GET, "/status") => (
             StatusCode::OK,
             "text/html; charset=utf-8",
-            Bytes::from_static(crate::process::status::PAGE.as_bytes()),
+            Bytes::from_static(crate::app::status::PAGE.as_bytes()),
         ),
         (&Method::GET, "/status.json") => (
             StatusCode::OK,
             "application/json",
-            Bytes::from(crate::process::status::json(gateway).await),
+            Bytes::from(crate::app::status::json(gateway).await),
         ),
         (_, "/metrics" | "/" | "/status" | "/status.json") => (
             StatusCode::METHOD_NOT_ALLOWED,

@@ -1,5 +1,9 @@
 //! Bodies that leave the process: shared buffers sent one after another without being joined (how tensors leave
 //! without a copy), and a client's body relayed to a backend as it arrives; and bodies read whole, within a bound.
+//! The client's request bodies as each front-door protocol hands them over are `http1` and `http2`.
+
+pub mod http1;
+pub mod http2;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -14,7 +18,8 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 
 use crate::codec::rest::key_scan::KeyScan;
-use crate::frontend::rest::Http2BodyError;
+use http1::{Http1Body, Http1BodyError};
+use http2::{Http2Body, Http2BodyError};
 
 /// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (whether the chunks are compressed, then
 /// the length); the message's length when it is more than the prefix can say.
@@ -405,8 +410,8 @@ impl RequestBody {
 /// A client's body as its door reads it: from the REST door's own HTTP/1.1 connection, or from hyper's HTTP/2.
 #[derive(Debug)]
 pub enum ClientBody {
-    Http1(crate::frontend::rest::Http1Body),
-    Http2(crate::frontend::rest::Http2Body),
+    Http1(Http1Body),
+    Http2(Http2Body),
 }
 
 /// Why a request body could not be read.
@@ -419,7 +424,7 @@ pub enum RequestBodyError {
     /// It took more than this many bytes on the wire.
     TooLarge(u64),
     /// An HTTP/1.1 body broke off (its connection closed, its chunks malformed).
-    Http1(crate::frontend::rest::Http1BodyError),
+    Http1(Http1BodyError),
     /// hyper could not read an HTTP/2 body (the stream reset, the connection closed).
     Broken(hyper::Error),
 }
@@ -713,14 +718,11 @@ impl Body for Relayed {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Overdue))));
                 }
-                Some(Err(
-                    RequestBodyError::TooLarge(_)
-                    | RequestBodyError::Http1(crate::frontend::rest::Http1BodyError::TooLarge(_)),
-                )) => {
+                Some(Err(RequestBodyError::TooLarge(_) | RequestBodyError::Http1(Http1BodyError::TooLarge(_)))) => {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::TooLarge))));
                 }
-                Some(Err(RequestBodyError::Http1(crate::frontend::rest::Http1BodyError::Closed))) => {
+                Some(Err(RequestBodyError::Http1(Http1BodyError::Closed))) => {
                     this.done = true;
                     return Poll::Ready(Some(Err(this.source.fail(RelayError::Gone))));
                 }

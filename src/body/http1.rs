@@ -53,20 +53,20 @@ enum Kind {
 }
 
 impl Http1Body {
-    pub(super) fn whole(bytes: Bytes) -> Http1Body {
+    pub(crate) fn whole(bytes: Bytes) -> Http1Body {
         Http1Body {
             kind: Kind::Whole((!bytes.is_empty()).then_some(bytes)),
         }
     }
 
-    pub(super) fn fed(feed: Arc<Feed>) -> Http1Body {
+    pub(crate) fn fed(feed: Arc<Feed>) -> Http1Body {
         Http1Body { kind: Kind::Fed(feed) }
     }
 }
 
 /// What passes between a connection and the body it feeds: one piece at a time, asked for by the body.
 #[derive(Debug, Default)]
-pub(super) struct Feed {
+pub(crate) struct Feed {
     state: Mutex<FeedState>,
 }
 
@@ -88,7 +88,7 @@ struct FeedState {
 }
 
 impl Feed {
-    pub(super) fn new(left: Option<u64>) -> Feed {
+    pub(crate) fn new(left: Option<u64>) -> Feed {
         Feed {
             state: Mutex::new(FeedState {
                 left,
@@ -102,7 +102,7 @@ impl Feed {
     }
 
     /// Whether the body waits for a piece (registering the connection's task to be woken when it does).
-    pub(super) fn wanted(&self, cx: &Context<'_>) -> bool {
+    pub(crate) fn wanted(&self, cx: &Context<'_>) -> bool {
         let mut state = self.state();
         if !state.connection.as_ref().is_some_and(|task| task.will_wake(cx.waker())) {
             state.connection = Some(cx.waker().clone());
@@ -110,7 +110,7 @@ impl Feed {
         state.wanted && state.piece.is_none() && !state.dropped
     }
 
-    pub(super) fn push(&self, piece: Bytes) {
+    pub(crate) fn push(&self, piece: Bytes) {
         let mut state = self.state();
         state.wanted = false;
         state.piece = Some(piece);
@@ -120,7 +120,7 @@ impl Feed {
         }
     }
 
-    pub(super) fn end(&self, how: Result<(), Http1BodyError>) {
+    pub(crate) fn end(&self, how: Result<(), Http1BodyError>) {
         let mut state = self.state();
         state.ended.get_or_insert(how);
         if let Some(reader) = state.reader.take() {

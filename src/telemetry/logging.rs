@@ -5,8 +5,8 @@
 use std::cell::RefCell;
 use std::io::Write;
 
-use crate::process::log_writer;
-use crate::process::metrics::{Finished, RouteMetrics};
+use super::{Finished, RouteNames};
+use crate::telemetry::log_writer;
 
 /// The `tracing` target of access-log lines, so they can be filtered on their own (`RUST_LOG=oipgate::access=off`).
 pub const ACCESS: &str = "oipgate::access";
@@ -66,26 +66,43 @@ pub fn init(options: &LogOptions) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Writes the access-log line of one finished inference stream: what it carried and how it ended.
-pub fn stream(request_id: Option<&str>, summary: &crate::dispatch::StreamSummary, duration: std::time::Duration) {
+/// What one finished inference stream carried and how it ended, for its access-log line.
+#[derive(Debug, Clone, Copy)]
+pub struct FinishedStream<'a> {
+    pub request_id: Option<&'a str>,
+    /// The gRPC method.
+    pub path: &'a str,
+    /// How the stream ended.
+    pub result: &'a str,
+    pub requests: u64,
+    pub responses: u64,
+    /// Responses that carried a request's error.
+    pub failed: u64,
+    /// The error that ended the stream, if one did.
+    pub error: Option<&'a str>,
+    pub duration: std::time::Duration,
+}
+
+/// Writes the access-log line of one finished inference stream.
+pub fn stream(stream: &FinishedStream<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
     AccessLine::write("stream", |line| {
-        line.plain("request_id", field(request_id));
+        line.plain("request_id", field(stream.request_id));
         line.quoted("protocol", "grpc");
-        line.quoted("path", crate::dispatch::MODEL_STREAM_INFER);
-        line.quoted("result", summary.result.label());
-        line.number("requests", summary.requests);
-        line.number("responses", summary.responses);
-        line.number("failed_requests", summary.failed);
-        line.quoted("error", summary.error.as_ref().map_or("-", |error| error.message()));
-        line.float("duration_ms", duration.as_secs_f64() * 1000.0);
+        line.quoted("path", stream.path);
+        line.quoted("result", stream.result);
+        line.number("requests", stream.requests);
+        line.number("responses", stream.responses);
+        line.number("failed_requests", stream.failed);
+        line.quoted("error", stream.error.unwrap_or("-"));
+        line.float("duration_ms", stream.duration.as_secs_f64() * 1000.0);
     });
 }
 
 /// Writes the access-log line of one finished request.
-pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
+pub fn access(route: Option<RouteNames<'_>>, request: &Finished<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
@@ -93,16 +110,16 @@ pub fn access(route: Option<&RouteMetrics>, request: &Finished<'_>) {
         line.plain("request_id", field(request.request_id));
         line.quoted("protocol", request.protocol.label());
         line.quoted("path", request.target);
-        line.plain("model", field(route.map(|r| r.model.as_str())));
-        line.plain("version", field(route.map(|r| r.version.as_str())));
-        line.plain("backend", field(route.map(|r| r.backend.as_str())));
+        line.plain("model", field(route.map(|r| r.model)));
+        line.plain("version", field(route.map(|r| r.version)));
+        line.plain("backend", field(route.map(|r| r.backend)));
         line.plain("endpoint", field(request.endpoint));
         line.number("status", u64::from(request.status));
         line.number("bytes_in", request.request_bytes);
         line.number("bytes_out", request.response_bytes);
         line.float("duration_ms", request.duration.as_secs_f64() * 1000.0);
         line.boolean("translated", request.translated);
-        line.plain("principal", field(request.principal.map(crate::guard::Principal::name)));
+        line.plain("principal", field(request.principal.map(|caller| caller.name())));
     });
 }
 

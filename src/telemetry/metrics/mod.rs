@@ -1,14 +1,11 @@
 //! The gateway's Prometheus metrics: one registry for the process, series made at first use and kept by the routes
-//! and backends that use them (a request increments counters it already holds, no label formatting per request),
-//! and the `/metrics` listener.
+//! and backends that use them (a request increments counters it already holds, no label formatting per request).
 
 mod family;
 mod handles;
-mod listener;
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
-pub use listener::serve;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -19,8 +16,8 @@ use prometheus::{
 };
 
 use self::family::{Family, SeriesBound};
+use super::{ClientProtocol, Finished, ReportedPrincipal, RouteNames};
 use crate::error::{Error, Result};
-use crate::guard::Principal;
 
 /// Label value for a model, version or backend a request named that the configuration does not have.
 pub const UNKNOWN: &str = "_unknown";
@@ -44,31 +41,6 @@ const CODE_LABELS: [&str; 17] = [
 const DURATION_BUCKETS: [f64; 16] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
 ];
-
-/// The protocol a client spoke.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientProtocol {
-    Rest,
-    Grpc,
-}
-
-impl ClientProtocol {
-    const ALL: [ClientProtocol; 2] = [ClientProtocol::Rest, ClientProtocol::Grpc];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            ClientProtocol::Rest => "rest",
-            ClientProtocol::Grpc => "grpc",
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            ClientProtocol::Rest => 0,
-            ClientProtocol::Grpc => 1,
-        }
-    }
-}
 
 /// Every metric family of the gateway, registered in one registry.
 #[derive(Debug)]
@@ -217,7 +189,7 @@ pub struct RequestTimer {
     pub request_id: Option<String>,
     pub endpoint: Option<Arc<str>>,
     pub translated: bool,
-    pub principal: Option<Arc<Principal>>,
+    pub principal: Option<Arc<dyn ReportedPrincipal>>,
 }
 
 impl RequestTimer {
@@ -266,26 +238,6 @@ impl Drop for RequestTimer {
             },
         );
     }
-}
-
-/// What one finished request reports, to the metrics and the access log.
-#[derive(Debug, Clone, Copy)]
-pub struct Finished<'a> {
-    pub protocol: ClientProtocol,
-    /// HTTP status (a gRPC answer's status is its code's HTTP equivalent).
-    pub status: u16,
-    pub duration: Duration,
-    pub request_bytes: u64,
-    pub response_bytes: u64,
-    /// The REST path or gRPC method.
-    pub target: &'a str,
-    pub request_id: Option<&'a str>,
-    /// The backend endpoint that answered.
-    pub endpoint: Option<&'a str>,
-    /// Whether the request crossed between REST and gRPC (or was re-encoded) on its way.
-    pub translated: bool,
-    /// Who made it, when `[auth]` asked.
-    pub principal: Option<&'a Principal>,
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
@@ -626,17 +578,24 @@ impl Metrics {
         if let Some(route) = route {
             route.count(request.protocol, request.status, request.principal);
         }
-        crate::process::logging::access(route, request);
+        crate::telemetry::logging::access(
+            route.map(|route| RouteNames {
+                model: &route.model,
+                version: &route.version,
+                backend: &route.backend,
+            }),
+            request,
+        );
     }
 
     /// Counts a call refused for its credential.
-    pub fn auth_denied(&self, denied: crate::guard::Denied) {
-        self.auth_denied.with_label_values(&[denied.label()]).inc();
+    pub fn auth_denied(&self, reason: &str) {
+        self.auth_denied.with_label_values(&[reason]).inc();
     }
 
     /// Counts a call refused by a rate limit or a bound on calls under way.
-    pub fn rate_limited(&self, limited: crate::guard::Limited) {
-        self.rate_limited.with_label_values(&[limited.label()]).inc();
+    pub fn rate_limited(&self, limit: &str) {
+        self.rate_limited.with_label_values(&[limit]).inc();
     }
 
     /// Records one message translated between the protocols.
@@ -705,7 +664,7 @@ impl Metrics {
         static CATCHING_UP: std::sync::Mutex<()> = std::sync::Mutex::new(());
         {
             let _one = CATCHING_UP.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let dropped = crate::process::log_writer::dropped();
+            let dropped = crate::telemetry::log_writer::dropped();
             self.access_log_dropped
                 .inc_by(dropped.saturating_sub(self.access_log_dropped.get()));
         }

@@ -53,7 +53,7 @@ impl<T: MetricVecBuilder> Vector for MetricVec<T> {
 }
 
 /// Label value standing for every series refused past the bound.
-pub const OTHER: &str = "_other";
+pub const OTHER: &str = crate::config::OTHER_LABEL;
 
 /// The bound on series per family, shared by every family of the process (changed by a reload).
 #[derive(Debug)]
