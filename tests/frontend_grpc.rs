@@ -52,7 +52,7 @@ async fn gateway() -> Gateway {
     .unwrap();
     let listener = oipgate::frontend::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = listener.local_addr().unwrap();
-    let seat = oipgate::frontend::Seat::all(&listener, 1, oipgate::frontend::ConnectionCap::none())
+    let seat = oipgate::frontend::DoorThread::all(&listener, 1, oipgate::frontend::ConnectionCap::none())
         .unwrap()
         .remove(0);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -33,16 +33,16 @@ pub struct Allocator;
 
 /// A freed large buffer, kept: its address, the bytes mimalloc gave it, and when it was freed.
 #[derive(Clone, Copy)]
-struct Kept {
+struct FreedBuffers {
     address: usize,
     size: usize,
     freed: Instant,
 }
 
 /// The kept buffers. A lock is fine here: only buffers of [`LARGE`] bytes or more pass through it.
-static KEPT: Mutex<[Option<Kept>; KEPT_BUFFERS]> = Mutex::new([None; KEPT_BUFFERS]);
+static KEPT: Mutex<[Option<FreedBuffers>; KEPT_BUFFERS]> = Mutex::new([None; KEPT_BUFFERS]);
 
-fn kept() -> std::sync::MutexGuard<'static, [Option<Kept>; KEPT_BUFFERS]> {
+fn kept() -> std::sync::MutexGuard<'static, [Option<FreedBuffers>; KEPT_BUFFERS]> {
     KEPT.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -72,7 +72,7 @@ fn keep(ptr: *mut u8) -> bool {
     let Some(slot) = kept.iter_mut().find(|slot| slot.is_none()) else {
         return false;
     };
-    *slot = Some(Kept {
+    *slot = Some(FreedBuffers {
         address: ptr as usize,
         size,
         freed: Instant::now(),

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 /// `shutdown` resolves: HTTP/1.1 (what Prometheus and browsers speak to it), each request head within
 /// `header_timeout`, at most `[limits] max_connections` connections at once (the seat's cap).
 pub async fn serve(
-    seat: crate::frontend::Seat,
+    seat: crate::frontend::DoorThread,
     gateway: Arc<crate::live::Gateway>,
     header_timeout: Duration,
     shutdown: impl Future<Output = ()>,

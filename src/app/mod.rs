@@ -145,7 +145,7 @@ impl Listener {
             Serves::Metrics(..) => 1,
             _ => self.threads.max(1),
         };
-        let seats = crate::frontend::Seat::all(socket, threads, self.cap.clone())?;
+        let seats = crate::frontend::DoorThread::all(socket, threads, self.cap.clone())?;
         for (index, seat) in seats.into_iter().enumerate() {
             let mut stop = shutdown.clone();
             let name = format!("{}-{index}", self.name);

@@ -46,7 +46,7 @@ pub enum BodyLength {
 
 /// Why a body could not be gathered.
 #[derive(Debug)]
-pub enum Gathered<E> {
+pub enum GatherError<E> {
     /// It is (or says it will be) longer than the bound.
     TooLarge,
     /// It broke off.
@@ -61,7 +61,7 @@ pub async fn gather<B>(
     body: B,
     cap: usize,
     sized: BodyLength,
-) -> Result<(Bytes, Option<http::HeaderMap>), Gathered<B::Error>>
+) -> Result<(Bytes, Option<http::HeaderMap>), GatherError<B::Error>>
 where
     B: Body<Data = Bytes>,
 {
@@ -74,10 +74,10 @@ where
         BodyLength::GrpcFrame => None,
     };
     if announced.is_some_and(|length| length > cap) {
-        return Err(Gathered::TooLarge);
+        return Err(GatherError::TooLarge);
     }
     while let Some(frame) = body.frame().await {
-        let data = match frame.map_err(Gathered::Broken)?.into_data() {
+        let data = match frame.map_err(GatherError::Broken)?.into_data() {
             Ok(data) => data,
             Err(frame) => {
                 if let Ok(map) = frame.into_trailers() {
@@ -88,7 +88,7 @@ where
         };
         let so_far = first.as_ref().map_or(0, Bytes::len) + gathered.len();
         if so_far + data.len() > cap {
-            return Err(Gathered::TooLarge);
+            return Err(GatherError::TooLarge);
         }
         if announced.is_none() && matches!(sized, BodyLength::GrpcFrame) {
             let mut header = [0u8; 5];
@@ -101,7 +101,7 @@ where
             if count == 5 {
                 let length = 5 + u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
                 if length > cap {
-                    return Err(Gathered::TooLarge);
+                    return Err(GatherError::TooLarge);
                 }
                 announced = Some(length);
             }
@@ -366,7 +366,7 @@ pub struct RequestBody {
 }
 
 /// A body's next frame, its end, or why it failed.
-type Polled = Option<Result<Frame<Bytes>, RequestBodyError>>;
+type PolledFrame = Option<Result<Frame<Bytes>, RequestBodyError>>;
 
 /// What a request body is held to.
 #[derive(Debug, Clone, Copy)]
@@ -390,7 +390,7 @@ impl RequestBody {
     }
 
     /// The next frame from the door's body.
-    fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<Polled> {
+    fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<PolledFrame> {
         match &mut self.body {
             ClientBody::Http1(body) => Pin::new(body)
                 .poll_frame(cx)

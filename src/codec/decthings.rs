@@ -114,12 +114,12 @@ pub fn put_varint(out: &mut BytesMut, value: u64) {
 }
 
 /// A cursor over the encoded bytes that never reads past the end.
-struct Reader<'a> {
+struct DecthingsReader<'a> {
     bytes: &'a Bytes,
     pos: usize,
 }
 
-impl Reader<'_> {
+impl DecthingsReader<'_> {
     fn remaining(&self) -> usize {
         self.bytes.len() - self.pos
     }
@@ -158,7 +158,7 @@ impl Reader<'_> {
 /// Decodes one Decthings tensor, which must fill `bytes` exactly, into a V2 tensor called `name`. Fixed-size data is
 /// a slice of `bytes`; variable-size elements are re-laid out with 4-byte length prefixes.
 pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
-    let mut reader = Reader { bytes, pos: 0 };
+    let mut reader = DecthingsReader { bytes, pos: 0 };
     let tensor = read_tensor(&mut reader, name)?;
     if reader.remaining() > 0 {
         return Err(Error::invalid(format!(
@@ -170,7 +170,7 @@ pub fn decode(bytes: &Bytes, name: &str) -> Result<Tensor> {
 }
 
 /// Reads one tensor at the reader's position, leaving it after the tensor's last byte.
-fn read_tensor(reader: &mut Reader<'_>, name: &str) -> Result<Tensor> {
+fn read_tensor(reader: &mut DecthingsReader<'_>, name: &str) -> Result<Tensor> {
     let bytes = reader.bytes;
     let element_type = ElementType::from_byte(reader.byte("the type byte")?)?;
     let ndims = reader.byte("the dimension count")?;
@@ -279,7 +279,7 @@ fn read_tensor(reader: &mut Reader<'_>, name: &str) -> Result<Tensor> {
 /// Decodes the REST front door's Decthings body: entries, each a varint name length, the UTF-8 name, and one
 /// Decthings tensor, until the body ends. Names must be unique.
 pub fn decode_entries(body: &Bytes) -> Result<Vec<Tensor>> {
-    let mut reader = Reader { bytes: body, pos: 0 };
+    let mut reader = DecthingsReader { bytes: body, pos: 0 };
     let mut tensors: Vec<Tensor> = Vec::new();
     while reader.remaining() > 0 {
         let index = tensors.len();

@@ -193,7 +193,7 @@ fn parsed_value(value: Bytes) -> HeaderValue {
 /// What a head's headers say of its body and its connection, gathered as the headers go into their map: the one
 /// reading of them for requests (the REST door) and answers (the backend client).
 #[derive(Debug)]
-pub struct Said {
+pub struct ParsedHeaders {
     pub headers: HeaderMap,
     /// Content-Length, when given (the same value however often; the map holds it once, as digits).
     pub length: Option<u64>,
@@ -209,7 +209,7 @@ pub struct Said {
     unread: &'static [u8],
 }
 
-/// A header [`Said::note`] cannot take.
+/// A header [`ParsedHeaders::note`] cannot take.
 #[derive(Debug)]
 pub enum BadHeader {
     Name,
@@ -217,10 +217,10 @@ pub enum BadHeader {
     TwoLengths,
 }
 
-impl Said {
+impl ParsedHeaders {
     /// Room for `count` headers; `unread` (lower case) is not kept.
-    pub fn new(count: usize, unread: &'static [u8]) -> Said {
-        Said {
+    pub fn new(count: usize, unread: &'static [u8]) -> ParsedHeaders {
+        ParsedHeaders {
             unread,
             headers: HeaderMap::with_capacity(count),
             length: None,
@@ -452,7 +452,7 @@ mod tests {
 
     #[test]
     fn header_names_are_noted_lower_case_whichever_way_they_are_read_and_the_unread_one_left_out() {
-        let mut said = Said::new(4, b"date");
+        let mut said = ParsedHeaders::new(4, b"date");
         for name in [
             &b"X-Request-ID"[..],
             b"inference-header-content-length",
@@ -510,13 +510,13 @@ mod tests {
 
     #[test]
     fn a_length_given_twice_or_as_a_list_is_kept_once_as_digits() {
-        let mut said = Said::new(4, b"");
+        let mut said = ParsedHeaders::new(4, b"");
         said.note(b"content-length", HeaderValue::from_static("5, 5")).unwrap();
         said.note(b"Content-Length", HeaderValue::from_static("5")).unwrap();
         assert_eq!(said.length, Some(5));
         let values: Vec<_> = said.headers.get_all(CONTENT_LENGTH).iter().collect();
         assert_eq!(values, [HeaderValue::from_static("5")]);
-        let mut said = Said::new(1, b"");
+        let mut said = ParsedHeaders::new(1, b"");
         said.note(b"content-length", HeaderValue::from_static("007")).unwrap();
         assert_eq!(said.headers[CONTENT_LENGTH], "7");
         assert!(matches!(

@@ -18,7 +18,7 @@ use crate::routing::VersionRoute;
 use crate::telemetry::metrics::{BackendMetrics, Metrics};
 use crate::telemetry::traces::Trace;
 use crate::tls::BackendMaterial;
-use crate::upstream::Replied;
+use crate::upstream::BackendAnswer;
 use crate::upstream::{EndpointTls, GrpcUpstream, RestUpstream};
 
 /// A backend's replicas, spoken to over its protocol.
@@ -36,7 +36,7 @@ pub(super) enum Replicas {
 /// One try of a call: the endpoint chosen (its index), the time left, and the end-to-end headers to send, which
 /// carry the try's span when the call is traced.
 #[derive(Debug)]
-pub(super) struct Try<'a> {
+pub(super) struct Attempt<'a> {
     pub(super) index: usize,
     pub(super) left: Duration,
     pub(super) forward: Cow<'a, http::HeaderMap>,
@@ -159,7 +159,7 @@ impl BackendClients {
         mut call: F,
     ) -> Result<T>
     where
-        F: FnMut(Try<'a>) -> Fut,
+        F: FnMut(Attempt<'a>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
         let until = Instant::now() + deadline;
@@ -178,7 +178,7 @@ impl BackendClients {
             let left = until.saturating_duration_since(Instant::now());
             let _call = self.metrics.call();
             let span = self.try_span(trace, lease.index, tried.len());
-            let outcome = call(Try {
+            let outcome = call(Attempt {
                 index: lease.index,
                 left,
                 forward: span.carried(forward),
@@ -215,7 +215,7 @@ impl BackendClients {
         trace: &Trace,
         message: Vec<Bytes>,
         coding: Option<Coding>,
-    ) -> Result<Replied<Bytes>> {
+    ) -> Result<BackendAnswer<Bytes>> {
         let Replicas::Grpc { endpoints } = &self.replicas else {
             return Err(Error::internal(format!(
                 "a gRPC inference for REST backend {}",
@@ -229,7 +229,7 @@ impl BackendClients {
             deadline,
             forward,
             trace,
-            |Try { index, left, forward }| {
+            |Attempt { index, left, forward }| {
                 let message = message.clone();
                 async move {
                     endpoints[index]

@@ -7,7 +7,7 @@ use http::{HeaderMap, Method, StatusCode};
 use prost::Message;
 
 use super::Dispatcher;
-use super::backend::{Replicas, Try};
+use super::backend::{Attempt, Replicas};
 use crate::codec::{model_config, rest, splice};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::{ModelConfigRequest, ModelConfigResponse};
@@ -59,7 +59,7 @@ impl Dispatcher {
                 self.request_timeout,
                 &no_headers,
                 &Trace::default(),
-                |Try { index, left, .. }| {
+                |Attempt { index, left, .. }| {
                     let route = &route;
                     async move {
                         match &backend.replicas {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 
 use super::Dispatcher;
-use super::backend::{BackendClients, Try};
+use super::backend::{Attempt, BackendClients};
 use super::probe::endpoint_model_metadata;
 use crate::error::Result;
 use crate::protocol::ModelMetadata;
@@ -82,7 +82,7 @@ async fn fetch_metadata(
             timeout,
             &HeaderMap::new(),
             &Trace::default(),
-            |Try { index, left, .. }| endpoint_model_metadata(backend, index, route, left),
+            |Attempt { index, left, .. }| endpoint_model_metadata(backend, index, route, left),
         )
         .await?;
     metadata.name = route.model.clone();

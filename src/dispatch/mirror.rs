@@ -4,7 +4,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use std::time::Duration;
 
-use super::{Affinity, BackendClients, CallContext, Replicas, Try, call_infer, decode_grpc_request};
+use super::{Affinity, Attempt, BackendClients, CallContext, Replicas, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
 use crate::protocol::InferRequest;
@@ -66,7 +66,7 @@ pub(super) async fn mirror_call(
                     timeout,
                     &headers,
                     &Trace::default(),
-                    |Try { index, left, forward }| {
+                    |Attempt { index, left, forward }| {
                         let body = body.clone();
                         let path = &path;
                         async move {

@@ -23,7 +23,7 @@ use crate::telemetry::metrics::{self, Direction, Metrics, MirrorResult, RouteMet
 use crate::telemetry::payload_log::PayloadLogger;
 use crate::telemetry::traces::{Trace, Traces};
 use crate::tls::Prepared;
-use crate::upstream::Replied;
+use crate::upstream::BackendAnswer;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
 
@@ -42,7 +42,7 @@ pub mod status;
 mod stream;
 mod window;
 
-use backend::{BackendClients, Replicas, Try};
+use backend::{Attempt, BackendClients, Replicas};
 
 pub use config::{ConfigForm, ModelConfigAnswer};
 use metadata::MetadataCache;
@@ -371,7 +371,7 @@ impl Dispatcher {
         version: Option<&str>,
         request: InferRequest,
         context: &CallContext,
-    ) -> Result<Replied<InferResponse>> {
+    ) -> Result<BackendAnswer<InferResponse>> {
         let sequence = Sequence::from_parameters(&request.parameters)?;
         let routed = self.route(model, version, &context.forward, sequence).0?;
         self.infer_routed(&routed, request, context).await
@@ -385,7 +385,7 @@ impl Dispatcher {
         routed: &Routed,
         request: InferRequest,
         context: &CallContext,
-    ) -> Result<Replied<InferResponse>> {
+    ) -> Result<BackendAnswer<InferResponse>> {
         if let Some(mirror) = &routed.mirror {
             self.mirror(
                 mirror,
@@ -410,7 +410,7 @@ impl Dispatcher {
     }
 
     /// The gRPC front door's inference, routed here: the convenience form of [`Self::infer_grpc_routed`].
-    pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<Replied<Vec<Bytes>>> {
+    pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<BackendAnswer<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
         let sequence = Sequence::from_parameters(&splice::parameters(&message)?)?;
         let routed = self
@@ -426,7 +426,7 @@ impl Dispatcher {
         routed: &Routed,
         message: Bytes,
         context: &CallContext,
-    ) -> Result<Replied<Vec<Bytes>>> {
+    ) -> Result<BackendAnswer<Vec<Bytes>>> {
         if let Some(mirror) = &routed.mirror {
             self.mirror(
                 mirror,
@@ -452,7 +452,7 @@ impl Dispatcher {
                         coding,
                     )
                     .await?;
-                Replied {
+                BackendAnswer {
                     value: splice::rename(&answer.value, &route.model, &route.version)
                         .map_err(Error::into_upstream_protocol_error)?,
                     headers: answer.headers,
@@ -492,7 +492,7 @@ impl Dispatcher {
                 }
                 drop(step);
                 self.metrics.translated(Direction::RestToGrpc, started.elapsed());
-                Replied {
+                BackendAnswer {
                     value,
                     headers: replied.headers,
                     endpoint: replied.endpoint,
@@ -714,7 +714,7 @@ async fn call_infer(
     context: &CallContext,
     deadline: Duration,
     affinity: &Affinity,
-) -> Result<Replied<InferResponse>> {
+) -> Result<BackendAnswer<InferResponse>> {
     let (forward, trace) = (&context.forward, &context.trace);
     request.model_name = route.upstream_name.clone();
     request.model_version = route.backend_version().map(str::to_owned);
@@ -741,7 +741,7 @@ async fn call_infer(
                     deadline,
                     forward,
                     trace,
-                    |Try { index, left, forward }| {
+                    |Attempt { index, left, forward }| {
                         let body = body.clone();
                         async move {
                             endpoints[index]
@@ -759,7 +759,7 @@ async fn call_infer(
                 .model_infer(route, affinity, deadline, forward, trace, message, coding)
                 .await?;
             let decoded = ModelInferResponse::decode(answer.value).map_err(|e| bad_answer(&backend.name, e))?;
-            Replied {
+            BackendAnswer {
                 value: protobuf::response_from_proto(decoded).map_err(Error::into_upstream_protocol_error)?,
                 headers: answer.headers,
                 endpoint: answer.endpoint,

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::backend::{BackendClients, Replicas, Try};
+use super::backend::{Attempt, BackendClients, Replicas};
 use super::fleet::Lease;
 use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::rest::generate as rest_generate;
@@ -163,7 +163,7 @@ impl Answers {
 }
 
 /// A backend stream of a client's stream: where its requests go, and how many went.
-struct Leg {
+struct BackendLeg {
     requests: StreamRequests,
     sent: Arc<AtomicU64>,
 }
@@ -250,7 +250,7 @@ impl Dispatcher {
     ) -> (StreamResult, Option<Error>) {
         use futures_util::StreamExt;
 
-        let mut legs: HashMap<usize, Leg> = HashMap::new();
+        let mut legs: HashMap<usize, BackendLeg> = HashMap::new();
         let mut chosen = ChosenVersions::new();
         let mut order = SequenceOrder::default();
         let mut running: JoinSet<Result<()>> = JoinSet::new();
@@ -330,7 +330,7 @@ impl Dispatcher {
         message: Bytes,
         context: &CallContext,
         (chosen, order): (&mut ChosenVersions, &mut SequenceOrder),
-        legs: &mut HashMap<usize, Leg>,
+        legs: &mut HashMap<usize, BackendLeg>,
         running: &mut JoinSet<Result<()>>,
         answers: &Answers,
     ) -> Result<()> {
@@ -359,7 +359,7 @@ impl Dispatcher {
                     let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled));
                     legs.insert(
                         route.id,
-                        Leg {
+                        BackendLeg {
                             requests: upstream.requests,
                             sent,
                         },
@@ -662,7 +662,7 @@ impl Dispatcher {
                 route.timeout,
                 &headers,
                 trace,
-                |Try { index, left, forward }| {
+                |Attempt { index, left, forward }| {
                     let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
                     let path = &path;
                     async move {

@@ -26,12 +26,12 @@ struct Charge {
 }
 
 /// A chunk of a held answer, with its charge.
-struct Held {
+struct HeldChunk {
     chunk: Bytes,
     _charge: Charge,
 }
 
-impl AsRef<[u8]> for Held {
+impl AsRef<[u8]> for HeldChunk {
     fn as_ref(&self) -> &[u8] {
         &self.chunk
     }
@@ -60,7 +60,7 @@ impl AnswerBudget {
             .into_iter()
             .map(|chunk| {
                 let bytes = chunk.len();
-                Bytes::from_owner(Held {
+                Bytes::from_owner(HeldChunk {
                     chunk,
                     _charge: Charge {
                         budget: self.clone(),

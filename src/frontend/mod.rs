@@ -47,7 +47,7 @@ pub fn inherited(fd: std::os::fd::RawFd) -> std::io::Result<std::net::TcpListene
 
 /// Runs `door` on a thread of its own with a single-threaded runtime. A front door runs one such thread per worker,
 /// all accepting from one socket, so each connection lives on one thread from accept to close (after at most one
-/// hand-over, see [`Seat`]) and no request wakes another thread. The runtime is built here, so a failure to build it
+/// hand-over, see [`DoorThread`]) and no request wakes another thread. The runtime is built here, so a failure to build it
 /// is the caller's to report.
 pub fn spawn_door_thread<F>(name: String, door: F) -> std::io::Result<()>
 where
@@ -61,13 +61,13 @@ where
 }
 
 /// A connection handed from the thread that accepted it to another, already counted as the other's.
-type Handed = (std::net::TcpStream, std::net::SocketAddr, Occupied);
+type HandedConnection = (std::net::TcpStream, std::net::SocketAddr, Occupied);
 
 /// How many connections each of a door's threads serves, and where to hand one to each of them.
 #[derive(Debug)]
 struct Spread {
     open: Vec<AtomicUsize>,
-    inboxes: Vec<mpsc::UnboundedSender<Handed>>,
+    inboxes: Vec<mpsc::UnboundedSender<HandedConnection>>,
     cap: ConnectionCap,
 }
 
@@ -115,22 +115,22 @@ impl Spread {
 /// serves more than another hands it, once, to the thread serving fewest, and connections stay spread within one of
 /// each other across the threads. The hand-over is one wake-up of the other thread per connection, never per request.
 #[derive(Debug)]
-pub struct Seat {
+pub struct DoorThread {
     listener: std::net::TcpListener,
-    place: Place,
-    inbox: mpsc::UnboundedReceiver<Handed>,
+    place: ThreadPosition,
+    inbox: mpsc::UnboundedReceiver<HandedConnection>,
 }
 
 /// Which of a door's threads this is, among the others.
 #[derive(Debug)]
-struct Place {
+struct ThreadPosition {
     spread: Arc<Spread>,
     index: usize,
 }
 
-impl Seat {
+impl DoorThread {
     /// A place at `socket` for each of `threads` threads, which together hold at most `cap` connections.
-    pub fn all(socket: &std::net::TcpListener, threads: usize, cap: ConnectionCap) -> std::io::Result<Vec<Seat>> {
+    pub fn all(socket: &std::net::TcpListener, threads: usize, cap: ConnectionCap) -> std::io::Result<Vec<DoorThread>> {
         let (inboxes, receivers): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::unbounded_channel()).unzip();
         let spread = Arc::new(Spread {
             open: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
@@ -141,9 +141,9 @@ impl Seat {
             .into_iter()
             .enumerate()
             .map(|(index, inbox)| {
-                Ok(Seat {
+                Ok(DoorThread {
                     listener: socket.try_clone()?,
-                    place: Place {
+                    place: ThreadPosition {
                         spread: spread.clone(),
                         index,
                     },
@@ -154,7 +154,7 @@ impl Seat {
     }
 }
 
-impl Place {
+impl ThreadPosition {
     /// A connection the thread `index` serves from now on, counted until it is dropped.
     fn occupy(&self, index: usize) -> Occupied {
         self.spread.open[index].fetch_add(1, Ordering::Relaxed);
@@ -194,12 +194,12 @@ impl Drop for Occupied {
 /// Accepts connections at `seat` until `stop` resolves, handing each to `serve` (which spawns its task on this
 /// thread, holding the connection's [`Occupied`] until it ends), or to another thread of the door serving fewer;
 /// then closes the listening socket (connections still open are served on) and returns.
-pub async fn accept_loop<F, S>(seat: Seat, door: &'static str, stop: S, mut serve: F)
+pub async fn accept_loop<F, S>(seat: DoorThread, door: &'static str, stop: S, mut serve: F)
 where
     S: Future<Output = ()>,
     F: FnMut(tokio::net::TcpStream, std::net::SocketAddr, Occupied),
 {
-    let Seat {
+    let DoorThread {
         listener,
         place,
         mut inbox,
@@ -303,7 +303,7 @@ mod tests {
         let socket = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let address = socket.local_addr().unwrap();
         let (served, taken) = std::sync::mpsc::channel();
-        for (index, seat) in Seat::all(&socket, 2, ConnectionCap::none())
+        for (index, seat) in DoorThread::all(&socket, 2, ConnectionCap::none())
             .unwrap()
             .into_iter()
             .enumerate()

@@ -16,7 +16,7 @@ use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelMetadat
 
 /// One served model: its versions and whether it is loaded (ready).
 #[derive(Debug)]
-struct Served {
+struct ServedModel {
     /// Version number -> model, ascending.
     versions: BTreeMap<u32, Model>,
     version_names: Vec<String>,
@@ -29,7 +29,7 @@ struct Served {
 /// What a model server serves. Readiness flips through load/unload; everything else is fixed at start.
 #[derive(Debug)]
 pub struct Repository {
-    models: BTreeMap<String, Served>,
+    models: BTreeMap<String, ServedModel>,
     /// Model-ready questions answered, over both protocols: what a gateway in front asks of it.
     readiness_asked: AtomicU64,
     /// The `slow` model's delay when a request sets none.
@@ -83,7 +83,7 @@ impl Repository {
             let version_names = served.keys().map(u32::to_string).collect();
             models.insert(
                 name.to_owned(),
-                Served {
+                ServedModel {
                     versions: served,
                     version_names,
                     ready: AtomicBool::new(true),
@@ -110,14 +110,14 @@ impl Repository {
         self
     }
 
-    fn served(&self, name: &str) -> Result<&Served> {
+    fn served(&self, name: &str) -> Result<&ServedModel> {
         self.models
             .get(name)
             .ok_or_else(|| Error::not_found(format!("Request for unknown model: '{name}' is not found")))
     }
 
     /// The model and version a request names; no version means the latest.
-    fn resolve(&self, name: &str, version: Option<&str>) -> Result<(&Served, u32, Model)> {
+    fn resolve(&self, name: &str, version: Option<&str>) -> Result<(&ServedModel, u32, Model)> {
         let served = self.served(name)?;
         let (number, model) = match version.filter(|v| !v.is_empty()) {
             None => served.versions.iter().next_back().map(|(v, m)| (*v, *m)),
@@ -203,7 +203,7 @@ impl Repository {
     /// version's statistics; a call dropped before it is answered (its client went away) counts as failed then.
     pub async fn infer(&self, name: &str, version: Option<&str>, request: InferRequest) -> Result<InferResponse> {
         let (served, number, model) = self.resolve(name, version)?;
-        let mut counted = Counted::new(self, served, name, number);
+        let mut counted = ModelStatisticsUpdate::new(self, served, name, number);
         let answered = self.run(name, served, number, model, request).await;
         counted.succeeded = answered.is_ok();
         answered
@@ -231,7 +231,7 @@ impl Repository {
         }
         // Counted when it ends, however it ends: a stream whose client went away is dropped mid-request, and that
         // request counts as failed.
-        let mut counted = Counted::new(self, served, name, number);
+        let mut counted = ModelStatisticsUpdate::new(self, served, name, number);
         let ran = self
             .run_decoupled(name, served, number, model, &request, &responses)
             .await;
@@ -242,7 +242,7 @@ impl Repository {
     async fn run_decoupled(
         &self,
         name: &str,
-        served: &Served,
+        served: &ServedModel,
         number: u32,
         model: Model,
         request: &InferRequest,
@@ -356,7 +356,7 @@ impl Repository {
     /// The statistics of model `name` at `version` (every version when `None`), or of every model when `name` is
     /// `None`; zeros for a model version that has served nothing.
     pub fn statistics(&self, name: Option<&str>, version: Option<&str>) -> Result<Vec<ModelStatistics>> {
-        let chosen: Vec<(&String, &Served)> = match name {
+        let chosen: Vec<(&String, &ServedModel)> = match name {
             Some(name) => vec![
                 self.models
                     .get_key_value(name)
@@ -390,7 +390,7 @@ impl Repository {
     async fn run(
         &self,
         name: &str,
-        served: &Served,
+        served: &ServedModel,
         number: u32,
         model: Model,
         request: InferRequest,
@@ -420,20 +420,25 @@ impl Repository {
 }
 
 /// One inference that is counted in its model's statistics when dropped.
-struct Counted<'a> {
+struct ModelStatisticsUpdate<'a> {
     repository: &'a Repository,
-    served: &'a Served,
+    served: &'a ServedModel,
     name: &'a str,
     number: u32,
     started: Instant,
     succeeded: bool,
 }
 
-impl<'a> Counted<'a> {
+impl<'a> ModelStatisticsUpdate<'a> {
     /// An inference of `name` at version `number` begun now, failed unless marked otherwise.
-    fn new(repository: &'a Repository, served: &'a Served, name: &'a str, number: u32) -> Counted<'a> {
+    fn new(
+        repository: &'a Repository,
+        served: &'a ServedModel,
+        name: &'a str,
+        number: u32,
+    ) -> ModelStatisticsUpdate<'a> {
         served.pending.fetch_add(1, Ordering::Relaxed);
-        Counted {
+        ModelStatisticsUpdate {
             repository,
             served,
             name,
@@ -444,7 +449,7 @@ impl<'a> Counted<'a> {
     }
 }
 
-impl Drop for Counted<'_> {
+impl Drop for ModelStatisticsUpdate<'_> {
     fn drop(&mut self) {
         self.served.pending.fetch_sub(1, Ordering::Relaxed);
         self.repository
@@ -453,7 +458,7 @@ impl Drop for Counted<'_> {
 }
 
 /// Refuses a model that has been unloaded.
-fn ready(name: &str, served: &Served) -> Result<()> {
+fn ready(name: &str, served: &ServedModel) -> Result<()> {
     if served.ready.load(Ordering::Acquire) {
         return Ok(());
     }

@@ -23,7 +23,7 @@ pub struct LogWriter {
     wake: Condvar,
     dropped: AtomicU64,
     bound: usize,
-    target: Mutex<Target>,
+    target: Mutex<LogTarget>,
 }
 
 #[derive(Debug, Default)]
@@ -33,7 +33,7 @@ struct Pending {
 
 /// Where lines are written.
 #[derive(Debug)]
-enum Target {
+enum LogTarget {
     Stderr,
     File { path: PathBuf, file: std::fs::File },
 }
@@ -44,11 +44,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl Target {
-    fn open(path: Option<PathBuf>) -> std::io::Result<Target> {
+impl LogTarget {
+    fn open(path: Option<PathBuf>) -> std::io::Result<LogTarget> {
         Ok(match path {
-            None => Target::Stderr,
-            Some(path) => Target::File {
+            None => LogTarget::Stderr,
+            Some(path) => LogTarget::File {
                 file: std::fs::OpenOptions::new().create(true).append(true).open(&path)?,
                 path,
             },
@@ -58,14 +58,14 @@ impl Target {
     fn write_all(&mut self, bytes: &[u8]) {
         // A log that cannot be written is not worth failing a request or the process for.
         let _ = match self {
-            Target::Stderr => std::io::stderr().lock().write_all(bytes),
-            Target::File { file, .. } => file.write_all(bytes),
+            LogTarget::Stderr => std::io::stderr().lock().write_all(bytes),
+            LogTarget::File { file, .. } => file.write_all(bytes),
         };
     }
 }
 
 impl LogWriter {
-    fn new(target: Target, bound: usize) -> LogWriter {
+    fn new(target: LogTarget, bound: usize) -> LogWriter {
         LogWriter {
             pending: Mutex::new(Pending::default()),
             wake: Condvar::new(),
@@ -108,8 +108,8 @@ impl LogWriter {
     /// Reopens the file written to, by its path; a file that cannot be opened leaves the old one and says why.
     fn reopen(&self) {
         let mut target = lock(&self.target);
-        if let Target::File { path, .. } = &*target {
-            match Target::open(Some(path.clone())) {
+        if let LogTarget::File { path, .. } = &*target {
+            match LogTarget::open(Some(path.clone())) {
                 Ok(reopened) => *target = reopened,
                 Err(error) => {
                     drop(target);
@@ -138,7 +138,7 @@ impl LogWriter {
 /// Installs the process's writer: to `file` when given, else stderr, holding at most `bound` bytes of access-log
 /// lines. Installing it again, or after a line was written, changes nothing.
 pub fn install(file: Option<PathBuf>, bound: usize) -> std::io::Result<()> {
-    let target = Target::open(file)?;
+    let target = LogTarget::open(file)?;
     let _ = WRITER.set(LogWriter::new(target, bound));
     Ok(())
 }
@@ -147,7 +147,7 @@ pub fn install(file: Option<PathBuf>, bound: usize) -> std::io::Result<()> {
 /// the first use.
 fn writer() -> &'static LogWriter {
     static STARTED: std::sync::Once = std::sync::Once::new();
-    let installed: &'static LogWriter = WRITER.get_or_init(|| LogWriter::new(Target::Stderr, DEFAULT_BOUND));
+    let installed: &'static LogWriter = WRITER.get_or_init(|| LogWriter::new(LogTarget::Stderr, DEFAULT_BOUND));
     STARTED.call_once(|| {
         // Without the thread lines still reach the target, at the next warning, flush or exit.
         let _ = std::thread::Builder::new()
@@ -235,7 +235,7 @@ mod tests {
     #[test]
     fn lines_past_the_bound_are_dropped_and_counted_and_the_rest_kept_in_order() {
         let path = directory("bound").join("access.log");
-        let writer = LogWriter::new(Target::open(Some(path.clone())).expect("the file opens"), 10);
+        let writer = LogWriter::new(LogTarget::open(Some(path.clone())).expect("the file opens"), 10);
         assert!(writer.append(b"one\n"));
         assert!(writer.append(b"two\n"));
         assert!(!writer.append(b"three\n"));
@@ -251,7 +251,7 @@ mod tests {
     fn reopening_follows_a_rotated_file_to_its_new_one() {
         let dir = directory("rotate");
         let path = dir.join("access.log");
-        let writer = LogWriter::new(Target::open(Some(path.clone())).expect("the file opens"), 1 << 10);
+        let writer = LogWriter::new(LogTarget::open(Some(path.clone())).expect("the file opens"), 1 << 10);
         writer.append(b"before\n");
         writer.write_out(None);
         std::fs::rename(&path, dir.join("access.log.1")).expect("rotated");

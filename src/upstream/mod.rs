@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use hyper_util::client::legacy::connect::HttpConnector;
 
-use crate::body::{BodyLength, Gathered};
+use crate::body::{BodyLength, GatherError};
 use crate::error::{Error, ErrorKind, Origin, Result};
 
 pub use grpc::GrpcUpstream;
@@ -22,7 +22,7 @@ pub use rest::RestUpstream;
 
 /// A backend's answer with the end-to-end headers (and, from gRPC, trailers) that came with it.
 #[derive(Debug, Clone)]
-pub struct Replied<T> {
+pub struct BackendAnswer<T> {
     pub value: T,
     pub headers: http::HeaderMap,
     /// The endpoint that answered.
@@ -51,7 +51,7 @@ struct ThreadClients {
 struct ThreadEndpoint {
     /// Boxed, as each is taken out for a request and given back after it, and a connection's state is large.
     #[allow(clippy::vec_box)]
-    idle: Vec<Box<http1::Kept>>,
+    idle: Vec<Box<http1::PooledConnection>>,
     connections: [Option<h2::client::SendRequest<Bytes>>; 2],
 }
 
@@ -272,8 +272,8 @@ where
         .await
         .map_err(|error| {
             let message = match error {
-                Gathered::TooLarge => format!("backend {authority} answered more than the limit of {limit} bytes"),
-                Gathered::Broken(e) => format!("backend {authority} broke off its answer: {}", e.into()),
+                GatherError::TooLarge => format!("backend {authority} answered more than the limit of {limit} bytes"),
+                GatherError::Broken(e) => format!("backend {authority} broke off its answer: {}", e.into()),
             };
             Error::new(ErrorKind::BadGateway, Origin::Upstream, message).with_retryable(false)
         })

@@ -9,7 +9,7 @@ use http::header::CONTENT_TYPE;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 
-use super::Replied;
+use super::BackendAnswer;
 use super::http1::{self, BackendBody, Failure};
 use crate::body::{ChunksBody, OutBody};
 use crate::codec::compression;
@@ -247,7 +247,7 @@ impl RestUpstream {
         body: EncodedBody,
         headers: &HeaderMap,
         deadline: Option<Duration>,
-    ) -> Result<Replied<InferResponse>> {
+    ) -> Result<BackendAnswer<InferResponse>> {
         let mut headers = headers.clone();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static(body.content_type()));
         if let Some(length) = body.header_length {
@@ -259,7 +259,7 @@ impl RestUpstream {
         let length = rest::inference_header_length(answer.headers.get(INFERENCE_HEADER_CONTENT_LENGTH))
             .map_err(Error::into_upstream_protocol_error)?;
         let response = rest::decode_response(answer.body, length).map_err(Error::into_upstream_protocol_error)?;
-        Ok(Replied {
+        Ok(BackendAnswer {
             value: response,
             headers: headers::end_to_end(&answer.headers),
 

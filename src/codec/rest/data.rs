@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::number::{parse_f32, parse_f64};
 use super::parallel;
-use super::reader::Reader;
+use super::reader::JsonReader;
 use crate::error::{Error, Result};
 use crate::protocol::DataType;
 
@@ -19,7 +19,7 @@ pub const MAX_DATA_DEPTH: u32 = 128;
 
 /// Parses JSON `data` text into tensor bytes holding exactly `count` elements of `datatype`, flat or nested.
 pub fn parse_data(text: &[u8], datatype: DataType, count: u64) -> Result<Bytes> {
-    let mut reader = Reader::new(text);
+    let mut reader = JsonReader::new(text);
     let data = read_data(&mut reader, datatype, count)?;
     reader.end()?;
     Ok(data)
@@ -27,7 +27,7 @@ pub fn parse_data(text: &[u8], datatype: DataType, count: u64) -> Result<Bytes> 
 
 /// Reads the `data` value at the reader's position (an array nested to any depth, or a lone scalar) into tensor bytes
 /// holding exactly `count` elements of `datatype`. Numbers go straight into little-endian bytes.
-pub fn read_data(reader: &mut Reader<'_>, datatype: DataType, count: u64) -> Result<Bytes> {
+pub fn read_data(reader: &mut JsonReader<'_>, datatype: DataType, count: u64) -> Result<Bytes> {
     // Every element takes at least one character and one separator, so the text bounds the element count: a shape
     // that claims more is rejected before anything is allocated for it.
     let most = ((reader.text.len() - reader.pos) as u64).div_ceil(2);
@@ -78,7 +78,10 @@ fn count_error(expected: usize, got: usize) -> Error {
 
 /// Walks the nested arrays of `data`, calling `element` at each scalar with the number of scalars seen before it.
 #[inline(always)]
-fn walk(reader: &mut Reader<'_>, mut element: impl FnMut(&mut Reader<'_>, usize) -> Result<()>) -> Result<usize> {
+fn walk(
+    reader: &mut JsonReader<'_>,
+    mut element: impl FnMut(&mut JsonReader<'_>, usize) -> Result<()>,
+) -> Result<usize> {
     let mut depth = 0u32;
     let mut seen = 0usize;
     'value: loop {
@@ -143,7 +146,7 @@ fn walk(reader: &mut Reader<'_>, mut element: impl FnMut(&mut Reader<'_>, usize)
 
 #[inline(always)]
 fn fixed<const N: usize>(
-    reader: &mut Reader<'_>,
+    reader: &mut JsonReader<'_>,
     count: usize,
     datatype: DataType,
     parse_one: impl Fn(&[u8]) -> Scalar<N> + Sync,
@@ -177,7 +180,7 @@ fn fixed<const N: usize>(
     Ok(out)
 }
 
-fn strings(reader: &mut Reader<'_>, count: usize) -> Result<Vec<u8>> {
+fn strings(reader: &mut JsonReader<'_>, count: usize) -> Result<Vec<u8>> {
     let mut out = Vec::with_capacity((reader.text.len() - reader.pos).min(count.saturating_mul(8)));
     let seen = walk(reader, |reader, index| {
         if reader.text[reader.pos] != b'"' {

@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 use super::data::parse_data;
 use super::format::{write_data, write_json_string};
 use super::params::{read_parameters, write_parameters};
-use super::reader::Reader;
+use super::reader::JsonReader;
 use crate::error::{Error, Result};
 use crate::protocol::{DataType, InferRequest, InferResponse, ModelMetadata, Parameters, Tensor, TensorMetadata};
 
@@ -28,7 +28,7 @@ pub fn decode_generate(body: &[u8], model: &ModelMetadata) -> Result<InferReques
     for (name, value) in members {
         let text = value.get().as_bytes();
         if name == "parameters" {
-            let mut reader = Reader::new(text);
+            let mut reader = JsonReader::new(text);
             request.parameters = read_parameters(&mut reader)?;
             reader.end()?;
             continue;
@@ -65,7 +65,7 @@ fn tensor(name: String, value: &RawValue, meta: &TensorMetadata, model: &str) ->
 /// skipped unread: what routing needs (a sequence) before the body is decoded with the chosen version's metadata, or
 /// relayed as it came.
 pub fn body_parameters(body: &[u8]) -> Result<Parameters> {
-    let mut reader = Reader::new(body);
+    let mut reader = JsonReader::new(body);
     let mut parameters = Parameters::default();
     let mut members = reader
         .object()

@@ -11,7 +11,7 @@ use crate::protocol::{
 };
 
 #[derive(Serialize, Deserialize)]
-struct TensorMetadataDoc {
+struct TensorMetadataJson {
     name: String,
     datatype: String,
     shape: Vec<i64>,
@@ -27,20 +27,20 @@ where
 }
 
 #[derive(Serialize, Deserialize)]
-struct ModelMetadataDoc {
+struct ModelMetadataJson {
     name: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "null_as_default")]
     versions: Vec<String>,
     #[serde(default, deserialize_with = "null_as_default")]
     platform: String,
     #[serde(default, deserialize_with = "null_as_default")]
-    inputs: Vec<TensorMetadataDoc>,
+    inputs: Vec<TensorMetadataJson>,
     #[serde(default, deserialize_with = "null_as_default")]
-    outputs: Vec<TensorMetadataDoc>,
+    outputs: Vec<TensorMetadataJson>,
 }
 
 #[derive(Serialize, Deserialize)]
-struct ServerMetadataDoc {
+struct ServerMetadataJson {
     name: String,
     #[serde(default, deserialize_with = "null_as_default")]
     version: String,
@@ -49,12 +49,12 @@ struct ServerMetadataDoc {
 }
 
 #[derive(Serialize, Deserialize)]
-struct ErrorDoc<'a> {
+struct ErrorJson<'a> {
     error: &'a str,
 }
 
 #[derive(Deserialize)]
-struct HealthDoc {
+struct HealthJson {
     live: Option<bool>,
     ready: Option<bool>,
     name: Option<String>,
@@ -65,10 +65,10 @@ fn to_vec<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).unwrap_or_default()
 }
 
-fn tensors_to_doc(tensors: &[TensorMetadata]) -> Vec<TensorMetadataDoc> {
+fn tensors_to_doc(tensors: &[TensorMetadata]) -> Vec<TensorMetadataJson> {
     tensors
         .iter()
-        .map(|t| TensorMetadataDoc {
+        .map(|t| TensorMetadataJson {
             name: t.name.clone(),
             datatype: t.datatype.clone(),
             shape: t.shape.clone(),
@@ -76,7 +76,7 @@ fn tensors_to_doc(tensors: &[TensorMetadata]) -> Vec<TensorMetadataDoc> {
         .collect()
 }
 
-fn tensors_from_doc(tensors: Vec<TensorMetadataDoc>) -> Vec<TensorMetadata> {
+fn tensors_from_doc(tensors: Vec<TensorMetadataJson>) -> Vec<TensorMetadata> {
     tensors
         .into_iter()
         .map(|t| TensorMetadata {
@@ -88,7 +88,7 @@ fn tensors_from_doc(tensors: Vec<TensorMetadataDoc>) -> Vec<TensorMetadata> {
 }
 
 pub fn encode_model_metadata(metadata: &ModelMetadata) -> Vec<u8> {
-    to_vec(&ModelMetadataDoc {
+    to_vec(&ModelMetadataJson {
         name: metadata.name.clone(),
         versions: metadata.versions.clone(),
         platform: metadata.platform.clone(),
@@ -98,7 +98,7 @@ pub fn encode_model_metadata(metadata: &ModelMetadata) -> Vec<u8> {
 }
 
 pub fn decode_model_metadata(body: &[u8]) -> Result<ModelMetadata> {
-    let doc: ModelMetadataDoc = serde_json::from_slice(body).map_err(|e| json_error("model metadata", &e))?;
+    let doc: ModelMetadataJson = serde_json::from_slice(body).map_err(|e| json_error("model metadata", &e))?;
     Ok(ModelMetadata {
         name: doc.name,
         versions: doc.versions,
@@ -109,7 +109,7 @@ pub fn decode_model_metadata(body: &[u8]) -> Result<ModelMetadata> {
 }
 
 pub fn encode_server_metadata(metadata: &ServerMetadata) -> Vec<u8> {
-    to_vec(&ServerMetadataDoc {
+    to_vec(&ServerMetadataJson {
         name: metadata.name.clone(),
         version: metadata.version.clone(),
         extensions: metadata.extensions.clone(),
@@ -117,7 +117,7 @@ pub fn encode_server_metadata(metadata: &ServerMetadata) -> Vec<u8> {
 }
 
 pub fn decode_server_metadata(body: &[u8]) -> Result<ServerMetadata> {
-    let doc: ServerMetadataDoc = serde_json::from_slice(body).map_err(|e| json_error("server metadata", &e))?;
+    let doc: ServerMetadataJson = serde_json::from_slice(body).map_err(|e| json_error("server metadata", &e))?;
     Ok(ServerMetadata {
         name: doc.name,
         version: doc.version,
@@ -144,20 +144,20 @@ pub fn encode_server_ready(ready: ServerReady) -> Vec<u8> {
 
 pub fn encode_model_ready(ready: &ModelReady) -> Vec<u8> {
     #[derive(Serialize)]
-    struct Doc<'a> {
+    struct ModelReadyJson<'a> {
         name: &'a str,
         ready: bool,
     }
-    to_vec(&Doc {
+    to_vec(&ModelReadyJson {
         name: &ready.name,
         ready: ready.ready,
     })
 }
 
-fn decode_health(status_ok: bool, body: &[u8], what: &str) -> Result<HealthDoc> {
+fn decode_health(status_ok: bool, body: &[u8], what: &str) -> Result<HealthJson> {
     if body.iter().all(u8::is_ascii_whitespace) {
         // Triton answers health checks with an empty body: the status alone tells.
-        return Ok(HealthDoc {
+        return Ok(HealthJson {
             live: Some(status_ok),
             ready: Some(status_ok),
             name: None,
@@ -194,15 +194,15 @@ pub fn decode_model_ready(status_ok: bool, body: &[u8], model: &str) -> Result<M
 /// The body of a repository index answer: a JSON array of `{name, version, state, reason}`, as Triton answers.
 pub fn encode_repository_index(entries: &[ModelIndexEntry]) -> Vec<u8> {
     #[derive(Serialize)]
-    struct Doc<'a> {
+    struct IndexEntryJson<'a> {
         name: &'a str,
         version: &'a str,
         state: &'a str,
         reason: &'a str,
     }
-    let docs: Vec<Doc<'_>> = entries
+    let docs: Vec<IndexEntryJson<'_>> = entries
         .iter()
-        .map(|e| Doc {
+        .map(|e| IndexEntryJson {
             name: &e.name,
             version: &e.version,
             state: e.state.as_str(),
@@ -217,7 +217,7 @@ pub fn encode_repository_index(entries: &[ModelIndexEntry]) -> Vec<u8> {
 pub fn decode_repository_index_request(body: &[u8]) -> Result<bool> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    struct Doc {
+    struct IndexRequestJson {
         #[serde(default)]
         ready: bool,
         #[serde(default, rename = "repository_name")]
@@ -226,14 +226,14 @@ pub fn decode_repository_index_request(body: &[u8]) -> Result<bool> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(false);
     }
-    let doc: Doc =
+    let doc: IndexRequestJson =
         serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid repository index request: {e}")))?;
     Ok(doc.ready)
 }
 
 /// `{"error": "<message>"}`, the body of every REST error.
 pub fn encode_error(message: &str) -> Vec<u8> {
-    to_vec(&ErrorDoc { error: message })
+    to_vec(&ErrorJson { error: message })
 }
 
 /// The message of an error body: the protocol's `{"error": ...}`, KServe's `{"code": N, "message": ...}`, FastAPI's
@@ -268,11 +268,11 @@ pub fn decode_repository_request(body: &[u8]) -> Result<RepositoryParameters> {
     }
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
-    struct Doc {
+    struct RepositoryRequestJson {
         #[serde(default)]
         parameters: serde_json::Map<String, serde_json::Value>,
     }
-    let doc: Doc =
+    let doc: RepositoryRequestJson =
         serde_json::from_slice(body).map_err(|e| Error::invalid(format!("invalid repository request: {e}")))?;
     let mut parameters = RepositoryParameters::new();
     for (name, value) in doc.parameters {

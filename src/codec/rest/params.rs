@@ -1,14 +1,14 @@
 //! JSON form of parameters: `{"name": value, ...}` with bool, integer, float or string values.
 
 use super::format::{WriteSpecial, write_json_string};
-use super::reader::Reader;
+use super::reader::JsonReader;
 use crate::error::{Error, Result};
 use crate::protocol::{ParamValue, Parameters};
 
 /// Reads a parameters object (or `null`, meaning none). `null` values are dropped (they mean "not given" to
 /// MLServer's models); arrays and objects are rejected because no protocol form can carry them; a name given twice is
 /// rejected.
-pub fn read_parameters(reader: &mut Reader<'_>) -> Result<Parameters> {
+pub fn read_parameters(reader: &mut JsonReader<'_>) -> Result<Parameters> {
     let mut parameters = Parameters::new();
     if reader.null() {
         return Ok(parameters);
@@ -88,7 +88,7 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Parameters> {
-        let mut reader = Reader::new(text.as_bytes());
+        let mut reader = JsonReader::new(text.as_bytes());
         let parameters = read_parameters(&mut reader)?;
         reader.end()?;
         Ok(parameters)

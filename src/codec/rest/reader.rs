@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 pub const MAX_DEPTH: usize = 128;
 
 #[derive(Debug)]
-pub struct Reader<'a> {
+pub struct JsonReader<'a> {
     pub(crate) text: &'a [u8],
     pub(crate) pos: usize,
 }
@@ -27,9 +27,9 @@ pub struct Elements {
     first: bool,
 }
 
-impl<'a> Reader<'a> {
+impl<'a> JsonReader<'a> {
     pub fn new(text: &'a [u8]) -> Self {
-        Reader { text, pos: 0 }
+        JsonReader { text, pos: 0 }
     }
 
     /// A syntax error at the current position.
@@ -287,7 +287,7 @@ impl<'a> Reader<'a> {
 
 impl Members {
     /// The next member's key, with the reader positioned at its value; `None` after the closing brace.
-    pub fn next<'a>(&mut self, reader: &mut Reader<'a>) -> Result<Option<Cow<'a, str>>> {
+    pub fn next<'a>(&mut self, reader: &mut JsonReader<'a>) -> Result<Option<Cow<'a, str>>> {
         match reader.peek() {
             Some(b'}') => {
                 reader.pos += 1;
@@ -306,7 +306,7 @@ impl Members {
 
 impl Elements {
     /// Whether another element follows, with the reader positioned at it.
-    pub fn next(&mut self, reader: &mut Reader<'_>) -> Result<bool> {
+    pub fn next(&mut self, reader: &mut JsonReader<'_>) -> Result<bool> {
         match reader.peek() {
             Some(b']') => {
                 reader.pos += 1;
@@ -326,7 +326,7 @@ mod tests {
     use super::*;
 
     fn skip(text: &str) -> Result<()> {
-        let mut reader = Reader::new(text.as_bytes());
+        let mut reader = JsonReader::new(text.as_bytes());
         reader.skip_value()?;
         reader.end()
     }
@@ -371,16 +371,16 @@ mod tests {
 
     #[test]
     fn strings_borrow_unless_escaped() {
-        let mut reader = Reader::new(br#""plain" "esc\u00e9\n""#);
+        let mut reader = JsonReader::new(br#""plain" "esc\u00e9\n""#);
         assert!(matches!(reader.string().unwrap(), Cow::Borrowed("plain")));
         assert_eq!(reader.string().unwrap(), "escé\n");
-        assert!(Reader::new(b"\"\xff\"").string().is_err());
-        assert!(Reader::new(br#""\ud800""#).string().is_err());
+        assert!(JsonReader::new(b"\"\xff\"").string().is_err());
+        assert!(JsonReader::new(br#""\ud800""#).string().is_err());
     }
 
     #[test]
     fn members_and_elements() {
-        let mut reader = Reader::new(br#"{"a": [1, 2], "b": {}}"#);
+        let mut reader = JsonReader::new(br#"{"a": [1, 2], "b": {}}"#);
         let mut members = reader.object().unwrap();
         let mut keys = Vec::new();
         while let Some(key) = members.next(&mut reader).unwrap() {
@@ -389,7 +389,7 @@ mod tests {
         }
         assert_eq!(keys, ["a", "b"]);
         reader.end().unwrap();
-        let mut reader = Reader::new(b"[1,2,3]");
+        let mut reader = JsonReader::new(b"[1,2,3]");
         let mut elements = reader.array().unwrap();
         let mut n = 0;
         while elements.next(&mut reader).unwrap() {

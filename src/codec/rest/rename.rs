@@ -4,7 +4,7 @@
 //! which JSON allows, to exactly that length.
 
 use super::format::write_json_string;
-use super::reader::Reader;
+use super::reader::JsonReader;
 use crate::error::{Error, Result};
 
 /// Length of a string written as a JSON string literal.
@@ -24,7 +24,7 @@ pub fn renamed_length(original: usize, name: &str, version: &str) -> Option<usiz
 
 /// Rewrites `header` (the complete JSON header) with the public names, padded with spaces to `length` bytes.
 pub fn rename_header(header: &[u8], name: &str, version: &str, length: usize) -> Result<Vec<u8>> {
-    let mut reader = Reader::new(header);
+    let mut reader = JsonReader::new(header);
     let mut name_span = None;
     let mut version_span = None;
     let mut members = reader.object()?;

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::LazyLock;
 
 use super::params::{read_parameters, write_parameters_field};
-use super::reader::Reader;
+use super::reader::JsonReader;
 use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
 use super::{BinaryOutputs, EncodedBody, split_body};
 use crate::error::{Error, Result};
@@ -130,7 +130,7 @@ pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters
         return Ok(None);
     }
     let shared_memory = mentioned[0];
-    let mut reader = Reader::new(json);
+    let mut reader = JsonReader::new(json);
     let mut found = None;
     // A refusal is the answer; a syntax error is one only in a header at hand whole.
     let scanned = (|| {
@@ -162,7 +162,7 @@ pub fn reserved_parameters(json: &[u8], whole: bool) -> Result<Option<Parameters
 }
 
 /// Reads a tensor list: the refusal of the first tensor whose parameters point at shared memory, if any.
-fn shared_memory_refusal(reader: &mut Reader<'_>, kind: &str) -> Result<Option<Error>> {
+fn shared_memory_refusal(reader: &mut JsonReader<'_>, kind: &str) -> Result<Option<Error>> {
     let mut elements = reader.array()?;
     while elements.next(reader)? {
         let (mut name, mut parameters) = (String::new(), Parameters::new());
@@ -189,7 +189,7 @@ pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestReq
     }
     let (header, binary) = split_body(body, header_length)?;
     let mut sections = BinarySections::new(binary);
-    let mut reader = Reader::new(&header);
+    let mut reader = JsonReader::new(&header);
     let mut request = InferRequest::default();
     let mut inputs_seen = false;
     let mut parameters_seen = false;
@@ -269,7 +269,7 @@ pub fn decode_request(body: Bytes, header_length: Option<u64>) -> Result<RestReq
 }
 
 /// A string member that may also be `null`.
-pub(super) fn optional_string(reader: &mut Reader<'_>) -> Result<Option<String>> {
+pub(super) fn optional_string(reader: &mut JsonReader<'_>) -> Result<Option<String>> {
     if reader.null() {
         Ok(None)
     } else {
@@ -277,7 +277,7 @@ pub(super) fn optional_string(reader: &mut Reader<'_>) -> Result<Option<String>>
     }
 }
 
-fn read_requested_output(reader: &mut Reader<'_>, index: usize) -> Result<RequestedOutput> {
+fn read_requested_output(reader: &mut JsonReader<'_>, index: usize) -> Result<RequestedOutput> {
     let mut name = None;
     let mut parameters = Parameters::new();
     let mut members = reader.object()?;

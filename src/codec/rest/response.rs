@@ -2,7 +2,7 @@
 
 use super::format::write_json_string;
 use super::params::{read_parameters, write_parameters_field};
-use super::reader::Reader;
+use super::reader::JsonReader;
 use super::request::optional_string;
 use super::tensor_doc::{BinarySections, DataForm, read_tensor, write_tensor};
 use super::{BinaryOutputs, EncodedBody, split_body};
@@ -19,7 +19,7 @@ pub fn decode_response(body: Bytes, header_length: Option<u64>) -> Result<InferR
     }
     let (header, binary) = split_body(body, header_length)?;
     let mut sections = BinarySections::new(binary);
-    let mut reader = Reader::new(&header);
+    let mut reader = JsonReader::new(&header);
     let mut response = InferResponse::default();
     let mut members = reader.object()?;
     while let Some(key) = members.next(&mut reader)? {

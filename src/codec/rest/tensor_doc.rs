@@ -6,7 +6,7 @@ use bytes::Bytes;
 use super::data::read_data;
 use super::format::{write_data, write_json_string};
 use super::params::{read_parameters, write_parameters_field};
-use super::reader::Reader;
+use super::reader::JsonReader;
 use crate::error::{Error, Result};
 use crate::protocol::tensor::check_data;
 use crate::protocol::{DataType, ParamValue, Parameters, Tensor, element_count};
@@ -69,7 +69,12 @@ struct Fields<'a> {
 
 /// Reads one tensor object (`$request_input` or `$response_output`); `kind` is "input" or "output" and `index` its
 /// position, for error messages. Binary data comes from `sections`, in order.
-pub fn read_tensor(reader: &mut Reader<'_>, kind: &str, index: usize, sections: &mut BinarySections) -> Result<Tensor> {
+pub fn read_tensor(
+    reader: &mut JsonReader<'_>,
+    kind: &str,
+    index: usize,
+    sections: &mut BinarySections,
+) -> Result<Tensor> {
     let mut fields = Fields::default();
     read_fields(reader, &mut fields).map_err(|e| match &fields.name {
         Some(name) => e.context(format_args!("{kind} '{name}'")),
@@ -98,7 +103,7 @@ pub fn read_tensor(reader: &mut Reader<'_>, kind: &str, index: usize, sections: 
         (Some(DataValue::Parsed(data)), None) => data,
         (Some(DataValue::Deferred(text)), None) => {
             let count = element_count(&shape).map_err(|e| e.context(&what))?;
-            let mut data_reader = Reader::new(text);
+            let mut data_reader = JsonReader::new(text);
             read_data(&mut data_reader, datatype, count).map_err(|e| e.context(&what))?
         }
         (None, Some(size)) => {
@@ -126,7 +131,7 @@ pub fn read_tensor(reader: &mut Reader<'_>, kind: &str, index: usize, sections: 
     })
 }
 
-fn read_fields<'a>(reader: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<()> {
+fn read_fields<'a>(reader: &mut JsonReader<'a>, fields: &mut Fields<'a>) -> Result<()> {
     let mut members = reader.object()?;
     while let Some(key) = members.next(reader)? {
         let duplicate = || Error::invalid(format!("\"{key}\" is given twice"));
@@ -178,7 +183,7 @@ fn read_fields<'a>(reader: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(
     Ok(())
 }
 
-fn read_shape(reader: &mut Reader<'_>) -> Result<Vec<u64>> {
+fn read_shape(reader: &mut JsonReader<'_>) -> Result<Vec<u64>> {
     let mut shape = Vec::new();
     let mut elements = reader.array()?;
     while elements.next(reader)? {

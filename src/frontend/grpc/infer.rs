@@ -8,7 +8,7 @@ use http::{HeaderMap, HeaderValue};
 use tonic::Status;
 
 use super::{answer_coding, context_of, message_encoding, size_message};
-use crate::body::{BodyLength, ChunksBody, Gathered};
+use crate::body::{BodyLength, ChunksBody, GatherError};
 use crate::codec::compression::{self, Coding};
 use crate::codec::splice;
 use crate::dispatch::Dispatcher;
@@ -94,8 +94,8 @@ where
     let (mut framed, trailers) = crate::body::gather(body, limit.saturating_add(FRAME_HEADER), BodyLength::GrpcFrame)
         .await
         .map_err(|error| match error {
-            Gathered::TooLarge => Status::resource_exhausted(size_message(limit)),
-            Gathered::Broken(error) => Status::cancelled(format!("the request broke off: {}", error.into())),
+            GatherError::TooLarge => Status::resource_exhausted(size_message(limit)),
+            GatherError::Broken(error) => Status::cancelled(format!("the request broke off: {}", error.into())),
         })?;
     if framed.is_empty() {
         return Err(Status::internal("Missing request message."));

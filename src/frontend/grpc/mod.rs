@@ -141,7 +141,7 @@ fn call_span(traces: &Traces, path: &str, headers: &http::HeaderMap) -> Trace {
 
 /// The typed RPCs.
 #[derive(Debug, Clone)]
-struct Typed {
+struct TypedRpcs {
     gateway: Arc<Gateway>,
 }
 
@@ -150,7 +150,7 @@ fn version(text: &str) -> Option<&str> {
 }
 
 #[tonic::async_trait]
-impl GrpcInferenceService for Typed {
+impl GrpcInferenceService for TypedRpcs {
     async fn server_live(&self, _: Request<ServerLiveRequest>) -> Result<Response<ServerLiveResponse>, Status> {
         Ok(Response::new(ServerLiveResponse { live: true }))
     }
@@ -203,12 +203,12 @@ impl GrpcInferenceService for Typed {
         _: Request<tonic::Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         // Not reached: the router sends ModelStreamInfer to the raw path.
-        Err(Status::internal("ModelStreamInfer is served on the raw path"))
+        Err(Status::unimplemented("ModelStreamInfer is served on the raw path"))
     }
 
     async fn model_infer(&self, _: Request<ModelInferRequest>) -> Result<Response<ModelInferResponse>, Status> {
         // Not reached: the door sends ModelInfer to its raw path, the one way an inference is served.
-        Err(Status::internal("ModelInfer is served on the raw path"))
+        Err(Status::unimplemented("ModelInfer is served on the raw path"))
     }
 
     crate::no_shared_memory_rpcs!(reserved::shared_memory_registration_refused);
@@ -311,14 +311,14 @@ fn repository_allowed(dispatcher: &Dispatcher, principal: Option<&Principal>, mo
 /// `inference.GRPCInferenceService`: ModelInfer on the raw path, the rest typed.
 #[derive(Debug, Clone)]
 pub struct InferenceService {
-    typed: GrpcInferenceServiceServer<Typed>,
+    typed: GrpcInferenceServiceServer<TypedRpcs>,
     max_message_bytes: usize,
     gateway: Arc<Gateway>,
 }
 
 impl InferenceService {
     pub fn new(gateway: Arc<Gateway>, max_message_bytes: usize) -> Self {
-        let typed = GrpcInferenceServiceServer::new(Typed {
+        let typed = GrpcInferenceServiceServer::new(TypedRpcs {
             gateway: gateway.clone(),
         })
         .accept_compressed(CompressionEncoding::Gzip)
@@ -551,7 +551,7 @@ const IDLE_OPENING: Duration = Duration::from_secs(60);
 /// `grpc-timeout` with CANCELLED; the gateway enforces the deadline itself and answers DEADLINE_EXCEEDED, as the
 /// gRPC specification says.
 pub async fn serve(
-    seat: super::Seat,
+    seat: super::DoorThread,
     gateway: Arc<Gateway>,
     limits: GrpcLimits,
     tls: Option<tokio_rustls::TlsAcceptor>,

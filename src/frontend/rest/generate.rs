@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use prost::Message;
 use tokio::sync::mpsc;
 
-use super::{Reply, RestDoor};
+use super::{PendingAnswer, RestDoor};
 use crate::body::RequestBody;
 use crate::codec::compression;
 use crate::codec::protobuf;
@@ -53,7 +53,7 @@ impl RestDoor {
         model: &str,
         version: Option<&str>,
         call: StreamCall,
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
         let mut raw = self.read_body(body, declared, Vec::new()).await?;
         if let Some(coding) = compression::request_coding(&parts.headers)? {
@@ -147,12 +147,12 @@ impl RestDoor {
                 }
             }
         });
-        Ok(Reply::Events(sent))
+        Ok(PendingAnswer::Events(sent))
     }
 }
 
 /// `generate`: the stream's one response, as JSON.
-async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<Reply> {
+async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<PendingAnswer> {
     let mut only = None;
     while let Some(answer) = received.recv().await {
         match generated(answer, call)? {
@@ -166,7 +166,7 @@ async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamC
         }
     }
     let json = only.ok_or_else(|| Error::invalid(NOT_ONE_RESPONSE))?;
-    Ok(Reply::Json(StatusCode::OK, json))
+    Ok(PendingAnswer::Json(StatusCode::OK, json))
 }
 
 /// One answer of the inference stream, read for a generate client (or, for `infer_stream`, as an inference
@@ -211,7 +211,7 @@ async fn relay(
     route: &VersionRoute,
     stream: bool,
     idle: Duration,
-) -> Result<Reply> {
+) -> Result<PendingAnswer> {
     let (head, mut body) = answer.into_parts();
     let is_events = head
         .headers
@@ -229,7 +229,7 @@ async fn relay(
         if let Some(kind) = head.headers.get(http::header::CONTENT_TYPE) {
             headers.insert(http::header::CONTENT_TYPE, kind.clone());
         }
-        return Ok(Reply::Buffered(head.status, headers, vec![Bytes::from(json)]));
+        return Ok(PendingAnswer::Buffered(head.status, headers, vec![Bytes::from(json)]));
     }
     let (events, sent) = mpsc::channel(EVENTS);
     let route = route.clone();
@@ -266,7 +266,7 @@ async fn relay(
             }
         }
     });
-    Ok(Reply::Events(sent))
+    Ok(PendingAnswer::Events(sent))
 }
 
 /// A response object with the public model name and version; anything else (an error event) as it came.

@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
 
 use super::answer::{Capture, Record, Rename, form_of};
-use super::{DECTHINGS_CONTENT_TYPE, Reply, RestDoor};
+use super::{DECTHINGS_CONTENT_TYPE, PendingAnswer, RestDoor};
 use crate::body::{KeptChunks, RelayError, RelaySource, RequestBody, Tap};
 use crate::codec::compression::{self, Coding};
 use crate::codec::decthings;
@@ -40,7 +40,7 @@ static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
 ];
 
 /// What the request asked for, read from its head.
-struct Asked<'a> {
+struct InferHead<'a> {
     declared: Option<u64>,
     /// The body's content coding, when compressed.
     coding: Option<Coding>,
@@ -59,13 +59,13 @@ impl RestDoor {
         record: &mut Record,
         model: &str,
         version: Option<&str>,
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         let headers = &parts.headers;
         let read = RequestHeaders::read(headers);
         fn text(value: Option<&HeaderValue>) -> Option<&str> {
             value.and_then(|v| v.to_str().ok())
         }
-        let asked = Asked {
+        let asked = InferHead {
             declared: self.declared_length(read.content_length)?,
             coding: match read.content_encoding {
                 Some(_) => compression::request_coding(headers)?,
@@ -128,9 +128,9 @@ impl RestDoor {
         body: &mut Option<RequestBody>,
         record: &mut Record,
         routed: Routed,
-        (asked, start, reserved): (Asked<'_>, BodyStart, Reserved),
+        (asked, start, reserved): (InferHead<'_>, BodyStart, Reserved),
         (model, version): (&str, Option<&str>),
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         record.translated = true;
         let dispatcher = record.dispatcher().clone();
         let deadline = parts
@@ -192,8 +192,8 @@ impl RestDoor {
         let reply = encode_answer(&replied.value, replied.headers, asked.decthings_out, &binary_outputs)?;
         if step.is_on() {
             let bytes = match &reply {
-                Reply::Encoded(body, _) => body.chunks.iter().map(Bytes::len).sum(),
-                Reply::Buffered(_, _, chunks) => chunks.iter().map(Bytes::len).sum(),
+                PendingAnswer::Encoded(body, _) => body.chunks.iter().map(Bytes::len).sum(),
+                PendingAnswer::Buffered(_, _, chunks) => chunks.iter().map(Bytes::len).sum(),
                 _ => 0,
             };
             step.set("oip.bytes", i64::try_from(bytes).unwrap_or(i64::MAX));
@@ -211,7 +211,7 @@ impl RestDoor {
     async fn decode(
         &self,
         payload: Bytes,
-        asked: &Asked<'_>,
+        asked: &InferHead<'_>,
         model: &str,
         version: Option<&str>,
         record: &Record,
@@ -253,9 +253,9 @@ impl RestDoor {
         record: &mut Record,
         target: Passthrough,
         routed: Routed,
-        mut asked: Asked<'_>,
+        mut asked: InferHead<'_>,
         (start, scan): (BodyStart, Option<KeyScan>),
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         record.in_flight = Some(target.backend_metrics.call());
         let dispatcher = record.dispatcher().clone();
         // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
@@ -267,7 +267,7 @@ impl RestDoor {
             None => std::mem::take(&mut asked.headers.forward),
         };
         // An answer whose payload is logged is asked for uncompressed too: the log gets it as the client reads it.
-        let coded = Coded {
+        let coded = BodyCodings {
             body: asked.coding.is_none() || keep_compressed,
             answer: !target.aliased && record.capture.is_none(),
         };
@@ -298,7 +298,7 @@ impl RestDoor {
             return Box::pin(self.rename_compressed(head, answer, &target, &authority)).await;
         }
         let (head, rename) = answer_head(head, &target, &authority)?;
-        Ok(Reply::Proxied(Box::new(head), answer, rename, deadline.until))
+        Ok(PendingAnswer::Proxied(Box::new(head), answer, rename, deadline.until))
     }
 
     /// A compressed answer of an aliased model, read whole and decompressed within the limit, its names restored.
@@ -308,7 +308,7 @@ impl RestDoor {
         answer: crate::upstream::BackendBody,
         target: &Passthrough,
         authority: &str,
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         let broken = |message: String| Error::new(ErrorKind::BadGateway, Origin::Upstream, message);
         let limit = usize::try_from(self.max_request_bytes).unwrap_or(usize::MAX);
         let (body, _) = crate::body::gather(answer, limit, crate::body::BodyLength::ContentLength(None))
@@ -347,7 +347,7 @@ impl RestDoor {
             passed.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(renamed_length));
         }
         target.route.name_served_version(&mut passed);
-        Ok(Reply::Buffered(
+        Ok(PendingAnswer::Buffered(
             head.status,
             passed,
             vec![Bytes::from(renamed), body.slice(header_length..)],
@@ -358,7 +358,7 @@ impl RestDoor {
     /// so a small one is checked to its end before any of it leaves), else enough to hold the start of its JSON
     /// header (the binary extension's whole header, or the first `WHOLE_BODY_LIMIT` bytes of a JSON body), where a
     /// request names its sequence.
-    async fn body_start(&self, body: &mut Option<RequestBody>, asked: &Asked<'_>) -> Result<BodyStart> {
+    async fn body_start(&self, body: &mut Option<RequestBody>, asked: &InferHead<'_>) -> Result<BodyStart> {
         if let Some(coding) = asked.coding {
             // A compressed body is read whole and decompressed within the same limit: what it expands to is what
             // the limit bounds.
@@ -502,9 +502,9 @@ fn encode_answer(
     mut headers: HeaderMap,
     decthings_out: bool,
     binary_outputs: &BinaryOutputs,
-) -> Result<Reply> {
+) -> Result<PendingAnswer> {
     if !decthings_out {
-        return Ok(Reply::Encoded(
+        return Ok(PendingAnswer::Encoded(
             rest::encode_response(response, binary_outputs)?,
             headers,
         ));
@@ -521,7 +521,7 @@ fn encode_answer(
     if let Some(id) = &response.id {
         headers.insert("inference-id", named(id)?);
     }
-    Ok(Reply::Buffered(
+    Ok(PendingAnswer::Buffered(
         StatusCode::OK,
         headers,
         vec![decthings::encode_entries(&response.outputs)?],
@@ -543,7 +543,7 @@ enum BodyStart {
 /// hand whole is read whole: its shared-memory parameters refused wherever they stand. In a JSON body too long to be
 /// read whole before it is sent, `parameters` counts only when it is in the first `WHOLE_BODY_LIMIT` bytes, where the
 /// clients that send sequences write it (ahead of the inputs): the scan refuses a routing parameter past them.
-fn request_reserved(start: &BodyStart, asked: &Asked<'_>) -> Result<(Reserved, Option<KeyScan>)> {
+fn request_reserved(start: &BodyStart, asked: &InferHead<'_>) -> Result<(Reserved, Option<KeyScan>)> {
     if asked.decthings_in || asked.header_length == Some(0) {
         return Ok((Reserved::default(), None));
     }
@@ -634,7 +634,7 @@ impl Mirror {
 
 /// Whether a proxied request's headers say how its body and answer are compressed, as the client sent them.
 #[derive(Debug, Clone, Copy)]
-struct Coded {
+struct BodyCodings {
     /// Content-Encoding: the body goes on as it came.
     body: bool,
     /// Accept-Encoding: the answer comes back as the backend makes it.
@@ -643,7 +643,7 @@ struct Coded {
 
 /// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them
 /// (the body is not re-encoded), with a Content-Type said when the client sent none.
-fn headers_to_send(read: &RequestHeaders<'_>, forward: HeaderMap, coded: Coded) -> HeaderMap {
+fn headers_to_send(read: &RequestHeaders<'_>, forward: HeaderMap, coded: BodyCodings) -> HeaderMap {
     let mut send = forward;
     send.insert(http::header::CONTENT_TYPE, content_type(read));
     let about_body = [

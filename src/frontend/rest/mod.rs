@@ -53,7 +53,7 @@ pub struct RestDoor {
 }
 
 /// What a request is answered with, before the answer's head is made.
-enum Reply {
+enum PendingAnswer {
     Json(StatusCode, Vec<u8>),
     /// An inference answer encoded by the gateway, with the backend's end-to-end headers.
     Encoded(EncodedBody, HeaderMap),
@@ -110,13 +110,13 @@ impl RestDoor {
             (reply, _) => reply,
         };
         let response = match reply {
-            Ok(Reply::Json(status, json)) => answer::json(status, json, record),
-            Ok(Reply::Encoded(encoded, headers)) => answer::encoded(encoded, headers, record),
-            Ok(Reply::Buffered(status, headers, chunks)) => answer::buffered(status, headers, chunks, record),
-            Ok(Reply::Proxied(head, answer_body, rename, until)) => {
+            Ok(PendingAnswer::Json(status, json)) => answer::json(status, json, record),
+            Ok(PendingAnswer::Encoded(encoded, headers)) => answer::encoded(encoded, headers, record),
+            Ok(PendingAnswer::Buffered(status, headers, chunks)) => answer::buffered(status, headers, chunks, record),
+            Ok(PendingAnswer::Proxied(head, answer_body, rename, until)) => {
                 answer::proxied(*head, answer_body, rename, until, record)
             }
-            Ok(Reply::Events(events)) => answer::events(events, record),
+            Ok(PendingAnswer::Events(events)) => answer::events(events, record),
             Err(error) => answer::error(&error, &parts.method, record),
         };
         // An HTTP/2 body left unread is read and dropped for a while, so the client can finish sending it; an
@@ -135,7 +135,7 @@ impl RestDoor {
         parts: &http::request::Parts,
         body: &mut Option<RequestBody>,
         record: &mut Record,
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         if parts.uri.path_and_query().map_or(0, |target| target.as_str().len()) > MAX_TARGET_BYTES {
             return Err(Error::new(
                 ErrorKind::UriTooLong,
@@ -182,27 +182,27 @@ impl RestDoor {
         parts: &http::request::Parts,
         body: &mut Option<RequestBody>,
         record: &mut Record,
-    ) -> Result<Reply> {
+    ) -> Result<PendingAnswer> {
         let dispatcher = record.dispatcher().clone();
         let guard = dispatcher.guard();
         let principal = record.principal.clone();
         let principal = principal.as_deref();
         Ok(match route {
-            Route::ServerMetadata => Reply::Json(
+            Route::ServerMetadata => PendingAnswer::Json(
                 StatusCode::OK,
                 rest::encode_server_metadata(dispatcher.server_metadata()),
             ),
-            Route::Live => Reply::Json(StatusCode::OK, rest::encode_server_live(ServerLive { live: true })),
+            Route::Live => PendingAnswer::Json(StatusCode::OK, rest::encode_server_live(ServerLive { live: true })),
             Route::Ready => {
                 let ready = !self.gateway.is_draining() && dispatcher.server_ready().await;
-                Reply::Json(
+                PendingAnswer::Json(
                     answer::health_status(ready),
                     rest::encode_server_ready(ServerReady { ready }),
                 )
             }
             Route::ModelMetadata(model, version) => {
                 let metadata = dispatcher.model_metadata(model, version).await?;
-                Reply::Json(StatusCode::OK, rest::encode_model_metadata(&metadata))
+                PendingAnswer::Json(StatusCode::OK, rest::encode_model_metadata(&metadata))
             }
             Route::ModelReady(model, version) => {
                 let ready = dispatcher.model_ready(model, version).await?;
@@ -210,11 +210,11 @@ impl RestDoor {
                     name: model.to_owned(),
                     ready,
                 });
-                Reply::Json(answer::health_status(ready), body)
+                PendingAnswer::Json(answer::health_status(ready), body)
             }
             Route::ModelConfig(model, version) => {
                 match dispatcher.model_config(model, version, ConfigForm::Json).await? {
-                    ModelConfigAnswer::Json(config) => Reply::Json(StatusCode::OK, config),
+                    ModelConfigAnswer::Json(config) => PendingAnswer::Json(StatusCode::OK, config),
                     ModelConfigAnswer::Protobuf(_) => {
                         return Err(Error::internal("a model configuration in protobuf form"));
                     }
@@ -223,7 +223,7 @@ impl RestDoor {
             Route::ModelStatistics(model, version) => {
                 let mut statistics = dispatcher.model_statistics(model, version).await?;
                 statistics.retain(|entry| guard.shows(principal, &entry.name));
-                Reply::Json(StatusCode::OK, rest::encode_model_statistics(statistics))
+                PendingAnswer::Json(StatusCode::OK, rest::encode_model_statistics(statistics))
             }
             Route::RepositoryIndex => {
                 let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
@@ -231,7 +231,7 @@ impl RestDoor {
                 let ready_only = rest::decode_repository_index_request(&body)?;
                 let mut entries = dispatcher.repository_index(ready_only).await;
                 entries.retain(|entry| guard.shows(principal, &entry.name));
-                Reply::Json(StatusCode::OK, rest::encode_repository_index(&entries))
+                PendingAnswer::Json(StatusCode::OK, rest::encode_repository_index(&entries))
             }
             Route::RepositoryLoad(model) | Route::RepositoryUnload(model) => {
                 let action = match route {
@@ -246,12 +246,12 @@ impl RestDoor {
                 dispatcher
                     .repository_change(model, action, &parameters, &forward)
                     .await?;
-                Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
+                PendingAnswer::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new())
             }
             // A region is memory on the client's host: the gateway holds none, lets a client's clean-up succeed, and
             // refuses to register one.
-            Route::SharedMemoryStatus(_) => Reply::Json(StatusCode::OK, b"[]".to_vec()),
-            Route::SharedMemoryUnregister(_) => Reply::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new()),
+            Route::SharedMemoryStatus(_) => PendingAnswer::Json(StatusCode::OK, b"[]".to_vec()),
+            Route::SharedMemoryUnregister(_) => PendingAnswer::Buffered(StatusCode::OK, HeaderMap::new(), Vec::new()),
             Route::SharedMemoryRegister(memory, region) => {
                 return Err(crate::protocol::reserved::shared_memory_registration_refused(
                     memory.kind(),
@@ -296,7 +296,7 @@ impl RestDoor {
         declared: Option<u64>,
         read: Vec<Bytes>,
     ) -> Result<Bytes> {
-        let mut joined = Joined::new(declared);
+        let mut joined = JoinedBody::new(declared);
         for chunk in read {
             joined.push(chunk);
         }
@@ -318,15 +318,15 @@ impl RestDoor {
 
 /// A body's chunks joined into one buffer as they arrive: the first kept as it is until a second comes, then one
 /// buffer of the declared length.
-struct Joined {
+struct JoinedBody {
     declared: usize,
     first: Option<Bytes>,
     joined: BytesMut,
 }
 
-impl Joined {
-    fn new(declared: Option<u64>) -> Joined {
-        Joined {
+impl JoinedBody {
+    fn new(declared: Option<u64>) -> JoinedBody {
+        JoinedBody {
             declared: declared.and_then(|length| usize::try_from(length).ok()).unwrap_or(0),
             first: None,
             joined: BytesMut::new(),
@@ -403,13 +403,15 @@ fn body_error(error: RequestBodyError) -> Error {
 /// Charges an answer made whole to its HTTP/2 connection's budget (answers relayed as they come are held back by
 /// flow control instead, and small JSON answers are not counted); one past the budget is let go and the call
 /// refused.
-fn hold(reply: Reply, budget: &Arc<AnswerBudget>) -> Result<Reply> {
+fn hold(reply: PendingAnswer, budget: &Arc<AnswerBudget>) -> Result<PendingAnswer> {
     Ok(match reply {
-        Reply::Encoded(mut encoded, headers) => {
+        PendingAnswer::Encoded(mut encoded, headers) => {
             encoded.chunks = budget.hold(std::mem::take(&mut encoded.chunks))?;
-            Reply::Encoded(encoded, headers)
+            PendingAnswer::Encoded(encoded, headers)
         }
-        Reply::Buffered(status, headers, chunks) => Reply::Buffered(status, headers, budget.hold(chunks)?),
+        PendingAnswer::Buffered(status, headers, chunks) => {
+            PendingAnswer::Buffered(status, headers, budget.hold(chunks)?)
+        }
         other => other,
     })
 }

@@ -79,7 +79,7 @@ impl SeriesBound {
 
 /// The combinations a family has made and refused, by the hash of their label values.
 #[derive(Debug, Default)]
-struct Made {
+struct LabelSets {
     made: HashSet<u64>,
     /// Remembered so that asking again does not count twice; bounded like the series, past which every refusal
     /// counts.
@@ -93,7 +93,7 @@ pub struct Family<V> {
     /// For each label, whether it stays as it is past the bound (a label with few values, such as a status code or
     /// a protocol) or becomes [`OTHER`] (a model, a version, a backend, a principal).
     kept: Vec<bool>,
-    made: RwLock<Made>,
+    made: RwLock<LabelSets>,
     bound: Arc<SeriesBound>,
     /// `oipgate_metrics_series_dropped_total` for this family.
     dropped: IntCounter,
@@ -104,7 +104,7 @@ impl<V: Vector> Family<V> {
         Family {
             vec,
             kept: kept.to_vec(),
-            made: RwLock::new(Made::default()),
+            made: RwLock::new(LabelSets::default()),
             bound,
             dropped,
         }

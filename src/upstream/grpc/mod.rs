@@ -9,7 +9,7 @@ use http::{HeaderMap, HeaderValue, Method, Request};
 use hyper_util::rt::TokioIo;
 use tonic::Code;
 
-use super::{Channel, Replied};
+use super::{BackendAnswer, Channel};
 use crate::codec::compression::{self, Coding};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
@@ -99,7 +99,7 @@ impl GrpcUpstream {
         deadline: Option<Duration>,
         metadata: &HeaderMap,
         coding: Option<Coding>,
-    ) -> Result<Replied<Bytes>> {
+    ) -> Result<BackendAnswer<Bytes>> {
         let started = std::time::Instant::now();
         let answer = super::within(
             deadline.map(super::Deadline::after),
@@ -134,7 +134,7 @@ impl GrpcUpstream {
         deadline: Option<Duration>,
         metadata: &HeaderMap,
         coding: Option<Coding>,
-    ) -> Result<Replied<Bytes>> {
+    ) -> Result<BackendAnswer<Bytes>> {
         let chunks = frame(message, coding)?;
         let request = || self.request(method, (), deadline, metadata, coding);
         let response = match self.send(Channel::Unary, request()?, &chunks).await {
@@ -179,7 +179,7 @@ impl GrpcUpstream {
         let answer_coding = parts.headers.get(GRPC_ENCODING).map(HeaderValue::as_bytes);
         let message = single_message(body, answer_coding, self.max_response_bytes)
             .map_err(|e| e.into_upstream_protocol_error())?;
-        Ok(Replied {
+        Ok(BackendAnswer {
             value: message,
             headers: answer_metadata,
 

@@ -12,8 +12,8 @@ use http::header::CONTENT_LENGTH;
 use http::{HeaderMap, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 
-use super::{Kept, MOST_IDLE, READ_FIRST, broken, closed, this_thread};
-use crate::codec::http1::{self, BadHeader, Framing, Said};
+use super::{MOST_IDLE, PooledConnection, READ_FIRST, broken, closed, this_thread};
+use crate::codec::http1::{self, BadHeader, Framing, ParsedHeaders};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -39,7 +39,7 @@ impl AnswerHead {
     }
 
     /// The answer, its body read from `kept` (which goes back to the endpoint of `token` once the body is read).
-    pub(super) fn into_response(self, kept: Box<Kept>, token: Arc<()>) -> http::Response<BackendBody> {
+    pub(super) fn into_response(self, kept: Box<PooledConnection>, token: Arc<()>) -> http::Response<BackendBody> {
         let mut response = http::Response::new(BackendBody {
             framing: self.framing,
             kept: Some(kept),
@@ -93,10 +93,10 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     // slices of the head once it is split off.
     let places = http1::places(answer.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
-    let mut said = AnswerSaid {
+    let mut said = ParsedAnswerHeaders {
         version,
         // A backend's Date is never passed on: each hop dates the answers it sends.
-        said: Said::new(places.count(), b"date"),
+        said: ParsedHeaders::new(places.count(), b"date"),
     };
     places.each(
         &head,
@@ -107,12 +107,12 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
 }
 
 /// An answer's headers, read.
-struct AnswerSaid {
+struct ParsedAnswerHeaders {
     version: Version,
-    said: Said,
+    said: ParsedHeaders,
 }
 
-impl AnswerSaid {
+impl ParsedAnswerHeaders {
     fn note(&mut self, name: &[u8], value: http::HeaderValue) -> io::Result<()> {
         self.said.note(name, value).map_err(|bad| match bad {
             BadHeader::Name => broken("an answer header with an invalid name"),
@@ -124,7 +124,7 @@ impl AnswerSaid {
     /// The head, its body framed as the headers say (RFC 9112 §6.3). A transfer coding other than `chunked` is one
     /// the gateway cannot undo, and `chunked` twice frames nothing: both are broken answers.
     fn into_head(self, status: StatusCode, asked_head: bool) -> io::Result<AnswerHead> {
-        let AnswerSaid { version, mut said } = self;
+        let ParsedAnswerHeaders { version, mut said } = self;
         let codings = said.codings;
         if codings.other {
             return Err(broken("an answer with a transfer coding other than chunked"));
@@ -162,7 +162,7 @@ impl AnswerSaid {
 pub struct BackendBody {
     framing: Framing,
     /// Boxed: a connection moves with the request at every step.
-    kept: Option<Box<Kept>>,
+    kept: Option<Box<PooledConnection>>,
     /// The endpoint's entry in each thread's table.
     token: Arc<()>,
 }

@@ -104,7 +104,7 @@ impl Io {
 }
 
 /// One HTTP/1.1 connection, used by one request at a time.
-pub(super) struct Kept {
+pub(super) struct PooledConnection {
     io: Io,
     /// What the backend sent that has not been handed on yet.
     read: BytesMut,
@@ -120,10 +120,10 @@ pub(super) struct Kept {
     thread: usize,
 }
 
-impl Kept {
+impl PooledConnection {
     /// A connection just made, on this thread.
-    fn new(io: Io) -> Kept {
-        Kept {
+    fn new(io: Io) -> PooledConnection {
+        PooledConnection {
             io,
             read: BytesMut::new(),
             head: Vec::new(),
@@ -135,7 +135,7 @@ impl Kept {
     }
 }
 
-impl std::fmt::Debug for Kept {
+impl std::fmt::Debug for PooledConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kept").field("ended", &self.ended).finish()
     }
@@ -157,7 +157,7 @@ fn closed(message: &'static str) -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, message)
 }
 
-impl Kept {
+impl PooledConnection {
     /// Whether it has ended or been idle too long at `now`, and is not to be used.
     pub(super) fn aged(&self, now: Instant) -> bool {
         self.ended || now.saturating_duration_since(self.idle_since) > IDLE_LIMIT
@@ -317,7 +317,7 @@ pub(super) async fn send(
 
 /// The most recently used of this thread's idle connections to the endpoint that is still open; those idle too
 /// long or closed by the backend are dropped on the way.
-async fn idle(clients: &ThreadClients) -> Option<Box<Kept>> {
+async fn idle(clients: &ThreadClients) -> Option<Box<PooledConnection>> {
     loop {
         let mut kept = super::with_endpoint(&clients.token, |endpoint| endpoint.idle.pop())?;
         if kept.aged(Instant::now()) {
@@ -336,13 +336,13 @@ fn drop_idle(clients: &ThreadClients) {
 }
 
 /// A new connection to the endpoint (TCP, and TLS for `https`).
-async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<Kept>, Failure> {
+async fn connect(clients: &ThreadClients, uri: &http::Uri) -> Result<Box<PooledConnection>, Failure> {
     keep_swept();
     let mut connector = clients.connector.clone();
     let connected = tower_service::Service::call(&mut connector, uri.clone())
         .await
         .map_err(Failure::Connect)?;
-    Ok(Box::new(Kept::new(Io::from_connected(connected))))
+    Ok(Box::new(PooledConnection::new(Io::from_connected(connected))))
 }
 
 /// Starts this thread's sweep of its idle connections, once. Only on a single-threaded runtime: its tasks run on

@@ -10,7 +10,7 @@ use http::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING, USER_AGE
 use http::{HeaderValue, Method};
 use hyper::body::Body;
 
-use super::{Io, Kept, Request};
+use super::{Io, PooledConnection, Request};
 use crate::body::OutBody;
 use crate::codec::http1::GATHERED_BODY;
 
@@ -20,7 +20,7 @@ const MOST_SLICES: usize = 16;
 /// How the gateway names itself to backends.
 const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
 
-impl Kept {
+impl PooledConnection {
     /// Writes the head of a request: its line, `host`, the headers of each map (a framing or naming header among them
     /// left out: this hop sets its own), the gateway's name and the body's framing; then a small body at hand, so the
     /// two leave in one buffer. Gives how many of the body's chunks went with the head.

@@ -524,15 +524,15 @@ async fn an_answer_keeps_all_its_headers_up_to_the_limit() {
 
 /// Counts the wakes of the task that polls a future through it.
 #[derive(Debug, Default, Clone)]
-struct WakeCount(Arc<Counted>);
+struct WakeCount(Arc<WakeCounter>);
 
 #[derive(Debug, Default)]
-struct Counted {
+struct WakeCounter {
     wakes: AtomicUsize,
     task: std::sync::Mutex<Option<Waker>>,
 }
 
-impl std::task::Wake for Counted {
+impl std::task::Wake for WakeCounter {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
@@ -601,7 +601,7 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
         let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
             .await
             .unwrap();
-        let mut kept = Kept::new(Io::Plain(io));
+        let mut kept = PooledConnection::new(Io::Plain(io));
         let (method, path, host) = (
             Method::POST,
             PathAndQuery::from_static("/p"),

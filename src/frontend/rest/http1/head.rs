@@ -5,7 +5,7 @@
 use bytes::BytesMut;
 use http::{Method, StatusCode, Uri, Version};
 
-use crate::codec::http1::{self, BadHeader, Framing, Said};
+use crate::codec::http1::{self, BadHeader, Framing, ParsedHeaders};
 use crate::frontend::MAX_HEAD_BYTES;
 use crate::frontend::rest::MAX_TARGET_BYTES;
 
@@ -108,10 +108,10 @@ pub(super) fn read_head(read: &mut BytesMut) -> Result<Option<RequestHead>, Refu
     let places = http1::places(request.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
     let uri = Uri::from_maybe_shared(head.slice(target)).map_err(|_| Refusal::bad("a malformed request target"))?;
-    let mut said = RequestSaid {
+    let mut said = ParsedRequestHeaders {
         version,
         // The Host a client names is the gateway's: never passed on (each hop names its own), and nothing routes on it.
-        said: Said::new(places.count(), b"host"),
+        said: ParsedHeaders::new(places.count(), b"host"),
         hosts: 0,
         host_valid: true,
     };
@@ -186,16 +186,16 @@ fn target_too_long() -> Refusal {
 }
 
 /// A request's headers, read.
-struct RequestSaid {
+struct ParsedRequestHeaders {
     version: Version,
-    said: Said,
+    said: ParsedHeaders,
     /// How many Host fields it has.
     hosts: u32,
     /// Each of them is a host and optional port (or empty).
     host_valid: bool,
 }
 
-impl RequestSaid {
+impl ParsedRequestHeaders {
     fn note(&mut self, name: &[u8], value: http::HeaderValue) -> Result<(), Refusal> {
         if name.eq_ignore_ascii_case(b"host") {
             self.hosts += 1;
@@ -211,7 +211,7 @@ impl RequestSaid {
     }
 
     fn into_head(self, method: Method, uri: Uri) -> Result<Option<RequestHead>, Refusal> {
-        let RequestSaid {
+        let ParsedRequestHeaders {
             version,
             said,
             hosts,

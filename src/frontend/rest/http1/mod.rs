@@ -30,7 +30,7 @@ pub fn read_request_head(read: &mut BytesMut) -> Result<Option<Framing>, http::S
         .map_err(|refusal| refusal.status)
 }
 use head::{Refusal, RequestHead};
-use write::{How, write_answer};
+use write::{AnswerPlan, write_answer};
 
 use super::RestDoor;
 use super::answer::Record;
@@ -60,7 +60,7 @@ const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// One HTTP/1.1 connection of the REST door.
 pub(super) struct Http1<S> {
-    wire: Wire<S>,
+    wire: BufferedStream<S>,
     door: Arc<RestDoor>,
     header_timeout: Duration,
     shutdown: ShutdownWatch,
@@ -97,7 +97,7 @@ enum Waited {
 }
 
 /// The connection's stream and the bytes read from it not yet used.
-struct Wire<S> {
+struct BufferedStream<S> {
     io: S,
     read: BytesMut,
     /// `read` is a buffer made for one piece of a body's data, and sized to it: the pieces split off it share it
@@ -119,7 +119,7 @@ where
         held: Option<Active>,
     ) -> Self {
         Http1 {
-            wire: Wire {
+            wire: BufferedStream {
                 io,
                 read: first,
                 pure: false,
@@ -264,7 +264,7 @@ where
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),
         );
-        let how = How {
+        let how = AnswerPlan {
             close: true,
             keep_alive_10: false,
             http10: false,
@@ -328,7 +328,7 @@ where
         {
             feeder.feed.end(Err(Http1BodyError::Abandoned));
         }
-        let how = How {
+        let how = AnswerPlan {
             close: close || !body_read || *self.shutdown.borrow(),
             keep_alive_10,
             http10,
@@ -344,7 +344,7 @@ where
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Peek + Unpin> Wire<S> {
+impl<S: AsyncRead + AsyncWrite + Peek + Unpin> BufferedStream<S> {
     /// Reads into the buffer, asking for up to `want` bytes when it has little room left; the bytes read (0 at the
     /// stream's end).
     fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
@@ -476,7 +476,7 @@ impl Feeder {
     fn poll_feed<S: AsyncRead + AsyncWrite + Peek + Unpin>(
         &mut self,
         cx: &mut Context<'_>,
-        wire: &mut Wire<S>,
+        wire: &mut BufferedStream<S>,
     ) -> Poll<()> {
         // A client waiting for leave to send is given it before its body is waited for.
         while self.continue_sent < CONTINUE.len() {

@@ -28,7 +28,7 @@ const GATHER: usize = 1 << 20;
 
 /// How an answer goes out on its connection.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct How {
+pub(super) struct AnswerPlan {
     /// The answer says `Connection: close`.
     pub close: bool,
     /// An HTTP/1.0 client: told that its connection is kept, and given a body of unknown length until the close.
@@ -40,7 +40,7 @@ pub(super) struct How {
 
 /// How the answer's body is framed on the wire.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Out {
+enum AnswerFraming {
     /// No body may follow this status.
     None,
     Length(u64),
@@ -52,7 +52,7 @@ enum Out {
 /// Writes `response` to `io`, its head encoded into the thread's buffer for heads; `true` when it went out whole as
 /// framed, so the connection may carry another request. The answer is written where it lies, not moved into the
 /// writer's state.
-pub(super) async fn write_answer<S, B>(io: &mut S, response: &mut Response<B>, how: How) -> io::Result<bool>
+pub(super) async fn write_answer<S, B>(io: &mut S, response: &mut Response<B>, how: AnswerPlan) -> io::Result<bool>
 where
     S: AsyncWrite + Unpin,
     B: Body<Data = Bytes> + Unpin,
@@ -67,7 +67,7 @@ async fn write_with_head<S, B>(
     io: &mut S,
     head: &mut Vec<u8>,
     response: &mut Response<B>,
-    mut how: How,
+    mut how: AnswerPlan,
 ) -> io::Result<bool>
 where
     S: AsyncWrite + Unpin,
@@ -87,7 +87,7 @@ where
         how,
     );
     let body = response.body_mut();
-    let mut sent = Sent::new(out, how);
+    let mut sent = BodyProgress::new(out, how);
     let mut batch = Batch::default();
     let mut head_left = head.len();
     loop {
@@ -95,40 +95,40 @@ where
         if head_left == head.len() && batch.gather_into(head, out) {
             head_left = head.len();
         }
-        let last = sent.ended && out == Out::Chunked && !sent.failed;
+        let last = sent.ended && out == AnswerFraming::Chunked && !sent.failed;
         if head_left > 0 || batch.count() > 0 || last {
             write_batch(io, &head[head.len() - head_left..], &mut batch, out, last).await?;
             head_left = 0;
         }
         if sent.ended {
             flush(io).await?;
-            return Ok(!sent.failed && sent.left == 0 && !how.close && out != Out::UntilClose);
+            return Ok(!sent.failed && sent.left == 0 && !how.close && out != AnswerFraming::UntilClose);
         }
     }
 }
 
 /// How an answer's body goes on the wire: by the length its head declares or its body knows, in chunks, until the
 /// connection closes (an HTTP/1.0 client, which is then told so), or not at all for a status that has none.
-fn framing<B: Body>(status: StatusCode, declared: Option<u64>, body: &B, how: &mut How) -> Out {
+fn framing<B: Body>(status: StatusCode, declared: Option<u64>, body: &B, how: &mut AnswerPlan) -> AnswerFraming {
     if status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        Out::None
+        AnswerFraming::None
     } else if let Some(length) = declared {
-        Out::Length(length)
+        AnswerFraming::Length(length)
     } else if body.is_end_stream() {
-        Out::Length(0)
+        AnswerFraming::Length(0)
     } else if let Some(length) = body.size_hint().exact() {
-        Out::Length(length)
+        AnswerFraming::Length(length)
     } else if how.http10 {
         how.close = true;
-        Out::UntilClose
+        AnswerFraming::UntilClose
     } else {
-        Out::Chunked
+        AnswerFraming::Chunked
     }
 }
 
 /// How much of an answer's body is taken, and how it ended.
-struct Sent {
-    out: Out,
+struct BodyProgress {
+    out: AnswerFraming,
     /// Bytes the head declared that have not been taken yet.
     left: u64,
     ended: bool,
@@ -136,15 +136,15 @@ struct Sent {
     failed: bool,
 }
 
-impl Sent {
-    fn new(out: Out, how: How) -> Sent {
-        Sent {
+impl BodyProgress {
+    fn new(out: AnswerFraming, how: AnswerPlan) -> BodyProgress {
+        BodyProgress {
             out,
             left: match out {
-                Out::Length(length) if !how.head_only => length,
+                AnswerFraming::Length(length) if !how.head_only => length,
                 _ => 0,
             },
-            ended: how.head_only || out == Out::None,
+            ended: how.head_only || out == AnswerFraming::None,
             failed: false,
         }
     }
@@ -186,7 +186,7 @@ impl Sent {
             }
             Some(Ok(frame)) => frame.into_data().ok().filter(|data| !data.is_empty())?,
         };
-        if let Out::Length(_) = self.out {
+        if let AnswerFraming::Length(_) = self.out {
             let room = usize::try_from(self.left).unwrap_or(usize::MAX);
             if data.len() > room {
                 data.truncate(room);
@@ -218,8 +218,8 @@ impl Batch {
 
     /// Copies a small body framed by its length after the head in `head`, so the two leave in one `send`; whether it
     /// did.
-    fn gather_into(&mut self, head: &mut Vec<u8>, out: Out) -> bool {
-        if out == Out::Chunked || self.pieces.is_empty() || self.gathered > GATHERED_BODY {
+    fn gather_into(&mut self, head: &mut Vec<u8>, out: AnswerFraming) -> bool {
+        if out == AnswerFraming::Chunked || self.pieces.is_empty() || self.gathered > GATHERED_BODY {
             return false;
         }
         for piece in &self.pieces {
@@ -241,10 +241,10 @@ async fn write_batch<S: AsyncWrite + Unpin>(
     io: &mut S,
     head: &[u8],
     batch: &mut Batch,
-    out: Out,
+    out: AnswerFraming,
     last: bool,
 ) -> io::Result<()> {
-    let chunked = out == Out::Chunked;
+    let chunked = out == AnswerFraming::Chunked;
     let mut sizes: SmallVec<[[u8; 20]; PIECES]> = SmallVec::new();
     if chunked {
         sizes.extend(batch.pieces.iter().map(|_| [0u8; 20]));
@@ -281,7 +281,14 @@ fn chunk_size_line(room: &mut [u8; 20], size: usize) -> &[u8] {
     &room[..digits + 2]
 }
 
-fn encode_head(head: &mut Vec<u8>, status: StatusCode, headers: &http::HeaderMap, out: Out, declared: bool, how: How) {
+fn encode_head(
+    head: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &http::HeaderMap,
+    out: AnswerFraming,
+    declared: bool,
+    how: AnswerPlan,
+) {
     head.clear();
     head.extend_from_slice(b"HTTP/1.1 ");
     head.extend_from_slice(status.as_str().as_bytes());
@@ -290,7 +297,7 @@ fn encode_head(head: &mut Vec<u8>, status: StatusCode, headers: &http::HeaderMap
     head.extend_from_slice(b"\r\n");
     for (name, value) in headers {
         // The framing and the connection are this hop's, said below.
-        if name == TRANSFER_ENCODING || name == CONNECTION || (name == CONTENT_LENGTH && out == Out::None) {
+        if name == TRANSFER_ENCODING || name == CONNECTION || (name == CONTENT_LENGTH && out == AnswerFraming::None) {
             continue;
         }
         head.extend_from_slice(name.as_str().as_bytes());
@@ -299,12 +306,12 @@ fn encode_head(head: &mut Vec<u8>, status: StatusCode, headers: &http::HeaderMap
         head.extend_from_slice(b"\r\n");
     }
     match out {
-        Out::Length(length) if !declared => {
+        AnswerFraming::Length(length) if !declared => {
             head.extend_from_slice(b"content-length: ");
             head.extend_from_slice(itoa::Buffer::new().format(length).as_bytes());
             head.extend_from_slice(b"\r\n");
         }
-        Out::Chunked => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        AnswerFraming::Chunked => head.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         _ => {}
     }
     if !headers.contains_key(DATE) {
@@ -383,11 +390,11 @@ mod tests {
 
     /// A connection that notes each write: the bytes of a plain one, or of each buffer of a vectored one.
     #[derive(Default)]
-    struct Noted {
+    struct RecordingStream {
         writes: Vec<Vec<Vec<u8>>>,
     }
 
-    impl AsyncWrite for Noted {
+    impl AsyncWrite for RecordingStream {
         fn poll_write(
             mut self: Pin<&mut Self>,
             _: &mut std::task::Context<'_>,
@@ -421,7 +428,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_small_answer_leaves_in_one_buffer_and_a_larger_one_with_its_body_beside_its_head() {
-        let how = How {
+        let how = AnswerPlan {
             close: false,
             keep_alive_10: false,
             http10: false,
@@ -429,7 +436,7 @@ mod tests {
         };
         for (size, buffers) in [(300, 1), (GATHERED_BODY, 1), (GATHERED_BODY + 1, 2)] {
             let body = vec![b'x'; size];
-            let mut noted = Noted::default();
+            let mut noted = RecordingStream::default();
             let mut answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
             assert!(write_answer(&mut noted, &mut answer, how).await.unwrap());
             assert_eq!(noted.writes.len(), 1, "{size} bytes: one write");
