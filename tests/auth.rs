@@ -748,3 +748,39 @@ async fn credentials_stay_at_the_gateway_and_backends_get_their_configured_heade
         assert_eq!(answer.header(BACKEND_TOKEN), Some("s3cret"), "version {version}");
     }
 }
+
+#[tokio::test]
+async fn a_stream_holds_its_models_place_while_it_runs() {
+    let setup = setup();
+    let mut client = setup.gateway.grpc_client().await;
+    // A stream whose request names `capped` (max_concurrent = 1): the backend stream it opens holds the model's one
+    // place for as long as the client keeps its stream open.
+    let (requests, receiver) = tokio::sync::mpsc::channel(4);
+    requests.send(common::grpc_int32_request("capped", "")).await.unwrap();
+    let mut answers = client
+        .model_stream_infer(grpc_request(
+            tokio_stream::wrappers::ReceiverStream::new(receiver),
+            Some(TEAM_KEY),
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    assert_eq!(answer.error_message, "");
+    let refused = grpc_infer(&mut client, "capped", "", Some(TEAM_KEY)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    assert!(refused.message().contains("max_concurrent"), "{refused:?}");
+    let url = setup.gateway.rest_url("/v2/models/capped/infer");
+    let team = vec![bearer(TEAM_KEY)];
+    let refused = send(&http_client(false), "POST", &url, &team, slow_body(0)).await;
+    assert_eq!(refused.status, 429);
+    // The client ends its stream: the place is given back once the backend's stream has ended too.
+    drop(requests);
+    while answers.message().await.unwrap().is_some() {}
+    common::eventually(Duration::from_secs(10), "the stream's place given back", || async {
+        grpc_infer(&mut setup.gateway.grpc_client().await, "capped", "", Some(TEAM_KEY))
+            .await
+            .is_ok()
+    })
+    .await;
+}

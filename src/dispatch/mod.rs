@@ -17,7 +17,9 @@ use crate::config::{BackendProtocol, Config, Discovery, Endpoint, ReadyPolicy};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::Guard;
 use crate::proto::{ModelInferRequest, ModelInferResponse};
-use crate::protocol::{InferRequest, InferResponse, ModelIndexEntry, ModelState, ParamValue, Sequence, ServerMetadata};
+use crate::protocol::{
+    InferRequest, InferResponse, ModelIndexEntry, ModelState, ParamValue, Reserved, Sequence, ServerMetadata,
+};
 use crate::routing::{Affinity, RouteTable, Routed, VersionRoute};
 use crate::telemetry::metrics::{self, Direction, Metrics, MirrorResult, RouteMetrics};
 use crate::telemetry::payload_log::PayloadLogger;
@@ -27,6 +29,7 @@ use crate::upstream::BackendAnswer;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
 
+mod admit;
 mod backend;
 mod config;
 pub mod fleet;
@@ -42,6 +45,7 @@ pub mod status;
 mod stream;
 mod window;
 
+pub use admit::{AdmittedCall, CallRequest};
 use backend::{Attempt, BackendClients, Replicas};
 
 pub use config::{ConfigForm, ModelConfigAnswer};
@@ -256,7 +260,7 @@ impl Dispatcher {
     }
 
     /// The payload log of `route`'s inferences, when `[payload_log]` covers it; sampled here, once per inference.
-    pub fn payload_log(&self, route: &VersionRoute) -> Option<&Arc<PayloadLogger>> {
+    fn payload_log(&self, route: &VersionRoute) -> Option<&Arc<PayloadLogger>> {
         self.payload_log
             .as_ref()
             .filter(|log| route.payload_log && log.sampled())
@@ -264,7 +268,7 @@ impl Dispatcher {
 
     /// Notes what routing chose on the routing step's span (the backend, its name for the model) and on the
     /// request's (the public model and version).
-    pub fn note_route(&self, routing: &Trace, request: &Trace, route: &VersionRoute) {
+    fn note_route(&self, routing: &Trace, request: &Trace, route: &VersionRoute) {
         if !routing.is_on() {
             return;
         }
@@ -293,7 +297,7 @@ impl Dispatcher {
     /// Routes one inference (see [`RouteTable::route`]) and gives the counters to record it under: the served
     /// version's, or the fixed `_unknown` ones when the model or version is not configured, so a client cannot
     /// create series.
-    pub fn route(
+    fn route(
         &self,
         model: &str,
         version: Option<&str>,
@@ -313,7 +317,7 @@ impl Dispatcher {
     /// Refuses a call of `route` at once (429 / RESOURCE_EXHAUSTED, with `Retry-After`) while every endpoint that
     /// could serve it reports more than the model's `max_queue` of its requests waiting; a call whose `priority`
     /// is kept passes.
-    pub fn shed(&self, route: &VersionRoute, priority: Option<u64>) -> Result<()> {
+    fn shed(&self, route: &VersionRoute, priority: Option<u64>) -> Result<()> {
         let Some(shed) = route.shed else {
             return Ok(());
         };
@@ -364,7 +368,8 @@ impl Dispatcher {
             .ok_or_else(|| Error::internal(format!("no backend {} for a route", route.backend.index())))
     }
 
-    /// Runs an inference for `model` at `version` (routed here): the convenience form of [`Self::infer_routed`].
+    /// Runs an inference for `model` at `version`, admitted and routed here: the convenience form of
+    /// [`Self::admit`] and [`Self::infer_routed`].
     pub async fn infer(
         &self,
         model: &str,
@@ -372,9 +377,20 @@ impl Dispatcher {
         request: InferRequest,
         context: &CallContext,
     ) -> Result<BackendAnswer<InferResponse>> {
-        let sequence = Sequence::from_parameters(&request.parameters)?;
-        let routed = self.route(model, version, &context.forward, sequence).0?;
-        self.infer_routed(&routed, request, context).await
+        let call = CallRequest {
+            model,
+            version,
+            forward: &context.forward,
+            principal: context.principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &context.trace,
+        };
+        let reserved = Reserved::from_parameters(&request.parameters);
+        let (admitted, _) = self
+            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
+            .await;
+        let (admitted, ()) = admitted?;
+        self.infer_routed(&admitted.routed, request, context).await
     }
 
     /// Runs a routed inference given as a decoded request, over whichever protocol the backend speaks, and answers
@@ -412,11 +428,20 @@ impl Dispatcher {
     /// The gRPC front door's inference, routed here: the convenience form of [`Self::infer_grpc_routed`].
     pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<BackendAnswer<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
-        let sequence = Sequence::from_parameters(&splice::parameters(&message)?)?;
-        let routed = self
-            .route(fields.name, Some(fields.version), &context.forward, sequence)
-            .0?;
-        self.infer_grpc_routed(&routed, message, context).await
+        let call = CallRequest {
+            model: fields.name,
+            version: Some(fields.version),
+            forward: &context.forward,
+            principal: context.principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &context.trace,
+        };
+        let reserved = splice::parameters(&message).and_then(|parameters| Reserved::from_parameters(&parameters));
+        let (admitted, _) = self
+            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
+            .await;
+        let (admitted, ()) = admitted?;
+        self.infer_grpc_routed(&admitted.routed, message, context).await
     }
 
     /// The gRPC front door's inference: an encoded `ModelInferRequest` in, an encoded `ModelInferResponse` out.

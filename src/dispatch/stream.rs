@@ -15,11 +15,12 @@ use tokio::task::JoinSet;
 
 use super::backend::{Attempt, BackendClients, Replicas};
 use super::fleet::Lease;
-use super::{CallContext, Dispatcher, call_infer, decode_grpc_request};
+use super::{AdmittedCall, CallContext, CallRequest, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
 use crate::config::StreamDialect;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::guard::Admission;
 use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
 use crate::protocol::{ParamValue, Reserved, StreamCall};
 use crate::routing::VersionRoute;
@@ -171,6 +172,8 @@ struct BackendLeg {
 /// What one backend stream (or one request sent to a REST backend) carried, recorded in the metrics when dropped:
 /// a relay stopped because its client went away records a cancelled stream.
 struct LegRecord {
+    /// The place among its model's calls under way the leg holds while it runs.
+    admission: Option<Admission>,
     metrics: Arc<Metrics>,
     route: Arc<VersionRoute>,
     sent: Arc<AtomicU64>,
@@ -186,6 +189,7 @@ impl LegRecord {
         result: Option<StreamResult>,
     ) -> LegRecord {
         LegRecord {
+            admission: None,
             metrics: metrics.clone(),
             route: route.clone(),
             sent,
@@ -197,6 +201,11 @@ impl LegRecord {
                 first_response: None,
             },
         }
+    }
+
+    fn holding(mut self, admission: Admission) -> LegRecord {
+        self.admission = Some(admission);
+        self
     }
 
     fn responded(&mut self) {
@@ -338,12 +347,15 @@ impl Dispatcher {
         let fields = splice::model_fields(&message)?;
         let id = fields.id.to_owned();
         let sent = async {
-            let (routed, backend) = self.route_in_stream(&message, &fields, context, chosen)?;
+            let (admitted, backend) = self.route_in_stream(&message, &fields, context, chosen).await?;
+            let AdmittedCall { routed, admission, .. } = admitted;
             let route = routed.route.clone();
             match &backend.replicas {
                 Replicas::Grpc { .. } => {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
                     if let Some(leg) = legs.get_mut(&route.id) {
+                        // Sent on an open backend stream, which holds its place among the model's calls under way:
+                        // this request's own admission, having taken its rates, is given back.
                         leg.sent.fetch_add(1, Ordering::Relaxed);
                         match leg.requests.send(renamed.clone()).await {
                             Ok(()) => return Ok(()),
@@ -356,7 +368,8 @@ impl Dispatcher {
                     }
                     let (upstream, lease) = open_leg(&backend, &routed, renamed, context).await?;
                     let sent = Arc::new(AtomicU64::new(1));
-                    let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled));
+                    let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled))
+                        .holding(admission);
                     legs.insert(
                         route.id,
                         BackendLeg {
@@ -385,14 +398,15 @@ impl Dispatcher {
                             let _ = previous.await;
                         }
                         let done = this.decoupled_over_rest(routed, request, context, answers).await;
-                        drop(answered);
+                        drop((answered, admission));
                         done
                     });
                     Ok(())
                 }
                 Replicas::Rest { .. } => {
                     let request = decode_grpc_request(message.clone())?;
-                    let record = LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None);
+                    let record =
+                        LegRecord::new(&self.metrics, &route, Arc::new(AtomicU64::new(1)), None).holding(admission);
                     let call = (Self::deadline(context, &route), context.clone());
                     let (previous, answered) = order.place(fields.name, &routed.affinity);
                     let unary = unary_over_rest(backend, routed, request, call, answers.clone(), id.clone(), record);
@@ -420,38 +434,49 @@ impl Dispatcher {
 }
 
 impl Dispatcher {
-    /// Where one request of a stream goes, and its backend: shared memory refused, its sequence read, and a request
-    /// that names no version given the version the stream's first such request got.
-    fn route_in_stream(
+    /// Where one request of a stream goes, and its backend, admitted as a unary call is: shared memory refused, its
+    /// sequence read, and a request that names no version given the version the stream's first such request got.
+    async fn route_in_stream(
         &self,
         message: &[u8],
         fields: &splice::ModelFields<'_>,
         context: &CallContext,
         chosen: &mut ChosenVersions,
-    ) -> Result<(crate::routing::Routed, Arc<BackendClients>)> {
-        let principal = context.principal.as_deref();
-        self.guard.authorize(principal, fields.name)?;
-        // A stream's requests count against the rates; a bound on calls under way is for unary calls.
-        drop(self.guard.admit(principal, fields.name)?);
-        splice::refuse_shared_memory(message)?;
-        let reserved = Reserved::from_parameters(&splice::parameters(message)?)?;
+    ) -> Result<(AdmittedCall, Arc<BackendClients>)> {
         let key = (fields.name.to_owned(), fields.version.to_owned());
         let version = match chosen.get(&key) {
             Some(version) if fields.version.is_empty() => version.as_str(),
             _ => fields.version,
         };
-        let routed = self
-            .route(fields.name, Some(version), &context.forward, reserved.sequence)
+        let call = CallRequest {
+            model: fields.name,
+            version: Some(version),
+            forward: &context.forward,
+            principal: context.principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &context.trace,
+        };
+        let reserved = splice::refuse_shared_memory(message)
+            .and_then(|()| Reserved::from_parameters(&splice::parameters(message)?));
+        // A refused request is answered with its error, and the stream goes on.
+        let (admitted, ()) = self
+            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
+            .await
             .0?;
-        chosen.entry(key).or_insert_with(|| routed.route.version.clone());
-        // Shed like a unary call: the refused request is answered with its error, and the stream goes on.
-        self.shed(&routed.route, reserved.priority)?;
+        chosen
+            .entry(key)
+            .or_insert_with(|| admitted.routed.route.version.clone());
         let backend = self
             .backends
-            .get(routed.route.backend.index())
+            .get(admitted.routed.route.backend.index())
             .cloned()
-            .ok_or_else(|| Error::internal(format!("no backend {} for a route", routed.route.backend.index())))?;
-        Ok((routed, backend))
+            .ok_or_else(|| {
+                Error::internal(format!(
+                    "no backend {} for a route",
+                    admitted.routed.route.backend.index()
+                ))
+            })?;
+        Ok((admitted, backend))
     }
 }
 

@@ -11,7 +11,7 @@ use super::{answer_coding, context_of, message_encoding, size_message};
 use crate::body::{BodyLength, ChunksBody, GatherError};
 use crate::codec::compression::{self, Coding};
 use crate::codec::splice;
-use crate::dispatch::Dispatcher;
+use crate::dispatch::{CallRequest, Dispatcher};
 use crate::error::Result;
 use crate::frontend::budget::AnswerBudget;
 use crate::guard::Principal;
@@ -23,7 +23,6 @@ use crate::telemetry::metrics::RequestTimer;
 use crate::telemetry::payload_log::{Form, Inference, Logged, PayloadLogger};
 use crate::telemetry::traces::Trace;
 use crate::telemetry::{ClientProtocol, ReportedPrincipal};
-use opentelemetry::trace::SpanKind;
 
 /// The gRPC message-frame header: a compression flag and a big-endian length.
 const FRAME_HEADER: usize = 5;
@@ -153,29 +152,23 @@ async fn infer(
 ) -> Result<(Vec<Bytes>, HeaderMap), Status> {
     let mut context = context_of(headers);
     context.trace = trace.clone();
+    context.principal = principal.clone();
     let request_id = context.forward.get(super::super::REQUEST_ID).cloned();
-    let reserved = reserved(&message);
-    if let Ok(Reserved {
-        timeout: Some(limit), ..
-    }) = &reserved
-    {
-        context.deadline = Some(context.deadline.map_or(*limit, |deadline| deadline.min(*limit)));
-    }
-    let priority = reserved.as_ref().ok().and_then(|reserved| reserved.priority);
-    let sequence = reserved.map(|reserved| reserved.sequence);
     let fields = splice::model_fields(&message);
-    let routing = trace.child("route", SpanKind::Internal, Vec::new);
-    let (routed, route) = match &fields {
-        Ok(fields) => match sequence {
-            Ok(sequence) => dispatcher.route(fields.name, Some(fields.version), &context.forward, sequence),
-            // Counted under the model it named.
-            Err(error) => (
-                Err(error),
-                dispatcher
-                    .route(fields.name, Some(fields.version), &context.forward, None)
-                    .1,
-            ),
-        },
+    let (admitted, route) = match &fields {
+        Ok(fields) => {
+            let call = CallRequest {
+                model: fields.name,
+                version: Some(fields.version),
+                forward: &context.forward,
+                principal: principal.as_deref(),
+                principal_rate_taken: true,
+                trace,
+            };
+            dispatcher
+                .admit(&call, async { reserved(&message).map(|reserved| ((), reserved)) })
+                .await
+        }
         Err(error) => (Err(error.clone()), dispatcher.metrics().unknown_route()),
     };
     let mut timer = RequestTimer::start(
@@ -185,36 +178,18 @@ async fn infer(
         message.len() as u64,
     );
     timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
-    timer.principal = principal
-        .clone()
-        .map(|principal| principal as Arc<dyn ReportedPrincipal>);
-    context.principal = principal.clone();
-    // Refused by the name it gives, whether or not that model exists, before a backend is chosen.
-    let admitted = match &fields {
-        Ok(fields) => dispatcher
-            .guard()
-            .authorize(principal.as_deref(), fields.name)
-            .and_then(|()| dispatcher.guard().admit_model(fields.name))
-            .map(Some),
-        Err(_) => Ok(None),
-    };
-    let (routed, _admission) = match admitted {
-        Ok(admission) => (routed, admission),
-        Err(error) => (Err(error), None),
-    };
+    timer.principal = principal.map(|principal| principal as Arc<dyn ReportedPrincipal>);
     let mut capture = None;
-    let answer = match routed {
-        Ok(routed) => match dispatcher.shed(&routed.route, priority) {
-            Ok(()) => {
-                dispatcher.note_route(&routing, trace, &routed.route);
-                drop(routing);
-                capture = logged_request(dispatcher, &routed.route, request_id.as_ref(), &message);
-                timer.translated =
-                    dispatcher.backend_protocol(&routed.route) == Some(crate::config::BackendProtocol::Rest);
-                dispatcher.infer_grpc_routed(&routed, message, &context).await
+    let answer = match admitted {
+        Ok((admitted, ())) => {
+            if let Some(limit) = admitted.reserved.timeout {
+                context.deadline = Some(context.deadline.map_or(limit, |deadline| deadline.min(limit)));
             }
-            Err(error) => Err(error),
-        },
+            let route = &admitted.routed.route;
+            capture = logged_request(admitted.payload_log.as_ref(), route, request_id.as_ref(), &message);
+            timer.translated = dispatcher.backend_protocol(route) == Some(crate::config::BackendProtocol::Rest);
+            dispatcher.infer_grpc_routed(&admitted.routed, message, &context).await
+        }
         Err(error) => Err(error),
     };
     if let Some((logger, mut inference)) = capture {
@@ -246,14 +221,14 @@ async fn infer(
     }
 }
 
-/// The inference's request for the payload log, when its model's payloads are logged (and this call is sampled).
+/// The inference's request for the payload log, when its model's payloads are logged and this call was sampled.
 fn logged_request(
-    dispatcher: &Dispatcher,
+    logger: Option<&Arc<PayloadLogger>>,
     route: &Arc<VersionRoute>,
     request_id: Option<&HeaderValue>,
     message: &Bytes,
 ) -> Option<(Arc<PayloadLogger>, Inference)> {
-    let logger = dispatcher.payload_log(route)?;
+    let logger = logger?;
     let inference = Inference {
         id: request_id.cloned().unwrap_or_else(crate::headers::new_request_id),
         route: route.clone(),

@@ -20,7 +20,7 @@ use crate::codec::protobuf;
 use crate::codec::rest::generate::{body_parameters, decode_generate, encode_generate, take_events};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, StreamAnswer};
+use crate::dispatch::{CallContext, CallRequest, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::ModelStreamInferResponse;
 use crate::protocol::{InferResponse, Reserved, StreamCall};
@@ -54,20 +54,35 @@ impl RestDoor {
         version: Option<&str>,
         call: StreamCall,
     ) -> Result<PendingAnswer> {
-        let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
-        let mut raw = self.read_body(body, declared, Vec::new()).await?;
-        if let Some(coding) = compression::request_coding(&parts.headers)? {
-            raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
-        }
-        record.request_bytes = raw.len() as u64;
         let dispatcher = record.dispatcher().clone();
         let forward = crate::headers::for_backend(&parts.headers);
-        // The version is chosen here (canary weights), so the inputs are read with that version's metadata; a
-        // sequence's requests reach the replica holding its state, relayed or translated.
-        let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
-        let (routed, _) = dispatcher.route(model, version, &forward, reserved.sequence);
-        let routed = routed?;
-        dispatcher.shed(&routed.route, reserved.priority)?;
+        let principal = record.principal.clone();
+        let asked = CallRequest {
+            model,
+            version,
+            forward: &forward,
+            principal: principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &record.trace,
+        };
+        // Read whole once the call is let in: the version is chosen by routing (canary weights), so the inputs are
+        // read with that version's metadata, and a sequence's requests reach the replica holding its state, relayed
+        // or translated.
+        let start = async {
+            let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
+            let mut raw = self.read_body(body, declared, Vec::new()).await?;
+            if let Some(coding) = compression::request_coding(&parts.headers)? {
+                raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
+            }
+            let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
+            Ok((raw, reserved))
+        };
+        let (admitted, route_metrics) = dispatcher.admit(&asked, start).await;
+        record.route = Some(route_metrics);
+        let (admitted, raw) = admitted?;
+        record.request_bytes = raw.len() as u64;
+        record.admission = Some(admitted.admission);
+        let routed = admitted.routed;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
             let answer = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)

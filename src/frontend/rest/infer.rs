@@ -16,7 +16,7 @@ use crate::codec::decthings;
 use crate::codec::rest::key_scan::KeyScan;
 use crate::codec::rest::{self, BinaryOutputs, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, Dispatcher, MirrorPayload, Outgoing, Passthrough};
+use crate::dispatch::{AdmittedCall, CallContext, CallRequest, Dispatcher, MirrorPayload, Outgoing, Passthrough};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::headers::{self, RequestHeaders};
@@ -62,43 +62,36 @@ impl RestDoor {
     ) -> Result<PendingAnswer> {
         let headers = &parts.headers;
         let read = RequestHeaders::read(headers);
-        fn text(value: Option<&HeaderValue>) -> Option<&str> {
-            value.and_then(|v| v.to_str().ok())
-        }
-        let asked = InferHead {
-            declared: self.declared_length(read.content_length)?,
-            coding: match read.content_encoding {
-                Some(_) => compression::request_coding(headers)?,
-                None => None,
-            },
-            header_length: rest::inference_header_length(read.inference_header_length)?,
-            decthings_in: text(read.content_type).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
-            decthings_out: text(read.accept).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
-            headers: read,
-        };
-        record.request_id = Some(asked.headers.request_id.clone());
+        record.request_id = Some(read.request_id.clone());
         let dispatcher = record.dispatcher().clone();
-        // The body's start is read before the request is routed: the sequence its parameters name decides where it
-        // goes.
-        let start = match self.body_start(body, &asked).await {
-            Ok(start) => request_reserved(&start, &asked).map(|(reserved, scan)| (start, reserved, scan)),
-            Err(error) => Err(error),
+        let principal = record.principal.clone();
+        let call = CallRequest {
+            model,
+            version,
+            forward: headers,
+            principal: principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &record.trace,
         };
-        let sequence = start
-            .as_ref()
-            .ok()
-            .and_then(|(_, reserved, _)| reserved.sequence.clone());
-        let routing = record.trace.child("route", SpanKind::Internal, Vec::new);
-        let (routed, route_metrics) = dispatcher.route(model, version, &asked.headers.forward, sequence);
+        // The head's body headers and the body's start are read once the call is let in, and before it is routed:
+        // the sequence its parameters name decides where it goes.
+        let start = async {
+            let asked = self.infer_head(headers, read)?;
+            let start = self.body_start(body, &asked).await?;
+            let (reserved, scan) = request_reserved(&start, &asked)?;
+            Ok(((asked, start, scan), reserved))
+        };
+        let (admitted, route_metrics) = dispatcher.admit(&call, start).await;
         record.route = Some(route_metrics);
-        let routed = routed?;
-        let (start, reserved, scan) = start?;
-        dispatcher.shed(&routed.route, reserved.priority)?;
-        dispatcher.note_route(&routing, &record.trace, &routed.route);
-        drop(routing);
-        record.capture = dispatcher
-            .payload_log(&routed.route)
-            .map(|logger| Box::new(Capture::new(logger.clone(), &routed.route, form_of(headers))));
+        let (admitted, (asked, start, scan)) = admitted?;
+        let AdmittedCall {
+            routed,
+            admission,
+            reserved,
+            payload_log,
+        } = admitted;
+        record.admission = Some(admission);
+        record.capture = payload_log.map(|logger| Box::new(Capture::new(logger, &routed.route, form_of(headers))));
         // Bound before the test: a temporary of the condition would live on through the passthrough's future.
         let passthrough = if asked.decthings_in || asked.decthings_out {
             None
@@ -118,6 +111,24 @@ impl RestDoor {
         // Boxed: decoding, dispatching over another protocol and encoding make a large state, which the passthrough's
         // future would otherwise be as large as.
         Box::pin(self.translate(parts, body, record, routed, (asked, start, reserved), (model, version))).await
+    }
+
+    /// What the request's head says of its body and answer.
+    fn infer_head<'a>(&self, headers: &'a HeaderMap, read: RequestHeaders<'a>) -> Result<InferHead<'a>> {
+        fn text(value: Option<&HeaderValue>) -> Option<&str> {
+            value.and_then(|v| v.to_str().ok())
+        }
+        Ok(InferHead {
+            declared: self.declared_length(read.content_length)?,
+            coding: match read.content_encoding {
+                Some(_) => compression::request_coding(headers)?,
+                None => None,
+            },
+            header_length: rest::inference_header_length(read.inference_header_length)?,
+            decthings_in: text(read.content_type).is_some_and(|t| t.starts_with(DECTHINGS_CONTENT_TYPE)),
+            decthings_out: text(read.accept).is_some_and(|accept| accept.contains(DECTHINGS_CONTENT_TYPE)),
+            headers: read,
+        })
     }
 
     /// Decodes the request, dispatches it to the backend over its protocol, and encodes the answer: each a step of

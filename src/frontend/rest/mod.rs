@@ -159,16 +159,18 @@ impl RestDoor {
                 format!("{path} answers {} only, not {method}", route.method()),
             ));
         }
-        let dispatcher = record.dispatcher().clone();
-        let guard = dispatcher.guard();
-        let principal = record.principal.clone();
-        let principal = principal.as_deref();
-        if let Some(model) = route.model() {
-            guard.authorize(principal, model)?;
+        // An inference is authorised, let in and routed in dispatch's one step; every other call naming a model is
+        // authorised for it here.
+        match route {
+            Route::Infer(model, version) => return self.infer(parts, body, record, model, version).await,
+            Route::Generate(model, version, call) => {
+                return Box::pin(self.generate(parts, body, record, model, version, call)).await;
+            }
+            _ => {}
         }
-        if let Route::Infer(model, version) = route {
-            record.admission = Some(guard.admit(principal, model)?);
-            return self.infer(parts, body, record, model, version).await;
+        if let Some(model) = route.model() {
+            let dispatcher = record.dispatcher().clone();
+            dispatcher.guard().authorize(record.principal.as_deref(), model)?;
         }
         // Boxed: every other endpoint is rare next to inference, and some have large states of their own, which an
         // inference's future (moved as each request is taken up) would otherwise be as large as.
@@ -258,10 +260,8 @@ impl RestDoor {
                     region,
                 ));
             }
-            Route::Infer(..) => return Err(Error::internal("an inference taken for another endpoint")),
-            Route::Generate(model, version, call) => {
-                record.admission = Some(guard.admit(principal, model)?);
-                return self.generate(parts, body, record, model, version, call).await;
+            Route::Infer(..) | Route::Generate(..) => {
+                return Err(Error::internal("an inference taken for another endpoint"));
             }
         })
     }

@@ -1,0 +1,95 @@
+//! The one step between a door and a path: an inference call let in under the guard, routed by its version and
+//! sequence, shed when its model's queues are full, noted on its trace and sampled for the payload log.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use http::HeaderMap;
+use opentelemetry::trace::SpanKind;
+
+use super::Dispatcher;
+use crate::error::Result;
+use crate::guard::{Admission, Principal};
+use crate::protocol::Reserved;
+use crate::routing::Routed;
+use crate::telemetry::metrics::RouteMetrics;
+use crate::telemetry::payload_log::PayloadLogger;
+use crate::telemetry::traces::Trace;
+
+/// One inference call as a door describes it, before it is admitted and routed.
+#[derive(Debug, Clone, Copy)]
+pub struct CallRequest<'a> {
+    /// The public model and version the call names.
+    pub model: &'a str,
+    pub version: Option<&'a str>,
+    /// The end-to-end headers or metadata the call carries (the sticky header, `traceparent`, ...).
+    pub forward: &'a HeaderMap,
+    /// Who is calling, when `[auth]` asks.
+    pub principal: Option<&'a Principal>,
+    /// Whether the principal's own rate was taken already: the gRPC door takes it before reading the message that
+    /// names the model.
+    pub principal_rate_taken: bool,
+    /// The request's span: routing is a step of it.
+    pub trace: &'a Trace,
+}
+
+/// A call let in and routed: what every path needs, held for the call's life.
+#[derive(Debug)]
+pub struct AdmittedCall {
+    pub routed: Routed,
+    /// The call's place among its model's calls under way, given back when dropped.
+    pub admission: Admission,
+    /// What the call's own parameters ask of the gateway (its sequence, `timeout` and `priority`).
+    pub reserved: Reserved,
+    /// Where the call's payloads go, when its model's are logged and this call is sampled.
+    pub payload_log: Option<Arc<PayloadLogger>>,
+}
+
+impl Dispatcher {
+    /// Admits and routes one inference call. The principal is authorised for the model the call names and let in
+    /// under the principal's and the model's limits before anything else is read; then `start` gives what the call's
+    /// parameters ask (for a REST call it reads the body's start) with whatever else the door needs of it; then the
+    /// call is routed, shed past the model's `max_queue`, noted on its trace and sampled for the payload log.
+    ///
+    /// The counters to record the call under come back whatever the outcome: the served version's, or the fixed
+    /// `_unknown` ones for a model or version not configured, so a client cannot create series.
+    pub async fn admit<T>(
+        &self,
+        call: &CallRequest<'_>,
+        start: impl Future<Output = Result<(T, Reserved)>>,
+    ) -> (Result<(AdmittedCall, T)>, Arc<RouteMetrics>) {
+        // Refused by the name it gives, whether or not that model exists.
+        let admission = self.guard.authorize(call.principal, call.model).and_then(|()| {
+            if call.principal_rate_taken {
+                self.guard.admit_model(call.model)
+            } else {
+                self.guard.admit(call.principal, call.model)
+            }
+        });
+        let admission = match admission {
+            Ok(admission) => admission,
+            Err(error) => return (Err(error), self.route(call.model, call.version, call.forward, None).1),
+        };
+        let started = start.await;
+        let sequence = started
+            .as_ref()
+            .ok()
+            .and_then(|(_, reserved)| reserved.sequence.clone());
+        let routing = call.trace.child("route", SpanKind::Internal, Vec::new);
+        let (routed, metrics) = self.route(call.model, call.version, call.forward, sequence);
+        let admitted = routed.and_then(|routed| {
+            let (value, reserved) = started?;
+            self.shed(&routed.route, reserved.priority)?;
+            self.note_route(&routing, call.trace, &routed.route);
+            let payload_log = self.payload_log(&routed.route).cloned();
+            let admitted = AdmittedCall {
+                routed,
+                admission,
+                reserved,
+                payload_log,
+            };
+            Ok((admitted, value))
+        });
+        (admitted, metrics)
+    }
+}
