@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::{CONNECT_TIMEOUT, MODEL_INFER};
 use crate::codec::compression::Coding;
 use crate::config::{Backend, BackendProtocol, Discovery, Endpoint};
-use crate::dispatch::fleet::{EndpointState, Endpoints};
+use crate::dispatch::fleet::{EndpointState, Endpoints, Lease};
 use crate::error::{Error, Result};
 use crate::routing::Affinity;
 use crate::routing::VersionRoute;
@@ -40,6 +40,17 @@ pub(super) struct Attempt<'a> {
     pub(super) index: usize,
     pub(super) left: Duration,
     pub(super) forward: Cow<'a, http::HeaderMap>,
+}
+
+/// Where the tries of one call go: the backend's names for the model and version, what ties the call to an
+/// endpoint, when the tries must end, the end-to-end headers to send, and the span each try is a step of.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Tries<'t, 'a> {
+    pub(super) upstream: (&'t str, &'t str),
+    pub(super) affinity: &'t Affinity,
+    pub(super) until: Instant,
+    pub(super) forward: &'a http::HeaderMap,
+    pub(super) trace: &'t Trace,
 }
 
 #[derive(Debug)]
@@ -146,9 +157,8 @@ impl BackendClients {
     }
 
     /// Runs `call` on a chosen endpoint, and on further endpoints while the call failed before reaching one, within
-    /// the backend's retries and retry budget and the deadline. Each outcome feeds the endpoint's outlier detection.
-    /// Each try is a span of `trace`, carried to the backend in the try's `forward` headers.
-    #[allow(clippy::too_many_arguments)]
+    /// the backend's retries and retry budget and the deadline; each try counted in flight and timed. Each try is a
+    /// span of `trace`, carried to the backend in the try's `forward` headers.
     pub(super) async fn attempt<'a, T, F, Fut>(
         &self,
         upstream: (&str, &str),
@@ -162,44 +172,83 @@ impl BackendClients {
         F: FnMut(Attempt<'a>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
-        let until = Instant::now() + deadline;
+        let tries = Tries {
+            upstream,
+            affinity,
+            until: Instant::now() + deadline,
+            forward,
+            trace,
+        };
+        let counted = |attempt| {
+            let in_flight = self.metrics.call();
+            let tried = call(attempt);
+            async move {
+                let _in_flight = in_flight;
+                tried.await
+            }
+        };
+        let (answer, _lease) = self.attempt_holding(tries, || true, counted, |_, _| false).await?;
+        Ok(answer)
+    }
+
+    /// The one retry loop of backend calls. Runs `call` on an endpoint chosen for `tries.upstream`, and on further
+    /// endpoints while it failed before reaching one and `resendable` says the request can still be sent whole,
+    /// within the backend's retries, its retry budget and `tries.until`. Every outcome feeds the endpoint's outlier
+    /// detection: an error by its kind, an answer by `judge`, which also notes the answer on the try's span and says
+    /// whether it counts against the endpoint (a 5xx). Gives the answer with the place it holds at its endpoint.
+    pub(super) async fn attempt_holding<'a, T, F, Fut>(
+        &self,
+        tries: Tries<'_, 'a>,
+        resendable: impl Fn() -> bool,
+        mut call: F,
+        judge: impl Fn(&T, &Trace) -> bool,
+    ) -> Result<(T, Lease)>
+    where
+        F: FnMut(Attempt<'a>) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let (model, version) = tries.upstream;
         let mut tried = Vec::new();
         let mut unreached: Option<Error> = None;
         loop {
             let lease = match self
                 .fleet
-                .lease(&self.name, upstream.0, upstream.1, affinity, &tried)
+                .lease(&self.name, model, version, tries.affinity, &tried)
                 .await
             {
                 Ok(lease) => lease,
                 // No other endpoint to try: the endpoint that could not be reached is the answer.
                 Err(error) => return Err(unreached.unwrap_or(error)),
             };
-            let left = until.saturating_duration_since(Instant::now());
-            let _call = self.metrics.call();
-            let span = self.try_span(trace, lease.index, tried.len());
+            let span = self.try_span(tries.trace, lease.index, tried.len());
             let outcome = call(Attempt {
                 index: lease.index,
-                left,
-                forward: span.carried(forward),
+                left: tries.until.saturating_duration_since(Instant::now()),
+                forward: span.carried(tries.forward),
             })
             .await;
-            span.outcome(&outcome);
-            let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
-            lease.observed(failed, &self.fleet.policy);
-            match outcome {
-                Err(error)
-                    if error.is_unsent()
-                        && tried.len() < self.fleet.policy.retries as usize
-                        && !until.saturating_duration_since(Instant::now()).is_zero()
-                        && self.fleet.take_retry() =>
-                {
-                    self.metrics.retried();
-                    tried.push(lease.index);
-                    unreached = Some(error);
+            let error = match outcome {
+                Ok(answer) => {
+                    let failed = judge(&answer, &span);
+                    lease.observed(failed, &self.fleet.policy);
+                    return Ok((answer, lease));
                 }
-                outcome => return outcome,
+                Err(error) => error,
+            };
+            span.failed(&error);
+            lease.observed(error.is_endpoint_failure(), &self.fleet.policy);
+            tried.push(lease.index);
+            let retry = error.is_unsent()
+                && resendable()
+                && Instant::now() < tries.until
+                && tried.len() <= self.fleet.policy.retries as usize
+                && self.fleet.has_untried(model, version, &tried)
+                && self.fleet.take_retry();
+            if !retry {
+                return Err(error);
             }
+            self.metrics.retried();
+            unreached = Some(error);
         }
     }
 

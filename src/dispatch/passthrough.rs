@@ -2,13 +2,13 @@
 //! another endpoint while none could be reached, within the backend's retries and budget).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderMap;
 
 use super::Dispatcher;
-use super::backend::Replicas;
+use super::backend::{Attempt, Replicas, Tries};
 use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
 use crate::dispatch::fleet::Lease;
 use crate::error::{Error, Result};
@@ -101,51 +101,31 @@ impl Dispatcher {
         trace: &Trace,
     ) -> Result<(http::Response<BackendBody>, Lease)> {
         let backend = self.backend(&target.route)?;
-        let (model, version) = (&target.route.upstream_name, &target.route.upstream_version);
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
             return Err(Error::internal("no REST client for a proxied request"));
         };
-        let mut tried = Vec::new();
-        let mut unreached: Option<Error> = None;
-        loop {
-            let lease = match backend
-                .fleet
-                .lease(&backend.name, model, version, &target.affinity, &tried)
-                .await
-            {
-                Ok(lease) => lease,
-                Err(error) => return Err(unreached.unwrap_or(error)),
-            };
-            let client = endpoints
-                .get(lease.index)
-                .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
-            let span = backend.try_span(trace, lease.index, tried.len());
-            let sent = client
-                .forward(&target.path, &span.carried(headers), body.body(), deadline)
-                .await;
-            match sent {
-                Ok(response) => {
+        let tries = Tries {
+            upstream: (&target.route.upstream_name, &target.route.upstream_version),
+            affinity: &target.affinity,
+            until: deadline.until,
+            forward: headers,
+            trace,
+        };
+        backend
+            .attempt_holding(
+                tries,
+                || body.resendable(),
+                |Attempt { index, forward, .. }| async move {
+                    let client = endpoints
+                        .get(index)
+                        .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
+                    client.forward(&target.path, &forward, body.body(), deadline).await
+                },
+                |response, span| {
                     span.set("http.response.status_code", i64::from(response.status().as_u16()));
-                    lease.observed(response.status().is_server_error(), &backend.fleet.policy);
-                    return Ok((response, lease));
-                }
-                Err(error) => {
-                    span.failed(&error);
-                    lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
-                    tried.push(lease.index);
-                    let retry = error.is_unsent()
-                        && body.resendable()
-                        && Instant::now() < deadline.until
-                        && tried.len() <= backend.fleet.policy.retries as usize
-                        && backend.fleet.has_untried(model, version, &tried)
-                        && backend.fleet.take_retry();
-                    if !retry {
-                        return Err(error);
-                    }
-                    backend.metrics.retried();
-                    unreached = Some(error);
-                }
-            }
-        }
+                    response.status().is_server_error()
+                },
+            )
+            .await
     }
 }
