@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 use opentelemetry::trace::SpanKind;
 
-use super::Dispatcher;
+use super::{CallContext, Dispatcher};
 use crate::error::Result;
 use crate::guard::{Admission, Principal};
 use crate::protocol::Reserved;
@@ -91,5 +91,28 @@ impl Dispatcher {
             Ok((admitted, value))
         });
         (admitted, metrics)
+    }
+
+    /// [`Self::admit`] for a call whose parameters are at hand, described by its context: the convenience forms of
+    /// inference and each request of a stream.
+    pub(super) async fn admit_with(
+        &self,
+        model: &str,
+        version: Option<&str>,
+        context: &CallContext,
+        reserved: Result<Reserved>,
+    ) -> Result<AdmittedCall> {
+        let call = CallRequest {
+            model,
+            version,
+            forward: &context.forward,
+            principal: context.principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &context.trace,
+        };
+        let (admitted, _) = self
+            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
+            .await;
+        admitted.map(|(admitted, ())| admitted)
     }
 }

@@ -377,19 +377,8 @@ impl Dispatcher {
         request: InferRequest,
         context: &CallContext,
     ) -> Result<BackendAnswer<InferResponse>> {
-        let call = CallRequest {
-            model,
-            version,
-            forward: &context.forward,
-            principal: context.principal.as_deref(),
-            principal_rate_taken: false,
-            trace: &context.trace,
-        };
         let reserved = Reserved::from_parameters(&request.parameters);
-        let (admitted, _) = self
-            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
-            .await;
-        let (admitted, ()) = admitted?;
+        let admitted = self.admit_with(model, version, context, reserved).await?;
         self.infer_routed(&admitted.routed, request, context).await
     }
 
@@ -428,19 +417,10 @@ impl Dispatcher {
     /// The gRPC front door's inference, routed here: the convenience form of [`Self::infer_grpc_routed`].
     pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<BackendAnswer<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
-        let call = CallRequest {
-            model: fields.name,
-            version: Some(fields.version),
-            forward: &context.forward,
-            principal: context.principal.as_deref(),
-            principal_rate_taken: false,
-            trace: &context.trace,
-        };
         let reserved = splice::parameters(&message).and_then(|parameters| Reserved::from_parameters(&parameters));
-        let (admitted, _) = self
-            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
-            .await;
-        let (admitted, ()) = admitted?;
+        let admitted = self
+            .admit_with(fields.name, Some(fields.version), context, reserved)
+            .await?;
         self.infer_grpc_routed(&admitted.routed, message, context).await
     }
 

@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 
 use super::backend::{Attempt, BackendClients, Replicas};
 use super::fleet::Lease;
-use super::{AdmittedCall, CallContext, CallRequest, Dispatcher, call_infer, decode_grpc_request};
+use super::{AdmittedCall, CallContext, Dispatcher, call_infer, decode_grpc_request};
 use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
 use crate::config::StreamDialect;
@@ -448,21 +448,10 @@ impl Dispatcher {
             Some(version) if fields.version.is_empty() => version.as_str(),
             _ => fields.version,
         };
-        let call = CallRequest {
-            model: fields.name,
-            version: Some(version),
-            forward: &context.forward,
-            principal: context.principal.as_deref(),
-            principal_rate_taken: false,
-            trace: &context.trace,
-        };
         let reserved = splice::refuse_shared_memory(message)
             .and_then(|()| Reserved::from_parameters(&splice::parameters(message)?));
         // A refused request is answered with its error, and the stream goes on.
-        let (admitted, ()) = self
-            .admit(&call, async { reserved.map(|reserved| ((), reserved)) })
-            .await
-            .0?;
+        let admitted = self.admit_with(fields.name, Some(version), context, reserved).await?;
         chosen
             .entry(key)
             .or_insert_with(|| admitted.routed.route.version.clone());

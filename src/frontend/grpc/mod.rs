@@ -264,17 +264,13 @@ impl GrpcInferenceService for TypedRpcs {
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
         let context = context(&request);
         let request = request.into_inner();
-        let dispatcher = self.gateway.dispatcher();
-        repository_allowed(&dispatcher, context.principal.as_deref(), &request.model_name)?;
-        let parameters = protobuf::repository_parameters_from_proto(request.parameters);
-        dispatcher
-            .repository_change(
-                &request.model_name,
-                RepositoryAction::Load,
-                &parameters,
-                &context.forward,
-            )
-            .await?;
+        self.repository_change(
+            &context,
+            &request.model_name,
+            RepositoryAction::Load,
+            request.parameters,
+        )
+        .await?;
         Ok(Response::new(RepositoryModelLoadResponse {}))
     }
 
@@ -284,18 +280,33 @@ impl GrpcInferenceService for TypedRpcs {
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
         let context = context(&request);
         let request = request.into_inner();
-        let dispatcher = self.gateway.dispatcher();
-        repository_allowed(&dispatcher, context.principal.as_deref(), &request.model_name)?;
-        let parameters = protobuf::repository_parameters_from_proto(request.parameters);
-        dispatcher
-            .repository_change(
-                &request.model_name,
-                RepositoryAction::Unload,
-                &parameters,
-                &context.forward,
-            )
-            .await?;
+        self.repository_change(
+            &context,
+            &request.model_name,
+            RepositoryAction::Unload,
+            request.parameters,
+        )
+        .await?;
         Ok(Response::new(RepositoryModelUnloadResponse {}))
+    }
+}
+
+impl TypedRpcs {
+    /// Loads or unloads `model` on every replica, for a principal with admin scope.
+    async fn repository_change(
+        &self,
+        context: &CallContext,
+        model: &str,
+        action: RepositoryAction,
+        parameters: std::collections::BTreeMap<String, crate::proto::ModelRepositoryParameter>,
+    ) -> Result<(), Status> {
+        let dispatcher = self.gateway.dispatcher();
+        repository_allowed(&dispatcher, context.principal.as_deref(), model)?;
+        let parameters = protobuf::repository_parameters_from_proto(parameters);
+        dispatcher
+            .repository_change(model, action, &parameters, &context.forward)
+            .await?;
+        Ok(())
     }
 }
 
