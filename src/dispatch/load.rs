@@ -4,50 +4,37 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{HeaderMap, Method};
 
+use super::CONNECT_TIMEOUT;
 use super::backend::BackendClients;
 use crate::codec::exposition::{self, Reported};
 use crate::config::LoadSource;
 use crate::telemetry::metrics::Metrics;
+use crate::upstream::RestUpstream;
 
 /// The most a scrape reads: a server's whole metrics are tens of KiB; a larger answer is a failed scrape.
 const MAX_SCRAPE_BYTES: usize = 4 << 20;
 
-type ScrapeClient = Client<HttpConnector, Empty<Bytes>>;
-
 /// Scrapes every endpoint of `backend` each `source.interval`, for as long as the caller polls it.
 pub(super) async fn scrape_endpoints(backend: Arc<BackendClients>, source: LoadSource, metrics: Arc<Metrics>) {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    let client: ScrapeClient = Client::builder(TokioExecutor::new()).build(connector);
-    let targets: Vec<(String, Option<http::Uri>)> = backend
+    // Read over the gateway's own HTTP/1.1 client, as the backends' inferences are.
+    let targets: Vec<(String, RestUpstream)> = backend
         .endpoints
         .iter()
         .map(|endpoint| {
-            let uri = format!("http://{}{}", source.address(endpoint), source.path)
-                .parse()
-                .ok();
-            (endpoint.to_string(), uri)
+            let metrics = RestUpstream::new(&source.address(endpoint), CONNECT_TIMEOUT, MAX_SCRAPE_BYTES, None);
+            (endpoint.to_string(), metrics)
         })
         .collect();
     let mut ticker = tokio::time::interval(source.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
-        let scrapes = targets.iter().enumerate().map(|(index, (endpoint, uri))| {
-            let (client, source, metrics, backend) = (&client, &source, &metrics, &backend);
+        let scrapes = targets.iter().enumerate().map(|(index, (endpoint, upstream))| {
+            let (source, metrics, backend) = (&source, &metrics, &backend);
             async move {
-                let scraped = match uri {
-                    Some(uri) => tokio::time::timeout(source.interval, scrape(client, uri.clone(), source))
-                        .await
-                        .unwrap_or_else(|_| Err("no answer within the interval".to_owned())),
-                    None => Err("the metrics address is not a URI".to_owned()),
-                };
+                let scraped = scrape(upstream, source).await;
                 match scraped {
                     Ok(reported) => {
                         metrics.scraped(&backend.name, endpoint, Some(reported.total));
@@ -66,17 +53,21 @@ pub(super) async fn scrape_endpoints(backend: Arc<BackendClients>, source: LoadS
     }
 }
 
-/// One scrape: the metrics at `uri`, read whole (up to the bound) and summed.
-async fn scrape(client: &ScrapeClient, uri: http::Uri, source: &LoadSource) -> Result<Reported, String> {
-    let answer = client.get(uri).await.map_err(|e| e.to_string())?;
-    if !answer.status().is_success() {
-        return Err(format!("answered {}", answer.status()));
-    }
-    let body = Limited::new(answer.into_body(), MAX_SCRAPE_BYTES)
-        .collect()
+/// One scrape: the endpoint's metrics, read whole (up to the bound) within the interval, and summed.
+async fn scrape(upstream: &RestUpstream, source: &LoadSource) -> Result<Reported, String> {
+    let answer = upstream
+        .send(
+            Method::GET,
+            &source.path,
+            &HeaderMap::new(),
+            Vec::new(),
+            Some(source.interval),
+        )
         .await
-        .map_err(|e| format!("cannot read the metrics (more than {MAX_SCRAPE_BYTES} bytes?): {e}"))?
-        .to_bytes();
-    let text = std::str::from_utf8(&body).map_err(|_| "the metrics are not UTF-8".to_owned())?;
+        .map_err(|error| error.message().to_owned())?;
+    if !answer.status.is_success() {
+        return Err(format!("answered {}", answer.status));
+    }
+    let text = std::str::from_utf8(&answer.body).map_err(|_| "the metrics are not UTF-8".to_owned())?;
     exposition::read(text, &source.metrics, source.tie_break.as_deref())
 }

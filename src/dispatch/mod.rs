@@ -37,6 +37,7 @@ mod load;
 mod metadata;
 mod mirror;
 mod passthrough;
+mod payload_sink;
 mod probe;
 mod readiness;
 mod repository;
@@ -221,7 +222,10 @@ impl Dispatcher {
         let payload_log = match (&config.payload_log, previous.and_then(|p| p.payload_log.as_ref())) {
             (None, _) => None,
             (Some(config), Some(kept)) if kept.made_from(config) => Some(kept.clone()),
-            (Some(config), _) => Some(Arc::new(PayloadLogger::start(config, &metrics))),
+            (Some(config), _) => {
+                let sink = Arc::new(payload_sink::SinkUpstream::new(&config.url)?);
+                Some(Arc::new(PayloadLogger::start(config, &metrics, sink)))
+            }
         };
         Ok(Dispatcher {
             traces,

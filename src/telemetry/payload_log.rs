@@ -5,15 +5,13 @@
 //! nothing here ever slows or fails a request. Bodies are shared buffers, never copied on a request's path; their
 //! translation to JSON, when asked, happens on the telemetry thread.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Request, StatusCode};
-use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use prometheus::IntCounter;
 use prost::Message;
 use tokio::sync::{Semaphore, mpsc};
@@ -36,7 +34,16 @@ const FIRST_RETRY: Duration = Duration::from_millis(100);
 pub const CE_REQUEST: &str = "org.kubeflow.serving.inference.request";
 pub const CE_RESPONSE: &str = "org.kubeflow.serving.inference.response";
 
-type SinkClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+/// Where the events go: one POST of an event's headers and body to the configured URL, within `timeout`, giving
+/// the sink's status or why there is none. The gateway's own HTTP/1.1 client is the one (dispatch provides it).
+pub trait EventSink: Send + Sync + std::fmt::Debug + 'static {
+    fn post(
+        &self,
+        headers: HeaderMap,
+        body: Bytes,
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = Result<StatusCode, String>> + Send + '_>>;
+}
 
 /// The payload log of one `[payload_log]` configuration, kept across reloads that leave the section as it was.
 #[derive(Debug)]
@@ -88,12 +95,13 @@ struct Event {
 
 impl PayloadLogger {
     /// Starts the sending task on the telemetry thread.
-    pub fn start(config: &PayloadLog, metrics: &Metrics) -> PayloadLogger {
+    pub fn start(config: &PayloadLog, metrics: &Metrics, sink: Arc<dyn EventSink>) -> PayloadLogger {
         let (queue, events) = mpsc::channel(config.max_queue);
         let runtime = crate::runtime::telemetry_runtime();
         let _entered = runtime.enter();
         runtime.spawn(send(
             config.clone(),
+            sink,
             events,
             (metrics.payload_events("sent"), metrics.payload_events("failed")),
         ));
@@ -146,8 +154,12 @@ impl PayloadLogger {
 
 /// Sends the queued events until the queue's sender is gone, each in its own delivery, at most [`DELIVERIES`] at
 /// once.
-async fn send(config: PayloadLog, mut events: mpsc::Receiver<Event>, counted: (IntCounter, IntCounter)) {
-    let client = sink_client();
+async fn send(
+    config: PayloadLog,
+    sink: Arc<dyn EventSink>,
+    mut events: mpsc::Receiver<Event>,
+    counted: (IntCounter, IntCounter),
+) {
     let config = Arc::new(config);
     let slots = Arc::new(Semaphore::new(DELIVERIES));
     loop {
@@ -161,10 +173,10 @@ async fn send(config: PayloadLog, mut events: mpsc::Receiver<Event>, counted: (I
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 return;
             };
-            let (client, config, (sent, failed)) = (client.clone(), config.clone(), counted.clone());
+            let (sink, config, (sent, failed)) = (sink.clone(), config.clone(), counted.clone());
             tokio::spawn(async move {
                 let _slot = slot;
-                if deliver(&client, &config, event).await {
+                if deliver(&*sink, &config, event).await {
                     sent.inc();
                 } else {
                     failed.inc();
@@ -174,33 +186,9 @@ async fn send(config: PayloadLog, mut events: mpsc::Receiver<Event>, counted: (I
     }
 }
 
-fn sink_client() -> SinkClient {
-    let mut roots = rustls::RootCertStore::empty();
-    for certificate in rustls_native_certs::load_native_certs().unwrap_or_default() {
-        let _ = roots.add(certificate);
-    }
-    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map(|builder| builder.with_root_certificates(roots.clone()).with_no_client_auth())
-        .unwrap_or_else(|_| {
-            rustls::ClientConfig::builder()
-                .with_root_certificates(roots)
-                .with_no_client_auth()
-        });
-    let mut tcp = HttpConnector::new();
-    tcp.set_nodelay(true);
-    tcp.enforce_http(false);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(tcp);
-    Client::builder(TokioExecutor::new()).build(connector)
-}
-
 /// Delivers one event, retrying a failed delivery (no answer, or a 5xx or 429) up to the configured retries;
 /// whether the sink took it.
-async fn deliver(client: &SinkClient, config: &PayloadLog, event: Event) -> bool {
+async fn deliver(sink: &dyn EventSink, config: &PayloadLog, event: Event) -> bool {
     let Some((content_type, header_length, body)) = event_body(&event.body, config.tensors) else {
         return false;
     };
@@ -212,33 +200,33 @@ async fn deliver(client: &SinkClient, config: &PayloadLog, event: Event) -> bool
             tokio::time::sleep(wait).await;
             wait *= 2;
         }
-        let mut request = Request::builder()
-            .method(Method::POST)
-            .uri(config.url.clone())
-            .header("ce-specversion", "1.0")
-            .header("ce-id", event.id.clone())
-            .header("ce-type", event.kind)
-            .header("ce-source", config.source.as_str())
-            .header("ce-time", time.as_str())
-            .header("ce-inferenceservicename", event.route.model.as_str())
-            .header("ce-namespace", config.namespace.as_str())
-            .header("ce-component", "predictor")
-            .header("ce-endpoint", event.route.version.as_str())
-            .header("ce-metadata", "{}")
-            .header(http::header::CONTENT_TYPE, content_type.clone());
-        if let Some(length) = header_length {
-            request = request.header(INFERENCE_HEADER_CONTENT_LENGTH, length);
-        }
-        let Ok(request) = request.body(Full::new(body.clone())) else {
-            return false;
+        let mut headers = HeaderMap::with_capacity(12);
+        let mut add = |name: &'static str, value: &str| {
+            if let Ok(value) = HeaderValue::from_str(value) {
+                headers.insert(HeaderName::from_static(name), value);
+            }
         };
-        match tokio::time::timeout(config.timeout, client.request(request)).await {
-            Ok(Ok(answer)) if answer.status().is_success() => return true,
-            Ok(Ok(answer)) if !retried(answer.status()) => {
-                tracing::debug!(status = %answer.status(), "the payload log's sink refused an event");
+        add("ce-specversion", "1.0");
+        add("ce-type", event.kind);
+        add("ce-source", config.source.as_str());
+        add("ce-time", time.as_str());
+        add("ce-inferenceservicename", event.route.model.as_str());
+        add("ce-namespace", config.namespace.as_str());
+        add("ce-component", "predictor");
+        add("ce-endpoint", event.route.version.as_str());
+        add("ce-metadata", "{}");
+        headers.insert(HeaderName::from_static("ce-id"), event.id.clone());
+        headers.insert(http::header::CONTENT_TYPE, content_type.clone());
+        if let Some(length) = header_length {
+            headers.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(length));
+        }
+        match sink.post(headers, body.clone(), config.timeout).await {
+            Ok(status) if status.is_success() => return true,
+            Ok(status) if !retried(status) => {
+                tracing::debug!(%status, "the payload log's sink refused an event");
                 return false;
             }
-            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {}
+            Ok(_) | Err(_) => {}
         }
     }
     false
