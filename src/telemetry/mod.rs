@@ -6,6 +6,7 @@ pub mod log_writer;
 pub mod logging;
 pub mod metrics;
 pub mod payload_log;
+pub mod record;
 pub mod traces;
 
 use std::time::Duration;

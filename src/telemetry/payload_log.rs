@@ -93,6 +93,105 @@ struct Event {
     time: SystemTime,
 }
 
+/// An inference's request and answer on their way to the payload log, sent when the request is reported: the
+/// buffers the door sent on, shared, never copied.
+#[derive(Debug)]
+pub struct Capture {
+    logger: Arc<PayloadLogger>,
+    route: Arc<VersionRoute>,
+    request: Option<Logged>,
+    /// A relayed request's chunks, set once the whole body has passed.
+    pub relayed: Arc<std::sync::OnceLock<Vec<Bytes>>>,
+    request_form: Form,
+    response: Option<Logged>,
+}
+
+impl Capture {
+    pub fn new(logger: Arc<PayloadLogger>, route: &Arc<VersionRoute>, request_form: Form) -> Capture {
+        Capture {
+            logger,
+            route: route.clone(),
+            request: None,
+            relayed: Arc::default(),
+            request_form,
+            response: None,
+        }
+    }
+
+    /// Whether the request is logged (`mode` is not "response"): its body is kept only then.
+    pub fn wants_request(&self) -> bool {
+        self.logger.logs_requests()
+    }
+
+    /// Whether the answer is logged (`mode` is not "request"): its body is kept only then.
+    pub fn wants_response(&self) -> bool {
+        self.logger.logs_responses()
+    }
+
+    /// The request's whole body, as it went on.
+    pub fn request(&mut self, body: Bytes) {
+        if !self.wants_request() {
+            return;
+        }
+        self.request = Some(Logged {
+            chunks: vec![body],
+            form: self.request_form.clone(),
+        });
+    }
+
+    /// The answer's body (before it is compressed for the client), and its form read from its `headers`.
+    pub fn response(&mut self, chunks: Vec<Bytes>, headers: &HeaderMap) {
+        if !self.wants_response() {
+            return;
+        }
+        self.response = Some(Logged {
+            chunks,
+            form: form_of(headers),
+        });
+    }
+
+    /// The answer's body in a form the caller names.
+    pub fn response_as(&mut self, chunks: Vec<Bytes>, form: Form) {
+        if self.wants_response() {
+            self.response = Some(Logged { chunks, form });
+        }
+    }
+
+    /// Sends the events: the request's, and the answer's when it succeeded; under a request id of their own when
+    /// the request had none.
+    pub(super) fn send(self, id: Option<&HeaderValue>, status: u16) {
+        let id = id.cloned().unwrap_or_else(crate::headers::new_request_id);
+        let request = self.request.or_else(|| {
+            self.relayed.get().map(|chunks| Logged {
+                chunks: chunks.clone(),
+                form: self.request_form.clone(),
+            })
+        });
+        self.logger.log(Inference {
+            id,
+            route: self.route,
+            request,
+            response: self.response.filter(|_| status == 200),
+        });
+    }
+}
+
+/// What a body is, from its headers: the binary extension's when it says its JSON header's length, JSON when it
+/// says so or says nothing, else what its content type says.
+pub fn form_of(headers: &HeaderMap) -> Form {
+    let header_length = headers
+        .get(INFERENCE_HEADER_CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    let content_type = headers.get(http::header::CONTENT_TYPE);
+    match header_length {
+        Some(length) if length > 0 => Form::Binary(length),
+        Some(_) => Form::Other(content_type.cloned()),
+        None if content_type.is_none_or(|t| t.as_bytes().starts_with(b"application/json")) => Form::Json,
+        None => Form::Other(content_type.cloned()),
+    }
+}
+
 impl PayloadLogger {
     /// Starts the sending task on the telemetry thread.
     pub fn start(config: &PayloadLog, metrics: &Metrics, sink: Arc<dyn EventSink>) -> PayloadLogger {

@@ -18,9 +18,8 @@ use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
 use crate::live::{Active, Gateway};
 use crate::protocol::Reserved;
-use crate::routing::VersionRoute;
-use crate::telemetry::metrics::RequestTimer;
-use crate::telemetry::payload_log::{Form, Inference, Logged, PayloadLogger};
+use crate::telemetry::payload_log::{Capture, Form};
+use crate::telemetry::record::{RequestRecord, Target};
 use crate::telemetry::traces::Trace;
 use crate::telemetry::{ClientProtocol, ReportedPrincipal};
 
@@ -171,43 +170,40 @@ async fn infer(
         }
         Err(error) => (Err(error.clone()), dispatcher.metrics().unknown_route()),
     };
-    let mut timer = RequestTimer::start(
+    let mut record = RequestRecord::open(
         dispatcher.metrics().clone(),
-        route,
         ClientProtocol::Grpc,
-        message.len() as u64,
+        Target::Method("ModelInfer"),
     );
-    timer.request_id = request_id.as_ref().and_then(|id| id.to_str().ok()).map(str::to_owned);
-    timer.principal = principal.map(|principal| principal as Arc<dyn ReportedPrincipal>);
-    let mut capture = None;
+    record.route = Some(route);
+    record.request_bytes = message.len() as u64;
+    record.request_id = request_id.clone();
+    record.principal = principal.map(|principal| principal as Arc<dyn ReportedPrincipal>);
+    record.trace = trace.clone();
     let answer = match admitted {
         Ok((admitted, ())) => {
             if let Some(limit) = admitted.reserved.timeout {
                 context.deadline = Some(context.deadline.map_or(limit, |deadline| deadline.min(limit)));
             }
             let route = &admitted.routed.route;
-            capture = logged_request(admitted.payload_log.as_ref(), route, request_id.as_ref(), &message);
-            timer.translated = dispatcher.backend_protocol(route) == Some(crate::config::BackendProtocol::Rest);
+            if let Some(logger) = admitted.payload_log {
+                let mut capture = Capture::new(logger, route, Form::GrpcRequest);
+                capture.request(message.clone());
+                record.capture = Some(Box::new(capture));
+            }
+            record.translated = dispatcher.backend_protocol(route) == Some(crate::config::BackendProtocol::Rest);
             dispatcher.infer_grpc_routed(&admitted.routed, message, &context).await
         }
         Err(error) => Err(error),
     };
-    if let Some((logger, mut inference)) = capture {
-        if let Ok(replied) = &answer
-            && logger.logs_responses()
-        {
-            inference.response = Some(Logged {
-                chunks: replied.value.clone(),
-                form: Form::GrpcResponse,
-            });
-        }
-        logger.log(inference);
-    }
     match answer {
         Ok(replied) => {
             let length: usize = replied.value.iter().map(Bytes::len).sum();
-            timer.endpoint = replied.endpoint.clone();
-            timer.finish(200, length as u64);
+            record.endpoint = replied.endpoint.clone();
+            if let Some(capture) = &mut record.capture {
+                capture.response_as(replied.value.clone(), Form::GrpcResponse);
+            }
+            record.answered(200, length as u64);
             let mut metadata = replied.headers;
             if let Some(id) = request_id {
                 metadata.insert(super::super::REQUEST_ID, id);
@@ -215,30 +211,10 @@ async fn infer(
             Ok((replied.value, metadata))
         }
         Err(error) => {
-            timer.finish(error.http_status().as_u16(), 0);
+            record.answered(error.http_status().as_u16(), 0);
             Err(error.to_grpc_status())
         }
     }
-}
-
-/// The inference's request for the payload log, when its model's payloads are logged and this call was sampled.
-fn logged_request(
-    logger: Option<&Arc<PayloadLogger>>,
-    route: &Arc<VersionRoute>,
-    request_id: Option<&HeaderValue>,
-    message: &Bytes,
-) -> Option<(Arc<PayloadLogger>, Inference)> {
-    let logger = logger?;
-    let inference = Inference {
-        id: request_id.cloned().unwrap_or_else(crate::headers::new_request_id),
-        route: route.clone(),
-        request: logger.logs_requests().then(|| Logged {
-            chunks: vec![message.clone()],
-            form: Form::GrpcRequest,
-        }),
-        response: None,
-    };
-    Some((logger.clone(), inference))
 }
 
 /// A successful unary answer on the wire: the metadata as headers, one length-prefixed message made of the answer's

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use futures_util::future::Either;
@@ -36,8 +36,9 @@ use crate::proto::{
     ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest, ServerReadyResponse,
 };
 use crate::protocol::reserved;
+use crate::telemetry::record::{RequestRecord, Target};
 use crate::telemetry::traces::{Trace, Traces};
-use crate::telemetry::{ClientProtocol, Finished, ReportedPrincipal};
+use crate::telemetry::{ClientProtocol, ReportedPrincipal};
 use opentelemetry::KeyValue;
 
 mod infer;
@@ -368,25 +369,23 @@ where
             return Box::pin(infer::model_infer(self.gateway.clone(), request, limit, None).map(Ok));
         }
         let active = self.gateway.begin();
-        let started = Instant::now();
         let path = request.uri().path().to_owned();
         let dispatcher = self.gateway.dispatcher();
         let authenticated = authenticate(&dispatcher, &path, request.headers_mut());
         let principal = authenticated.as_ref().ok().cloned().flatten();
-        // Streams are logged with their model and backend on their own path; every other call is logged here.
+        // Streams are logged with their model and backend on their own path; every other call is recorded here.
         let log_here = request.uri().path() != MODEL_STREAM_INFER;
-        let logged = log_here.then(|| {
-            let request_id = request
-                .headers()
-                .get(super::REQUEST_ID)
-                .and_then(|id| id.to_str().ok())
-                .map(str::to_owned);
-            (
-                path.clone(),
-                request_id,
+        let mut record = log_here.then(|| {
+            let mut record = RequestRecord::open(
                 self.gateway.metrics().clone(),
-                principal.clone(),
-            )
+                ClientProtocol::Grpc,
+                Target::Path(path.clone()),
+            );
+            record.request_id = request.headers().get(super::REQUEST_ID).cloned();
+            record.principal = principal
+                .clone()
+                .map(|principal| principal as Arc<dyn ReportedPrincipal>);
+            record
         });
         let trace = match dispatcher.traces() {
             Some(traces) if log_here => call_span(traces, &path, request.headers()),
@@ -419,7 +418,7 @@ where
             if trace.is_on() {
                 trace.set("rpc.grpc.status_code", code() as i64);
             }
-            if let Some((path, request_id, metrics, principal)) = logged {
+            if let Some(record) = &mut record {
                 let code = code();
                 let status = if code == tonic::Code::Ok {
                     200
@@ -432,23 +431,7 @@ where
                     .http_status()
                     .as_u16()
                 };
-                metrics.finished(
-                    None,
-                    &Finished {
-                        protocol: ClientProtocol::Grpc,
-                        status,
-                        duration: started.elapsed(),
-                        request_bytes: 0,
-                        response_bytes: 0,
-                        target: &path,
-                        request_id: request_id.as_deref(),
-                        endpoint: None,
-                        translated: false,
-                        principal: principal
-                            .as_deref()
-                            .map(|principal| principal as &dyn ReportedPrincipal),
-                    },
-                );
+                record.answered(status, 0);
             }
             Ok(response)
         })

@@ -21,138 +21,44 @@ use crate::frontend::REQUEST_ID;
 use crate::guard::{Admission, Principal};
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::live::{Active, Gateway};
-use crate::routing::VersionRoute;
-use crate::telemetry::metrics::{InFlight, RouteMetrics};
-use crate::telemetry::payload_log::{Form, Inference, Logged, PayloadLogger};
-use crate::telemetry::traces::Trace;
-use crate::telemetry::{ClientProtocol, Finished, ReportedPrincipal};
+use crate::telemetry::ClientProtocol;
+use crate::telemetry::metrics::InFlight;
+use crate::telemetry::payload_log::{Form, form_of};
+use crate::telemetry::record::{RequestRecord, Target};
 
 /// One request on its way through the door; reported to the metrics and the access log when dropped, which is when
 /// its answer's body has been sent (or the client left: then its status is 499).
 #[derive(Debug)]
 pub(super) struct Record {
+    /// What is reported of the request (declared first: it reports before the request stops counting as under way).
+    pub(super) report: RequestRecord,
     dispatcher: Arc<Dispatcher>,
     /// Counts the request as under way, for shutdown's drain.
     _active: Active,
-    started: Instant,
-    /// The request's target; none for a head refused before it made a request.
-    uri: Option<http::Uri>,
-    /// The answer's status, once its head is made.
-    status: Option<u16>,
-    /// The request counters of the model and version an inference named.
-    pub(super) route: Option<Arc<RouteMetrics>>,
     /// A proxied call, counted in flight, and the place it holds at its endpoint, until the answer is sent.
     pub(super) in_flight: Option<InFlight>,
     pub(super) lease: Option<Lease>,
-    pub(super) request_id: Option<HeaderValue>,
-    pub(super) endpoint: Option<Arc<str>>,
-    /// Whether the request was translated (not proxied as it was).
-    pub(super) translated: bool,
-    pub(super) request_bytes: u64,
     /// A relayed body, which counts its own bytes.
     pub(super) relayed: Option<Arc<RelaySource>>,
-    response_bytes: u64,
     /// The coding the client accepts its answer in, if any.
     pub(super) answer_coding: Option<Coding>,
     /// Who is calling, when `[auth]` asks.
     pub(super) principal: Option<Arc<Principal>>,
     /// The call's place among its model's calls under way, held until the answer is sent.
     pub(super) admission: Option<Admission>,
-    /// The request's span at the door; it ends with the record.
-    pub(super) trace: Trace,
-    /// The inference's payloads, when they are logged (boxed: most requests are not, and a record is moved with its
-    /// answer).
-    pub(super) capture: Option<Box<Capture>>,
 }
 
-/// An inference's request and answer on their way to the payload log, sent when the request is reported: the
-/// buffers the door sent on, shared, never copied.
-#[derive(Debug)]
-pub(super) struct Capture {
-    logger: Arc<PayloadLogger>,
-    route: Arc<VersionRoute>,
-    request: Option<Logged>,
-    /// A relayed request's chunks, set once the whole body has passed.
-    pub(super) relayed: Arc<std::sync::OnceLock<Vec<Bytes>>>,
-    request_form: Form,
-    response: Option<Logged>,
-}
+impl std::ops::Deref for Record {
+    type Target = RequestRecord;
 
-impl Capture {
-    pub(super) fn new(logger: Arc<PayloadLogger>, route: &Arc<VersionRoute>, request_form: Form) -> Capture {
-        Capture {
-            logger,
-            route: route.clone(),
-            request: None,
-            relayed: Arc::default(),
-            request_form,
-            response: None,
-        }
-    }
-
-    /// Whether the request is logged (`mode` is not "response"): its body is kept only then.
-    pub(super) fn wants_request(&self) -> bool {
-        self.logger.logs_requests()
-    }
-
-    /// Whether the answer is logged (`mode` is not "request"): its body is kept only then.
-    pub(super) fn wants_response(&self) -> bool {
-        self.logger.logs_responses()
-    }
-
-    /// The request's whole body, as it went on.
-    pub(super) fn request(&mut self, body: Bytes) {
-        if !self.wants_request() {
-            return;
-        }
-        self.request = Some(Logged {
-            chunks: vec![body],
-            form: self.request_form.clone(),
-        });
-    }
-
-    /// The answer's body (before it is compressed for the client), and its form read from its `headers`.
-    pub(super) fn response(&mut self, chunks: Vec<Bytes>, headers: &HeaderMap) {
-        if !self.wants_response() {
-            return;
-        }
-        self.response = Some(Logged {
-            chunks,
-            form: form_of(headers),
-        });
-    }
-
-    /// Sends the events: the request's, and the answer's when it succeeded.
-    fn send(self, id: Option<&HeaderValue>, status: Option<u16>) {
-        let Some(id) = id.cloned() else { return };
-        let request = self.request.or_else(|| {
-            self.relayed.get().map(|chunks| Logged {
-                chunks: chunks.clone(),
-                form: self.request_form.clone(),
-            })
-        });
-        self.logger.log(Inference {
-            id,
-            route: self.route,
-            request,
-            response: self.response.filter(|_| status == Some(200)),
-        });
+    fn deref(&self) -> &RequestRecord {
+        &self.report
     }
 }
 
-/// What a body is, from its headers: the binary extension's when it says its JSON header's length, JSON when it
-/// says so or says nothing, else what its content type says.
-pub(super) fn form_of(headers: &HeaderMap) -> Form {
-    let header_length = headers
-        .get(INFERENCE_HEADER_CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
-    let content_type = headers.get(http::header::CONTENT_TYPE);
-    match header_length {
-        Some(length) if length > 0 => Form::Binary(length),
-        Some(_) => Form::Other(content_type.cloned()),
-        None if content_type.is_none_or(|t| t.as_bytes().starts_with(b"application/json")) => Form::Json,
-        None => Form::Other(content_type.cloned()),
+impl std::ops::DerefMut for Record {
+    fn deref_mut(&mut self) -> &mut RequestRecord {
+        &mut self.report
     }
 }
 
@@ -160,26 +66,17 @@ impl Record {
     /// Boxed: a record travels with its answer, which is moved from the door to the connection's writer, and a box
     /// of a size every request asks for is one the thread has just freed, still in cache.
     pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: Option<http::Uri>) -> Box<Record> {
+        let target = uri.map_or(Target::Unknown, Target::Uri);
         Box::new(Record {
+            report: RequestRecord::open(dispatcher.metrics().clone(), ClientProtocol::Rest, target),
             dispatcher,
             _active: active,
-            started: Instant::now(),
-            uri,
-            status: None,
-            route: None,
             in_flight: None,
             lease: None,
-            request_id: None,
-            endpoint: None,
-            translated: false,
-            request_bytes: 0,
             relayed: None,
-            response_bytes: 0,
             answer_coding: None,
             principal: None,
             admission: None,
-            trace: Trace::default(),
-            capture: None,
         })
     }
 
@@ -200,53 +97,13 @@ impl Record {
 
 impl Drop for Record {
     fn drop(&mut self) {
+        // The places the call held are given back before it is reported.
         self.in_flight = None;
         self.lease = None;
         self.admission = None;
-        if let Some(capture) = self.capture.take() {
-            capture.send(self.request_id.as_ref(), self.status);
+        if let Some(relayed) = &self.relayed {
+            self.report.request_bytes = relayed.received();
         }
-        if self.trace.is_on() {
-            let status = self.status.unwrap_or(crate::error::CLIENT_CLOSED_REQUEST);
-            self.trace.set("http.response.status_code", i64::from(status));
-            self.trace.set(
-                "oip.request_bytes",
-                i64::try_from(self.request_bytes).unwrap_or(i64::MAX),
-            );
-            self.trace.set(
-                "oip.response_bytes",
-                i64::try_from(self.response_bytes).unwrap_or(i64::MAX),
-            );
-            if let Some(endpoint) = &self.endpoint {
-                self.trace.set("oip.endpoint", endpoint.to_string());
-            }
-            if status >= 500 {
-                self.trace.fail(format!("answered {status}"));
-            }
-        }
-        let request_bytes = self
-            .relayed
-            .as_ref()
-            .map_or(self.request_bytes, |relayed| relayed.received());
-        // Only inferences are counted by model; every request is timed and logged.
-        self.dispatcher.metrics().finished(
-            self.route.as_deref(),
-            &Finished {
-                protocol: ClientProtocol::Rest,
-                status: self.status.unwrap_or(crate::error::CLIENT_CLOSED_REQUEST),
-                duration: self.started.elapsed(),
-                request_bytes,
-                response_bytes: self.response_bytes,
-                target: self.uri.as_ref().map_or("-", http::Uri::path),
-                request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
-                endpoint: self.endpoint.as_deref(),
-                translated: self.translated,
-                principal: self
-                    .principal
-                    .as_deref()
-                    .map(|principal| principal as &dyn ReportedPrincipal),
-            },
-        );
     }
 }
 
@@ -292,7 +149,7 @@ impl AnswerBody {
             && (proxied.finished || (proxied.rename.is_none() && proxied.body.is_end_stream()))
             && let (Some((chunks, form)), Some(capture)) = (proxied.tee.take(), &mut record.capture)
         {
-            capture.response = Some(Logged { chunks, form });
+            capture.response_as(chunks, form);
         }
         self.record = None;
     }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use http_body_util::BodyExt;
 
-use super::answer::{Capture, Record, Rename, form_of};
+use super::answer::{Record, Rename};
 use super::{DECTHINGS_CONTENT_TYPE, PendingAnswer, RestDoor};
 use crate::body::{KeptChunks, RelayError, RelaySource, RequestBody, Tap};
 use crate::codec::compression::{self, Coding};
@@ -24,6 +24,7 @@ use crate::protocol::{InferRequest, InferResponse, Reserved};
 use crate::routing::Affinity;
 use crate::routing::{Routed, VersionRoute};
 use crate::telemetry::metrics::Direction;
+use crate::telemetry::payload_log::{Capture, form_of};
 use crate::upstream::Deadline;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;

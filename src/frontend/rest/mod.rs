@@ -425,6 +425,9 @@ fn authenticate(parts: &mut http::request::Parts, record: &mut Record) -> Result
     }
     let principal = guard.authenticate(&parts.headers)?;
     guard.strip_credentials(&mut parts.headers);
+    record.report.principal = principal
+        .clone()
+        .map(|principal| principal as Arc<dyn crate::telemetry::ReportedPrincipal>);
     record.principal = principal;
     Ok(())
 }

@@ -8,7 +8,7 @@ use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
 
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prometheus::{
     GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
@@ -16,7 +16,7 @@ use prometheus::{
 };
 
 use self::family::{Family, SeriesBound};
-use super::{ClientProtocol, Finished, ReportedPrincipal, RouteNames};
+use super::{ClientProtocol, Finished, RouteNames};
 use crate::error::{Error, Result};
 
 /// Label value for a model, version or backend a request named that the configuration does not have.
@@ -173,71 +173,6 @@ struct ProtocolMetrics {
     duration: Histogram,
     request_bytes: IntCounter,
     response_bytes: IntCounter,
-}
-
-/// One request being counted: recorded when finished, or as 499 (client closed) when dropped unfinished, which is
-/// what happens to a gRPC call whose client cancels it.
-#[derive(Debug)]
-pub struct RequestTimer {
-    metrics: Arc<Metrics>,
-    route: Arc<RouteMetrics>,
-    protocol: ClientProtocol,
-    started: Instant,
-    request_bytes: u64,
-    outcome: Option<(u16, u64)>,
-    /// Access-log fields known only as the request goes.
-    pub request_id: Option<String>,
-    pub endpoint: Option<Arc<str>>,
-    pub translated: bool,
-    pub principal: Option<Arc<dyn ReportedPrincipal>>,
-}
-
-impl RequestTimer {
-    pub fn start(
-        metrics: Arc<Metrics>,
-        route: Arc<RouteMetrics>,
-        protocol: ClientProtocol,
-        request_bytes: u64,
-    ) -> Self {
-        RequestTimer {
-            metrics,
-            route,
-            protocol,
-            started: Instant::now(),
-            request_bytes,
-            outcome: None,
-            request_id: None,
-            endpoint: None,
-            translated: false,
-            principal: None,
-        }
-    }
-
-    /// The request was answered with `status` and `response_bytes` of body.
-    pub fn finish(mut self, status: u16, response_bytes: u64) {
-        self.outcome = Some((status, response_bytes));
-    }
-}
-
-impl Drop for RequestTimer {
-    fn drop(&mut self) {
-        let (status, response_bytes) = self.outcome.unwrap_or((crate::error::CLIENT_CLOSED_REQUEST, 0));
-        self.metrics.finished(
-            Some(&self.route),
-            &Finished {
-                protocol: self.protocol,
-                status,
-                duration: self.started.elapsed(),
-                request_bytes: self.request_bytes,
-                response_bytes,
-                target: "ModelInfer",
-                request_id: self.request_id.as_deref(),
-                endpoint: self.endpoint.as_deref(),
-                translated: self.translated,
-                principal: self.principal.as_deref(),
-            },
-        );
-    }
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
