@@ -77,29 +77,24 @@ struct TensorParts {
     contents: Option<InferTensorContents>,
 }
 
-impl From<InferInputTensor> for TensorParts {
-    fn from(t: InferInputTensor) -> Self {
-        TensorParts {
-            name: t.name,
-            datatype: t.datatype,
-            shape: t.shape,
-            parameters: t.parameters,
-            contents: t.contents,
+/// Input and output tensors hold the same fields under the same names.
+macro_rules! tensor_parts_from {
+    ($($tensor:ident),*) => {$(
+        impl From<$tensor> for TensorParts {
+            fn from(t: $tensor) -> Self {
+                TensorParts {
+                    name: t.name,
+                    datatype: t.datatype,
+                    shape: t.shape,
+                    parameters: t.parameters,
+                    contents: t.contents,
+                }
+            }
         }
-    }
+    )*};
 }
 
-impl From<InferOutputTensor> for TensorParts {
-    fn from(t: InferOutputTensor) -> Self {
-        TensorParts {
-            name: t.name,
-            datatype: t.datatype,
-            shape: t.shape,
-            parameters: t.parameters,
-            contents: t.contents,
-        }
-    }
-}
+tensor_parts_from!(InferInputTensor, InferOutputTensor);
 
 impl From<TensorParts> for InferInputTensor {
     fn from(t: TensorParts) -> Self {
@@ -470,42 +465,35 @@ fn shape_to_proto(shape: &[u64]) -> Vec<i64> {
     shape.iter().map(|&d| i64::try_from(d).unwrap_or(i64::MAX)).collect()
 }
 
+/// Moves a model's metadata between its two forms, which hold the same fields under the same names.
+macro_rules! model_metadata {
+    ($source:expr, $metadata:ident, $from_tensor:ident => $tensor:ident) => {{
+        let source = $source;
+        let tensors = |ts: Vec<$from_tensor>| {
+            ts.into_iter()
+                .map(|t| $tensor {
+                    name: t.name,
+                    datatype: t.datatype,
+                    shape: t.shape,
+                })
+                .collect()
+        };
+        $metadata {
+            name: source.name,
+            versions: source.versions,
+            platform: source.platform,
+            inputs: tensors(source.inputs),
+            outputs: tensors(source.outputs),
+        }
+    }};
+}
+
 pub fn model_metadata_to_proto(metadata: ModelMetadata) -> ModelMetadataResponse {
-    let tensors = |ts: Vec<TensorMetadata>| {
-        ts.into_iter()
-            .map(|t| ProtoTensorMetadata {
-                name: t.name,
-                datatype: t.datatype,
-                shape: t.shape,
-            })
-            .collect()
-    };
-    ModelMetadataResponse {
-        name: metadata.name,
-        versions: metadata.versions,
-        platform: metadata.platform,
-        inputs: tensors(metadata.inputs),
-        outputs: tensors(metadata.outputs),
-    }
+    model_metadata!(metadata, ModelMetadataResponse, TensorMetadata => ProtoTensorMetadata)
 }
 
 pub fn model_metadata_from_proto(message: ModelMetadataResponse) -> ModelMetadata {
-    let tensors = |ts: Vec<ProtoTensorMetadata>| {
-        ts.into_iter()
-            .map(|t| TensorMetadata {
-                name: t.name,
-                datatype: t.datatype,
-                shape: t.shape,
-            })
-            .collect()
-    };
-    ModelMetadata {
-        name: message.name,
-        versions: message.versions,
-        platform: message.platform,
-        inputs: tensors(message.inputs),
-        outputs: tensors(message.outputs),
-    }
+    model_metadata!(message, ModelMetadata, ProtoTensorMetadata => TensorMetadata)
 }
 
 pub fn repository_index_to_proto(entries: Vec<ModelIndexEntry>) -> RepositoryIndexResponse {

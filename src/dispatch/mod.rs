@@ -386,6 +386,20 @@ impl Dispatcher {
         self.infer_routed(&admitted.routed, request, context).await
     }
 
+    /// Sends a copy of the call to its route's mirror, when it has one (`payload` made only then), and gives the
+    /// backend the call itself goes to.
+    fn mirrored(
+        &self,
+        routed: &Routed,
+        context: &CallContext,
+        payload: impl FnOnce() -> MirrorPayload,
+    ) -> Result<&BackendClients> {
+        if let Some(mirror) = &routed.mirror {
+            self.mirror(mirror, payload(), &context.forward, &routed.affinity);
+        }
+        self.backend(&routed.route)
+    }
+
     /// Runs a routed inference given as a decoded request, over whichever protocol the backend speaks, and answers
     /// with the public model name and version, and with the backend's end-to-end headers plus `oip-model-version`.
     /// A mirrored request is copied (tensor buffers shared, not copied) to the mirror first.
@@ -395,25 +409,9 @@ impl Dispatcher {
         request: InferRequest,
         context: &CallContext,
     ) -> Result<BackendAnswer<InferResponse>> {
-        if let Some(mirror) = &routed.mirror {
-            self.mirror(
-                mirror,
-                MirrorPayload::Decoded(request.clone()),
-                &context.forward,
-                &routed.affinity,
-            );
-        }
+        let backend = self.mirrored(routed, context, || MirrorPayload::Decoded(request.clone()))?;
         let route = &routed.route;
-        let backend = self.backend(route)?;
-        let mut replied = call_infer(
-            backend,
-            route,
-            request,
-            context,
-            Self::deadline(context, route),
-            &routed.affinity,
-        )
-        .await?;
+        let mut replied = call_routed(backend, routed, request, context).await?;
         route.name_served_version(&mut replied.headers);
         Ok(replied)
     }
@@ -436,16 +434,8 @@ impl Dispatcher {
         message: Bytes,
         context: &CallContext,
     ) -> Result<BackendAnswer<Vec<Bytes>>> {
-        if let Some(mirror) = &routed.mirror {
-            self.mirror(
-                mirror,
-                MirrorPayload::Grpc(message.clone()),
-                &context.forward,
-                &routed.affinity,
-            );
-        }
+        let backend = self.mirrored(routed, context, || MirrorPayload::Grpc(message.clone()))?;
         let route = &routed.route;
-        let backend = self.backend(route)?;
         let mut replied = match &backend.replicas {
             Replicas::Grpc { .. } => {
                 let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
@@ -483,15 +473,7 @@ impl Dispatcher {
                 self.metrics.translated(Direction::GrpcToRest, started.elapsed());
                 // Boxed: the translated call's state is large, and would otherwise be part of every passthrough
                 // call's too.
-                let replied = Box::pin(call_infer(
-                    backend,
-                    route,
-                    request,
-                    context,
-                    Self::deadline(context, route),
-                    &routed.affinity,
-                ))
-                .await?;
+                let replied = Box::pin(call_routed(backend, routed, request, context)).await?;
                 let started = Instant::now();
                 let step = context.trace.child("encode", SpanKind::Internal, Vec::new);
                 let value = protobuf::encode_response(replied.value).chunks;
@@ -711,6 +693,25 @@ fn decode_grpc_request(message: Bytes) -> Result<InferRequest> {
     let decoded =
         ModelInferRequest::decode(message).map_err(|e| Error::invalid(format!("invalid ModelInferRequest: {e}")))?;
     protobuf::request_from_proto(decoded)
+}
+
+/// [`call_infer`] for a routed call: the route's deadline (the client's, when shorter) and its affinity.
+async fn call_routed(
+    backend: &BackendClients,
+    routed: &Routed,
+    request: InferRequest,
+    context: &CallContext,
+) -> Result<BackendAnswer<InferResponse>> {
+    let route = &routed.route;
+    call_infer(
+        backend,
+        route,
+        request,
+        context,
+        Dispatcher::deadline(context, route),
+        &routed.affinity,
+    )
+    .await
 }
 
 /// Runs a decoded inference on `route`'s backend, over its protocol, with the backend's own names, and answers with

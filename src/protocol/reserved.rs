@@ -115,29 +115,21 @@ macro_rules! no_shared_memory_rpcs {
         $crate::no_shared_memory_rpcs!(@refused $refused, "CUDA", cuda_shared_memory_register, CudaSharedMemoryRegisterRequest, CudaSharedMemoryRegisterResponse);
         $crate::no_shared_memory_rpcs!(@ok cuda_shared_memory_unregister, CudaSharedMemoryUnregisterRequest, CudaSharedMemoryUnregisterResponse);
     };
-    // Written as `#[async_trait]` writes an `async fn`: the attribute does not see into this macro's output.
     (@ok $method:ident, $request:ident, $response:ident) => {
-        fn $method<'life0, 'async_trait>(
-            &'life0 self,
-            _: tonic::Request<$crate::proto::$request>,
-        ) -> std::pin::Pin<
-            Box<
-                dyn std::future::Future<Output = Result<tonic::Response<$crate::proto::$response>, tonic::Status>>
-                    + Send
-                    + 'async_trait,
-            >,
-        >
-        where
-            'life0: 'async_trait,
-            Self: 'async_trait,
-        {
-            Box::pin(async move { Ok(tonic::Response::new($crate::proto::$response::default())) })
-        }
+        $crate::no_shared_memory_rpcs!(@rpc $method, $request, $response, _request => {
+            Ok(tonic::Response::new($crate::proto::$response::default()))
+        });
     };
     (@refused $refused:path, $kind:literal, $method:ident, $request:ident, $response:ident) => {
+        $crate::no_shared_memory_rpcs!(@rpc $method, $request, $response, request => {
+            Err($refused($kind, &request.get_ref().name).into())
+        });
+    };
+    // Written as `#[async_trait]` writes an `async fn`: the attribute does not see into this macro's output.
+    (@rpc $method:ident, $request:ident, $response:ident, $argument:ident => $answer:block) => {
         fn $method<'life0, 'async_trait>(
             &'life0 self,
-            request: tonic::Request<$crate::proto::$request>,
+            $argument: tonic::Request<$crate::proto::$request>,
         ) -> std::pin::Pin<
             Box<
                 dyn std::future::Future<Output = Result<tonic::Response<$crate::proto::$response>, tonic::Status>>
@@ -149,8 +141,8 @@ macro_rules! no_shared_memory_rpcs {
             'life0: 'async_trait,
             Self: 'async_trait,
         {
-            let refusal: tonic::Status = $refused($kind, &request.get_ref().name).into();
-            Box::pin(async move { Err(refusal) })
+            let answer: Result<tonic::Response<$crate::proto::$response>, tonic::Status> = $answer;
+            Box::pin(async move { answer })
         }
     };
 }
