@@ -68,16 +68,18 @@ impl RestDoor {
         // Read whole once the call is let in: the version is chosen by routing (canary weights), so the inputs are
         // read with that version's metadata, and a sequence's requests reach the replica holding its state, relayed
         // or translated.
-        let start = async {
-            let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
-            let mut raw = self.read_body(body, declared, Vec::new()).await?;
-            if let Some(coding) = compression::request_coding(&parts.headers)? {
-                raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
-            }
-            let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
-            Ok((raw, reserved))
+        let (admitted, route_metrics) = {
+            let start = std::pin::pin!(async {
+                let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
+                let mut raw = self.read_body(body, declared, Vec::new()).await?;
+                if let Some(coding) = compression::request_coding(&parts.headers)? {
+                    raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
+                }
+                let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
+                Ok((raw, reserved))
+            });
+            dispatcher.admit(&asked, start).await
         };
-        let (admitted, route_metrics) = dispatcher.admit(&asked, start).await;
         record.route = Some(route_metrics);
         let (admitted, raw) = admitted?;
         record.request_bytes = raw.len() as u64;

@@ -76,13 +76,17 @@ impl RestDoor {
         };
         // The head's body headers and the body's start are read once the call is let in, and before it is routed:
         // the sequence its parameters name decides where it goes.
-        let start = async {
-            let asked = self.infer_head(headers, read)?;
-            let start = self.body_start(body, &asked).await?;
-            let (reserved, scan) = request_reserved(&start, &asked)?;
-            Ok(((asked, start, scan), reserved))
+        // Pinned where it stands: handed over by value, the body's reading would be copied into the admission's
+        // state.
+        let (admitted, route_metrics) = {
+            let start = std::pin::pin!(async {
+                let asked = self.infer_head(headers, read)?;
+                let start = self.body_start(body, &asked).await?;
+                let (reserved, scan) = request_reserved(&start, &asked)?;
+                Ok(((asked, start, scan), reserved))
+            });
+            dispatcher.admit(&call, start).await
         };
-        let (admitted, route_metrics) = dispatcher.admit(&call, start).await;
         record.route = Some(route_metrics);
         let (admitted, (asked, start, scan)) = admitted?;
         let AdmittedCall {
