@@ -74,21 +74,23 @@ impl RestDoor {
             principal_rate_taken: false,
             trace: &record.trace,
         };
-        // The head's body headers and the body's start are read once the call is let in, and before it is routed:
-        // the sequence its parameters name decides where it goes.
-        // Pinned where it stands: handed over by value, the body's reading would be copied into the admission's
-        // state.
+        // What the head says of the body is read now but refused only once the call is let in (a refusal of the
+        // principal comes first), and the body's start is read before the call is routed: the sequence its
+        // parameters name decides where it goes. Both stay where they stand (the body's reading pinned): handed
+        // over by value, they would be copied into the admission's state and back.
+        let asked = self.infer_head(headers, read);
         let (admitted, route_metrics) = {
             let start = std::pin::pin!(async {
-                let asked = self.infer_head(headers, read)?;
-                let start = self.body_start(body, &asked).await?;
-                let (reserved, scan) = request_reserved(&start, &asked)?;
-                Ok(((asked, start, scan), reserved))
+                let asked = asked.as_ref().map_err(Error::clone)?;
+                let start = self.body_start(body, asked).await?;
+                let (reserved, scan) = request_reserved(&start, asked)?;
+                Ok(((start, scan), reserved))
             });
             dispatcher.admit(&call, start).await
         };
         record.route = Some(route_metrics);
-        let (admitted, (asked, start, scan)) = admitted?;
+        let (admitted, (start, scan)) = admitted?;
+        let asked = asked?;
         let AdmittedCall {
             routed,
             admission,
