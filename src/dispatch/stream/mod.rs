@@ -2,7 +2,8 @@
 //! its own. To a gRPC backend it goes on a stream opened to one endpoint for the request's route (the first request
 //! chooses the endpoint, by its sequence when it has one), passed through as bytes with the names spliced; to a REST
 //! backend it is one unary inference, translated. Responses are merged onto the client's stream as they come; a
-//! request that fails is one response carrying its error and its id, and the stream goes on.
+//! request that fails is one response carrying its error and its id, and the stream goes on. Here the client's
+//! side; the backend's side in `leg`; streams to REST backends in `rest`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,21 +14,20 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::backend::{Attempt, BackendClients, Replicas};
-use super::fleet::Lease;
-use super::{AdmittedCall, CallContext, Dispatcher, call_infer, decode_grpc_request};
-use crate::codec::rest::generate as rest_generate;
-use crate::codec::{protobuf, splice};
+use super::backend::{BackendClients, Replicas};
+use super::{AdmittedCall, CallContext, Dispatcher, decode_grpc_request};
+use crate::codec::splice;
 use crate::config::StreamDialect;
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::guard::Admission;
-use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
-use crate::protocol::{ParamValue, Reserved, StreamCall};
-use crate::routing::VersionRoute;
+use crate::protocol::Reserved;
 use crate::telemetry::logging::FinishedStream;
-use crate::telemetry::metrics::{Metrics, StreamLeg, StreamResult};
+use crate::telemetry::metrics::StreamResult;
 use crate::telemetry::traces::Trace;
-use crate::upstream::grpc::StreamRequests;
+
+mod leg;
+mod rest;
+
+use leg::{BackendLeg, LegRecord, open_leg, relay, unary_over_rest};
 
 pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";
 
@@ -69,7 +69,7 @@ impl SequenceOrder {
 }
 
 /// Most of a backend's error body read for its message.
-const ERROR_BODY_BYTES: usize = 64 << 10;
+pub(super) const ERROR_BODY_BYTES: usize = 64 << 10;
 
 /// What a client's stream is sent: an encoded `ModelStreamInferResponse` as chunks, or the error that ends it.
 pub type StreamAnswer = Result<Vec<Bytes>>;
@@ -104,7 +104,7 @@ impl StreamSummary {
 
 /// The client's side of a stream: where its answers go, counted, and when a message last passed either way.
 #[derive(Debug, Clone)]
-struct Answers {
+pub(super) struct Answers {
     sender: mpsc::Sender<StreamAnswer>,
     responses: Arc<AtomicU64>,
     failed: Arc<AtomicU64>,
@@ -160,67 +160,6 @@ impl Answers {
 
     async fn closed(&self) {
         self.sender.closed().await;
-    }
-}
-
-/// A backend stream of a client's stream: where its requests go, and how many went.
-struct BackendLeg {
-    requests: StreamRequests,
-    sent: Arc<AtomicU64>,
-}
-
-/// What one backend stream (or one request sent to a REST backend) carried, recorded in the metrics when dropped:
-/// a relay stopped because its client went away records a cancelled stream.
-struct LegRecord {
-    /// The place among its model's calls under way the leg holds while it runs.
-    admission: Option<Admission>,
-    metrics: Arc<Metrics>,
-    route: Arc<VersionRoute>,
-    sent: Arc<AtomicU64>,
-    opened: Instant,
-    leg: StreamLeg,
-}
-
-impl LegRecord {
-    fn new(
-        metrics: &Arc<Metrics>,
-        route: &Arc<VersionRoute>,
-        sent: Arc<AtomicU64>,
-        result: Option<StreamResult>,
-    ) -> LegRecord {
-        LegRecord {
-            admission: None,
-            metrics: metrics.clone(),
-            route: route.clone(),
-            sent,
-            opened: Instant::now(),
-            leg: StreamLeg {
-                result,
-                messages_in: 0,
-                messages_out: 0,
-                first_response: None,
-            },
-        }
-    }
-
-    fn holding(mut self, admission: Admission) -> LegRecord {
-        self.admission = Some(admission);
-        self
-    }
-
-    fn responded(&mut self) {
-        self.leg.messages_out += 1;
-        if self.leg.first_response.is_none() {
-            self.leg.first_response = Some(self.opened.elapsed());
-        }
-    }
-}
-
-impl Drop for LegRecord {
-    fn drop(&mut self) {
-        self.leg.messages_in = self.sent.load(Ordering::Relaxed);
-        self.metrics
-            .stream_leg(&self.route.model, &self.route.version, &self.leg);
     }
 }
 
@@ -469,120 +408,6 @@ impl Dispatcher {
     }
 }
 
-/// One request of a stream sent to a REST backend as a unary inference, its answer flagged final as Triton flags
-/// the one response of a model that is not decoupled; a failure is the request's error response.
-async fn unary_over_rest(
-    backend: Arc<BackendClients>,
-    routed: crate::routing::Routed,
-    request: crate::protocol::InferRequest,
-    (deadline, context): (Duration, CallContext),
-    answers: Answers,
-    id: String,
-    mut record: LegRecord,
-) -> Result<()> {
-    let replied = call_infer(&backend, &routed.route, request, &context, deadline, &routed.affinity).await;
-    record.responded();
-    match replied {
-        Ok(replied) => {
-            let mut response = replied.value;
-            response
-                .parameters
-                .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(true));
-            answers
-                .respond(splice::stream_response("", protobuf::encode_response(response).chunks))
-                .await;
-        }
-        Err(error) => {
-            answers.fail(&id, &error).await;
-        }
-    }
-    Ok(())
-}
-
-/// A backend stream's responses onto the client's stream, renamed to the public names, until the backend ends it.
-/// The lease keeps the stream counted on its endpoint; how the stream ended feeds the endpoint's outlier detection.
-/// An MLServer backend's bare responses are wrapped as Triton's stream answers them, and the error that ends its
-/// stream is the error response of the request that opened it (`first_id`), the client's stream going on.
-async fn relay(
-    mut upstream: tonic::codec::Streaming<Bytes>,
-    lease: Lease,
-    backend: Arc<BackendClients>,
-    route: Arc<VersionRoute>,
-    (answers, first_id): (Answers, String),
-    mut record: LegRecord,
-) -> Result<()> {
-    let dialect = backend.config.stream;
-    let outcome = async {
-        loop {
-            let message = upstream.message().await.map_err(|status| {
-                Error::from_upstream_grpc(status.code(), format!("backend {}: {}", backend.name, status.message()))
-            })?;
-            let Some(message) = message else { return Ok(()) };
-            let renamed = match dialect {
-                StreamDialect::Triton => splice::rename_stream_response(&message, &route.model, &route.version),
-                StreamDialect::Mlserver => splice::rename(&message, &route.model, &route.version)
-                    .map(|response| splice::stream_response("", response)),
-            }
-            .map_err(Error::into_upstream_protocol_error)?;
-            record.responded();
-            if !answers.respond(renamed).await {
-                return Ok(());
-            }
-        }
-    }
-    .await;
-    let failed = outcome.as_ref().err().is_some_and(Error::is_endpoint_failure);
-    lease.observed(failed, &backend.fleet.policy);
-    record.leg.result = Some(match &outcome {
-        Ok(()) if answers.sender.is_closed() => StreamResult::Cancelled,
-        Ok(()) => StreamResult::Ok,
-        Err(_) => StreamResult::Error,
-    });
-    match outcome {
-        Err(error) if dialect == StreamDialect::Mlserver => {
-            answers.fail(&first_id, &error).await;
-            Ok(())
-        }
-        outcome => outcome,
-    }
-}
-
-/// Opens a backend stream for `routed` on an endpoint of its gRPC `backend`, `first` its first message, carrying
-/// the client stream's deadline, compression and span; gives it with the place it holds at the endpoint.
-async fn open_leg(
-    backend: &BackendClients,
-    routed: &crate::routing::Routed,
-    first: Vec<Bytes>,
-    context: &CallContext,
-) -> Result<(crate::upstream::grpc::UpstreamStream, Lease)> {
-    let route = &routed.route;
-    let lease = backend
-        .fleet
-        .lease(
-            &backend.name,
-            &route.upstream_name,
-            &route.upstream_version,
-            &routed.affinity,
-            &[],
-        )
-        .await?;
-    let Replicas::Grpc { endpoints } = &backend.replicas else {
-        return Err(Error::internal("a gRPC stream to a REST backend"));
-    };
-    let coding = context.compressed.filter(|_| backend.config.compression);
-    let forward = context.trace.carried(&context.forward);
-    let opened = endpoints[lease.index]
-        .open_stream(MODEL_STREAM_INFER, first, context.deadline, &forward, coding)
-        .await;
-    match opened {
-        Ok(upstream) => Ok((upstream, lease)),
-        Err(error) => {
-            lease.observed(error.is_endpoint_failure(), &backend.fleet.policy);
-            Err(error)
-        }
-    }
-}
-
 /// A stream span's event for its `count`th message one way, of `bytes`.
 fn message_attributes(count: u64, bytes: usize) -> Vec<opentelemetry::KeyValue> {
     vec![
@@ -633,196 +458,4 @@ fn failed_response(id: &str, error: &Error) -> Vec<Bytes> {
         error.message(),
         vec![Bytes::from(prost::Message::encode_to_vec(&response))],
     )
-}
-
-impl Dispatcher {
-    /// A streaming call's body sent as it came to `route`'s REST backend, at the call's path: the answer's head
-    /// as soon as it arrives, its body still to be read. The endpoint is chosen as for an inference
-    /// (another one when the first cannot be reached); the request timeout bounds the wait for the head only.
-    pub async fn rest_stream_call(
-        &self,
-        routed: &crate::routing::Routed,
-        call: StreamCall,
-        body: Bytes,
-        forward: &http::HeaderMap,
-        trace: &Trace,
-    ) -> Result<http::Response<crate::upstream::BackendBody>> {
-        let route = &routed.route;
-        let backend = self.backend(route)?;
-        let Replicas::Rest { endpoints, .. } = &backend.replicas else {
-            return Err(Error::internal("a REST stream call to a gRPC backend"));
-        };
-        if call == StreamCall::InferStream && backend.config.stream == StreamDialect::Triton {
-            return Err(Error::invalid(format!(
-                "model '{}' is served by backend {}, whose streams are Triton's: it has generate_stream, not \
-                 infer_stream",
-                route.model, backend.name
-            )));
-        }
-        let suffix = format!("/{}", call.path_segment());
-        let path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), &suffix);
-        let path = http::uri::PathAndQuery::try_from(path)
-            .map_err(|e| Error::internal(format!("no REST path for model '{}': {e}", route.model)))?;
-        let mut headers = forward.clone();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        );
-        let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
-        backend
-            .attempt(
-                upstream,
-                &routed.affinity,
-                route.timeout,
-                &headers,
-                trace,
-                |Attempt { index, left, forward }| {
-                    let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
-                    let path = &path;
-                    async move {
-                        endpoints[index]
-                            .forward(path, &forward, body, crate::upstream::Deadline::after(left))
-                            .await
-                    }
-                },
-            )
-            .await
-    }
-
-    /// A decoupled model's request sent to its REST backend's stream, in the backend's dialect: the answer's body
-    /// once its head says success (a failure is the backend's error), and the metadata its events are read with
-    /// (Triton's fields by name need it; MLServer's inference responses carry their own types).
-    async fn open_rest_stream(
-        &self,
-        routed: &crate::routing::Routed,
-        request: &crate::protocol::InferRequest,
-        context: &CallContext,
-    ) -> Result<(crate::upstream::BackendBody, Option<crate::protocol::ModelMetadata>)> {
-        use http_body_util::BodyExt;
-
-        let route = &routed.route;
-        let (call, body, metadata) = match self.backend(route)?.config.stream {
-            StreamDialect::Triton => {
-                let metadata = self.model_metadata(&route.model, Some(&route.version)).await?;
-                let body = rest_generate::encode_generate_request(request)?;
-                (StreamCall::GenerateStream, body, Some(metadata))
-            }
-            StreamDialect::Mlserver => {
-                let body = crate::codec::rest::encode_request(request, false)?.chunks.concat();
-                (StreamCall::InferStream, body, None)
-            }
-        };
-        let answer = self
-            .rest_stream_call(routed, call, Bytes::from(body), &context.forward, &context.trace)
-            .await?;
-        let (head, mut body) = answer.into_parts();
-        if head.status.is_success() {
-            return Ok((body, metadata));
-        }
-        let mut error = Vec::new();
-        while let Some(Ok(frame)) = body.frame().await {
-            if let Ok(chunk) = frame.into_data()
-                && error.len() < ERROR_BODY_BYTES
-            {
-                error.extend_from_slice(&chunk);
-            }
-        }
-        let message = crate::codec::rest::decode_error(&error);
-        Err(Error::from_upstream_http(head.status.as_u16(), message))
-    }
-
-    /// One request of a stream for a decoupled model behind a REST backend: sent to the backend's
-    /// `generate_stream` (MLServer's: `infer_stream`, the request as an inference request), whose events become the
-    /// request's responses on the stream, flagged not final as Triton flags a decoupled model's (an empty final one
-    /// follows when the request asked for it). A failure is the request's error response; the stream goes on.
-    async fn decoupled_over_rest(
-        self: Arc<Self>,
-        routed: crate::routing::Routed,
-        request: crate::protocol::InferRequest,
-        context: CallContext,
-        answers: Answers,
-    ) -> Result<()> {
-        use http_body_util::BodyExt;
-
-        let route = routed.route.clone();
-        let id = request.id.clone().unwrap_or_default();
-        let mut record = LegRecord::new(
-            &self.metrics,
-            &route,
-            Arc::new(AtomicU64::new(1)),
-            Some(StreamResult::Cancelled),
-        );
-        let respond = |mut response: crate::protocol::InferResponse, last: bool| {
-            response.model_name = route.model.clone();
-            response.model_version = Some(route.version.clone());
-            response.id = Some(id.clone());
-            response
-                .parameters
-                .insert(FINAL_RESPONSE.to_owned(), ParamValue::Bool(last));
-            splice::stream_response("", protobuf::encode_response(response).chunks)
-        };
-        let outcome: Result<bool> = async {
-            let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
-            let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context).await?;
-            let mut pending = Vec::new();
-            loop {
-                let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {
-                    Ok(Some(frame)) => frame.map_err(|e| {
-                        Error::new(
-                            ErrorKind::BadGateway,
-                            Origin::Upstream,
-                            format!("the backend broke off its stream: {e}"),
-                        )
-                    })?,
-                    Ok(None) => break,
-                    Err(_) => {
-                        return Err(Error::new(
-                            ErrorKind::Timeout,
-                            Origin::Upstream,
-                            "the backend's stream went silent (limits.stream_idle_timeout_ms)",
-                        ));
-                    }
-                };
-                let Ok(chunk) = frame.into_data() else { continue };
-                pending.extend_from_slice(&chunk);
-                for json in rest_generate::take_events(&mut pending) {
-                    let response = match &metadata {
-                        Some(metadata) => rest_generate::decode_generate_response(&json, metadata),
-                        None => crate::codec::rest::decode_stream_event(&json),
-                    }
-                    .map_err(Error::into_upstream_protocol_error);
-                    let answer = match response {
-                        Ok(response) => {
-                            record.responded();
-                            answers.respond(respond(response, false)).await
-                        }
-                        Err(error) => answers.fail(&id, &error).await,
-                    };
-                    if !answer {
-                        return Ok(false);
-                    }
-                }
-            }
-            if empty_final {
-                let response = crate::protocol::InferResponse::default();
-                return Ok(answers.respond(respond(response, true)).await);
-            }
-            Ok(true)
-        }
-        .await;
-        record.leg.result = Some(match &outcome {
-            Ok(true) => StreamResult::Ok,
-            Ok(false) => StreamResult::Cancelled,
-            Err(_) => StreamResult::Error,
-        });
-        if let Err(error) = outcome {
-            answers.fail(&id, &error).await;
-        }
-        Ok(())
-    }
-
-    /// How long a stream may pass with no message either way.
-    pub fn stream_idle_timeout(&self) -> Duration {
-        self.stream_idle_timeout
-    }
 }
