@@ -68,6 +68,7 @@ impl RestDoor {
         // Read whole once the call is let in: the version is chosen by routing (canary weights), so the inputs are
         // read with that version's metadata, and a sequence's requests reach the replica holding its state, relayed
         // or translated.
+        let read_bytes = std::sync::atomic::AtomicU64::new(0);
         let (admitted, route_metrics) = {
             let start = std::pin::pin!(async {
                 let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
@@ -75,14 +76,16 @@ impl RestDoor {
                 if let Some(coding) = compression::request_coding(&parts.headers)? {
                     raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
                 }
+                read_bytes.store(raw.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
                 Ok((raw, reserved))
             });
             dispatcher.admit(&asked, start).await
         };
         record.route = Some(route_metrics);
+        // Counted whether or not the call goes on, as the access log reports a refused call's body too.
+        record.request_bytes = read_bytes.into_inner();
         let (admitted, raw) = admitted?;
-        record.request_bytes = raw.len() as u64;
         record.admission = Some(admitted.admission);
         let routed = admitted.routed;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
