@@ -1,5 +1,5 @@
-//! Compiles proto/grpc_predict_v2.proto and the model_config.proto it imports with protox (no system protoc) into
-//! OUT_DIR.
+//! Compiles proto/grpc_predict_v2.proto and the model_config.proto it imports, and Envoy's external processing
+//! service (proto/envoy-api) for `oipgate epp`, with protox (no system protoc) into OUT_DIR.
 
 use prost_types::field_descriptor_proto::Type;
 
@@ -61,6 +61,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ".inference.MemoryUsage",
             "#[derive(serde::Serialize, serde::Deserialize)] #[serde(default)]",
         )
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(descriptors)?;
+    envoy_ext_proc()?;
+    Ok(())
+}
+
+/// Envoy's `ExternalProcessor` service and the messages it carries, as one module tree (`envoy_api.rs`) mirroring
+/// the packages. The annotation packages (validation rules, API status) only decorate the API and generate nothing
+/// the service needs, so they are compiled for the imports to resolve and left out of the generated code.
+fn envoy_ext_proc() -> Result<(), Box<dyn std::error::Error>> {
+    let proto = "envoy/service/ext_proc/v3/external_processor.proto";
+    println!("cargo:rerun-if-changed=proto/envoy-api");
+    let mut descriptors = protox::compile([proto], ["proto/envoy-api"])?;
+    descriptors.file.retain(|file| {
+        let package = file.package();
+        !(package == "validate" || package.starts_with("udpa.annotations") || package.ends_with(".annotations"))
+            && !package.starts_with("xds.annotations")
+    });
+    tonic_prost_build::configure()
+        .include_file("envoy_api.rs")
+        // Body chunks are relayed as they came: sliced from the received buffer, not copied.
+        .bytes(".envoy.service.ext_proc.v3")
         .build_client(true)
         .build_server(true)
         .compile_fds(descriptors)?;

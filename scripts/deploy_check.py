@@ -1,7 +1,9 @@
 # Offline checks of deploy/, config/gateway.toml and the Dockerfile; run by scripts/deploy-check, in its venv.
 """Renders every kustomization under deploy/ the way kustomize would (for the fields used here), validates each
-resource against the Kubernetes schemas with kubernetes-validate (strict), then checks that the manifests, the
-gateway configuration and the Dockerfile agree with each other, and that the gateway accepts its configuration.
+resource against the Kubernetes schemas with kubernetes-validate (strict) and each custom resource against the
+openAPIV3Schema of its CRD's checked-in copy in deploy/crds (strict too: unknown fields fail), then checks that the
+manifests, the gateway configuration, the InferencePool example's endpoint picker and the Dockerfile agree with each
+other, and that oipgate accepts each configuration a ConfigMap carries.
 
 Every failure is printed as `FAIL ...` with what was expected; the exit status is 1 when any check failed.
 """
@@ -19,14 +21,21 @@ try:
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
+import jsonschema
 import kubernetes_validate
 import yaml
+
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: the CRD copies are large
 
 KUBERNETES_VERSION = "1.30"
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 WITH_MODEL_SERVERS = DEPLOY / "examples" / "with-model-servers"
+INFERENCE_POOL = DEPLOY / "examples" / "inference-pool"
+# Verbatim copies of upstream CustomResourceDefinitions (a comment header names each one's source); the schemas the
+# custom resources are validated against. Not a kustomization: nothing here is applied.
+CRDS = DEPLOY / "crds"
 CONFIG = ROOT / "config" / "gateway.toml"
 DOCKERFILE = ROOT / "Dockerfile"
 CONFIG_MAP = "oipgate-config"
@@ -37,6 +46,15 @@ GATEWAY = "oipgate"
 READY_PATH = "/v2/health/ready"
 LIVE_PATH = "/v2/health/live"
 PORT_NAMES = ("rest", "grpc", "metrics")
+# The endpoint picker of deploy/examples/inference-pool: `oipgate epp`, ext_proc and grpc.health.v1 on [listen] epp.
+EPP = "oipgate-epp"
+EPP_CONFIG_MAP = "oipgate-epp-config"
+EPP_PORT_NAMES = ("epp", "metrics")
+EPP_HEALTH = {"readinessProbe": "readiness", "livenessProbe": "liveness"}
+EPP_SERVICE_APP_PROTOCOLS = ("http2", "kubernetes.io/h2c")  # gRPC in clear text, as the Gateway must dial it
+INFERENCE_GROUP = "inference.networking.k8s.io"
+# InferencePool appProtocol (default http) for each oipgate backend protocol.
+POOL_APP_PROTOCOL = {"rest": "http", "grpc": "kubernetes.io/h2c"}
 
 # The kustomization fields this renderer implements; any other field fails the check rather than being ignored.
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "commonLabels", "images"}
@@ -47,6 +65,10 @@ SUPPORTED_KINDS = {
     ("apps", "Deployment"),
     ("autoscaling", "HorizontalPodAutoscaler"),
     ("policy", "PodDisruptionBudget"),
+    # Custom resources: kustomize has no fieldspecs for them beyond metadata (labels, namespace), nor do we.
+    (INFERENCE_GROUP, "InferencePool"),
+    ("gateway.networking.k8s.io", "HTTPRoute"),
+    ("gateway.networking.k8s.io", "GRPCRoute"),
 }
 # kustomize's commonLabels fieldspecs (api/internal/konfig/builtinpluginconsts) for the supported kinds:
 # (kind, path, create). `labels` with includeSelectors uses all of them; includeTemplates only the templates.
@@ -105,7 +127,7 @@ def group_of(resource):
 def load_yaml(path):
     try:
         with open(path, encoding="utf-8") as f:
-            return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+            return [doc for doc in yaml.load_all(f, Loader=_YAML_LOADER) if doc is not None]
     except yaml.YAMLError as e:
         raise Fatal(f"{rel(path)} is not valid YAML: {e}") from e
 
@@ -255,11 +277,14 @@ def render(directory, stack=()):
     return resources
 
 
-def validate(resources):
+def validate(resources, crds):
     """Strict schema validation of each rendered resource; prints one line per resource."""
     for resource in resources:
         document = {key: value for key, value in resource.items() if key != "_source"}
         where = f"{kn(resource)} ({resource['_source']})"
+        if (group_of(resource), resource["kind"]) in crds:
+            validate_custom(document, where, crds[(group_of(resource), resource["kind"])])
+            continue
         try:
             version = kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -274,6 +299,97 @@ def validate(resources):
             fail(f"{where} could not be validated: {type(e).__name__}: {e}")
             continue
         ok(f"{where}: valid for Kubernetes {version} (strict)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Custom resources: validated against the openAPIV3Schema of their CRD's checked-in copy, as an API server would with
+# strict field validation (kubectl's default): unknown fields fail instead of being pruned.
+
+CRD_SOURCE = re.compile(r"^# Source: https://github\.com/[\w.-]+/[\w.-]+\n#   path: +\S+\n#   tag: +\S+\n"
+                        r"#   commit: +[0-9a-f]{40}$", re.MULTILINE)
+# OpenAPI keywords that validate nothing (or nothing checked here: `format`, whose int32/int64/date-time the API
+# server checks loosely, and the CEL rules of x-kubernetes-validations, counted and reported instead).
+_ANNOTATIONS = {"description", "default", "example", "externalDocs", "nullable", "format", "title"}
+
+
+def strict_schema(schema, counter):
+    """An OpenAPI v3 structural schema as a JSON Schema (draft 4, OpenAPI 3.0's base) that refuses what structural
+    pruning would drop: every object without additionalProperties or x-kubernetes-preserve-unknown-fields takes its
+    listed properties only. `counter` counts the CEL rules left unchecked."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "properties":
+            out[key] = {name: strict_schema(sub, counter) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
+            out[key] = strict_schema(value, counter)
+        elif key in ("allOf", "anyOf", "oneOf"):
+            out[key] = [strict_schema(sub, counter) for sub in value]
+        elif key == "x-kubernetes-validations":
+            counter[0] += len(value)
+        elif key.startswith("x-kubernetes-") or key in _ANNOTATIONS:
+            continue
+        else:
+            out[key] = value
+    if schema.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if (schema.get("type") == "object" and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+            and not schema.get("x-kubernetes-embedded-resource")):
+        out["additionalProperties"] = False
+    return out
+
+
+def load_crds():
+    """(group, kind) -> {version: (validator, CEL rules unchecked, source file)} for the served versions of every
+    CRD copy in deploy/crds, each of which must name its upstream source."""
+    crds = {}
+    for path in sorted(list(CRDS.glob("*.yaml")) + list(CRDS.glob("*.yml"))):
+        text = path.read_text(encoding="utf-8")
+        header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+        if not CRD_SOURCE.search(header):
+            fail(f"{rel(path)}: its comment header must name the upstream source: `# Source: https://github.com/"
+                 "OWNER/REPO` then `#   path:`, `#   tag:` and `#   commit:` (40 hex digits) lines")
+        docs = load_yaml(path)
+        if len(docs) != 1 or docs[0].get("kind") != "CustomResourceDefinition":
+            raise Fatal(f"{rel(path)} must hold exactly one CustomResourceDefinition")
+        spec = docs[0]["spec"]
+        versions = {}
+        for version in spec["versions"]:
+            if not version.get("served"):
+                continue
+            counter = [0]
+            schema = strict_schema(version["schema"]["openAPIV3Schema"], counter)
+            # metadata is the API server's ObjectMeta, checked as a core object's below.
+            schema.setdefault("properties", {})["metadata"] = {"type": "object"}
+            jsonschema.Draft4Validator.check_schema(schema)
+            versions[version["name"]] = (jsonschema.Draft4Validator(schema), counter[0], rel(path))
+        crds[(spec["group"], spec["names"]["kind"])] = versions
+        ok(f"{rel(path)}: {spec['names']['kind']}.{spec['group']}, served versions {', '.join(versions)}")
+    return crds
+
+
+def validate_custom(document, where, versions):
+    version = document["apiVersion"].split("/")[-1]
+    if version not in versions:
+        fail(f"{where}: {document['apiVersion']} is not a served version of its CRD ({', '.join(versions)})")
+        return
+    validator, cel_rules, source = versions[version]
+    errors = sorted(validator.iter_errors(document), key=lambda e: [str(p) for p in e.absolute_path])
+    for error in errors:
+        field = ".".join(str(part) for part in error.absolute_path) or "(top level)"
+        fail(f"{where} is not a valid {document['apiVersion']} {document['kind']} ({source}): {field}: "
+             f"{error.message}")
+    # ObjectMeta (name, namespace, labels, annotations ...) as the API server checks it for any object.
+    stub = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": document.get("metadata", {})}
+    try:
+        kubernetes_validate.validate(stub, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        errors = [e]
+        fail(f"{where}: metadata.{'.'.join(str(p) for p in list(e.path)[1:])}: {e.message}")
+    if not errors:
+        ok(f"{where}: valid for {source} (strict; {cel_rules} CEL rules not evaluated)")
 
 
 def find(resources, kind, name):
@@ -300,13 +416,13 @@ def probe_port(probe, container):
     return named_container_ports(container).get(port) if isinstance(port, str) else port
 
 
-def listen_port(address, key):
+def listen_port(address, key, where="config/gateway.toml"):
     match = re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\[\]]+):(\d+)", str(address))
     if not match:
-        raise Fatal(f"config/gateway.toml: listen.{key} = {address!r} is not host:port")
+        raise Fatal(f"{where}: listen.{key} = {address!r} is not host:port")
     host, port = match.group(1), int(match.group(2))
     check(host in ("0.0.0.0", "[::]"),
-          f"config/gateway.toml: listen.{key} binds {host}; in a pod it must bind every interface (0.0.0.0 or "
+          f"{where}: listen.{key} binds {host}; in a pod it must bind every interface (0.0.0.0 or "
           "[::]) for the Service and the kubelet's probes to reach it")
     return port
 
@@ -402,31 +518,34 @@ def check_gateway(resources, config, config_text):
     return embedded
 
 
-def check_fleet(resources, config):
-    """Each `dns` backend names a headless Service of the combined example, in its namespace, on a port of the
-    backend's protocol, and that Service selects ready-probed pods."""
+def check_fleet(resources, config, where="config/gateway.toml", example=WITH_MODEL_SERVERS):
+    """Each `dns` backend of `config` (named `where`) names a headless Service of the rendered `example`, in its
+    namespace, on a port of the backend's protocol, and that Service selects ready-probed pods. Returns
+    {backend name: (protocol, Service, port)} for those found."""
     before = len(failures)
+    found = {}
     for backend in config.get("backends", []):
         if "dns" not in backend:
             continue
         name, protocol = backend["name"], backend.get("protocol")
         match = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local\.?:(\d+)", backend["dns"])
-        if not check(match, f"config/gateway.toml: backend {name} dns {backend['dns']!r} is not "
+        if not check(match, f"{where}: backend {name} dns {backend['dns']!r} is not "
                             "<service>.<namespace>.svc.cluster.local:<port>"):
             continue
         service_name, namespace, port = match.group(1), match.group(2), int(match.group(3))
         services = [r for r in resources if r["kind"] == "Service" and r["metadata"]["name"] == service_name]
         if not check(services, f"backend {name}: dns names Service {service_name}, which "
-                               f"{rel(WITH_MODEL_SERVERS)} does not have"):
+                               f"{rel(example)} does not have"):
             continue
         service = services[0]
         actual_namespace = service["metadata"].get("namespace", "default")
         check(actual_namespace == namespace,
-              f"backend {name}: dns names namespace {namespace}, but {rel(WITH_MODEL_SERVERS)} puts Service/"
+              f"backend {name}: dns names namespace {namespace}, but {rel(example)} puts Service/"
               f"{service_name} in {actual_namespace}")
         check(service["spec"].get("clusterIP") == "None",
               f"Service/{service_name} must be headless (clusterIP: None) for DNS to list every pod")
         by_port = {p["port"]: p for p in service["spec"].get("ports", [])}
+        found[name] = (protocol, service, port)
         check(port in by_port and by_port[port].get("name") == protocol,
               f"backend {name}: dns port {port} is not Service/{service_name}'s {protocol} port "
               f"({ {p.get('name'): p['port'] for p in by_port.values()} })")
@@ -441,6 +560,167 @@ def check_fleet(resources, config):
         if len(failures) == before:
             ok(f"backend {name}: {backend['dns']} is headless Service/{service_name}'s {protocol} port in namespace "
                f"{namespace}, selecting {', '.join(kn(d) for d in pods)}")
+    return found
+
+
+def service_port_target(port, container_ports):
+    target = port.get("targetPort", port.get("port"))
+    return container_ports.get(target) if isinstance(target, str) else target
+
+
+def check_epp(resources):
+    """deploy/examples/inference-pool: the InferencePool's endpointPickerRef names the EPP's Service and one of its
+    ports, which leads to [listen] epp of the ConfigMap the EPP runs with; the EPP's args, ports, gRPC health probes
+    and metrics annotations agree with that ConfigMap's [listen]; its backends are the pool's pods on the pool's
+    target port, spoken in the pool's appProtocol. Returns the ConfigMap's gateway.toml, or None."""
+    before = len(failures)
+    pools = [r for r in resources if r["kind"] == "InferencePool"]
+    if not pools:
+        raise Fatal(f"{rel(INFERENCE_POOL)} has no InferencePool")
+    deployment = find(resources, "Deployment", EPP)
+    container = next((c for c in pod_spec(deployment)["containers"] if c["name"] == "epp"), None)
+    if container is None:
+        raise Fatal(f"Deployment/{EPP} has no container named epp")
+    pod_labels = deployment["spec"]["template"]["metadata"].get("labels", {})
+
+    # The configuration the container runs with: args, mount, ConfigMap.
+    args = container.get("args", [])
+    check(args[:3] == ["epp", "--config", CONFIG_PATH],
+          f"Deployment/{EPP}: args {args} must start with epp --config {CONFIG_PATH}")
+    mounts = [m for m in container.get("volumeMounts", []) if m.get("mountPath") == CONFIG_DIR]
+    volumes = {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
+    source = None
+    if check(len(mounts) == 1, f"Deployment/{EPP}: nothing is mounted at {CONFIG_DIR}"):
+        check("subPath" not in mounts[0] and "subPathExpr" not in mounts[0],
+              f"Deployment/{EPP}: the config mount uses subPath, which never receives ConfigMap updates")
+        source = volumes.get(mounts[0]["name"], {}).get("configMap", {}).get("name")
+        check(source == EPP_CONFIG_MAP,
+              f"Deployment/{EPP}: {CONFIG_DIR} is mounted from {source!r}, want ConfigMap {EPP_CONFIG_MAP}")
+    config_map = find(resources, "ConfigMap", EPP_CONFIG_MAP)
+    text = config_map.get("data", {}).get(CONFIG_KEY)
+    where = f"ConfigMap/{EPP_CONFIG_MAP} {CONFIG_KEY}"
+    if text is None:
+        raise Fatal(f"ConfigMap/{EPP_CONFIG_MAP} has no {CONFIG_KEY} key")
+    try:
+        config = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise Fatal(f"{where} is not valid TOML: {e}") from e
+
+    # Ports: [listen] epp and metrics, the container's named ports, the gRPC health probes, the annotations.
+    listen = config.get("listen", {})
+    want = {name: listen_port(listen[name], name, where) for name in EPP_PORT_NAMES if name in listen}
+    check(set(want) == set(EPP_PORT_NAMES), f"{where}: [listen] must set {', '.join(EPP_PORT_NAMES)}")
+    ports = named_container_ports(container)
+    check(ports == want, f"Deployment/{EPP}: container ports {ports} differ from {where} [listen] {want}")
+    for probe, service in EPP_HEALTH.items():
+        grpc = container.get(probe, {}).get("grpc")
+        check(grpc == {"port": want.get("epp"), "service": service},
+              f"Deployment/{EPP}: {probe} is {container.get(probe)}, want grpc: {{port: {want.get('epp')}, "
+              f"service: {service}}} (grpc.health.v1 on [listen] epp)")
+    annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+    check(annotations.get("prometheus.io/scrape") == "true"
+          and annotations.get("prometheus.io/port") == str(want.get("metrics"))
+          and annotations.get("prometheus.io/path") == "/metrics",
+          f"Deployment/{EPP}: prometheus.io annotations {annotations} must scrape /metrics on [listen] metrics")
+
+    # The EPP's Service: selects its pods, and its ports lead to [listen] epp over HTTP/2.
+    service = find(resources, "Service", EPP)
+    check(selects(service["spec"].get("selector"), pod_labels),
+          f"Service/{EPP}: selector {service['spec'].get('selector')} does not select the EPP's pods {pod_labels}")
+    service_ports = {p["port"]: p for p in service["spec"].get("ports", [])}
+    for number, port in service_ports.items():
+        target = service_port_target(port, ports)
+        check(target == want.get("epp"), f"Service/{EPP}: port {number} goes to {target}, want [listen] epp "
+                                         f"{want.get('epp')}")
+        check(port.get("appProtocol") in EPP_SERVICE_APP_PROTOCOLS,
+              f"Service/{EPP}: port {number} needs appProtocol {' or '.join(EPP_SERVICE_APP_PROTOCOLS)} "
+              "(ext_proc is gRPC)")
+
+    # The EPP's backends: the pods of deploy/examples/model-servers behind their headless Service.
+    backends = check_fleet(resources, config, where, INFERENCE_POOL)
+    check(backends, f"{where}: no backend is found by dns; the EPP needs the pool's pods as its endpoints")
+    deployments = [r for r in resources if r["kind"] == "Deployment"]
+
+    for pool in pools:
+        spec = pool.get("spec") or {}
+        name = f"InferencePool/{pool['metadata']['name']}"
+        ref = spec.get("endpointPickerRef") or {}
+        # The pool's endpoint picker is this EPP's Service, on one of that Service's ports (not a target port).
+        check(ref.get("group", "") == "" and ref.get("kind", "Service") == "Service" and ref.get("name") == EPP,
+              f"{name}: endpointPickerRef {ref} must name Service/{EPP} (group \"\", kind Service)")
+        ref_port = (ref.get("port") or {}).get("number")
+        check(ref_port in service_ports,
+              f"{name}: endpointPickerRef port {ref_port} is not a port of Service/{EPP} ({sorted(service_ports)})")
+        check(pool["metadata"].get("namespace") == service["metadata"].get("namespace"),
+              f"{name}: in namespace {pool['metadata'].get('namespace')}, Service/{EPP} in "
+              f"{service['metadata'].get('namespace')}; an endpointPickerRef is local")
+        # The pool's pods, target ports and protocol are the EPP's backends'.
+        selector = (spec.get("selector") or {}).get("matchLabels")
+        members = [d for d in deployments if selects(selector, d["spec"]["template"]["metadata"].get("labels"))]
+        check(members and all(d["metadata"]["name"] != EPP for d in members),
+              f"{name}: selector {selector} must select the model servers' pods (it selects "
+              f"{[kn(d) for d in members]})")
+        targets = [p.get("number") for p in spec.get("targetPorts") or []]
+        for member in members:
+            declared = {p["containerPort"] for c in pod_spec(member)["containers"] for p in c.get("ports", [])}
+            check(set(targets) <= declared,
+                  f"{name}: targetPorts {targets} are not all container ports of {kn(member)} ({sorted(declared)})")
+        app_protocol = spec.get("appProtocol", "http")
+        for backend, (protocol, backend_service, port) in backends.items():
+            check(backend_service["spec"].get("selector") == selector,
+                  f"{name}: selector {selector} differs from that of Service/{backend_service['metadata']['name']} "
+                  f"({backend_service['spec'].get('selector')}), which gives the EPP backend {backend} its endpoints")
+            check(port in targets, f"{name}: targetPorts {targets} lack the EPP backend {backend}'s port {port}; "
+                                   "the EPP would pick endpoints outside the pool")
+            check(POOL_APP_PROTOCOL.get(protocol) == app_protocol,
+                  f"{name}: appProtocol {app_protocol}, but the EPP backend {backend} speaks {protocol} "
+                  f"(want {POOL_APP_PROTOCOL.get(protocol)})")
+    if len(failures) == before:
+        ok(f"Deployment/{EPP}: epp --config {CONFIG_PATH} from ConfigMap/{EPP_CONFIG_MAP}, ports {want} as in "
+           "[listen], gRPC health probes liveness and readiness on epp, metrics annotations")
+        ok(f"{', '.join(kn(p) for p in pools)}: endpointPickerRef is Service/{EPP} port "
+           f"{', '.join(str(p['spec']['endpointPickerRef']['port']['number']) for p in pools)} -> [listen] epp; "
+           "selector, targetPorts and appProtocol match the EPP's backends")
+    return text
+
+
+def hostnames_intersect(a, b):
+    """Whether two routes' hostname lists can match the same host (an empty list matches every host)."""
+    def covers(pattern, host):
+        return pattern == host or (pattern.startswith("*.") and host.endswith(pattern[1:]))
+    if not a or not b:
+        return True
+    return any(covers(x, y) or covers(y, x) for x in a for y in b)
+
+
+def check_routes(resources):
+    """Every HTTPRoute and GRPCRoute backendRef to an InferencePool names one of the example (same namespace, no
+    port: a pool's traffic goes where its EPP says), and an HTTPRoute and a GRPCRoute sharing a parent do not
+    share a hostname (Gateway API accepts only one of them then)."""
+    before = len(failures)
+    pools = {(p["metadata"].get("namespace"), p["metadata"]["name"]) for p in resources if p["kind"] == "InferencePool"}
+    routes = [r for r in resources if r["kind"] in ("HTTPRoute", "GRPCRoute")]
+    check({r["kind"] for r in routes} == {"HTTPRoute", "GRPCRoute"},
+          f"{rel(INFERENCE_POOL)} needs an HTTPRoute and a GRPCRoute to its InferencePool")
+    for route in routes:
+        namespace = route["metadata"].get("namespace")
+        refs = [ref for rule in route.get("spec", {}).get("rules") or [] for ref in rule.get("backendRefs") or []]
+        to_pools = [ref for ref in refs if ref.get("group") == INFERENCE_GROUP and ref.get("kind") == "InferencePool"]
+        check(to_pools, f"{kn(route)}: no backendRef to an InferencePool (group {INFERENCE_GROUP})")
+        for ref in to_pools:
+            check((ref.get("namespace", namespace), ref.get("name")) in pools,
+                  f"{kn(route)}: backendRef to InferencePool/{ref.get('name')} in namespace "
+                  f"{ref.get('namespace', namespace)}, which {rel(INFERENCE_POOL)} does not have")
+            check("port" not in ref, f"{kn(route)}: backendRef to InferencePool/{ref.get('name')} sets a port, "
+                                     "which an InferencePool backend ignores; leave it out")
+    for http in (r for r in routes if r["kind"] == "HTTPRoute"):
+        for grpc in (r for r in routes if r["kind"] == "GRPCRoute"):
+            shared = [p for p in http.get("spec", {}).get("parentRefs") or []
+                      if p in (grpc.get("spec", {}).get("parentRefs") or [])]
+            check(not shared or not hostnames_intersect(http["spec"].get("hostnames"), grpc["spec"].get("hostnames")),
+                  f"{kn(http)} and {kn(grpc)} share parent {shared} and hostnames; Gateway API accepts only one")
+    if len(failures) == before:
+        ok(f"{', '.join(kn(r) for r in routes)}: backendRefs name the example's InferencePool; hostnames disjoint")
 
 
 def oipgate_binary():
@@ -452,7 +732,11 @@ def check_command_lines(resources, dockerfile_cmd):
     has (a flag it lacks would crash-loop the pods)."""
     binary = oipgate_binary()
     lines = [("Dockerfile CMD", dockerfile_cmd)] if dockerfile_cmd else []
+    seen = set()
     for deployment in (r for r in resources if r["kind"] == "Deployment"):
+        if kn(deployment) in seen:
+            continue
+        seen.add(kn(deployment))
         for container in pod_spec(deployment)["containers"]:
             if split_image(container.get("image", ""))[0].rsplit("/", 1)[-1] == "oipgate":
                 lines.append((f"{kn(deployment)} container {container['name']}",
@@ -473,7 +757,7 @@ def check_command_lines(resources, dockerfile_cmd):
             ok(f"{where}: oipgate {' '.join(args)}")
 
 
-def check_config_accepted(text):
+def check_config_accepted(text, config_map=CONFIG_MAP):
     binary = oipgate_binary()
     with tempfile.TemporaryDirectory(prefix="deploy-check-") as tmp:
         path = Path(tmp) / CONFIG_KEY
@@ -490,8 +774,9 @@ def check_config_accepted(text):
     for line in output.splitlines():
         print(f"      {line}")
     if check(result.returncode == 0,
-             f"{binary} check-config rejects the ConfigMap's {CONFIG_KEY} (exit status {result.returncode})"):
-        ok(f"{binary} check-config accepts the ConfigMap's {CONFIG_KEY}")
+             f"{binary} check-config rejects ConfigMap/{config_map}'s {CONFIG_KEY} (exit status "
+             f"{result.returncode})"):
+        ok(f"{binary} check-config accepts ConfigMap/{config_map}'s {CONFIG_KEY}")
 
 
 def dockerfile_instructions(path):
@@ -567,17 +852,23 @@ def main():
     except tomllib.TOMLDecodeError as e:
         raise Fatal(f"config/gateway.toml is not valid TOML: {e}") from e
 
+    section(f"CustomResourceDefinitions in {rel(CRDS)} (upstream copies)")
+    crds = load_crds()
+
     # Every kustomization under deploy/ renders and validates, and every manifest belongs to one.
     directories = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
     rendered = {}
     for directory in directories:
-        section(f"render {rel(directory)} and validate against Kubernetes {KUBERNETES_VERSION} (strict)")
+        section(f"render {rel(directory)} and validate against Kubernetes {KUBERNETES_VERSION} and {rel(CRDS)} "
+                "(strict)")
         rendered[directory] = render(directory)
-        validate(rendered[directory])
+        validate(rendered[directory], crds)
     for manifest in sorted(list(DEPLOY.rglob("*.yaml")) + list(DEPLOY.rglob("*.yml"))):
+        if manifest.parent.resolve() == CRDS.resolve():
+            continue
         if not (manifest.parent / "kustomization.yaml").is_file():
             fail(f"{rel(manifest)} is in no kustomization's directory, so nothing applies or checks it")
-    for required in (BASE, WITH_MODEL_SERVERS):
+    for required in (BASE, WITH_MODEL_SERVERS, INFERENCE_POOL):
         if required not in rendered:
             raise Fatal(f"{rel(required)}/kustomization.yaml is missing")
 
@@ -587,15 +878,23 @@ def main():
     section(f"backends reached by DNS in {rel(WITH_MODEL_SERVERS)}")
     check_fleet(rendered[WITH_MODEL_SERVERS], config)
 
-    section(f"the gateway accepts the ConfigMap's {CONFIG_KEY}")
+    section(f"the endpoint picker of {rel(INFERENCE_POOL)} against its ConfigMap and the InferencePool")
+    epp_config = check_epp(rendered[INFERENCE_POOL])
+
+    section(f"routes of {rel(INFERENCE_POOL)}")
+    check_routes(rendered[INFERENCE_POOL])
+
+    section(f"oipgate accepts the ConfigMaps' {CONFIG_KEY}")
     if embedded is not None:
         check_config_accepted(embedded)
+    if epp_config is not None:
+        check_config_accepted(epp_config, EPP_CONFIG_MAP)
 
     section("Dockerfile")
     dockerfile_cmd = check_dockerfile(pod_spec(find(rendered[BASE], "Deployment", GATEWAY)))
 
     section("oipgate command lines in the manifests and the Dockerfile")
-    check_command_lines(rendered[WITH_MODEL_SERVERS], dockerfile_cmd)
+    check_command_lines(rendered[WITH_MODEL_SERVERS] + rendered[INFERENCE_POOL], dockerfile_cmd)
 
 
 if __name__ == "__main__":

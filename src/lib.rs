@@ -30,4 +30,11 @@ pub mod proto {
     pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/inference_descriptor.bin"));
 }
 
+pub mod envoy_api {
+    //! Generated types and service stubs of Envoy's external processing API (`envoy.service.ext_proc.v3`), the
+    //! protocol `oipgate epp` serves to a gateway's Envoy.
+    #![allow(clippy::all, missing_debug_implementations, unused_qualifications, rustdoc::all)]
+    include!(concat!(env!("OUT_DIR"), "/envoy_api.rs"));
+}
+
 pub use error::{Error, ErrorKind, Origin, Result};

@@ -90,6 +90,20 @@ enum Command {
         #[arg(long, default_value = oipgate::app::DEFAULT_UPGRADE_SOCKET)]
         upgrade_socket: std::path::PathBuf,
     },
+    /// Runs as the endpoint picker of a Gateway API inference pool: Envoy's external processing service (ext_proc)
+    /// on `[listen] epp`, naming for each request the endpoint that serves it, with gRPC health (liveness,
+    /// readiness) on the same port and metrics on `[listen] metrics`.
+    Epp {
+        /// The TOML configuration file (the gateway's: backends are the pool's endpoints, models route to them).
+        #[arg(long)]
+        config: std::path::PathBuf,
+        /// Endpoints named after the picked one, for the proxy's retries. Envoy's ORIGINAL_DST cluster reads one
+        /// address only: keep 0 there; a proxy that walks the list (override_host) may take more.
+        #[arg(long, default_value_t = 0)]
+        fallbacks: usize,
+        #[command(flatten)]
+        log: LogOptions,
+    },
     /// Validates a gateway configuration file (with OIPGATE__SECTION__KEY overrides) and prints every problem.
     CheckConfig {
         /// The TOML configuration file.
@@ -136,6 +150,17 @@ fn main() -> ExitCode {
                 &oipgate::app::Process {
                     upgrade,
                     upgrade_socket,
+                    epp: None,
+                },
+            )
+        }),
+        Command::Epp { config, fallbacks, log } => init_logs(&log).and_then(|()| {
+            return_freed_memory_periodically();
+            run_serve(
+                &config,
+                &oipgate::app::Process {
+                    epp: Some(oipgate::app::EppOptions { fallbacks }),
+                    ..Default::default()
                 },
             )
         }),

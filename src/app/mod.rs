@@ -36,6 +36,15 @@ pub struct Process {
     pub upgrade: bool,
     /// The Unix socket the handover goes through.
     pub upgrade_socket: PathBuf,
+    /// Serve as an inference pool's endpoint picker (`oipgate epp`) instead of the front doors.
+    pub epp: Option<EppOptions>,
+}
+
+/// How `oipgate epp` picks.
+#[derive(Debug, Clone, Copy)]
+pub struct EppOptions {
+    /// Endpoints named after the picked one, for the proxy's retries.
+    pub fallbacks: usize,
 }
 
 impl Default for Process {
@@ -43,6 +52,7 @@ impl Default for Process {
         Process {
             upgrade: false,
             upgrade_socket: PathBuf::from(DEFAULT_UPGRADE_SOCKET),
+            epp: None,
         }
     }
 }
@@ -57,6 +67,11 @@ enum Serves {
     },
     /// The metrics listener, its heads held to this time limit.
     Metrics(Arc<Gateway>, Duration),
+    /// The endpoint picker's ext_proc service.
+    Epp {
+        gateway: Arc<Gateway>,
+        limits: crate::frontend::epp::EppLimits,
+    },
 }
 
 /// A listening socket and what is served on it, as one of pingora's services: the socket comes from the previous
@@ -172,6 +187,14 @@ impl Listener {
                     crate::frontend::spawn_door_thread(name, async move {
                         let stopping = async move { crate::frontend::stopping(&mut stop).await };
                         grpc::serve(seat, gateway, limits, tls, stopping).await;
+                        std::future::pending::<()>().await;
+                    })?;
+                }
+                Serves::Epp { gateway, limits } => {
+                    let (gateway, limits) = (gateway.clone(), *limits);
+                    crate::frontend::spawn_door_thread(name, async move {
+                        let stopping = async move { crate::frontend::stopping(&mut stop).await };
+                        crate::frontend::epp::serve(seat, gateway, limits, stopping).await;
                         std::future::pending::<()>().await;
                     })?;
                 }
@@ -353,8 +376,8 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     let mut server = pingora_server(process);
     let failure = Arc::new(tokio::sync::Notify::new());
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    add_services(&mut server, &config, &gateway, sockets, &failure);
-    announce(&config, bound);
+    add_services(&mut server, &config, &gateway, sockets, &failure, process.epp);
+    announce(&config, bound, process.epp.is_some());
     let signals = Signals {
         streams: std::sync::Mutex::new(Some(streams)),
         gateway: gateway.clone(),
@@ -385,6 +408,7 @@ struct Sockets {
     rest: Option<std::net::TcpListener>,
     grpc: Option<std::net::TcpListener>,
     metrics: Option<std::net::TcpListener>,
+    epp: Option<std::net::TcpListener>,
 }
 
 impl Sockets {
@@ -398,17 +422,25 @@ impl Sockets {
                 _ => Ok(None),
             }
         };
+        // The endpoint picker serves no front door; the gateway no picker.
+        let picker = process.epp.is_some();
         Ok(Sockets {
-            rest: bind(Some(config.listen.rest), "REST")?,
-            grpc: bind(Some(config.listen.grpc), "gRPC")?,
+            rest: bind(Some(config.listen.rest).filter(|_| !picker), "REST")?,
+            grpc: bind(Some(config.listen.grpc).filter(|_| !picker), "gRPC")?,
             metrics: bind(config.listen.metrics, "metrics")?,
+            epp: bind(Some(config.listen.epp).filter(|_| picker), "the endpoint picker")?,
         })
     }
 
-    /// Their bound addresses (a port 0 made real), by REST, gRPC and metrics.
-    fn bound(&self) -> [Option<SocketAddr>; 3] {
+    /// Their bound addresses (a port 0 made real), by REST, gRPC, metrics and the endpoint picker.
+    fn bound(&self) -> [Option<SocketAddr>; 4] {
         let local = |socket: &Option<std::net::TcpListener>| socket.as_ref().and_then(|s| s.local_addr().ok());
-        [local(&self.rest), local(&self.grpc), local(&self.metrics)]
+        [
+            local(&self.rest),
+            local(&self.grpc),
+            local(&self.metrics),
+            local(&self.epp),
+        ]
     }
 }
 
@@ -440,6 +472,7 @@ fn add_services(
     gateway: &Arc<Gateway>,
     sockets: Sockets,
     failure: &Arc<tokio::sync::Notify>,
+    epp: Option<EppOptions>,
 ) {
     let listener = |name, address, bound, serves| Listener {
         name,
@@ -461,6 +494,20 @@ fn add_services(
             .and_then(|_| gateway.identity().cloned())
     };
     let limits = &config.limits;
+    if let Some(options) = epp {
+        let limits = crate::frontend::epp::EppLimits {
+            max_message_bytes: usize::try_from(limits.max_request_bytes).unwrap_or(usize::MAX),
+            max_concurrent_streams: limits.max_concurrent_streams,
+            fallbacks: options.fallbacks,
+        };
+        let epp = Serves::Epp {
+            gateway: gateway.clone(),
+            limits,
+        };
+        server.add_service(listener("epp", config.listen.epp, sockets.epp, epp));
+        add_metrics_and_control(server, config, gateway, sockets.metrics, &listener);
+        return;
+    }
     let rest = RestConnections {
         door: Arc::new(RestDoor::new(
             gateway.clone(),
@@ -488,12 +535,23 @@ fn add_services(
         tls: tls_on(|tls| tls.grpc).map(|identity| tokio_rustls::TlsAcceptor::from(identity.server_config(&[b"h2"]))),
     };
     server.add_service(listener("grpc", config.listen.grpc, sockets.grpc, grpc));
+    add_metrics_and_control(server, config, gateway, sockets.metrics, &listener);
+}
+
+/// The metrics listener, when configured, and the control service (health checks, discovery, reloads).
+fn add_metrics_and_control(
+    server: &mut Server,
+    config: &Config,
+    gateway: &Arc<Gateway>,
+    socket: Option<std::net::TcpListener>,
+    listener: &dyn Fn(&'static str, SocketAddr, Option<std::net::TcpListener>, Serves) -> Listener,
+) {
     if let Some(address) = config.listen.metrics {
         server.add_service(listener(
             "metrics",
             address,
-            sockets.metrics,
-            Serves::Metrics(gateway.clone(), limits.header_read_timeout),
+            socket,
+            Serves::Metrics(gateway.clone(), config.limits.header_read_timeout),
         ));
     }
     server.add_service(background_service(
@@ -506,20 +564,30 @@ fn add_services(
 
 /// The log line and the first line on stdout (which tests and scripts read): where each listener is, the bound
 /// address (a port 0 made real) or in an upgrade the configured one.
-fn announce(config: &Config, [rest, grpc, metrics]: [Option<SocketAddr>; 3]) {
+fn announce(config: &Config, [rest, grpc, metrics, epp]: [Option<SocketAddr>; 4], picker: bool) {
     let shown = |bound: Option<SocketAddr>, configured: Option<SocketAddr>| {
         bound
             .or(configured)
             .map_or_else(|| "off".to_owned(), |address| address.to_string())
     };
     tracing::info!(summary = %config.summary(), pid = std::process::id(), "configuration loaded");
-    println!(
-        "oipgate serving: rest={} grpc={} metrics={} pid={} ({})",
-        shown(rest, Some(config.listen.rest)),
-        shown(grpc, Some(config.listen.grpc)),
-        shown(metrics, config.listen.metrics),
-        std::process::id(),
-        config.summary()
-    );
+    if picker {
+        println!(
+            "oipgate epp serving: epp={} metrics={} pid={} ({})",
+            shown(epp, Some(config.listen.epp)),
+            shown(metrics, config.listen.metrics),
+            std::process::id(),
+            config.summary()
+        );
+    } else {
+        println!(
+            "oipgate serving: rest={} grpc={} metrics={} pid={} ({})",
+            shown(rest, Some(config.listen.rest)),
+            shown(grpc, Some(config.listen.grpc)),
+            shown(metrics, config.listen.metrics),
+            std::process::id(),
+            config.summary()
+        );
+    }
     let _ = std::io::Write::flush(&mut std::io::stdout());
 }

@@ -205,6 +205,50 @@ pub fn parameters(message: &[u8]) -> Result<Parameters> {
     Ok(parameters)
 }
 
+/// How many bytes of an encoded `ModelInferRequest`'s start hold its leading fields, everything before its tensors
+/// (the first field that is not its name, version, id or parameters): `None` while `start` ends inside them and is
+/// not the whole message. Encoders write fields in number order, so the tensors come last; a reader that picks an
+/// endpoint before the tensors arrive (`oipgate epp`) reads only this much.
+pub fn leading_length(start: &[u8], whole: bool) -> Result<Option<usize>> {
+    let mut pos = 0;
+    while pos < start.len() {
+        let field_start = pos;
+        let truncated = |error: Error| if whole { Err(error) } else { Ok(None) };
+        let (number, wire_type) = match key(start, &mut pos) {
+            Ok(key) => key,
+            Err(_) if !whole && start.len() - field_start < MOST_KEY_BYTES => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        if !matches!(u64::from(number), MODEL_NAME | MODEL_VERSION | REQUEST_ID | PARAMETERS) {
+            return Ok(Some(field_start));
+        }
+        match wire_type {
+            0 => {
+                if let Err(error) = varint(start, &mut pos) {
+                    return truncated(error);
+                }
+            }
+            1 => pos += 8,
+            5 => pos += 4,
+            _ => {
+                let length = match length(start, &mut pos) {
+                    Ok(length) => length,
+                    Err(error) if start.len() - pos >= MOST_KEY_BYTES => return Err(error),
+                    Err(error) => return truncated(error),
+                };
+                pos = usize::try_from(length)
+                    .ok()
+                    .and_then(|l| pos.checked_add(l))
+                    .unwrap_or(usize::MAX);
+            }
+        }
+        if pos > start.len() {
+            return truncated(Error::invalid("protobuf field runs past the end of the message"));
+        }
+    }
+    Ok(whole.then_some(start.len()))
+}
+
 /// One entry of a `parameters` map (`kind` names whose, in errors), its keys read as every decoder reads them: its
 /// name (field 1, the last given) and its value (field 2, merged as protobuf merges a message given twice).
 fn parameter_entry<'a>(entry: &'a [u8], kind: &str) -> Result<(&'a str, Option<crate::proto::InferParameter>)> {

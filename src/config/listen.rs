@@ -10,6 +10,8 @@ use super::{Problems, file};
 
 /// Default REST front door.
 pub const DEFAULT_REST: &str = "127.0.0.1:8000";
+/// The endpoint picker's address: the port the Gateway API Inference Extension's pickers serve on.
+pub const DEFAULT_EPP: &str = "127.0.0.1:9002";
 /// Default gRPC front door.
 pub const DEFAULT_GRPC: &str = "127.0.0.1:8001";
 
@@ -22,6 +24,8 @@ pub struct RawListen {
     pub grpc: Option<String>,
     /// Prometheus metrics.
     pub metrics: Option<String>,
+    /// The endpoint picker's ext_proc service (`oipgate epp`).
+    pub epp: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +33,8 @@ pub struct Listen {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
     pub metrics: Option<SocketAddr>,
+    /// Where `oipgate epp` serves Envoy's external processing and its gRPC health services.
+    pub epp: SocketAddr,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -79,6 +85,7 @@ pub(super) fn validate_listen(problems: &mut Problems, listen: &RawListen) -> Op
     let rest = address(problems, "listen.rest", listen.rest.as_deref(), Some(DEFAULT_REST));
     let grpc = address(problems, "listen.grpc", listen.grpc.as_deref(), Some(DEFAULT_GRPC));
     let metrics = address(problems, "listen.metrics", listen.metrics.as_deref(), None);
+    let epp = address(problems, "listen.epp", listen.epp.as_deref(), Some(DEFAULT_EPP));
     if rest.is_some() && rest == grpc && rest.is_some_and(|a| a.port() != 0) {
         problems.add("listen.grpc", "the gRPC address is the same as the REST address");
     }
@@ -86,6 +93,7 @@ pub(super) fn validate_listen(problems: &mut Problems, listen: &RawListen) -> Op
         rest: rest?,
         grpc: grpc?,
         metrics,
+        epp: epp?,
     })
 }
 

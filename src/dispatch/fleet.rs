@@ -332,6 +332,37 @@ impl Endpoints {
             .collect()
     }
 
+    /// The endpoints other than `picked` and those `excluded` that may take a call for `model` at `version` now.
+    pub fn eligible_except(&self, model: &str, version: &str, excluded: &[usize], picked: usize) -> Vec<usize> {
+        let mut eligible = self.eligible(model, version, excluded);
+        eligible.retain(|&i| i != picked);
+        eligible
+    }
+
+    /// An endpoint that may take calls (healthy and not ejected), whatever its models: the next in turn.
+    pub fn any_available(&self) -> Option<usize> {
+        let available: Vec<usize> = (0..self.states.len())
+            .filter(|&i| self.states[i].is_available())
+            .collect();
+        (!available.is_empty()).then(|| available[self.next.fetch_add(1, Ordering::Relaxed) % available.len()])
+    }
+
+    /// Counts a call in flight at endpoint `index` without taking a slot there: a call another proxy already sent
+    /// (the endpoint it reported serving a call the gateway picked elsewhere).
+    pub fn hold(&self, index: usize) -> Lease {
+        let state = self.states[index].clone();
+        state.in_flight.fetch_add(1, Ordering::Relaxed);
+        let generation = state.scrape_generation.load(Ordering::Acquire);
+        state.sent_since_scrape.fetch_add(1, Ordering::Relaxed);
+        Lease {
+            index,
+            state,
+            _permit: None,
+            generation,
+            started: Instant::now(),
+        }
+    }
+
     /// Whether an endpoint other than those `tried` could take a call for `model` at `version`.
     pub fn has_untried(&self, model: &str, version: &str, tried: &[usize]) -> bool {
         !self.eligible(model, version, tried).is_empty()

@@ -38,6 +38,7 @@ mod metadata;
 mod mirror;
 mod passthrough;
 mod payload_sink;
+mod pick;
 mod probe;
 mod readiness;
 mod repository;
@@ -54,6 +55,7 @@ use metadata::MetadataCache;
 pub use mirror::MirrorPayload;
 use mirror::mirror_call;
 pub use passthrough::{Outgoing, Passthrough};
+pub use pick::Picked;
 use probe::probe;
 use readiness::AskedReadiness;
 pub use repository::RepositoryAction;
@@ -251,6 +253,11 @@ impl Dispatcher {
             metadata_cache: MetadataCache::default(),
             ready_policy: config.ready_policy,
         })
+    }
+
+    /// Whether the configuration routes `model` (a public name).
+    pub fn knows(&self, model: &str) -> bool {
+        self.routes.versions(model).is_some()
     }
 
     /// Who may call what, and how fast.

@@ -1,6 +1,7 @@
 //! The front doors: thin adapters from REST and gRPC onto the one dispatch call.
 
 pub mod budget;
+pub mod epp;
 pub mod flood;
 pub mod grpc;
 pub mod preface;

@@ -123,6 +123,48 @@ pub fn access(route: Option<RouteNames<'_>>, request: &Finished<'_>) {
     });
 }
 
+/// One call the endpoint picker picked for (or refused), as it ended.
+#[derive(Debug)]
+pub struct FinishedPick<'a> {
+    pub request_id: Option<&'a str>,
+    /// `rest` or `grpc`: how the client called.
+    pub protocol: &'a str,
+    /// The REST path or gRPC method.
+    pub target: &'a str,
+    pub model: Option<&'a str>,
+    pub version: Option<&'a str>,
+    /// The endpoints picked, in order (the first picked, the rest fallbacks).
+    pub endpoints: Option<&'a str>,
+    /// The endpoint the proxy reported serving the call.
+    pub served: Option<&'a str>,
+    /// picked, shed, unavailable or refused.
+    pub result: &'a str,
+    /// The status the client was answered: the backend's, or the picker's refusal; 0 when none was seen.
+    pub status: u16,
+    pub pick: std::time::Duration,
+    pub duration: std::time::Duration,
+}
+
+/// Writes the access-log line of one call the endpoint picker picked for.
+pub fn pick(call: &FinishedPick<'_>) {
+    if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
+        return;
+    }
+    AccessLine::write("pick", |line| {
+        line.plain("request_id", field(call.request_id));
+        line.quoted("protocol", call.protocol);
+        line.quoted("path", call.target);
+        line.plain("model", field(call.model));
+        line.plain("version", field(call.version));
+        line.quoted("endpoints", field(call.endpoints));
+        line.plain("served", field(call.served));
+        line.quoted("result", call.result);
+        line.number("status", u64::from(call.status));
+        line.float("pick_ms", call.pick.as_secs_f64() * 1000.0);
+        line.float("duration_ms", call.duration.as_secs_f64() * 1000.0);
+    });
+}
+
 fn field(value: Option<&str>) -> &str {
     value.filter(|v| !v.is_empty()).unwrap_or("-")
 }

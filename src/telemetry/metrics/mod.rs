@@ -68,6 +68,48 @@ pub struct Metrics {
     payload_events: IntCounterVec,
     /// `oipgate_connections_refused_total` by listener.
     connections_refused: IntCounterVec,
+    /// The endpoint picker's (`oipgate epp`).
+    epp: EppMetrics,
+}
+
+/// What the endpoint picker reports: its picks, how long each took, and the endpoints the proxy reported serving.
+#[derive(Debug)]
+struct EppMetrics {
+    picks: Family<IntCounterVec>,
+    pick_duration: Histogram,
+    served: Family<IntCounterVec>,
+}
+
+impl EppMetrics {
+    fn new(families: &Families<'_>) -> Result<EppMetrics> {
+        Ok(EppMetrics {
+            picks: families.counters(
+                "oipgate_epp_picks_total",
+                "Endpoint picks for the proxy, by public model and version, the endpoint picked (_none when refused) \
+                 and result: picked, shed (429, max_queue or a limit), unavailable (503, no eligible endpoint) or \
+                 refused (another error: an unknown model, a malformed request).",
+                &["model", "version", "endpoint", "result"],
+            )?,
+            pick_duration: registered(
+                families.registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "oipgate_epp_pick_duration_seconds",
+                        "Time from the request's headers reaching the picker to its pick (or refusal), the body's \
+                         start read included.",
+                    )
+                    .buckets(DURATION_BUCKETS.to_vec()),
+                )
+                .map_err(metric_error)?,
+            )?,
+            served: families.counters(
+                "oipgate_epp_served_total",
+                "Calls the proxy reported served (envoy.lb x-gateway-destination-endpoint-served), by endpoint and \
+                 whether it was the one picked: picked, fallback (another of the list) or unreported.",
+                &["endpoint", "result"],
+            )?,
+        })
+    }
 }
 
 /// Inference streams: the client streams open, and per public model version the backend streams closed, their
@@ -430,6 +472,7 @@ impl Metrics {
             translation: Direction::ALL.map(|direction| translation.with_label_values(&[direction.label()])),
             reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
             streams: StreamMetrics::new(&families)?,
+            epp: EppMetrics::new(&families)?,
             registry,
         }))
     }
@@ -559,6 +602,17 @@ impl Metrics {
         }
     }
 
+    /// Counts one pick of the endpoint picker (`endpoint` is `_none` for a refusal) and the time it took.
+    pub fn epp_pick(&self, model: &str, version: &str, endpoint: &str, result: &str, took: Duration) {
+        self.epp.picks.series(&[model, version, endpoint, result]).inc();
+        self.epp.pick_duration.observe(took.as_secs_f64());
+    }
+
+    /// Counts a call the proxy reported served by `endpoint` (`result`: picked, fallback or unreported).
+    pub fn epp_served(&self, endpoint: &str, result: &str) {
+        self.epp.served.series(&[endpoint, result]).inc();
+    }
+
     /// Counts a configuration reload, applied or refused.
     pub fn reloaded(&self, ok: bool) {
         self.reloads[usize::from(!ok)].inc();
@@ -577,6 +631,7 @@ impl Metrics {
         self.streams.closed.retain(model_version);
         self.streams.messages.retain(model_version);
         self.streams.first_response.retain(model_version);
+        self.epp.picks.retain(model_version);
         let backend = |values: &[String]| fixed(&values[0]) || has_backend(&values[0]);
         let families = &self.backends;
         families.in_flight.retain(backend);

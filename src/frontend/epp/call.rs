@@ -1,0 +1,657 @@
+//! One call through the proxy, as its ext_proc stream tells it: the request's headers and body start read, the
+//! endpoint picked and named to the proxy, the body relayed back as it comes, and the answer's status and the
+//! endpoint that served it recorded when it ends.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderName, HeaderValue};
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
+use prost_types::value::Kind;
+
+use super::read::{self, MOST_READ, Read, Wanted};
+use crate::dispatch::{AdmittedCall, CallRequest, Dispatcher, Picked};
+use crate::envoy_api::envoy::config::core::v3 as core;
+use crate::envoy_api::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use crate::envoy_api::envoy::service::ext_proc::v3 as ext_proc;
+use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::live::Gateway;
+use crate::telemetry::logging::{self, FinishedPick};
+use crate::telemetry::metrics::{NO_BACKEND, UNKNOWN};
+use crate::telemetry::traces::Trace;
+use ext_proc::processing_request::Request as Message;
+use ext_proc::processing_response::Response as Answer;
+
+/// The request header, and the dynamic metadata key in namespace [`LB_NAMESPACE`], that name the picked endpoints.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// Where the proxy reports, on the response path, the endpoint that served the call.
+pub const SERVED: &str = "x-gateway-destination-endpoint-served";
+/// The filter metadata namespace and key of the subset hint: the only endpoints the proxy will use.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET: &str = "x-gateway-destination-endpoint-subset";
+pub const LB_NAMESPACE: &str = "envoy.lb";
+
+/// Where the call stands.
+#[derive(Debug)]
+enum Phase {
+    /// The request's headers are awaited.
+    Headers,
+    /// The body's start is read; its chunks are held until the pick.
+    Reading,
+    /// Picked: the body's chunks go back to the proxy as they come.
+    Relaying,
+    /// Refused with an immediate response: what else comes is ignored.
+    Refused,
+}
+
+/// One call's state, from its request's headers to the end of its answer.
+pub(super) struct Call {
+    gateway: Arc<Gateway>,
+    /// Endpoints named after the picked one.
+    fallbacks: usize,
+    dispatcher: Arc<Dispatcher>,
+    phase: Phase,
+    began: Instant,
+    request_duplex: bool,
+    response_duplex: bool,
+    /// From the request's headers.
+    path: String,
+    grpc: bool,
+    forward: HeaderMap,
+    subset: Option<Vec<String>>,
+    wanted: Wanted,
+    /// The body's start, copied from its first chunks (at most [`MOST_READ`] and a gRPC frame's prefix), to read
+    /// what the call names; the chunks themselves are held as they came and relayed untouched.
+    start: Vec<u8>,
+    held: Vec<Bytes>,
+    /// What was read, once it was.
+    model: Option<String>,
+    version: Option<String>,
+    picked: Option<Picked>,
+    /// The call's place among its model's calls under way, held until it ends.
+    admitted: Option<AdmittedCall>,
+    endpoints: Option<String>,
+    result: &'static str,
+    picked_after: Option<Duration>,
+    status: u16,
+    failed: bool,
+    served: Option<String>,
+    ended: bool,
+}
+
+impl Call {
+    pub(super) fn new(gateway: Arc<Gateway>, fallbacks: usize) -> Call {
+        let dispatcher = gateway.dispatcher();
+        Call {
+            gateway,
+            fallbacks,
+            dispatcher,
+            phase: Phase::Headers,
+            began: Instant::now(),
+            request_duplex: true,
+            response_duplex: true,
+            path: String::new(),
+            grpc: false,
+            forward: HeaderMap::new(),
+            subset: None,
+            wanted: Wanted::Any,
+            start: Vec::new(),
+            held: Vec::new(),
+            model: None,
+            version: None,
+            picked: None,
+            admitted: None,
+            endpoints: None,
+            result: "refused",
+            picked_after: None,
+            status: 0,
+            failed: false,
+            served: None,
+            ended: false,
+        }
+    }
+
+    /// Answers one message of the proxy's, in order; several answers may go back for one message (the held
+    /// chunks after a pick) or none (a chunk held while the body's start is read).
+    pub(super) async fn on(
+        &mut self,
+        request: ext_proc::ProcessingRequest,
+        answers: &mut Vec<ext_proc::ProcessingResponse>,
+    ) {
+        if let Some(config) = &request.protocol_config {
+            self.request_duplex = config.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
+            self.response_duplex = config.response_body_mode == BodySendMode::FullDuplexStreamed as i32;
+        }
+        let Some(message) = request.request else {
+            return;
+        };
+        match message {
+            Message::RequestHeaders(headers) => {
+                if let Err(error) = self.on_request_headers(&headers, request.metadata_context.as_ref()) {
+                    answers.push(self.refuse(&error));
+                } else if headers.end_of_stream || !self.request_duplex || !self.wanted.reads_body() {
+                    self.pick(true, false, answers).await;
+                } else {
+                    self.phase = Phase::Reading;
+                }
+            }
+            Message::RequestBody(body) => self.on_request_body(body, answers).await,
+            Message::RequestTrailers(_) => {
+                if matches!(self.phase, Phase::Reading) {
+                    self.pick(true, false, answers).await;
+                }
+                if !matches!(self.phase, Phase::Refused) {
+                    answers.push(answer(Answer::RequestTrailers(ext_proc::TrailersResponse::default())));
+                }
+            }
+            Message::ResponseHeaders(headers) => {
+                self.on_response_headers(&headers, request.metadata_context.as_ref());
+                answers.push(answer(Answer::ResponseHeaders(ext_proc::HeadersResponse::default())));
+                if headers.end_of_stream {
+                    self.end();
+                }
+            }
+            Message::ResponseBody(body) => {
+                let end = body.end_of_stream;
+                answers.push(answer(Answer::ResponseBody(body_answer(body, self.response_duplex))));
+                if end {
+                    self.end();
+                }
+            }
+            Message::ResponseTrailers(trailers) => {
+                if let Some(status) = trailers
+                    .trailers
+                    .as_ref()
+                    .and_then(|t| header(t, "grpc-status"))
+                    .and_then(|s| s.parse::<u32>().ok())
+                {
+                    self.failed |= grpc_failure(status);
+                }
+                answers.push(answer(Answer::ResponseTrailers(ext_proc::TrailersResponse::default())));
+                self.end();
+            }
+        }
+    }
+
+    /// Reads the request's headers: its path, protocol and end-to-end headers, and the subset hint.
+    fn on_request_headers(&mut self, headers: &ext_proc::HttpHeaders, metadata: Option<&core::Metadata>) -> Result<()> {
+        let mut content_type = String::new();
+        let mut header_length = None;
+        for entry in headers.headers.iter().flat_map(|map| &map.headers) {
+            let value = value_of(entry);
+            match entry.key.as_str() {
+                ":path" => self.path = String::from_utf8_lossy(value).into_owned(),
+                key if key.starts_with(':') => {}
+                key => {
+                    if key == "content-type" {
+                        content_type = String::from_utf8_lossy(value).into_owned();
+                    } else if key == crate::headers::INFERENCE_HEADER_CONTENT_LENGTH.as_str() {
+                        header_length = Some(String::from_utf8_lossy(value).into_owned());
+                    }
+                    if let (Ok(name), Ok(value)) = (HeaderName::try_from(key), HeaderValue::from_bytes(value)) {
+                        self.forward.append(name, value);
+                    }
+                }
+            }
+        }
+        self.grpc = content_type.starts_with("application/grpc");
+        self.subset = metadata.and_then(subset_hint);
+        let decthings = content_type.starts_with("application/x-decthings");
+        self.wanted = read::wanted(&self.path, self.grpc, header_length.as_deref(), decthings)?;
+        Ok(())
+    }
+
+    async fn on_request_body(&mut self, body: ext_proc::HttpBody, answers: &mut Vec<ext_proc::ProcessingResponse>) {
+        match self.phase {
+            Phase::Reading => {
+                let room = (MOST_READ + 5).saturating_sub(self.start.len());
+                // The start is copied (at most MOST_READ bytes and a frame prefix) to be read in one piece; the chunk
+                // itself is held as it came.
+                self.start.extend_from_slice(&body.body[..body.body.len().min(room)]);
+                let end = body.end_of_stream;
+                self.held.push(body.body);
+                self.pick(end, end, answers).await;
+            }
+            Phase::Relaying | Phase::Headers => {
+                if self.request_duplex {
+                    answers.push(answer(Answer::RequestBody(streamed(body.body, body.end_of_stream))));
+                } else {
+                    answers.push(answer(Answer::RequestBody(ext_proc::BodyResponse::default())));
+                }
+            }
+            Phase::Refused => {}
+        }
+    }
+
+    /// Picks once the body's start says enough (`whole`: the body has ended; `body_ended`: with its last chunk, not
+    /// trailers), and answers the request's headers with the pick, then the held chunks; or refuses the call.
+    async fn pick(&mut self, whole: bool, body_ended: bool, answers: &mut Vec<ext_proc::ProcessingResponse>) {
+        let read = if self.wanted.reads_body() && self.request_duplex {
+            match self.wanted.read(&self.start, whole) {
+                Ok(None) if !whole && self.start.len() < MOST_READ + 5 => return,
+                Ok(None) => Err(Error::invalid("the request's body ends before what names its model")),
+                Ok(Some(read)) => Ok(Some(read)),
+                Err(error) => Err(error),
+            }
+        } else {
+            self.wanted.read(&[], true)
+        };
+        let picked = match read {
+            Ok(read) => self.choose(read).await,
+            Err(error) => Err(error),
+        };
+        self.picked_after = Some(self.began.elapsed());
+        let (headers_answer, rename) = match picked {
+            Ok(picked) => picked,
+            Err(error) => {
+                answers.push(self.refuse(&error));
+                return;
+            }
+        };
+        answers.push(headers_answer);
+        self.phase = Phase::Relaying;
+        let held = std::mem::take(&mut self.held);
+        self.start = Vec::new();
+        let ended = body_ended;
+        let held = match rename {
+            Some(head) => {
+                let mut chunks = vec![head.0];
+                chunks.extend(read::skip(&held, head.1));
+                chunks
+            }
+            None => held,
+        };
+        let count = held.len();
+        for (index, chunk) in held.into_iter().enumerate() {
+            let last = index + 1 == count && ended;
+            answers.push(answer(Answer::RequestBody(streamed(chunk, last))));
+        }
+    }
+
+    /// The pick for what was read (`None`: a call that names no model), as the answer to the request's headers,
+    /// and, when the call's gRPC message must name the backend's model, the message's new start and how many bytes
+    /// of the held body it replaces.
+    async fn choose(&mut self, read: Option<Read>) -> Result<(ext_proc::ProcessingResponse, Option<(Bytes, usize)>)> {
+        let dispatcher = self.dispatcher.clone();
+        let Some(read) = read else {
+            let picked = dispatcher.pick_any()?;
+            let answer = self.picked(picked, None);
+            return Ok((answer, None));
+        };
+        self.model = Some(read.model.clone());
+        self.version = read.version.clone();
+        let principal = dispatcher.guard().authenticate(&self.forward)?;
+        let trace = dispatcher.traces().map_or_else(Trace::default, |traces| {
+            traces.request(&self.forward, || {
+                ("epp pick".into(), vec![KeyValue::new("oip.path", self.path.clone())])
+            })
+        });
+        let call = CallRequest {
+            model: &read.model,
+            version: read.version.as_deref(),
+            forward: &self.forward,
+            principal: principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &trace,
+        };
+        let reserved = read.reserved.clone();
+        let (admitted, _) = dispatcher.admit(&call, async move { Ok(((), reserved)) }).await;
+        let (admitted, ()) = admitted?;
+        let picking = trace.child("pick", SpanKind::Internal, Vec::new);
+        let picked = dispatcher
+            .pick(&admitted.routed, self.subset.as_deref(), self.fallbacks)
+            .await;
+        if let Ok(picked) = &picked {
+            picking.set("oip.endpoint", picked.picked().to_string());
+        }
+        drop(picking);
+        let picked = picked?;
+        let route = admitted.routed.route.clone();
+        let renamed = route.upstream_name != read.model
+            || route.backend_version().unwrap_or("") != read.version.as_deref().unwrap_or("");
+        let mut path = None;
+        let mut head = None;
+        if renamed {
+            match (&self.wanted, read.grpc_frame) {
+                (
+                    Wanted::Rest {
+                        suffix: Some(suffix), ..
+                    },
+                    _,
+                ) => {
+                    let query = self.path.split_once('?').map(|(_, q)| q);
+                    let mut renamed =
+                        crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), suffix);
+                    if let Some(query) = query {
+                        renamed.push('?');
+                        renamed.push_str(query);
+                    }
+                    path = Some(renamed);
+                }
+                (Wanted::Grpc { method }, Some((length, leading))) if *method != read::GrpcMethod::StreamInfer => {
+                    head = Some(rename_message(
+                        &self.start,
+                        length,
+                        leading,
+                        &route.upstream_name,
+                        &route.upstream_version,
+                    )?);
+                }
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::Unimplemented,
+                        Origin::Gateway,
+                        format!(
+                            "model '{}' version '{}' is served as '{}' version '{}' by its backend, and the endpoint \
+                             picker cannot rename it in this call (it renames REST paths and unary gRPC messages; \
+                             each message of a stream names the model again)",
+                            route.model, route.version, route.upstream_name, route.upstream_version
+                        ),
+                    ));
+                }
+            }
+        }
+        self.version = Some(route.version.clone());
+        self.admitted = Some(admitted);
+        let mut answer = self.picked(picked, path);
+        if let Some((bytes, _)) = &head {
+            // The message's length changed: a length the client gave no longer holds.
+            if let Some(Answer::RequestHeaders(headers)) = &mut answer.response
+                && let Some(common) = &mut headers.response
+                && let Some(mutation) = &mut common.header_mutation
+            {
+                mutation.remove_headers.push("content-length".to_owned());
+            }
+            let _ = bytes;
+        }
+        Ok((answer, head))
+    }
+
+    /// Holds the pick and answers the request's headers with it: the endpoints named in the destination header and
+    /// in the `envoy.lb` dynamic metadata, and the path renamed when the backend names the model otherwise.
+    fn picked(&mut self, picked: Picked, path: Option<String>) -> ext_proc::ProcessingResponse {
+        let endpoints = picked.endpoints.iter().map(|e| &**e).collect::<Vec<_>>().join(",");
+        let mut set_headers = vec![set_header(DESTINATION, endpoints.as_bytes())];
+        if let Some(path) = &path {
+            set_headers.push(set_header(":path", path.as_bytes()));
+        }
+        self.result = "picked";
+        self.gateway.metrics().epp_pick(
+            self.model.as_deref().unwrap_or(NO_BACKEND),
+            self.version.as_deref().unwrap_or(NO_BACKEND),
+            picked.picked(),
+            "picked",
+            self.began.elapsed(),
+        );
+        self.endpoints = Some(endpoints.clone());
+        self.picked = Some(picked);
+        let lb = prost_types::Struct {
+            fields: [(DESTINATION.to_owned(), string_value(endpoints))]
+                .into_iter()
+                .collect(),
+        };
+        ext_proc::ProcessingResponse {
+            response: Some(Answer::RequestHeaders(ext_proc::HeadersResponse {
+                response: Some(ext_proc::CommonResponse {
+                    header_mutation: Some(ext_proc::HeaderMutation {
+                        set_headers,
+                        remove_headers: Vec::new(),
+                    }),
+                    // The route chosen for the request may depend on what was set (the path renamed).
+                    clear_route_cache: path.is_some(),
+                    ..Default::default()
+                }),
+            })),
+            dynamic_metadata: Some(prost_types::Struct {
+                fields: [(
+                    LB_NAMESPACE.to_owned(),
+                    prost_types::Value {
+                        kind: Some(Kind::StructValue(lb)),
+                    },
+                )]
+                .into_iter()
+                .collect(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Refuses the call with an immediate response: its status and, for a gRPC client, its code; the message as a
+    /// REST error body (or a gRPC message).
+    fn refuse(&mut self, error: &Error) -> ext_proc::ProcessingResponse {
+        self.phase = Phase::Refused;
+        self.held.clear();
+        self.start = Vec::new();
+        self.picked_after.get_or_insert_with(|| self.began.elapsed());
+        self.result = match error.kind() {
+            ErrorKind::Overloaded => "shed",
+            ErrorKind::Unavailable => "unavailable",
+            _ => "refused",
+        };
+        let status = error.http_status().as_u16();
+        self.status = status;
+        let (model, version) = match (&self.model, &self.version) {
+            (Some(model), version) if self.dispatcher.knows(model) => {
+                (model.as_str(), version.as_deref().unwrap_or(UNKNOWN))
+            }
+            _ => (UNKNOWN, UNKNOWN),
+        };
+        self.gateway
+            .metrics()
+            .epp_pick(model, version, NO_BACKEND, self.result, self.began.elapsed());
+        let mut set_headers = Vec::new();
+        if let Some(seconds) = error.retry_after_seconds() {
+            set_headers.push(set_header("retry-after", seconds.to_string().as_bytes()));
+        }
+        let (body, grpc_status) = if self.grpc {
+            (
+                Bytes::from(error.message().to_owned()),
+                Some(ext_proc::GrpcStatus {
+                    status: error.grpc_code() as u32,
+                }),
+            )
+        } else {
+            set_headers.push(set_header("content-type", b"application/json"));
+            let body = serde_json::json!({ "error": error.message() }).to_string();
+            (Bytes::from(body), None)
+        };
+        answer(Answer::ImmediateResponse(ext_proc::ImmediateResponse {
+            status: Some(crate::envoy_api::envoy::r#type::v3::HttpStatus {
+                code: i32::from(status),
+            }),
+            headers: Some(ext_proc::HeaderMutation {
+                set_headers,
+                remove_headers: Vec::new(),
+            }),
+            body,
+            grpc_status,
+            details: format!("oipgate_epp_{}", self.result),
+        }))
+    }
+
+    fn on_response_headers(&mut self, headers: &ext_proc::HttpHeaders, metadata: Option<&core::Metadata>) {
+        if let Some(map) = &headers.headers {
+            if let Some(status) = header(map, ":status").and_then(|s| s.parse::<u16>().ok()) {
+                self.status = status;
+                self.failed |= status >= 500;
+            }
+            if let Some(status) = header(map, "grpc-status").and_then(|s| s.parse::<u32>().ok()) {
+                self.failed |= grpc_failure(status);
+            }
+        }
+        let served = metadata.and_then(|metadata| {
+            let fields = &metadata.filter_metadata.get(LB_NAMESPACE)?.fields;
+            match fields.get(SERVED)?.kind.as_ref()? {
+                Kind::StringValue(served) => Some(served.clone()),
+                _ => None,
+            }
+        });
+        let Some(picked) = &mut self.picked else {
+            return;
+        };
+        match served {
+            Some(served) => {
+                let as_picked = picked.served(&served);
+                let result = if as_picked { "picked" } else { "fallback" };
+                self.gateway.metrics().epp_served(picked.serving(), result);
+                self.served = Some(served);
+            }
+            None => self.gateway.metrics().epp_served(picked.serving(), "unreported"),
+        }
+    }
+
+    /// The answer has ended: the outcome is recorded at the endpoint that served it and the call's places are
+    /// given back.
+    fn end(&mut self) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        if let Some(picked) = self.picked.take() {
+            picked.finished(self.failed);
+        }
+        self.admitted = None;
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        // A stream that ended before the answer did (the client went away, the proxy reset it) still gives its
+        // places back; its outcome is not counted against the endpoint.
+        self.picked = None;
+        self.admitted = None;
+        if matches!(self.phase, Phase::Headers) {
+            return;
+        }
+        let request_id = self
+            .forward
+            .get(crate::headers::REQUEST_ID)
+            .and_then(|v| v.to_str().ok());
+        logging::pick(&FinishedPick {
+            request_id,
+            protocol: if self.grpc { "grpc" } else { "rest" },
+            target: &self.path,
+            model: self.model.as_deref(),
+            version: self.version.as_deref(),
+            endpoints: self.endpoints.as_deref(),
+            served: self.served.as_deref(),
+            result: self.result,
+            status: self.status,
+            pick: self.picked_after.unwrap_or_default(),
+            duration: self.began.elapsed(),
+        });
+    }
+}
+
+/// The message's new start when its model is renamed: the frame prefix with the new length and the renamed
+/// leading fields, and how many bytes of the body (prefix and old leading fields) it replaces.
+fn rename_message(start: &[u8], length: usize, leading: usize, name: &str, version: &str) -> Result<(Bytes, usize)> {
+    let fields = Bytes::copy_from_slice(&start[5..5 + leading]);
+    let renamed = crate::codec::splice::rename(&fields, name, version)?;
+    let renamed_length: usize = renamed.iter().map(Bytes::len).sum();
+    let new_length = u32::try_from(length - leading + renamed_length)
+        .map_err(|_| Error::invalid("the renamed message is longer than gRPC frames allow"))?;
+    let mut head = BytesMut::with_capacity(5 + renamed_length);
+    head.extend_from_slice(&[0]);
+    head.extend_from_slice(&new_length.to_be_bytes());
+    for piece in renamed {
+        head.extend_from_slice(&piece);
+    }
+    Ok((head.freeze(), 5 + leading))
+}
+
+fn answer(response: Answer) -> ext_proc::ProcessingResponse {
+    ext_proc::ProcessingResponse {
+        response: Some(response),
+        ..Default::default()
+    }
+}
+
+/// A body chunk given back: as a streamed chunk in full-duplex mode, else let through as it is.
+fn body_answer(body: ext_proc::HttpBody, duplex: bool) -> ext_proc::BodyResponse {
+    if duplex {
+        streamed(body.body, body.end_of_stream)
+    } else {
+        ext_proc::BodyResponse::default()
+    }
+}
+
+fn streamed(body: Bytes, end_of_stream: bool) -> ext_proc::BodyResponse {
+    ext_proc::BodyResponse {
+        response: Some(ext_proc::CommonResponse {
+            body_mutation: Some(ext_proc::BodyMutation {
+                mutation: Some(ext_proc::body_mutation::Mutation::StreamedResponse(
+                    ext_proc::StreamedBodyResponse { body, end_of_stream },
+                )),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+fn set_header(name: &str, value: &[u8]) -> core::HeaderValueOption {
+    core::HeaderValueOption {
+        header: Some(core::HeaderValue {
+            key: name.to_owned(),
+            value: String::new(),
+            raw_value: value.to_vec(),
+        }),
+        append_action: core::header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn string_value(value: String) -> prost_types::Value {
+    prost_types::Value {
+        kind: Some(Kind::StringValue(value)),
+    }
+}
+
+/// A header's value as Envoy sends it: in `raw_value`, or in `value` from older proxies.
+fn value_of(entry: &core::HeaderValue) -> &[u8] {
+    if entry.raw_value.is_empty() {
+        entry.value.as_bytes()
+    } else {
+        &entry.raw_value
+    }
+}
+
+fn header<'a>(map: &'a core::HeaderMap, name: &str) -> Option<&'a str> {
+    map.headers
+        .iter()
+        .find(|entry| entry.key == name)
+        .and_then(|entry| std::str::from_utf8(value_of(entry)).ok())
+}
+
+/// A gRPC status that counts against the endpoint: UNAVAILABLE, or INTERNAL, as a 5xx does.
+fn grpc_failure(status: u32) -> bool {
+    status == tonic::Code::Unavailable as u32 || status == tonic::Code::Internal as u32
+}
+
+/// The subset hint in the request's filter metadata: a list of `ip:port`, or one string of them joined by commas.
+fn subset_hint(metadata: &core::Metadata) -> Option<Vec<String>> {
+    let value = metadata.filter_metadata.get(SUBSET_NAMESPACE)?.fields.get(SUBSET)?;
+    let mut endpoints = Vec::new();
+    let mut add = |text: &str| {
+        endpoints.extend(
+            text.split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty())
+                .map(str::to_owned),
+        );
+    };
+    match value.kind.as_ref()? {
+        Kind::StringValue(text) => add(text),
+        Kind::ListValue(list) => {
+            for item in &list.values {
+                if let Some(Kind::StringValue(text)) = &item.kind {
+                    add(text);
+                }
+            }
+        }
+        _ => {}
+    }
+    Some(endpoints)
+}
