@@ -77,8 +77,7 @@ fn envoy_ext_proc() -> Result<(), Box<dyn std::error::Error>> {
     let mut descriptors = protox::compile([proto], ["proto/envoy-api"])?;
     descriptors.file.retain(|file| {
         let package = file.package();
-        !(package == "validate" || package.starts_with("udpa.annotations") || package.ends_with(".annotations"))
-            && !package.starts_with("xds.annotations")
+        !(package == "validate" || package.split('.').any(|part| part == "annotations"))
     });
     tonic_prost_build::configure()
         .include_file("envoy_api.rs")

@@ -19,6 +19,7 @@ import pytest
 collect_ignore = {
     "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py", "test_protobuf_keys.py"],
     "kserve": [
+        "test_epp.py",
         "test_endpoints.py",
         "test_errors.py",
         "test_triton.py",
@@ -26,6 +27,7 @@ collect_ignore = {
         "test_protobuf_keys.py",
     ],
     "triton-server": [
+        "test_epp.py",
         "test_kserve_endpoints.py",
         "test_content_types.py",
         "test_endpoints.py",

@@ -12,6 +12,7 @@ use opentelemetry::trace::SpanKind;
 use prost_types::value::Kind;
 
 use super::read::{self, MOST_READ, Read, Wanted};
+use crate::config::BackendProtocol;
 use crate::dispatch::{AdmittedCall, CallRequest, Dispatcher, Picked};
 use crate::envoy_api::envoy::config::core::v3 as core;
 use crate::envoy_api::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -309,6 +310,20 @@ impl Call {
         drop(picking);
         let picked = picked?;
         let route = admitted.routed.route.clone();
+        // The proxy carries the call as it came: a model served over the other protocol cannot be reached through it.
+        let served_over = dispatcher.backend_protocol(&route);
+        if served_over.is_some_and(|protocol| (protocol == BackendProtocol::Grpc) != self.grpc) {
+            let (asked, served) = if self.grpc { ("gRPC", "REST") } else { ("REST", "gRPC") };
+            return Err(Error::new(
+                ErrorKind::Unimplemented,
+                Origin::Gateway,
+                format!(
+                    "model '{}' is served by {served} endpoints, and the proxy carries this {asked} call as it \
+                     came: call it over {served}",
+                    route.model
+                ),
+            ));
+        }
         let renamed = route.upstream_name != read.model
             || route.backend_version().unwrap_or("") != read.version.as_deref().unwrap_or("");
         let mut path = None;
@@ -399,8 +414,8 @@ impl Call {
                         set_headers,
                         remove_headers: Vec::new(),
                     }),
-                    // The route chosen for the request may depend on what was set (the path renamed).
-                    clear_route_cache: path.is_some(),
+                    // The proxy's route may depend on what was set (the destination header, a renamed path).
+                    clear_route_cache: true,
                     ..Default::default()
                 }),
             })),
