@@ -142,6 +142,43 @@ pub fn splice(data: &[u8]) {
     assert_eq!(again, original, "renaming changed more than the names");
 }
 
+/// The endpoint picker's read of a `ModelInferRequest`'s leading fields from its first bytes: no prefix reads them
+/// otherwise than the whole message does (the same length, more to come, or the same refusal where the whole is
+/// refused), and on a canonical message (what clients send, fields in number order) the name, version and parameters
+/// read from the leading fields alone are prost's.
+pub fn leading_fields(data: &[u8]) {
+    use crate::codec::splice;
+    let whole = splice::leading_length(data, true);
+    for cut in 0..=data.len() {
+        match (splice::leading_length(&data[..cut], false), &whole) {
+            (Ok(None), _) | (Err(_), Err(_)) => {}
+            (Ok(Some(length)), Ok(Some(whole_length))) => assert_eq!(length, *whole_length, "prefix of {cut}"),
+            (prefix, whole) => panic!("a prefix of {cut} bytes read {prefix:?}, the whole message {whole:?}"),
+        }
+    }
+    let Ok(Some(length)) = whole else { return };
+    let canonical = ModelInferRequest::decode(data)
+        .ok()
+        .filter(|m| m.encode_to_vec() == data);
+    let Some(message) = canonical else { return };
+    let leading = &data[..length];
+    let fields = splice::model_fields(leading).expect("a canonical message's leading fields read");
+    assert_eq!(
+        (fields.name, fields.version, fields.id),
+        (
+            message.model_name.as_str(),
+            message.model_version.as_str(),
+            message.id.as_str()
+        )
+    );
+    let parameters = splice::parameters(leading).expect("a canonical message's parameters read");
+    assert_eq!(
+        parameters.len(),
+        message.parameters.len(),
+        "parameters read from the leading fields"
+    );
+}
+
 /// A message's top-level fields as C++ protobuf reads them (`ReadTag`, `ReadSize` and `VarintParse` of its
 /// parse_context.h): a key of at most five bytes whose bits above 32 are dropped, a length of at most five bytes
 /// below 2 GiB, a varint of at most ten bytes; `None` where it refuses the message.

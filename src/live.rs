@@ -49,7 +49,7 @@ pub struct Gateway {
 struct State {
     config: Config,
     backend_tls: Vec<Option<BackendMaterial>>,
-    /// Endpoints found through DNS, by backend name, and when each backend was last resolved.
+    /// Endpoints discovered (DNS, endpoints files), by backend name, and when each backend was last looked up.
     discovered: HashMap<String, Vec<Endpoint>>,
     resolved_at: HashMap<String, Instant>,
     health: Option<tokio::task::JoinHandle<()>>,
@@ -188,7 +188,7 @@ impl Gateway {
     pub async fn run(self: Arc<Self>) {
         {
             let mut state = self.state.lock().await;
-            let due = dns_backends(&state.config);
+            let due = discovered_backends(&state.config);
             if self.resolve(&mut state, &due).await {
                 let config = state.config.clone();
                 let prepared = Prepared::carried(state.backend_tls.clone());
@@ -244,7 +244,7 @@ impl Gateway {
         }
         // Backends found through DNS that are new, or whose name changed, are resolved before the switch, so they
         // do not start out empty.
-        let fresh: Vec<_> = dns_backends(&config)
+        let fresh: Vec<_> = discovered_backends(&config)
             .into_iter()
             .filter(|(name, discovery)| {
                 !state
@@ -357,13 +357,12 @@ impl Gateway {
         loop {
             tokio::time::sleep(DISCOVERY_TICK).await;
             let mut state = self.state.lock().await;
-            let due: Vec<_> = dns_backends(&state.config)
+            let due: Vec<_> = discovered_backends(&state.config)
                 .into_iter()
                 .filter(|(name, discovery)| {
-                    let Discovery::Dns { interval, .. } = discovery else {
-                        return false;
-                    };
-                    state.resolved_at.get(name).is_none_or(|at| at.elapsed() >= *interval)
+                    discovery
+                        .interval()
+                        .is_some_and(|interval| state.resolved_at.get(name).is_none_or(|at| at.elapsed() >= interval))
                 })
                 .collect();
             if due.is_empty() || !self.resolve(&mut state, &due).await {
@@ -378,16 +377,24 @@ impl Gateway {
         }
     }
 
-    /// Resolves `backends`; gives whether any backend's endpoints changed. A failed lookup keeps what was found
-    /// before (a DNS hiccup must not empty a backend); a name with no records empties it.
+    /// Looks `backends` up (DNS, or their endpoints file); gives whether any backend's endpoints changed. A failed
+    /// lookup keeps what was found before (a DNS hiccup or a file caught mid-write must not empty a backend); a name
+    /// with no records, or a file listing none, empties it.
     async fn resolve(&self, state: &mut State, backends: &[(String, Discovery)]) -> bool {
         let mut changed = false;
         for (name, discovery) in backends {
-            let Discovery::Dns { host, port, server, .. } = discovery else {
-                continue;
+            let (source, found) = match discovery {
+                Discovery::Dns { host, port, server, .. } => {
+                    (format!("dns {host}:{port}"), lookup(host, *port, *server).await)
+                }
+                Discovery::File { path, .. } => (
+                    format!("file {}", path.display()),
+                    read_endpoints_file(name, path).await,
+                ),
+                Discovery::Static => continue,
             };
             state.resolved_at.insert(name.clone(), Instant::now());
-            match lookup(host, *port, *server).await {
+            match found {
                 Ok(mut endpoints) => {
                     endpoints.sort_by_key(ToString::to_string);
                     endpoints.dedup();
@@ -395,7 +402,7 @@ impl Gateway {
                     if before != Some(&endpoints) {
                         tracing::info!(
                             backend = %name,
-                            dns = %format!("{host}:{port}"),
+                            %source,
                             endpoints = %endpoints.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
                             "endpoints discovered"
                         );
@@ -404,12 +411,38 @@ impl Gateway {
                     }
                 }
                 Err(error) => {
-                    tracing::warn!(backend = %name, dns = %format!("{host}:{port}"), %error, "DNS lookup failed; keeping the endpoints found before");
+                    tracing::warn!(backend = %name, %source, %error, "endpoint lookup failed; keeping the endpoints found before");
                 }
             }
         }
         changed
     }
+}
+
+/// The endpoints a backend's endpoints file lists; entries that are not an IP address and a port are logged and
+/// left out, the others served.
+async fn read_endpoints_file(backend: &str, path: &std::path::Path) -> Result<Vec<Endpoint>, String> {
+    use crate::config::endpoints_file::{MOST_ENDPOINTS_FILE_BYTES, parse};
+    let owned = path.to_owned();
+    let text = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let file = std::fs::File::open(&owned).map_err(|e| format!("cannot open it: {e}"))?;
+        let mut text = String::new();
+        file.take(MOST_ENDPOINTS_FILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        if text.len() as u64 > MOST_ENDPOINTS_FILE_BYTES {
+            return Err(format!("it is over {MOST_ENDPOINTS_FILE_BYTES} bytes"));
+        }
+        Ok(text)
+    })
+    .await
+    .map_err(|e| format!("cannot read it: {e}"))??;
+    let (endpoints, skipped) = parse(&text)?;
+    for problem in skipped {
+        tracing::warn!(%backend, file = %path.display(), %problem, "endpoint left out");
+    }
+    Ok(endpoints)
 }
 
 fn problem(message: &str) -> Problem {
@@ -429,12 +462,12 @@ fn report_refused(problems: &[Problem]) {
     );
 }
 
-/// The backends found through DNS, by name.
-fn dns_backends(config: &Config) -> Vec<(String, Discovery)> {
+/// The backends whose endpoints are discovered (DNS, an endpoints file), by name.
+fn discovered_backends(config: &Config) -> Vec<(String, Discovery)> {
     config
         .backends()
         .iter()
-        .filter(|b| matches!(b.discovery, Discovery::Dns { .. }))
+        .filter(|b| b.discovery.interval().is_some())
         .map(|b| (b.name.clone(), b.discovery.clone()))
         .collect()
 }

@@ -195,3 +195,89 @@ async fn every_a_and_aaaa_record_is_an_endpoint() {
         .await;
     }
 }
+
+/// The replica that answered a call of the `identity` model: which of `replicas`' statistics counted it.
+async fn identity_counts(replicas: &[&ModelServerProcess]) -> Vec<u64> {
+    let mut counts = Vec::new();
+    for replica in replicas {
+        let answer = common::get(&replica.rest_url("/v2/models/identity/stats")).await;
+        let stats: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        counts.push(
+            stats["model_stats"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["inference_count"].as_u64().unwrap())
+                .sum(),
+        );
+    }
+    counts
+}
+
+#[tokio::test]
+async fn endpoints_follow_their_file() {
+    let (a, b) = (ModelServerProcess::both(), ModelServerProcess::both());
+    let dir = common::unique_temp_dir("oipgate-endpoints-file");
+    let file = dir.join("endpoints.yaml");
+    let write = |replica: &ModelServerProcess| {
+        let address = replica.rest.unwrap();
+        // Written aside and renamed over, as a ConfigMap update lands; the port a string, as llm-d writes it.
+        let aside = dir.join("endpoints.yaml.new");
+        std::fs::write(
+            &aside,
+            format!(
+                "endpoints:\n  - name: replica\n    namespace: default\n    address: \"{}\"\n    port: \"{}\"\n  \
+                 - name: not-an-ip\n    address: \"replica.example\"\n    port: \"80\"\n",
+                address.ip(),
+                address.port()
+            ),
+        )
+        .unwrap();
+        std::fs::rename(&aside, &file).unwrap();
+    };
+    write(&a);
+    let gateway = GatewayProcess::start(&format!(
+        "[[backends]]\nname = \"pool\"\nprotocol = \"rest\"\nendpoints_file = \"{}\"\nendpoints_file_interval_ms = 100\n{}",
+        file.display(),
+        model("identity", "pool")
+    ));
+    let url = gateway.rest_url("/v2/models/identity/infer");
+    eventually(Duration::from_secs(10), "the file's endpoint to serve", || async {
+        post(&url, BODY).await.status == 200
+    })
+    .await;
+    let before = identity_counts(&[&a, &b]).await;
+    for _ in 0..5 {
+        assert_eq!(post(&url, BODY).await.status, 200);
+    }
+    let after = identity_counts(&[&a, &b]).await;
+    assert_eq!((after[0] - before[0], after[1] - before[1]), (5, 0));
+
+    write(&b);
+    let series = format!(
+        "oipgate_endpoint_healthy{{backend=\"pool\",endpoint=\"{}\"}}",
+        b.rest.unwrap()
+    );
+    eventually(Duration::from_secs(10), "the rewritten file to be read", || async {
+        gateway.metrics().await.contains(&series)
+    })
+    .await;
+    eventually(Duration::from_secs(10), "the new endpoint to serve", || async {
+        let before = identity_counts(&[&a, &b]).await;
+        let ok = post(&url, BODY).await.status == 200;
+        let after = identity_counts(&[&a, &b]).await;
+        ok && after[1] > before[1]
+    })
+    .await;
+    let before = identity_counts(&[&a, &b]).await;
+    for _ in 0..5 {
+        assert_eq!(post(&url, BODY).await.status, 200);
+    }
+    let after = identity_counts(&[&a, &b]).await;
+    assert_eq!(
+        (after[0] - before[0], after[1] - before[1]),
+        (0, 5),
+        "the removed endpoint gets none"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

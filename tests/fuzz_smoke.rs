@@ -178,6 +178,12 @@ proptest! {
 
     #[test]
     fn protobuf_keys_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::protobuf_keys(&data); }
+
+    #[test]
+    fn leading_fields_in_every_shape(message in keyed_message()) { fuzzing::leading_fields(&message); }
+
+    #[test]
+    fn leading_fields_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::leading_fields(&data); }
 }
 
 /// A chunked body's framing: chunks of drawn sizes with and without extensions, a last chunk, trailers; line ends

@@ -14,6 +14,8 @@ use super::{Problems, check_name, choice, file, positive};
 
 /// Default interval of DNS re-resolution.
 pub const DEFAULT_DNS_INTERVAL_MS: u64 = 5_000;
+/// How often an `endpoints_file` is read again.
+pub const DEFAULT_ENDPOINTS_FILE_INTERVAL_MS: u64 = 1_000;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -43,6 +45,11 @@ pub struct RawBackend {
     pub dns_interval_ms: Option<u64>,
     /// The DNS server (`ip:port`) asked for `dns`, instead of the system's resolver configuration.
     pub dns_server: Option<String>,
+    /// Instead of endpoints: a file listing them (YAML or JSON, `endpoints: [{ name, address, port }]`, the shape
+    /// llm-d's file discovery reads), read again at an interval; relative to the configuration's directory.
+    pub endpoints_file: Option<String>,
+    /// How often `endpoints_file` is read again, in milliseconds.
+    pub endpoints_file_interval_ms: Option<u64>,
     /// TLS to the backend.
     pub tls: Option<RawBackendTls>,
     /// A REST backend that speaks the binary tensor data extension.
@@ -127,6 +134,18 @@ pub enum Discovery {
         /// The DNS server asked, instead of the system's configuration.
         server: Option<SocketAddr>,
     },
+    /// The endpoints `path` lists, read again every `interval`.
+    File { path: PathBuf, interval: Duration },
+}
+
+impl Discovery {
+    /// How often a discovered backend's endpoints are looked up again; `None` for listed ones.
+    pub fn interval(&self) -> Option<Duration> {
+        match self {
+            Discovery::Static => None,
+            Discovery::Dns { interval, .. } | Discovery::File { interval, .. } => Some(*interval),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
@@ -326,7 +345,7 @@ fn validate_backend(problems: &mut Problems, path: &str, backend: &RawBackend, b
     if backend.binary_data && protocol == BackendProtocol::Grpc {
         problems.add(format!("{path}.binary_data"), "applies to REST backends only");
     }
-    let discovery = backend_discovery(problems, path, backend);
+    let discovery = backend_discovery(problems, path, backend, base);
     let tls = backend_tls(problems, path, backend, base);
     let (endpoints, metrics_addresses) = backend_endpoints(problems, path, backend);
     let mut policy = backend_policy(problems, path, backend);
@@ -388,22 +407,28 @@ fn backend_headers(problems: &mut Problems, path: &str, backend: &RawBackend) ->
     headers
 }
 
-/// How a backend's endpoints are found: listed, or resolved from `dns` (with its interval and server).
-fn backend_discovery(problems: &mut Problems, path: &str, backend: &RawBackend) -> Discovery {
-    let discovery = match (&backend.dns, backend.endpoints.is_empty()) {
-        (None, true) => {
+/// How a backend's endpoints are found: listed, resolved from `dns` (with its interval and server), or read from
+/// `endpoints_file`.
+fn backend_discovery(problems: &mut Problems, path: &str, backend: &RawBackend, base: &Path) -> Discovery {
+    let given = usize::from(!backend.endpoints.is_empty())
+        + usize::from(backend.dns.is_some())
+        + usize::from(backend.endpoints_file.is_some());
+    if given > 1 {
+        problems.add(
+            format!("{path}.endpoints"),
+            "give one of endpoints, dns and endpoints_file, not more",
+        );
+    }
+    let discovery = match (&backend.dns, &backend.endpoints_file, backend.endpoints.is_empty()) {
+        (None, None, true) => {
             problems.add(
                 format!("{path}.endpoints"),
-                "a backend needs at least one endpoint, or `dns`",
+                "a backend needs at least one endpoint, or `dns`, or `endpoints_file`",
             );
             Discovery::Static
         }
-        (None, false) => Discovery::Static,
-        (Some(_), false) => {
-            problems.add(format!("{path}.dns"), "give either endpoints or dns, not both");
-            Discovery::Static
-        }
-        (Some(name), true) => match Endpoint::parse(name) {
+        (_, _, false) => Discovery::Static,
+        (Some(name), _, true) => match Endpoint::parse(name) {
             Ok(Endpoint { host, port }) => Discovery::Dns {
                 host,
                 port,
@@ -423,7 +448,22 @@ fn backend_discovery(problems: &mut Problems, path: &str, backend: &RawBackend) 
                 Discovery::Static
             }
         },
+        (None, Some(endpoints_file), true) => Discovery::File {
+            path: file(problems, &format!("{path}.endpoints_file"), endpoints_file, base),
+            interval: Duration::from_millis(positive(
+                problems,
+                &format!("{path}.endpoints_file_interval_ms"),
+                backend.endpoints_file_interval_ms,
+                DEFAULT_ENDPOINTS_FILE_INTERVAL_MS,
+            )),
+        },
     };
+    if backend.endpoints_file.is_none() && backend.endpoints_file_interval_ms.is_some() {
+        problems.add(
+            format!("{path}.endpoints_file_interval_ms"),
+            "applies only with `endpoints_file`",
+        );
+    }
     if backend.dns.is_none() {
         for key in [
             ("dns_interval_ms", backend.dns_interval_ms.is_some()),

@@ -6,6 +6,7 @@
 pub mod auth;
 pub mod backends;
 pub mod endpoint;
+pub mod endpoints_file;
 pub mod limits;
 pub mod listen;
 pub mod load;
@@ -109,10 +110,10 @@ impl Config {
         let discovered = self
             .backends
             .iter()
-            .filter(|b| matches!(b.discovery, Discovery::Dns { .. }))
+            .filter(|b| matches!(b.discovery, Discovery::Dns { .. } | Discovery::File { .. }))
             .count();
         let discovered = if discovered > 0 {
-            format!(" + {discovered} through DNS")
+            format!(" + {discovered} discovered")
         } else {
             String::new()
         };

@@ -81,7 +81,7 @@ impl BackendClients {
         let server_name = tls.as_ref().and_then(|material| {
             material.server_name.clone().or_else(|| match &backend.discovery {
                 Discovery::Dns { host, .. } => Some(host.clone()),
-                Discovery::Static => None,
+                Discovery::Static | Discovery::File { .. } => None,
             })
         });
         let endpoint_tls = tls.as_ref().map(|material| EndpointTls {

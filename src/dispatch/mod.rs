@@ -167,7 +167,9 @@ impl Dispatcher {
             .map(|(index, backend)| {
                 let endpoints: &[Endpoint] = match &backend.discovery {
                     Discovery::Static => &backend.endpoints,
-                    Discovery::Dns { .. } => discovered.get(&backend.name).map_or(&[], Vec::as_slice),
+                    Discovery::Dns { .. } | Discovery::File { .. } => {
+                        discovered.get(&backend.name).map_or(&[], Vec::as_slice)
+                    }
                 };
                 let tls = prepared.backend_tls.get(index).cloned().flatten();
                 let old = previous
@@ -253,6 +255,11 @@ impl Dispatcher {
             metadata_cache: MetadataCache::default(),
             ready_policy: config.ready_policy,
         })
+    }
+
+    /// Whether `model`'s calls that name no version are split between versions.
+    pub fn splits(&self, model: &str) -> bool {
+        self.routes.versions(model).is_some_and(|versions| versions.len() > 1)
     }
 
     /// Whether the configuration routes `model` (a public name).

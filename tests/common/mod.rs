@@ -312,6 +312,9 @@ pub struct GatewayProcess {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
+    /// The endpoint picker's ext_proc address, when started as `oipgate epp` (whose front doors are off: `rest` and
+    /// `grpc` are then unspecified addresses).
+    pub epp: Option<SocketAddr>,
     pub dir: PathBuf,
     /// The `[listen]` table written ahead of every configuration.
     listen: String,
@@ -333,13 +336,34 @@ impl GatewayProcess {
         let path = dir.join("gateway.toml");
         let listen = "[listen]\nrest = \"127.0.0.1:0\"\ngrpc = \"127.0.0.1:0\"\nmetrics = \"127.0.0.1:0\"\n".to_owned();
         std::fs::write(&path, format!("{listen}{config}")).unwrap();
-        let (child, log, addresses) = spawn_gateway(&path, args, capture_log);
-        let [rest, grpc, metrics] = addresses;
+        let (child, log, addresses) = spawn_gateway("serve", &path, args, capture_log);
+        let [rest, grpc, metrics, _] = addresses;
         GatewayProcess {
             child,
-            rest,
-            grpc,
-            metrics,
+            rest: rest.expect("the REST address"),
+            grpc: grpc.expect("the gRPC address"),
+            metrics: metrics.expect("the metrics address"),
+            epp: None,
+            dir,
+            listen,
+            log,
+        }
+    }
+
+    /// `oipgate epp` on `config` (without its `[listen]` table, added with free ports) and `args`, its log captured.
+    pub fn start_epp(config: &str, args: &[&str]) -> GatewayProcess {
+        let dir = unique_temp_dir("oipgate-epp");
+        let path = dir.join("gateway.toml");
+        let listen = "[listen]\nepp = \"127.0.0.1:0\"\nmetrics = \"127.0.0.1:0\"\n".to_owned();
+        std::fs::write(&path, format!("{listen}{config}")).unwrap();
+        let (child, log, [_, _, metrics, epp]) = spawn_gateway("epp", &path, args, true);
+        let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+        GatewayProcess {
+            child,
+            rest: unspecified,
+            grpc: unspecified,
+            metrics: metrics.unwrap(),
+            epp,
             dir,
             listen,
             log,
@@ -355,7 +379,7 @@ impl GatewayProcess {
         let path = self.config_path();
         let started = std::thread::spawn(move || {
             let args: Vec<&str> = upgrade_args.iter().map(String::as_str).collect();
-            spawn_gateway(&path, &args, true)
+            spawn_gateway("serve", &path, &args, true)
         });
         // The new process waits for the sockets; the old one sends them on SIGQUIT.
         std::thread::sleep(std::time::Duration::from_millis(300));
@@ -366,6 +390,7 @@ impl GatewayProcess {
             rest: self.rest,
             grpc: self.grpc,
             metrics: self.metrics,
+            epp: self.epp,
             dir: self.dir.join("upgraded"),
             listen: self.listen.clone(),
             log,
@@ -502,12 +527,17 @@ impl Drop for GatewayProcess {
 /// A gateway's captured log lines.
 type Log = Option<std::sync::Arc<std::sync::Mutex<Vec<String>>>>;
 
-/// Starts `oipgate serve` on the configuration at `path` with `args`, and waits for its first line, which it prints
-/// once its listening sockets are bound (or taken over); gives its REST, gRPC and metrics addresses from that line.
-/// Its stderr is kept when `capture_log`.
-fn spawn_gateway(path: &Path, args: &[&str], capture_log: bool) -> (Child, Log, [SocketAddr; 3]) {
+/// Starts `oipgate serve` (or `oipgate epp`, `command`) on the configuration at `path` with `args`, and waits for its
+/// first line, which it prints once its listening sockets are bound (or taken over); gives its REST, gRPC, metrics
+/// and endpoint picker addresses from that line (those it serves). Its stderr is kept when `capture_log`.
+fn spawn_gateway(
+    command: &str,
+    path: &Path,
+    args: &[&str],
+    capture_log: bool,
+) -> (Child, Log, [Option<SocketAddr>; 4]) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .arg("serve")
+        .arg(command)
         .arg("--config")
         .arg(path)
         .args(args)
@@ -530,14 +560,22 @@ fn spawn_gateway(path: &Path, args: &[&str], capture_log: bool) -> (Child, Log, 
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    assert!(line.starts_with("oipgate serving"), "unexpected first line {line:?}");
-    let address = |key: &str| -> SocketAddr {
+    let expected = if command == "epp" {
+        "oipgate epp serving"
+    } else {
+        "oipgate serving"
+    };
+    assert!(line.starts_with(expected), "unexpected first line {line:?}");
+    let address = |key: &str| -> Option<SocketAddr> {
         line.split_whitespace()
             .find_map(|word| word.strip_prefix(key))
             .and_then(|address| address.parse().ok())
-            .unwrap_or_else(|| panic!("no {key} address in {line:?}"))
     };
-    (child, log, [address("rest="), address("grpc="), address("metrics=")])
+    (
+        child,
+        log,
+        [address("rest="), address("grpc="), address("metrics="), address("epp=")],
+    )
 }
 
 /// Polls `check` every 20 ms until it holds, or panics naming `what` after `limit`.

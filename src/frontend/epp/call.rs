@@ -300,6 +300,7 @@ impl Call {
         let reserved = read.reserved.clone();
         let (admitted, _) = dispatcher.admit(&call, async move { Ok(((), reserved)) }).await;
         let (admitted, ()) = admitted?;
+        self.version = Some(admitted.routed.route.version.clone());
         let picking = trace.child("pick", SpanKind::Internal, Vec::new);
         let picked = dispatcher
             .pick(&admitted.routed, self.subset.as_deref(), self.fallbacks)
@@ -324,8 +325,19 @@ impl Call {
                 ),
             ));
         }
+        // The backend is called by its own names, and the version routing chose is named (a canary split chose
+        // it). A stream, whose every message names the model, goes on unrenamed where that changes nothing: the
+        // same name, and no version named or the same.
+        let backend_version = route.backend_version().unwrap_or("");
         let renamed = route.upstream_name != read.model
-            || route.backend_version().unwrap_or("") != read.version.as_deref().unwrap_or("");
+            || backend_version != read.version.as_deref().unwrap_or("")
+                && !(matches!(
+                    self.wanted,
+                    Wanted::Grpc {
+                        method: read::GrpcMethod::StreamInfer
+                    }
+                ) && read.version.is_none()
+                    && !dispatcher.splits(&route.model));
         let mut path = None;
         let mut head = None;
         if renamed {
@@ -368,7 +380,6 @@ impl Call {
                 }
             }
         }
-        self.version = Some(route.version.clone());
         self.admitted = Some(admitted);
         let mut answer = self.picked(picked, path);
         if let Some((bytes, _)) = &head {
@@ -533,8 +544,13 @@ impl Call {
 
 impl Drop for Call {
     fn drop(&mut self) {
-        // A stream that ended before the answer did (the client went away, the proxy reset it) still gives its
-        // places back; its outcome is not counted against the endpoint.
+        // The proxy closes the stream when the call is over. Without the answer's body and trailers sent to the
+        // picker (the response body mode NONE), that close is the answer's end: its status, when the headers came,
+        // counts at the endpoint that served it. A stream that ended before any answer (the client went away, the
+        // proxy reset it) gives its places back without counting against the endpoint.
+        if self.status != 0 && !matches!(self.phase, Phase::Refused) {
+            self.end();
+        }
         self.picked = None;
         self.admitted = None;
         if matches!(self.phase, Phase::Headers) {
