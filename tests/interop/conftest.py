@@ -17,9 +17,16 @@ import pytest
 # Each run drives one client family (see clients.py): the other family's files are not collected.
 # The Triton server run (scripts/interop's third) collects only its own file.
 collect_ignore = {
-    "triton": ["test_kserve_endpoints.py", "test_content_types.py", "test_triton.py", "test_protobuf_keys.py"],
+    "triton": [
+        "test_epp_triton.py",
+        "test_kserve_endpoints.py",
+        "test_content_types.py",
+        "test_triton.py",
+        "test_protobuf_keys.py",
+    ],
     "kserve": [
         "test_epp.py",
+        "test_epp_triton.py",
         "test_endpoints.py",
         "test_errors.py",
         "test_triton.py",

@@ -56,8 +56,9 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
         return error.code, dict(error.headers), error.read()
 
 
-def metric(pool: Pool, name: str, labels: dict) -> float:
-    _, _, text = http("GET", f"http://{pool.epp_metrics}/metrics")
+def metric(address: str, name: str, labels: dict) -> float:
+    """The sum of the series of `name` whose labels include `labels`, from the picker's metrics at `address`."""
+    _, _, text = http("GET", f"http://{address}/metrics")
     total = 0.0
     for line in text.decode().splitlines():
         if not line.startswith(name + "{"):
@@ -226,7 +227,7 @@ def add_sub_inputs(module, shape=(1, 16)):
 
 def picks(pool: Pool, model: str) -> list:
     return [
-        metric(pool, "oipgate_epp_picks_total", {"model": model, "endpoint": endpoint, "result": "picked"})
+        metric(pool.epp_metrics, "oipgate_epp_picks_total", {"model": model, "endpoint": endpoint, "result": "picked"})
         for endpoint in endpoints_of(pool, model)
     ]
 
@@ -256,9 +257,9 @@ def test_tritonclient_calls_land_on_the_endpoint_the_picker_picked(pool, protoco
         assert sum(landed) == 1 and landed == picked, (landed, picked)
     # Envoy reported each call served where it was picked.
     for endpoint in endpoints_of(pool, model):
-        assert metric(pool, "oipgate_epp_served_total", {"endpoint": endpoint, "result": "fallback"}) == 0
+        assert metric(pool.epp_metrics, "oipgate_epp_served_total", {"endpoint": endpoint, "result": "fallback"}) == 0
     assert sum(
-        metric(pool, "oipgate_epp_served_total", {"endpoint": endpoint, "result": "picked"})
+        metric(pool.epp_metrics, "oipgate_epp_served_total", {"endpoint": endpoint, "result": "picked"})
         for endpoint in endpoints_of(pool, model)
     ) >= 8
 
@@ -302,7 +303,7 @@ def hold(replica: Replica, count: int, executor: ThreadPoolExecutor) -> list:
 
 
 def queue_seen(pool: Pool, replica: Replica) -> float:
-    return metric(pool, "oipgate_endpoint_queue", {"endpoint": replica.rest})
+    return metric(pool.epp_metrics, "oipgate_endpoint_queue", {"endpoint": replica.rest})
 
 
 def test_a_replica_loaded_behind_the_pickers_back_is_avoided_and_max_queue_sheds_by_priority(pool):
@@ -330,7 +331,7 @@ def test_a_replica_loaded_behind_the_pickers_back_is_avoided_and_max_queue_sheds
         assert status == 200, body
         landed = [after - b_ for after, b_ in zip(counts(pool, "slow"), before)]
         assert sum(landed) == 1, landed
-        assert metric(pool, "oipgate_epp_picks_total", {"model": "slow", "result": "shed"}) >= 5
+        assert metric(pool.epp_metrics, "oipgate_epp_picks_total", {"model": "slow", "result": "shed"}) >= 5
         for future in held:
             future.result()
 
