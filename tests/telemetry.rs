@@ -733,3 +733,77 @@ async fn tensors_as_sent_keep_the_binary_extension_and_the_grpc_message() {
     let answered = oipgate::proto::ModelInferResponse::decode(both[RESPONSE].body.clone()).unwrap();
     assert_eq!(answered.model_name, "add_sub");
 }
+
+/// The endpoint picker's span joins the trace of the request Envoy asks it about (its `traceparent`), with the
+/// routing and picking steps as its children.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pickers_span_joins_the_requests_trace() {
+    use oipgate::envoy_api::envoy::config::core::v3 as core;
+    use oipgate::envoy_api::envoy::service::ext_proc::v3 as ext_proc;
+    use oipgate::envoy_api::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+
+    let (rest_backend, grpc_backend) = in_process_backends().await;
+    let (collector, received) = otlp_receiver().await;
+    let picker = GatewayProcess::start_epp(
+        &format!(
+            "[tracing]\notlp_endpoint = \"http://{collector}\"\nsample_ratio = 0.0\n{}{ADD_SUB_ON_BOTH}",
+            fleet_backends(rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap())
+        ),
+        &[],
+    );
+    let trace = "5b8efff798038103d269b633813fc60c";
+    let header = |key: &str, value: &str| core::HeaderValue {
+        key: key.to_owned(),
+        value: String::new(),
+        raw_value: value.as_bytes().to_vec(),
+    };
+    let request = ext_proc::ProcessingRequest {
+        request: Some(ext_proc::processing_request::Request::RequestHeaders(
+            ext_proc::HttpHeaders {
+                headers: Some(core::HeaderMap {
+                    headers: vec![
+                        header(":method", "GET"),
+                        header(":path", "/v2/models/add_sub/versions/1/ready"),
+                        header("traceparent", &traceparent(trace, "eee19b7ec3c1b174")),
+                    ],
+                }),
+                end_of_stream: true,
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    };
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", picker.epp.unwrap()))
+        .await
+        .unwrap();
+    let mut answers = client
+        .process(tokio_stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = answers.message().await.unwrap().unwrap();
+    assert!(
+        matches!(
+            answer.response,
+            Some(ext_proc::processing_response::Response::RequestHeaders(_))
+        ),
+        "{answer:?}"
+    );
+    drop(answers);
+    let spans = spans_of(&received, trace, &["epp pick", "route", "pick"]).await;
+    let root = named(&spans, "epp pick");
+    assert_eq!(
+        to_hex(&root.parent_span_id),
+        "eee19b7ec3c1b174",
+        "a child of Envoy's span"
+    );
+    assert_eq!(root.kind, SERVER);
+    for step in ["route", "pick"] {
+        assert_eq!(
+            named(&spans, step).parent_span_id,
+            root.span_id,
+            "{step} is a step of the pick"
+        );
+    }
+    assert_eq!(text(root, "oip.model"), "add_sub");
+}

@@ -5,6 +5,7 @@
 mod call;
 mod read;
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -14,7 +15,6 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio_stream::wrappers::ReceiverStream;
 
 pub use call::{DESTINATION, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE};
 
@@ -32,9 +32,6 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 /// How often readiness is looked at again.
 const HEALTH_REFRESH: Duration = Duration::from_secs(1);
-/// Answers queued for the proxy per call: when it does not read them, the picker stops reading its messages, so a
-/// call's body is never held whole.
-const ANSWERS_QUEUED: usize = 8;
 /// How long calls under way may go on after the door stops.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
 
@@ -49,7 +46,7 @@ pub struct EppLimits {
     pub fallbacks: usize,
 }
 
-/// The ext_proc service: one task per call, reading the proxy's messages and answering them in order.
+/// The ext_proc service: each call's answers read the proxy's messages and answer them in order.
 #[derive(Debug, Clone)]
 struct Picker {
     gateway: Arc<Gateway>,
@@ -66,24 +63,28 @@ impl ExternalProcessor for Picker {
         &self,
         request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Answers>, tonic::Status> {
-        let mut inbound = request.into_inner();
-        let (sender, answers) = tokio::sync::mpsc::channel(ANSWERS_QUEUED);
-        let (gateway, fallbacks) = (self.gateway.clone(), self.fallbacks);
-        tokio::spawn(async move {
-            // Counted under way, so a drain waits for it.
-            let _active = gateway.begin();
-            let mut call = call::Call::new(gateway, fallbacks);
-            let mut pending = Vec::new();
-            while let Ok(Some(message)) = inbound.message().await {
-                call.on(message, &mut pending).await;
-                for answer in pending.drain(..) {
-                    if sender.send(Ok(answer)).await.is_err() {
-                        return;
-                    }
+        let inbound = request.into_inner();
+        // Counted under way, so a drain waits for it.
+        let active = self.gateway.begin();
+        let call = call::Call::new(self.gateway.clone(), self.fallbacks);
+        // The proxy's next message is read only when the answers before it are taken: a proxy that does not read
+        // its answers is not read from, so a call's body is never held whole. No task or channel between them: the
+        // answer stream itself reads the call.
+        let state = (inbound, call, VecDeque::new(), active);
+        let answers = futures_util::stream::unfold(state, |(mut inbound, mut call, mut pending, active)| async move {
+            loop {
+                if let Some(answer) = pending.pop_front() {
+                    return Some((Ok(answer), (inbound, call, pending, active)));
                 }
+                let Ok(Some(message)) = inbound.message().await else {
+                    return None;
+                };
+                let mut answered = Vec::new();
+                call.on(message, &mut answered).await;
+                pending.extend(answered);
             }
         });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(answers))))
+        Ok(tonic::Response::new(Box::pin(answers)))
     }
 }
 
