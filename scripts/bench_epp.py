@@ -8,9 +8,10 @@ and alternated run by run (each round starting from the next setup, so drift hit
 - direct: the client to replica a, no proxy; the baseline "added" latency is measured against;
 - envoy: Envoy alone, a STATIC round-robin cluster over both replicas (REST over HTTP/1.1, gRPC over h2c), no
   ext_proc; the listener, HTTP/2 windows, buffer limits and circuit breakers as the picker's configuration has them;
-- envoy + epp: tests/interop/servers/envoy-epp.yaml (ext_proc in FULL_DUPLEX_STREAMED, ORIGINAL_DST clusters,
-  failure_mode_allow false) less its two test-only filters (the Lua subset hint and `x-test-subset-pb`), which a
-  gateway does not run, in front of `oipgate epp` balancing round robin (its default) over both replicas;
+- envoy + epp: tests/interop/servers/envoy-epp.yaml (its ext_proc processing mode as is: the request body in
+  FULL_DUPLEX_STREAMED, the answer's headers and trailers, not its body; ORIGINAL_DST clusters, failure_mode_allow
+  false) less its two test-only filters (the Lua subset hint and `x-test-subset-pb`), which a gateway does not run,
+  in front of `oipgate epp` balancing round robin (its default) over both replicas;
 - oipgate serve: the gateway alone over both replicas (REST backend and gRPC backend).
 
 Workloads: the small add_sub request (INT32 [1,16] x 2) over REST (wrk, 1 thread x 1 connection, then 2 threads x
@@ -202,8 +203,15 @@ def picker_envoy_config(listen, epp, admin, rest_ports, grpc_ports):
                        "FAILURE_MODE_ALLOW": "false", "POOL_REST": lb_endpoints(rest_ports),
                        "POOL_GRPC": lb_endpoints(grpc_ports)}.items():
         text = text.replace("{{" + key + "}}", value)
-    assert "{{" not in text and "envoy.filters.http.lua" not in text
+    assert "{{" not in text and "envoy.filters.http.lua" not in text and "x-test-subset" not in text
     return text
+
+
+def processing_mode(config):
+    """The ext_proc processing mode a rendered configuration runs, `name: value` pairs (comments left out)."""
+    block = config[config.index("processing_mode:"):config.index("message_timeout:")]
+    pairs = re.finditer(r"^[ \t]*(\w+_mode):[ \t]*(\w+)", block, re.M)
+    return ", ".join(f"{m.group(1)}: {m.group(2)}" for m in pairs)
 
 
 def alone_envoy_config(listen, admin, rest_ports, grpc_ports):
@@ -345,6 +353,8 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
         picker_listen, picker_admin = bench.free_port(), bench.free_port()
         picker_conf = work / "envoy-epp.yaml"
         picker_conf.write_text(picker_envoy_config(picker_listen, epp_port, picker_admin, rest_ports, grpc_ports))
+        results["processing_mode"] = processing_mode(picker_conf.read_text())
+        print(f"bench_epp: envoy + epp processing mode: {results['processing_mode']}", flush=True)
         servers["envoy (epp)"] = bench.Server(
             "epp-envoy-picker", [envoy, "-c", str(picker_conf), "--base-id", str(bench.free_port()), "-l", "warning"],
             [picker_listen, picker_admin])
@@ -451,7 +461,10 @@ def report(results):
         f"Envoy {results['envoy']}; {m['wrk']}, {m['h2load']}; {m['date']}. "
         f"{a['rounds']} round(s) of {a['seconds']} s; "
         f"oipgate threads {a['workers']}, Envoy's default concurrency (one worker a core); nothing pinned. "
-        f"Large body: {results['large_bytes']:,} bytes. Medians over rounds; CPU in microseconds a request of each "
+        f"Large body: {results['large_bytes']:,} bytes. "
+        + (f"envoy + epp's ext_proc processing mode: {results['processing_mode']}. " if "processing_mode" in results
+           else "")
+        + "Medians over rounds; CPU in microseconds a request of each "
         "process (model servers: both replicas together; client: wrk or h2load).",
         "",
         "| workload | setup | req/s | p50 ms | p99 ms | p50 added vs direct | errors | envoy | epp | oipgate serve "

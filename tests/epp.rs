@@ -253,6 +253,27 @@ async fn a_rest_call_is_picked_once_its_inputs_begin_and_its_body_relayed_as_it_
             .await,
         1.0
     );
+    // One access-log line for the call, once its stream has closed.
+    drop(stream);
+    let expected = format!("endpoints=\"{destination}\"");
+    let lines = pool
+        .epp
+        .logged("the pick's access line", |lines| {
+            lines
+                .iter()
+                .any(|line| line.contains("oipgate::access: pick") && line.contains(&expected))
+        })
+        .await;
+    let line = lines.iter().find(|line| line.contains(&expected)).unwrap();
+    for field in [
+        "protocol=\"rest\"",
+        "path=\"/v2/models/add_sub/infer\"",
+        "model=add_sub",
+        "version=1",
+        "result=\"picked\"",
+    ] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
 }
 
 #[tokio::test]

@@ -57,7 +57,8 @@ impl Dispatcher {
     /// Picks the endpoints for an admitted call: the one the gateway would send it to (its sequence's, its sticky
     /// key's, or the least loaded, among those with the model ready and not ejected), then up to `fallbacks` others
     /// with the fewest calls under way (none for a sequence, whose state is on its endpoint). `subset`, when given, is the only endpoints the proxy
-    /// will use (`ip:port`): none of them eligible, or an empty one, is 503.
+    /// will use (`ip:port`, or an address alone for every endpoint there): none of them eligible, or an empty one, is
+    /// 503.
     pub async fn pick(&self, routed: &Routed, subset: Option<&[String]>, fallbacks: usize) -> Result<Picked> {
         let route = &routed.route;
         let backend = self
@@ -69,8 +70,19 @@ impl Dispatcher {
         let excluded: Vec<usize> = match subset {
             None => Vec::new(),
             Some(subset) => {
+                // An entry is `ip:port`, as the protocol gives it; one naming an address alone allows every
+                // endpoint there.
+                let allows = |authority: &str| {
+                    subset.iter().any(|entry| {
+                        *entry == *authority
+                            || (entry.parse::<std::net::IpAddr>().is_ok()
+                                && authority
+                                    .rsplit_once(':')
+                                    .is_some_and(|(host, _)| host.trim_matches(['[', ']']) == entry))
+                    })
+                };
                 let excluded: Vec<usize> = (0..fleet.states.len())
-                    .filter(|&i| !subset.iter().any(|allowed| *allowed == *fleet.states[i].authority))
+                    .filter(|&i| !allows(&fleet.states[i].authority))
                     .collect();
                 if excluded.len() == fleet.states.len() {
                     return Err(Error::new(

@@ -236,8 +236,16 @@ impl Call {
                 Ok(Some(read)) => Ok(Some(read)),
                 Err(error) => Err(error),
             }
+        } else if matches!(self.wanted, Wanted::Grpc { .. }) {
+            Err(Error::new(
+                ErrorKind::Unimplemented,
+                Origin::Gateway,
+                "a gRPC call names its model in its message: the endpoint picker needs the request body \
+                 (ext_proc request_body_mode FULL_DUPLEX_STREAMED) to pick for it",
+            ))
         } else {
-            self.wanted.read(&[], true)
+            // Not sent the body (another body mode), or none to read: the call is picked by its path alone.
+            Ok(self.wanted.by_path())
         };
         let picked = match read {
             Ok(read) => self.choose(read).await,

@@ -25,7 +25,7 @@ use crate::envoy_api::envoy::service::ext_proc::v3::{ProcessingRequest, Processi
 use crate::live::Gateway;
 
 /// The health services of the endpoint picker protocol: the process is up; it can pick (its endpoints are known);
-/// the ext_proc service itself.
+/// the ext_proc service itself (as readiness).
 pub const LIVENESS: &str = "liveness";
 pub const READINESS: &str = "readiness";
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -101,9 +101,6 @@ pub async fn serve(
         reporter
             .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
             .await;
-        reporter
-            .set_service_status(EXT_PROC_SERVICE, tonic_health::ServingStatus::Serving)
-            .await;
         loop {
             let status = if watched.server_ready().await {
                 tonic_health::ServingStatus::Serving
@@ -111,6 +108,9 @@ pub async fn serve(
                 tonic_health::ServingStatus::NotServing
             };
             reporter.set_service_status(READINESS, status).await;
+            // The protocol's rule for the service itself is readiness's: a proxy health-checking it sends no call
+            // to a picker that cannot pick yet.
+            reporter.set_service_status(EXT_PROC_SERVICE, status).await;
             reporter.set_service_status("", status).await;
             tokio::time::sleep(HEALTH_REFRESH).await;
         }

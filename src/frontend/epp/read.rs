@@ -145,6 +145,19 @@ impl Wanted {
         )
     }
 
+    /// What a REST call names by its path alone, its parameters unread; `None` for any other call.
+    pub(super) fn by_path(&self) -> Option<Read> {
+        match self {
+            Wanted::Rest { model, version, .. } => Some(Read {
+                model: model.clone(),
+                version: version.clone(),
+                reserved: Reserved::default(),
+                grpc_frame: None,
+            }),
+            Wanted::Grpc { .. } | Wanted::Any => None,
+        }
+    }
+
     /// What the call names and asks, from the body's `start` (copied from the first chunks, at most [`MOST_READ`]
     /// bytes and a gRPC frame's prefix); `None` while more is needed. `whole`: the body has ended.
     pub(super) fn read(&self, start: &[u8], whole: bool) -> Result<Option<Read>> {
