@@ -8,7 +8,7 @@ and alternated run by run (each round starting from the next setup, so drift hit
 - direct: the client to replica a, no proxy; the baseline "added" latency is measured against;
 - envoy: Envoy alone, a STATIC round-robin cluster over both replicas (REST over HTTP/1.1, gRPC over h2c), no
   ext_proc; the listener, HTTP/2 windows, buffer limits and circuit breakers as the picker's configuration has them;
-- envoy + epp: tests/interop/servers/envoy-epp.yaml (its ext_proc processing mode as is: the request body in
+- envoy + epp: config/envoy-epp.yaml (its ext_proc processing mode as is: the request body in
   FULL_DUPLEX_STREAMED, the answer's headers and trailers, not its body; ORIGINAL_DST clusters, failure_mode_allow
   false) less its two test-only filters (the Lua subset hint and `x-test-subset-pb`), which a gateway does not run,
   in front of `oipgate epp` balancing round robin (its default) over both replicas;
@@ -47,14 +47,14 @@ from pathlib import Path
 
 import bench
 
-TEMPLATE = bench.ROOT / "tests" / "interop" / "servers" / "envoy-epp.yaml"
+TEMPLATE = bench.ROOT / "config" / "envoy-epp.yaml"
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 LARGE_ELEMENTS = 24_000  # FP32 values as a JSON writer prints them: about 220 KB
 LARGE_CONNECTIONS = 150
 
 SETUPS = ("direct", "envoy", "envoy + epp", "oipgate serve")
 
-# Envoy alone: the picker's listener (tests/interop/servers/envoy-epp.yaml) without its filters but the router, and
+# Envoy alone: the picker's listener (config/envoy-epp.yaml) without its filters but the router, and
 # its ORIGINAL_DST clusters' settings on STATIC round-robin clusters over the same replicas.
 ENVOY_ALONE = """
 admin:

@@ -48,6 +48,12 @@ enum Command {
         /// The gateway's Prometheus metrics address (`GET /metrics`).
         #[arg(long, default_value = "127.0.0.1:8002")]
         metrics: SocketAddr,
+        /// The endpoint picker's address (Envoy's ext_proc), for an Envoy in front of the demo's model servers.
+        #[arg(long, default_value = "127.0.0.1:9002")]
+        epp: SocketAddr,
+        /// The address the printed Envoy configuration listens on.
+        #[arg(long, default_value = "127.0.0.1:8010")]
+        envoy: SocketAddr,
         #[command(flatten)]
         log: LogOptions,
     },
@@ -128,10 +134,19 @@ fn main() -> ExitCode {
             rest,
             grpc,
             metrics,
+            epp,
+            envoy,
             log,
         } => init_logs(&log).and_then(|()| {
             return_freed_memory_periodically();
-            oipgate::cli::demo::run(oipgate::cli::demo::DemoOptions { rest, grpc, metrics }).map_err(Into::into)
+            let options = oipgate::cli::demo::DemoOptions {
+                rest,
+                grpc,
+                metrics,
+                epp,
+                envoy,
+            };
+            oipgate::cli::demo::run(options).map_err(Into::into)
         }),
         Command::Convert {
             from,
@@ -159,7 +174,10 @@ fn main() -> ExitCode {
             run_serve(
                 &config,
                 &oipgate::app::Process {
-                    epp: Some(oipgate::app::EppOptions { fallbacks }),
+                    epp: Some(oipgate::app::EppOptions {
+                        fallbacks,
+                        with_doors: false,
+                    }),
                     ..Default::default()
                 },
             )

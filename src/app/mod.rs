@@ -36,15 +36,17 @@ pub struct Process {
     pub upgrade: bool,
     /// The Unix socket the handover goes through.
     pub upgrade_socket: PathBuf,
-    /// Serve as an inference pool's endpoint picker (`oipgate epp`) instead of the front doors.
+    /// Serve as an inference pool's endpoint picker (`oipgate epp`), instead of the front doors or beside them.
     pub epp: Option<EppOptions>,
 }
 
-/// How `oipgate epp` picks.
+/// How the endpoint picker runs.
 #[derive(Debug, Clone, Copy)]
 pub struct EppOptions {
     /// Endpoints named after the picked one, for the proxy's retries.
     pub fallbacks: usize,
+    /// The front doors run too, in the same process (the demo); `oipgate epp` runs the picker alone.
+    pub with_doors: bool,
 }
 
 impl Default for Process {
@@ -377,7 +379,7 @@ pub fn serve(config: Config, name: &str, path: Option<PathBuf>, process: &Proces
     let failure = Arc::new(tokio::sync::Notify::new());
     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
     add_services(&mut server, &config, &gateway, sockets, &failure, process.epp);
-    announce(&config, bound, process.epp.is_some());
+    announce(&config, bound, process.epp);
     let signals = Signals {
         streams: std::sync::Mutex::new(Some(streams)),
         gateway: gateway.clone(),
@@ -422,11 +424,12 @@ impl Sockets {
                 _ => Ok(None),
             }
         };
-        // The endpoint picker serves no front door; the gateway no picker.
+        // The endpoint picker alone serves no front door; the gateway alone no picker.
         let picker = process.epp.is_some();
+        let doors = process.epp.is_none_or(|epp| epp.with_doors);
         Ok(Sockets {
-            rest: bind(Some(config.listen.rest).filter(|_| !picker), "REST")?,
-            grpc: bind(Some(config.listen.grpc).filter(|_| !picker), "gRPC")?,
+            rest: bind(Some(config.listen.rest).filter(|_| doors), "REST")?,
+            grpc: bind(Some(config.listen.grpc).filter(|_| doors), "gRPC")?,
             metrics: bind(config.listen.metrics, "metrics")?,
             epp: bind(Some(config.listen.epp).filter(|_| picker), "the endpoint picker")?,
         })
@@ -505,8 +508,10 @@ fn add_services(
             limits,
         };
         server.add_service(listener("epp", config.listen.epp, sockets.epp, epp));
-        add_metrics_and_control(server, config, gateway, sockets.metrics, &listener);
-        return;
+        if !options.with_doors {
+            add_metrics_and_control(server, config, gateway, sockets.metrics, &listener);
+            return;
+        }
     }
     let rest = RestConnections {
         door: Arc::new(RestDoor::new(
@@ -564,30 +569,32 @@ fn add_metrics_and_control(
 
 /// The log line and the first line on stdout (which tests and scripts read): where each listener is, the bound
 /// address (a port 0 made real) or in an upgrade the configured one.
-fn announce(config: &Config, [rest, grpc, metrics, epp]: [Option<SocketAddr>; 4], picker: bool) {
+fn announce(config: &Config, [rest, grpc, metrics, epp]: [Option<SocketAddr>; 4], picker: Option<EppOptions>) {
     let shown = |bound: Option<SocketAddr>, configured: Option<SocketAddr>| {
         bound
             .or(configured)
             .map_or_else(|| "off".to_owned(), |address| address.to_string())
     };
     tracing::info!(summary = %config.summary(), pid = std::process::id(), "configuration loaded");
-    if picker {
-        println!(
-            "oipgate epp serving: epp={} metrics={} pid={} ({})",
-            shown(epp, Some(config.listen.epp)),
-            shown(metrics, config.listen.metrics),
-            std::process::id(),
-            config.summary()
-        );
-    } else {
-        println!(
-            "oipgate serving: rest={} grpc={} metrics={} pid={} ({})",
-            shown(rest, Some(config.listen.rest)),
-            shown(grpc, Some(config.listen.grpc)),
-            shown(metrics, config.listen.metrics),
-            std::process::id(),
-            config.summary()
-        );
+    let epp = shown(epp, Some(config.listen.epp));
+    let (pid, summary) = (std::process::id(), config.summary());
+    let metrics = shown(metrics, config.listen.metrics);
+    match picker {
+        Some(options) if !options.with_doors => {
+            println!("oipgate epp serving: epp={epp} metrics={metrics} pid={pid} ({summary})");
+        }
+        _ => {
+            let (rest, grpc) = (
+                shown(rest, Some(config.listen.rest)),
+                shown(grpc, Some(config.listen.grpc)),
+            );
+            let epp = if picker.is_some() {
+                format!(" epp={epp}")
+            } else {
+                String::new()
+            };
+            println!("oipgate serving: rest={rest} grpc={grpc} metrics={metrics}{epp} pid={pid} ({summary})");
+        }
     }
     let _ = std::io::Write::flush(&mut std::io::stdout());
 }

