@@ -586,3 +586,69 @@ async fn a_renamed_rest_model_has_its_path_rewritten_and_a_call_naming_no_model_
     let (answer, _) = stream.picked().await;
     assert!(set_headers(&answer).contains_key("x-gateway-destination-endpoint"));
 }
+
+/// The picker's health with a real gRPC health client: `liveness` serving from the start; `readiness` and the
+/// ext_proc service not serving while its endpoints are unknown (an endpoints file not written yet), serving once they
+/// are.
+#[tokio::test]
+async fn readiness_waits_for_the_endpoints() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+
+    let replica = ModelServerProcess::start(&["--rest", "127.0.0.1:0"]);
+    let dir = common::unique_temp_dir("oipgate-epp-health");
+    let file = dir.join("endpoints.json");
+    let epp = GatewayProcess::start_epp(
+        &format!(
+            "[[backends]]\nname = \"pool\"\nprotocol = \"rest\"\nendpoints_file = \"{}\"\nendpoints_file_interval_ms = 100\n\
+             [[models]]\nname = \"add_sub\"\nversions = [ {{ version = \"1\", backend = \"pool\" }} ]\n",
+            file.display()
+        ),
+        &[],
+    );
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", epp.epp.unwrap()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = HealthClient::new(channel);
+    let mut status = async |service: &str| {
+        let answer = health
+            .check(HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        ServingStatus::try_from(answer.status).unwrap()
+    };
+    assert_eq!(status("liveness").await, ServingStatus::Serving);
+    assert_eq!(status("readiness").await, ServingStatus::NotServing);
+    assert_eq!(
+        status("envoy.service.ext_proc.v3.ExternalProcessor").await,
+        ServingStatus::NotServing
+    );
+
+    let address = replica.rest.unwrap();
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"endpoints": [{{"name": "r", "address": "{}", "port": "{}"}}]}}"#,
+            address.ip(),
+            address.port()
+        ),
+    )
+    .unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while status("readiness").await != ServingStatus::Serving {
+        assert!(std::time::Instant::now() < until, "readiness never served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        status("envoy.service.ext_proc.v3.ExternalProcessor").await,
+        ServingStatus::Serving
+    );
+    assert_eq!(status("liveness").await, ServingStatus::Serving);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -96,22 +96,28 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
+    // Answered from the first connection: alive, and not ready until the first look finds the endpoints known.
+    reporter
+        .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
+        .await;
+    for service in [READINESS, EXT_PROC_SERVICE, ""] {
+        reporter
+            .set_service_status(service, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
     let watched = gateway.clone();
     let health_task = tokio::spawn(async move {
-        reporter
-            .set_service_status(LIVENESS, tonic_health::ServingStatus::Serving)
-            .await;
         loop {
             let status = if watched.server_ready().await {
                 tonic_health::ServingStatus::Serving
             } else {
                 tonic_health::ServingStatus::NotServing
             };
-            reporter.set_service_status(READINESS, status).await;
-            // The protocol's rule for the service itself is readiness's: a proxy health-checking it sends no call
-            // to a picker that cannot pick yet.
-            reporter.set_service_status(EXT_PROC_SERVICE, status).await;
-            reporter.set_service_status("", status).await;
+            // The protocol's rule for the ext_proc service itself is readiness's: a proxy health-checking it sends
+            // no call to a picker that cannot pick yet.
+            for service in [READINESS, EXT_PROC_SERVICE, ""] {
+                reporter.set_service_status(service, status).await;
+            }
             tokio::time::sleep(HEALTH_REFRESH).await;
         }
     });
