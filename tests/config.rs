@@ -128,7 +128,7 @@ fn every_problem_is_reported_with_its_key_path() {
     let found = problems(&text);
     let expected = [
         "listen.rest: \"localhost\" is not an address (ip:port)",
-        "backends[1].endpoints: a backend needs at least one endpoint, or `dns`",
+        "backends[1].endpoints: a backend needs at least one endpoint, or `dns`, or `endpoints_file`",
         "models[0].versions[1].backend: no backend named \"fleet-c\"",
         "models[0].default_version: \"5\" is not one of the model's versions [\"1\", \"2\"]",
     ];
