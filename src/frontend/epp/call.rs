@@ -55,6 +55,8 @@ pub(super) struct Call {
     dispatcher: Arc<Dispatcher>,
     phase: Phase,
     began: Instant,
+    /// The proxy sends the request's body, and the answer's, in FULL_DUPLEX_STREAMED mode (as its first message
+    /// says): chunks come back as streamed mutations, else as plain continues.
     request_duplex: bool,
     response_duplex: bool,
     /// From the request's headers.
@@ -73,12 +75,15 @@ pub(super) struct Call {
     picked: Option<Picked>,
     /// The call's place among its model's calls under way, held until it ends.
     admitted: Option<AdmittedCall>,
+    /// For the access-log line: the endpoints named, the pick's result label, how long the pick took, the status
+    /// the client was answered, whether the answer counts as the endpoint's failure, and the endpoint that served.
     endpoints: Option<String>,
     result: &'static str,
     picked_after: Option<Duration>,
     status: u16,
     failed: bool,
     served: Option<String>,
+    /// The answer's end was seen and its outcome recorded.
     ended: bool,
 }
 
@@ -390,15 +395,13 @@ impl Call {
         }
         self.admitted = Some(admitted);
         let mut answer = self.picked(picked, path);
-        if let Some((bytes, _)) = &head {
-            // The message's length changed: a length the client gave no longer holds.
-            if let Some(Answer::RequestHeaders(headers)) = &mut answer.response
-                && let Some(common) = &mut headers.response
-                && let Some(mutation) = &mut common.header_mutation
-            {
-                mutation.remove_headers.push("content-length".to_owned());
-            }
-            let _ = bytes;
+        // The renamed message's length changed: a length the client gave no longer holds.
+        if head.is_some()
+            && let Some(Answer::RequestHeaders(headers)) = &mut answer.response
+            && let Some(common) = &mut headers.response
+            && let Some(mutation) = &mut common.header_mutation
+        {
+            mutation.remove_headers.push("content-length".to_owned());
         }
         Ok((answer, head))
     }
