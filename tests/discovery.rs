@@ -196,24 +196,6 @@ async fn every_a_and_aaaa_record_is_an_endpoint() {
     }
 }
 
-/// The replica that answered a call of the `identity` model: which of `replicas`' statistics counted it.
-async fn identity_counts(replicas: &[&ModelServerProcess]) -> Vec<u64> {
-    let mut counts = Vec::new();
-    for replica in replicas {
-        let answer = common::get(&replica.rest_url("/v2/models/identity/stats")).await;
-        let stats: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
-        counts.push(
-            stats["model_stats"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| s["inference_count"].as_u64().unwrap())
-                .sum(),
-        );
-    }
-    counts
-}
-
 #[tokio::test]
 async fn endpoints_follow_their_file() {
     let (a, b) = (ModelServerProcess::both(), ModelServerProcess::both());
@@ -246,11 +228,11 @@ async fn endpoints_follow_their_file() {
         post(&url, BODY).await.status == 200
     })
     .await;
-    let before = identity_counts(&[&a, &b]).await;
+    let before = common::inference_counts(&[&a, &b], "identity").await;
     for _ in 0..5 {
         assert_eq!(post(&url, BODY).await.status, 200);
     }
-    let after = identity_counts(&[&a, &b]).await;
+    let after = common::inference_counts(&[&a, &b], "identity").await;
     assert_eq!((after[0] - before[0], after[1] - before[1]), (5, 0));
 
     write(&b);
@@ -263,17 +245,17 @@ async fn endpoints_follow_their_file() {
     })
     .await;
     eventually(Duration::from_secs(10), "the new endpoint to serve", || async {
-        let before = identity_counts(&[&a, &b]).await;
+        let before = common::inference_counts(&[&a, &b], "identity").await;
         let ok = post(&url, BODY).await.status == 200;
-        let after = identity_counts(&[&a, &b]).await;
+        let after = common::inference_counts(&[&a, &b], "identity").await;
         ok && after[1] > before[1]
     })
     .await;
-    let before = identity_counts(&[&a, &b]).await;
+    let before = common::inference_counts(&[&a, &b], "identity").await;
     for _ in 0..5 {
         assert_eq!(post(&url, BODY).await.status, 200);
     }
-    let after = identity_counts(&[&a, &b]).await;
+    let after = common::inference_counts(&[&a, &b], "identity").await;
     assert_eq!(
         (after[0] - before[0], after[1] - before[1]),
         (0, 5),

@@ -352,10 +352,10 @@ async fn a_sequence_is_picked_where_the_gateway_sends_it() {
         let (answer, _) = stream.picked().await;
         let picked = set_headers(&answer)["x-gateway-destination-endpoint"].clone();
 
-        let before: Vec<u64> = counts(&pool).await;
+        let before: Vec<u64> = common::inference_counts(&pool.replicas.iter().collect::<Vec<_>>(), "accumulate").await;
         let answer = common::post(&gateway.rest_url("/v2/models/accumulate/infer"), request).await;
         assert_eq!(answer.status, 200, "{:?}", answer.body);
-        let after: Vec<u64> = counts(&pool).await;
+        let after: Vec<u64> = common::inference_counts(&pool.replicas.iter().collect::<Vec<_>>(), "accumulate").await;
         let served = (0..2).find(|&i| after[i] > before[i]).unwrap();
         assert_eq!(
             pool.replicas[served].rest.unwrap().to_string(),
@@ -363,23 +363,6 @@ async fn a_sequence_is_picked_where_the_gateway_sends_it() {
             "sequence {id}: the picker and the gateway agree"
         );
     }
-}
-
-async fn counts(pool: &Pool) -> Vec<u64> {
-    let mut counts = Vec::new();
-    for replica in &pool.replicas {
-        let answer = common::get(&replica.rest_url("/v2/models/accumulate/stats")).await;
-        let stats: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
-        counts.push(
-            stats["model_stats"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| s["inference_count"].as_u64().unwrap())
-                .sum(),
-        );
-    }
-    counts
 }
 
 fn grpc_headers(method: &str) -> Request {

@@ -265,6 +265,9 @@ const MAX_LOCAL_ERROR_RESETS: usize = 256;
 
 /// How often an HTTP/2 client connection is pinged, and how long its answer may take before the connection is
 /// closed: a client that stops reading stops answering, and the answers waiting for it are let go.
+/// How long the calls under way on an HTTP/2 door's connections get to finish once it stops (the process's grace
+/// period bounds it too).
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
 const HTTP2_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(60);
 const HTTP2_KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 

@@ -578,6 +578,24 @@ fn spawn_gateway(
     )
 }
 
+/// How many inferences of `model` each of `replicas` answered, from its own statistics: which replica served a call.
+pub async fn inference_counts(replicas: &[&ModelServerProcess], model: &str) -> Vec<u64> {
+    let mut counts = Vec::with_capacity(replicas.len());
+    for replica in replicas {
+        let answer = get(&replica.rest_url(&format!("/v2/models/{model}/stats"))).await;
+        let stats: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        counts.push(
+            stats["model_stats"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s["inference_count"].as_u64().unwrap())
+                .sum(),
+        );
+    }
+    counts
+}
+
 /// Polls `check` every 20 ms until it holds, or panics naming `what` after `limit`.
 pub async fn eventually<F, Fut>(limit: std::time::Duration, what: &str, mut check: F)
 where

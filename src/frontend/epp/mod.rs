@@ -32,8 +32,6 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 /// How often readiness is looked at again.
 const HEALTH_REFRESH: Duration = Duration::from_secs(1);
-/// How long calls under way may go on after the door stops.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// The door's bounds.
 #[derive(Debug, Clone, Copy)]
@@ -162,5 +160,5 @@ pub async fn serve(
     health_task.abort();
     let _ = stop.send(true);
     drop(open);
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, all_closed.recv()).await;
+    let _ = tokio::time::timeout(super::DRAIN_TIMEOUT, all_closed.recv()).await;
 }

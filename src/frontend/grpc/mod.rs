@@ -519,8 +519,6 @@ fn rewrite_size_status(headers: &mut http::HeaderMap, limit: usize) -> bool {
 /// HTTP/2 windows large enough that a multi-megabyte tensor is not throttled by flow control.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
-/// How long open calls get to finish once shutdown is asked for (the process's grace period bounds it too).
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How long a client may take over its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -649,7 +647,7 @@ pub async fn serve(
     health_task.abort();
     let _ = stop.send(true);
     drop(open);
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, all_closed.recv()).await;
+    let _ = tokio::time::timeout(super::DRAIN_TIMEOUT, all_closed.recv()).await;
 }
 
 #[cfg(test)]
