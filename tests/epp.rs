@@ -96,17 +96,9 @@ impl Stream {
     }
 
     async fn send(&self, request: Request, metadata: Option<core::Metadata>) {
-        let message = ext_proc::ProcessingRequest {
-            request: Some(request),
-            metadata_context: metadata,
-            protocol_config: Some(ext_proc::ProtocolConfiguration {
-                request_body_mode: BodySendMode::FullDuplexStreamed as i32,
-                response_body_mode: BodySendMode::FullDuplexStreamed as i32,
-                send_body_without_waiting_for_header_response: false,
-            }),
-            ..Default::default()
-        };
-        self.sender.send(message).await.unwrap();
+        let mut sent = message(request);
+        sent.metadata_context = metadata;
+        self.sender.send(sent).await.unwrap();
     }
 
     async fn answer(&mut self) -> Response {
@@ -130,6 +122,19 @@ impl Stream {
             Response::RequestHeaders(headers) => (headers, message.dynamic_metadata),
             other => panic!("expected the headers' answer, got {other:?}"),
         }
+    }
+}
+
+/// One message as Envoy sends it in full-duplex mode (its processing mode named, as Envoy names it).
+fn message(request: Request) -> ext_proc::ProcessingRequest {
+    ext_proc::ProcessingRequest {
+        request: Some(request),
+        protocol_config: Some(ext_proc::ProtocolConfiguration {
+            request_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            response_body_mode: BodySendMode::FullDuplexStreamed as i32,
+            send_body_without_waiting_for_header_response: false,
+        }),
+        ..Default::default()
     }
 }
 
@@ -559,15 +564,80 @@ async fn a_renamed_rest_model_has_its_path_rewritten_and_a_call_naming_no_model_
     let (answer, _) = stream.picked().await;
     assert_eq!(set_headers(&answer)[":path"], "/v2/models/add_sub/versions/1/infer?x=1");
 
+    // A call naming no model goes to any endpoint the subset hint allows.
+    for replica in &pool.replicas {
+        let only = replica.rest.unwrap().to_string();
+        let mut stream = Stream::open(&pool).await;
+        stream
+            .send(
+                headers(&[(":method", "GET"), (":path", "/v2/health/ready")], true),
+                Some(subset_hint(std::slice::from_ref(&only))),
+            )
+            .await;
+        let (answer, _) = stream.picked().await;
+        assert_eq!(set_headers(&answer)["x-gateway-destination-endpoint"], only);
+    }
+}
+
+/// Filter metadata carrying a subset hint of `endpoints`.
+fn subset_hint(endpoints: &[String]) -> core::Metadata {
+    core::Metadata {
+        filter_metadata: [(
+            "envoy.lb.subset_hint".to_owned(),
+            prost_types::Struct {
+                fields: [(
+                    "x-gateway-destination-endpoint-subset".to_owned(),
+                    prost_types::Value {
+                        kind: Some(Kind::ListValue(prost_types::ListValue {
+                            values: endpoints
+                                .iter()
+                                .map(|e| prost_types::Value {
+                                    kind: Some(Kind::StringValue(e.clone())),
+                                })
+                                .collect(),
+                        })),
+                    },
+                )]
+                .into(),
+            },
+        )]
+        .into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_json_body_longer_than_what_is_read_is_picked_by_its_start() {
+    let pool = pool();
     let mut stream = Stream::open(&pool).await;
-    stream
-        .send(
-            headers(&[(":method", "GET"), (":path", "/v2/health/ready")], true),
-            None,
-        )
-        .await;
+    let padding = "x".repeat(80 * 1024);
+    let request = format!(
+        r#"{{"parameters":{{"priority":1}},"inputs":[{{"name":"INPUT0","datatype":"BYTES","shape":[1],"data":["{padding}"]}}]}}"#
+    );
+    let (first, rest) = request.split_at(60 * 1024);
+    stream.send(rest_headers("/v2/models/add_sub/infer"), None).await;
+    // Sent a few bytes at a time, then the rest with the body's end.
+    let sender = stream.sender.clone();
+    let pieces: Vec<Vec<u8>> = first.as_bytes().chunks(7).map(<[u8]>::to_vec).collect();
+    let last = rest.to_owned();
+    let feeding = tokio::spawn(async move {
+        for piece in pieces {
+            sender.send(message(body(piece, false))).await.unwrap();
+        }
+        sender.send(message(body(last, true))).await.unwrap();
+    });
     let (answer, _) = stream.picked().await;
     assert!(set_headers(&answer).contains_key("x-gateway-destination-endpoint"));
+    let mut relayed = Vec::new();
+    loop {
+        let (chunk, end) = streamed(stream.answer().await);
+        relayed.extend_from_slice(&chunk);
+        if end {
+            break;
+        }
+    }
+    feeding.await.unwrap();
+    assert_eq!(relayed, request.as_bytes(), "every byte relayed once, in order");
 }
 
 /// The picker's health with a real gRPC health client: `liveness` serving from the start; `readiness` and the

@@ -8,9 +8,10 @@ use super::endpoint::Endpoint;
 /// The largest file read: a list of endpoints, not a data set.
 pub const MOST_ENDPOINTS_FILE_BYTES: u64 = 1 << 20;
 
+/// `endpoints` is required: a file caught empty while it is rewritten in place, or a misspelt key, is refused (and
+/// the endpoints read before kept), not read as an empty fleet; `endpoints: []` empties it.
 #[derive(Debug, Deserialize)]
 struct EndpointsFile {
-    #[serde(default)]
     endpoints: Vec<Entry>,
 }
 
@@ -84,6 +85,8 @@ mod tests {
         let (endpoints, _) = parse(json).unwrap();
         assert_eq!(endpoints[0].to_string(), "[::1]:9000");
         assert!(parse("endpoints: 7").is_err());
-        assert_eq!(parse("").unwrap().0, []);
+        assert!(parse("").is_err(), "an empty file is not an empty fleet");
+        assert!(parse("endpoint:\n  - {address: \"10.0.0.1\", port: \"1\"}\n").is_err());
+        assert_eq!(parse("endpoints: []").unwrap().0, []);
     }
 }

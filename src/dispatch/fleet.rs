@@ -339,10 +339,11 @@ impl Endpoints {
         eligible
     }
 
-    /// An endpoint that may take calls (healthy and not ejected), whatever its models: the next in turn.
-    pub fn any_available(&self) -> Option<usize> {
+    /// An endpoint that may take calls (healthy and not ejected) and is `allowed`, whatever its models: the next in
+    /// turn.
+    pub fn any_available(&self, allowed: impl Fn(&str) -> bool) -> Option<usize> {
         let available: Vec<usize> = (0..self.states.len())
-            .filter(|&i| self.states[i].is_available())
+            .filter(|&i| self.states[i].is_available() && allowed(&self.states[i].authority))
             .collect();
         (!available.is_empty()).then(|| available[self.next.fetch_add(1, Ordering::Relaxed) % available.len()])
     }

@@ -70,19 +70,8 @@ impl Dispatcher {
         let excluded: Vec<usize> = match subset {
             None => Vec::new(),
             Some(subset) => {
-                // An entry is `ip:port`, as the protocol gives it; one naming an address alone allows every
-                // endpoint there.
-                let allows = |authority: &str| {
-                    subset.iter().any(|entry| {
-                        *entry == *authority
-                            || (entry.parse::<std::net::IpAddr>().is_ok()
-                                && authority
-                                    .rsplit_once(':')
-                                    .is_some_and(|(host, _)| host.trim_matches(['[', ']']) == entry))
-                    })
-                };
                 let excluded: Vec<usize> = (0..fleet.states.len())
-                    .filter(|&i| !allows(&fleet.states[i].authority))
+                    .filter(|&i| !subset_allows(subset, &fleet.states[i].authority))
                     .collect();
                 if excluded.len() == fleet.states.len() {
                     return Err(Error::new(
@@ -139,9 +128,10 @@ impl Dispatcher {
 
     /// Picks any endpoint of any backend that can take a call, for requests that name no model (server health
     /// and metadata): the backend with one first, in configured order.
-    pub fn pick_any(&self) -> Result<Picked> {
+    pub fn pick_any(&self, subset: Option<&[String]>) -> Result<Picked> {
         for backend in &self.backends {
-            if let Some(index) = backend.fleet.any_available() {
+            let allowed = |authority: &str| subset.is_none_or(|subset| subset_allows(subset, authority));
+            if let Some(index) = backend.fleet.any_available(allowed) {
                 let lease = backend.fleet.hold(index);
                 return Ok(Picked {
                     endpoints: vec![lease.state.authority.clone()],
@@ -156,4 +146,16 @@ impl Dispatcher {
             "no backend has an endpoint that can take calls",
         ))
     }
+}
+
+/// Whether a subset hint allows the endpoint at `authority`: an entry is `ip:port`, as the protocol gives it; one
+/// naming an address alone allows every endpoint there.
+fn subset_allows(subset: &[String], authority: &str) -> bool {
+    subset.iter().any(|entry| {
+        *entry == *authority
+            || (entry.parse::<std::net::IpAddr>().is_ok()
+                && authority
+                    .rsplit_once(':')
+                    .is_some_and(|(host, _)| host.trim_matches(['[', ']']) == entry))
+    })
 }

@@ -25,6 +25,9 @@ use crate::telemetry::traces::Trace;
 use ext_proc::processing_request::Request as Message;
 use ext_proc::processing_response::Response as Answer;
 
+/// How much the body's start grows between two reads of it while the pick waits for more.
+const READ_STEP: usize = 1024;
+
 /// The request header, and the dynamic metadata key in namespace [`LB_NAMESPACE`], that name the picked endpoints.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Where the proxy reports, on the response path, the endpoint that served the call.
@@ -68,8 +71,10 @@ pub(super) struct Call {
     /// The body's start, copied from its first chunks (at most [`MOST_READ`] and a gRPC frame's prefix), to read
     /// what the call names; the chunks themselves are held as they came and relayed untouched.
     start: Vec<u8>,
+    /// How long `start` was when it was last read.
+    read_at: usize,
     held: Vec<Bytes>,
-    /// What was read, once it was.
+    /// The model the call names, once read, and the version routing resolved for it, once admitted.
     model: Option<String>,
     version: Option<String>,
     picked: Option<Picked>,
@@ -96,14 +101,16 @@ impl Call {
             dispatcher,
             phase: Phase::Headers,
             began: Instant::now(),
-            request_duplex: true,
-            response_duplex: true,
+            // Until the proxy's first message says otherwise: a call is then picked by its path, bodies continued.
+            request_duplex: false,
+            response_duplex: false,
             path: String::new(),
             grpc: false,
             forward: HeaderMap::new(),
             subset: None,
             wanted: Wanted::Any,
             start: Vec::new(),
+            read_at: 0,
             held: Vec::new(),
             model: None,
             version: None,
@@ -218,7 +225,13 @@ impl Call {
                 self.start.extend_from_slice(&body.body[..body.body.len().min(room)]);
                 let end = body.end_of_stream;
                 self.held.push(body.body);
-                self.pick(end, end, answers).await;
+                // Read again once the start has doubled or grown by a step (or is full, or the body ended): a body
+                // sent a few bytes at a time is not read over from its beginning for each of them.
+                let (length, full) = (self.start.len(), self.start.len() >= MOST_READ + 5);
+                if end || full || length >= self.read_at.saturating_mul(2).min(self.read_at + READ_STEP) {
+                    self.read_at = self.start.len();
+                    self.pick(end, end, answers).await;
+                }
             }
             Phase::Relaying | Phase::Headers => {
                 if self.request_duplex {
@@ -290,12 +303,11 @@ impl Call {
     async fn choose(&mut self, read: Option<Read>) -> Result<(ext_proc::ProcessingResponse, Option<(Bytes, usize)>)> {
         let dispatcher = self.dispatcher.clone();
         let Some(read) = read else {
-            let picked = dispatcher.pick_any()?;
+            let picked = dispatcher.pick_any(self.subset.as_deref())?;
             let answer = self.picked(picked, None);
             return Ok((answer, None));
         };
         self.model = Some(read.model.clone());
-        self.version = read.version.clone();
         let principal = dispatcher.guard().authenticate(&self.forward)?;
         let trace = dispatcher.traces().map_or_else(Trace::default, |traces| {
             traces.request(&self.forward, || {
@@ -469,10 +481,10 @@ impl Call {
         };
         let status = error.http_status().as_u16();
         self.status = status;
+        // Labelled by what routing resolved, never by what the client wrote: a version not routed is `_unknown`.
         let (model, version) = match (&self.model, &self.version) {
-            (Some(model), version) if self.dispatcher.knows(model) => {
-                (model.as_str(), version.as_deref().unwrap_or(UNKNOWN))
-            }
+            (Some(model), Some(version)) => (model.as_str(), version.as_str()),
+            (Some(model), None) if self.dispatcher.knows(model) => (model.as_str(), UNKNOWN),
             _ => (UNKNOWN, UNKNOWN),
         };
         self.gateway

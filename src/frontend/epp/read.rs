@@ -175,8 +175,9 @@ impl Wanted {
                         ));
                     }
                     BodyRead::Header(_) => None,
-                    BodyRead::Json if whole => Some((start, true)),
+                    // A start of the most read bytes is a start, even of a body that has ended beyond them.
                     BodyRead::Json if start.len() >= MOST_READ => Some((start, false)),
+                    BodyRead::Json if whole => Some((start, true)),
                     // The request's own parameters stand ahead of its tensors where clients write them: once the
                     // inputs begin, a start that names no routing parameter has none to give.
                     BodyRead::Json if !rest::mentions_reserved(start) && begins_inputs(start) => Some((start, false)),
