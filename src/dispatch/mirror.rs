@@ -4,7 +4,8 @@ use bytes::Bytes;
 use http::HeaderMap;
 use std::time::Duration;
 
-use super::{Affinity, Attempt, BackendClients, CallContext, Replicas, call_infer, decode_grpc_request};
+use super::backend::Attempt;
+use super::{Affinity, BackendClients, CallContext, Replicas, call_infer, decode_grpc_request};
 use crate::codec::{rest, splice};
 use crate::error::{Error, Result};
 use crate::protocol::InferRequest;

@@ -20,11 +20,11 @@ use crate::codec::protobuf;
 use crate::codec::rest::generate::{body_parameters, decode_generate, encode_generate, take_events};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, CallRequest, StreamAnswer};
+use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::proto::ModelStreamInferResponse;
-use crate::protocol::{InferResponse, Reserved, StreamCall};
-use crate::routing::VersionRoute;
+use crate::protocol::{InferRequest, InferResponse, Reserved, StreamCall};
+use crate::routing::{Routed, VersionRoute};
 use std::time::Duration;
 
 use super::answer::Record;
@@ -45,6 +45,8 @@ enum Generated {
 }
 
 impl RestDoor {
+    /// A streaming call: admitted and routed with its body read, then relayed to a REST backend, or translated onto
+    /// the inference stream of a gRPC one and answered as its responses come.
     pub(super) async fn generate(
         &self,
         parts: &http::request::Parts,
@@ -56,38 +58,9 @@ impl RestDoor {
     ) -> Result<PendingAnswer> {
         let dispatcher = record.dispatcher().clone();
         let forward = crate::headers::for_backend(&parts.headers);
-        let principal = record.principal.clone();
-        let asked = CallRequest {
-            model,
-            version,
-            forward: &forward,
-            principal: principal.as_deref(),
-            principal_rate_taken: false,
-            trace: &record.trace,
-        };
-        // Read whole once the call is let in: the version is chosen by routing (canary weights), so the inputs are
-        // read with that version's metadata, and a sequence's requests reach the replica holding its state, relayed
-        // or translated.
-        let read_bytes = std::sync::atomic::AtomicU64::new(0);
-        let (admitted, route_metrics) = {
-            let start = std::pin::pin!(async {
-                let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
-                let mut raw = self.read_body(body, declared, Vec::new()).await?;
-                if let Some(coding) = compression::request_coding(&parts.headers)? {
-                    raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
-                }
-                read_bytes.store(raw.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
-                Ok((raw, reserved))
-            });
-            dispatcher.admit(&asked, start).await
-        };
-        record.route = Some(route_metrics);
-        // Counted whether or not the call goes on, as the access log reports a refused call's body too.
-        record.request_bytes = read_bytes.into_inner();
-        let (admitted, raw) = admitted?;
-        record.admission = Some(admitted.admission);
-        let routed = admitted.routed;
+        let (routed, raw) = self
+            .admit_generate(parts, body, record, &forward, model, version)
+            .await?;
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
             let answer = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)
@@ -95,27 +68,7 @@ impl RestDoor {
             return relay(answer, &routed.route, call.streams(), dispatcher.stream_idle_timeout()).await;
         }
         let route = routed.route;
-        let mut request = match call {
-            StreamCall::InferStream => {
-                match rest_codec::decode_request(
-                    raw,
-                    rest_codec::inference_header_length(
-                        parts.headers.get(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH),
-                    )?,
-                )? {
-                    RestRequest::Request { request, .. } => request,
-                    RestRequest::RawBinary(_) => {
-                        return Err(Error::invalid(
-                            "infer_stream takes an inference request, not raw binary data (Inference-Header-Content-Length: 0)",
-                        ));
-                    }
-                }
-            }
-            StreamCall::Generate | StreamCall::GenerateStream => {
-                let metadata = dispatcher.model_metadata(model, Some(&route.version)).await?;
-                decode_generate(&raw, &metadata)?
-            }
-        };
+        let mut request = translated_request(&dispatcher, parts, call, raw, model, &route).await?;
         request.model_name = model.to_owned();
         request.model_version = Some(route.version.clone());
         let message = Bytes::from(protobuf::encode_request(request).chunks.concat());
@@ -137,38 +90,116 @@ impl RestDoor {
         if !call.streams() {
             return one_response(&mut received, call).await;
         }
-        // The first event decides the status: an error before it is the answer.
-        let first = loop {
-            match received.recv().await {
-                None => break None,
-                Some(answer) => match generated(answer, call)? {
-                    Generated::Failed(message) => return Err(Error::invalid(message)),
-                    Generated::Response(None) => continue,
-                    Generated::Response(Some(json)) => break Some(json),
-                },
-            }
+        events_of(received, call).await
+    }
+
+    /// Admits and routes the call, its body read whole once it is let in: the version is chosen by routing (canary
+    /// weights), so the inputs are read with that version's metadata, and a sequence's requests reach the replica
+    /// holding its state, relayed or translated. Gives the route and the body as it came (decompressed).
+    async fn admit_generate(
+        &self,
+        parts: &http::request::Parts,
+        body: &mut Option<RequestBody>,
+        record: &mut Record,
+        forward: &http::HeaderMap,
+        model: &str,
+        version: Option<&str>,
+    ) -> Result<(Routed, Bytes)> {
+        let dispatcher = record.dispatcher().clone();
+        let principal = record.principal.clone();
+        let asked = CallRequest {
+            model,
+            version,
+            forward,
+            principal: principal.as_deref(),
+            principal_rate_taken: false,
+            trace: &record.trace,
         };
-        let (events, sent) = mpsc::channel(EVENTS);
-        tokio::spawn(async move {
-            if let Some(json) = first
-                && events.send(event(&json)).await.is_err()
-            {
+        let read_bytes = std::sync::atomic::AtomicU64::new(0);
+        let (admitted, route_metrics) = {
+            let start = std::pin::pin!(async {
+                let declared = self.declared_length(parts.headers.get(http::header::CONTENT_LENGTH))?;
+                let mut raw = self.read_body(body, declared, Vec::new()).await?;
+                if let Some(coding) = compression::request_coding(&parts.headers)? {
+                    raw = compression::decompress(coding, &raw, self.max_request_bytes, "request body")?;
+                }
+                read_bytes.store(raw.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
+                Ok((raw, reserved))
+            });
+            dispatcher.admit(&asked, start).await
+        };
+        record.route = Some(route_metrics);
+        // Counted whether or not the call goes on, as the access log reports a refused call's body too.
+        record.request_bytes = read_bytes.into_inner();
+        let (admitted, raw) = admitted?;
+        record.admission = Some(admitted.admission);
+        Ok((admitted.routed, raw))
+    }
+}
+
+/// The inference a streaming call asks of a gRPC backend: `infer_stream`'s body is one; a generate body's fields are
+/// read by name with the routed version's metadata.
+async fn translated_request(
+    dispatcher: &Dispatcher,
+    parts: &http::request::Parts,
+    call: StreamCall,
+    raw: Bytes,
+    model: &str,
+    route: &VersionRoute,
+) -> Result<InferRequest> {
+    match call {
+        StreamCall::InferStream => {
+            let header_length = rest_codec::inference_header_length(
+                parts.headers.get(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH),
+            )?;
+            match rest_codec::decode_request(raw, header_length)? {
+                RestRequest::Request { request, .. } => Ok(request),
+                RestRequest::RawBinary(_) => Err(Error::invalid(
+                    "infer_stream takes an inference request, not raw binary data (Inference-Header-Content-Length: 0)",
+                )),
+            }
+        }
+        StreamCall::Generate | StreamCall::GenerateStream => {
+            let metadata = dispatcher.model_metadata(model, Some(&route.version)).await?;
+            decode_generate(&raw, &metadata)
+        }
+    }
+}
+
+/// `generate_stream` and `infer_stream`: each response as an event. The first decides the status: an error before
+/// it is the answer; one after it is an error event.
+async fn events_of(mut received: mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<PendingAnswer> {
+    let first = loop {
+        match received.recv().await {
+            None => break None,
+            Some(answer) => match generated(answer, call)? {
+                Generated::Failed(message) => return Err(Error::invalid(message)),
+                Generated::Response(None) => continue,
+                Generated::Response(Some(json)) => break Some(json),
+            },
+        }
+    };
+    let (events, sent) = mpsc::channel(EVENTS);
+    tokio::spawn(async move {
+        if let Some(json) = first
+            && events.send(event(&json)).await.is_err()
+        {
+            return;
+        }
+        while let Some(answer) = received.recv().await {
+            let json = match generated(answer, call) {
+                Ok(Generated::Response(Some(json))) => json,
+                Ok(Generated::Response(None)) => continue,
+                Ok(Generated::Failed(message)) => rest_codec::encode_error(&message),
+                Err(error) => rest_codec::encode_error(error.message()),
+            };
+            if events.send(event(&json)).await.is_err() {
                 return;
             }
-            while let Some(answer) = received.recv().await {
-                let json = match generated(answer, call) {
-                    Ok(Generated::Response(Some(json))) => json,
-                    Ok(Generated::Response(None)) => continue,
-                    Ok(Generated::Failed(message)) => rest_codec::encode_error(&message),
-                    Err(error) => rest_codec::encode_error(error.message()),
-                };
-                if events.send(event(&json)).await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(PendingAnswer::Events(sent))
-    }
+        }
+    });
+    Ok(PendingAnswer::Events(sent))
 }
 
 /// `generate`: the stream's one response, as JSON.
