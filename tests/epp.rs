@@ -382,13 +382,6 @@ fn grpc_headers(method: &str) -> Request {
     )
 }
 
-fn frame(message: &[u8], compressed: bool) -> Vec<u8> {
-    let mut framed = vec![u8::from(compressed)];
-    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    framed.extend_from_slice(message);
-    framed
-}
-
 fn infer_request(model: &str) -> ModelInferRequest {
     ModelInferRequest {
         model_name: model.to_owned(),
@@ -411,7 +404,7 @@ async fn a_grpc_message_is_read_from_its_leading_fields_and_renamed_for_its_back
     let pool = pool();
     let mut stream = Stream::open(&pool).await;
     let message = infer_request("add_sub_grpc").encode_to_vec();
-    let framed = frame(&message, false);
+    let framed = common::grpc_frame(&message, false);
     stream.send(grpc_headers("ModelInfer"), None).await;
     // The frame's prefix and its leading fields arrive in pieces; the tensor bytes after.
     stream.send(body(framed[..3].to_vec(), false), None).await;
@@ -479,7 +472,10 @@ async fn calls_the_picker_cannot_serve_are_refused_clearly() {
         (
             vec![
                 grpc_headers("ModelStreamInfer"),
-                body(frame(&infer_request("add_sub_grpc").encode_to_vec(), false), false),
+                body(
+                    common::grpc_frame(&infer_request("add_sub_grpc").encode_to_vec(), false),
+                    false,
+                ),
             ],
             501,
             Some(12),
@@ -489,7 +485,10 @@ async fn calls_the_picker_cannot_serve_are_refused_clearly() {
         (
             vec![
                 grpc_headers("ModelInfer"),
-                body(frame(&infer_request("add_sub_grpc").encode_to_vec(), true), true),
+                body(
+                    common::grpc_frame(&infer_request("add_sub_grpc").encode_to_vec(), true),
+                    true,
+                ),
             ],
             501,
             Some(12),

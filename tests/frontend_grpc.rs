@@ -133,10 +133,7 @@ async fn raw_model_infer(
 ) -> (http::response::Parts, Bytes, Option<http::HeaderMap>) {
     use prost::Message;
 
-    let encoded = message.encode_to_vec();
-    let mut framed = vec![u8::from(compressed)];
-    framed.extend_from_slice(&u32::try_from(encoded.len()).unwrap().to_be_bytes());
-    framed.extend_from_slice(&encoded);
+    let framed = common::grpc_frame(&message.encode_to_vec(), compressed);
     // gzip and deflate are read (tests/compression.rs); this one is not.
     raw_call(addr, framed, compressed.then_some("snappy")).await
 }

@@ -729,10 +729,7 @@ async fn a_client_deadline_bounds_the_backend_call_on_every_path() {
     // tonic's client enforces its own deadline too, so the call is made by hand to see what the gateway answers.
     let client = http_client(true);
     for version in ["grpc", "rest"] {
-        let message = prost::Message::encode_to_vec(&slow_grpc_request(version));
-        let mut framed = vec![0];
-        framed.extend(u32::try_from(message.len()).unwrap().to_be_bytes());
-        framed.extend(message);
+        let framed = common::grpc_frame(&prost::Message::encode_to_vec(&slow_grpc_request(version)), false);
         let request = http::Request::post(format!(
             "http://{}/inference.GRPCInferenceService/ModelInfer",
             gateway.grpc

@@ -578,6 +578,14 @@ fn spawn_gateway(
     )
 }
 
+/// `message` as one gRPC frame: its compressed flag, its length, itself.
+pub fn grpc_frame(message: &[u8], compressed: bool) -> Vec<u8> {
+    let mut framed = vec![u8::from(compressed)];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(message);
+    framed
+}
+
 /// How many inferences of `model` each of `replicas` answered, from its own statistics: which replica served a call.
 pub async fn inference_counts(replicas: &[&ModelServerProcess], model: &str) -> Vec<u64> {
     let mut counts = Vec::with_capacity(replicas.len());
