@@ -49,7 +49,9 @@ fn main() -> Result<(), Failure> {
         return runtime.block_on(checked());
     };
     runtime.block_on(async move {
-        let (spans, received_events) = sinks(&otlp, &events).await?;
+        let otlp = tokio::net::TcpListener::bind(otlp).await?;
+        let events = tokio::net::TcpListener::bind(events).await?;
+        let (spans, received_events) = sinks(otlp, events)?;
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             eprintln!(
@@ -65,9 +67,11 @@ fn main() -> Result<(), Failure> {
 async fn checked() -> Result<(), Failure> {
     use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
     use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
-    let otlp = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let events = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let (spans, received_events) = sinks(&otlp.to_string(), &events.to_string()).await?;
+    // Bound here and kept: a port found free and then bound again could be taken in between.
+    let otlp_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let events_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let (otlp, events) = (otlp_listener.local_addr()?, events_listener.local_addr()?);
+    let (spans, received_events) = sinks(otlp_listener, events_listener)?;
     let mut client = TraceServiceClient::connect(format!("http://{otlp}")).await?;
     client
         .export(ExportTraceServiceRequest {
@@ -99,11 +103,12 @@ async fn checked() -> Result<(), Failure> {
 }
 
 /// The collector on `otlp` and the sink on `events`, serving on this runtime; their counts of spans and events.
-async fn sinks(otlp: &str, events: &str) -> Result<(Arc<AtomicU64>, Arc<AtomicU64>), Failure> {
+fn sinks(
+    otlp: tokio::net::TcpListener,
+    events: tokio::net::TcpListener,
+) -> Result<(Arc<AtomicU64>, Arc<AtomicU64>), Failure> {
     let spans = Collector::default();
     let received_events = Arc::new(AtomicU64::new(0));
-    let otlp = tokio::net::TcpListener::bind(otlp).await?;
-    let events = tokio::net::TcpListener::bind(events).await?;
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(TraceServiceServer::new(spans.clone()))
