@@ -695,3 +695,37 @@ pub fn key_scan(data: &[u8]) {
         );
     }
 }
+
+/// A REST backend's generate answers as the gateway reads them: the server-sent events of a stream, cut where each
+/// ends however the bytes arrive; and the tokens each event (or the whole body, as a `generate` answer) carries for a
+/// token budget, never more for one output than for all of them.
+pub fn generate_answer(data: &[u8]) {
+    use crate::codec::rest::generate::{answer_tokens, take_events};
+    let mut whole = data.to_vec();
+    let at_once = take_events(&mut whole);
+    let (first, second) = data.split_at(data.len() / 2);
+    let mut pending = first.to_vec();
+    let mut piecewise = take_events(&mut pending);
+    pending.extend_from_slice(second);
+    piecewise.extend(take_events(&mut pending));
+    assert_eq!(at_once, piecewise, "the events depend on how the bytes arrived");
+    assert_eq!(whole, pending, "the rest depends on how the bytes arrived");
+    for json in at_once.iter().map(Vec::as_slice).chain([data]) {
+        let all = answer_tokens(json, None, false);
+        let Ok(members) =
+            serde_json::from_slice::<std::collections::BTreeMap<String, &serde_json::value::RawValue>>(json)
+        else {
+            assert_eq!(all, 0, "tokens counted in what is no JSON object");
+            continue;
+        };
+        for name in members.keys() {
+            let one = answer_tokens(json, Some(name), false);
+            let named = !matches!(name.as_str(), "model_name" | "model_version" | "id" | "parameters");
+            assert!(
+                !named || one <= all,
+                "output {name} carries {one} tokens, all of them {all}"
+            );
+            answer_tokens(json, Some(name), true);
+        }
+    }
+}

@@ -51,20 +51,30 @@ pub fn on_builder_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
 /// slow collector or sink never takes a door's time.
 pub fn telemetry_runtime() -> &'static tokio::runtime::Handle {
     static TELEMETRY: OnceLock<tokio::runtime::Handle> = OnceLock::new();
-    TELEMETRY.get_or_init(|| {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime for the telemetry thread");
-        let handle = runtime.handle().clone();
-        let started = std::thread::Builder::new()
-            .name("oipgate-telemetry".into())
-            .spawn(move || runtime.block_on(std::future::pending::<()>()));
-        if let Err(error) = started {
-            tracing::error!(%error, "cannot start the telemetry thread");
-        }
-        handle
-    })
+    TELEMETRY.get_or_init(|| thread_runtime("oipgate-telemetry"))
+}
+
+/// The runtime that holds the connection to the Redis of `[limits.shared]` and its heartbeat: one thread of its
+/// own, apart from telemetry's exports, so a call waiting on Redis is never behind a batch of spans.
+pub fn limits_runtime() -> &'static tokio::runtime::Handle {
+    static LIMITS: OnceLock<tokio::runtime::Handle> = OnceLock::new();
+    LIMITS.get_or_init(|| thread_runtime("oipgate-limits"))
+}
+
+/// A current-thread runtime on a thread of its own named `name`.
+fn thread_runtime(name: &str) -> tokio::runtime::Handle {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime for a helper thread");
+    let handle = runtime.handle().clone();
+    let started = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || runtime.block_on(std::future::pending::<()>()));
+    if let Err(error) = started {
+        tracing::error!(%error, thread = name, "cannot start a helper thread");
+    }
+    handle
 }
 
 fn builder() -> &'static mpsc::Sender<Job> {

@@ -397,3 +397,57 @@ fn bad_tracing_and_payload_log_sections_are_refused_with_their_key_paths() {
         assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
     }
 }
+
+#[test]
+fn shared_limits_and_token_budgets_are_validated_with_their_defaults() {
+    let text = format!(
+        "{EXAMPLE}\n[limits.shared]\nredis = \"rediss://gateway:s3cret@redis.internal:6380/2\"\n\n\
+         [auth]\n[[auth.api_keys]]\nname = \"team\"\n\
+         sha256 = \"8254c329a92850f6d539dd376f4816ee2764517da5e0235514af433164480d7a\"\nmodels = [\"*\"]\n\
+         rate = {{ per_second = 50.0, burst = 100, tokens_per_minute = 100000 }}\n"
+    );
+    let config = load(&text).unwrap();
+    let shared = config.shared_limits.as_ref().expect("[limits.shared]");
+    assert_eq!(
+        (shared.prefix.as_str(), shared.lease, shared.lease_time, shared.timeout),
+        ("oipgate:", 20, Duration::from_secs(1), Duration::from_millis(20))
+    );
+    assert_eq!(shared.when_unreachable, oipgate::config::WhenUnreachable::Local);
+    // The password is never shown.
+    assert_eq!(shared.shown(), "rediss://gateway:***@redis.internal:6380/2");
+    let rate = config.auth.as_ref().unwrap().api_keys[0].rate;
+    assert_eq!(rate.calls.map(|r| (r.per_second, r.burst.get())), Some((50.0, 100)));
+    assert_eq!(rate.tokens.map(|t| t.per_minute.get()), Some(100_000));
+    // Absent, limits stay each replica's own.
+    assert!(load(EXAMPLE).unwrap().shared_limits.is_none());
+}
+
+#[test]
+fn bad_shared_limits_and_token_budgets_are_refused_with_their_key_paths() {
+    let text = format!(
+        "{EXAMPLE}\n[limits.shared]\nredis = \"http://redis:6379\"\nlease = 20000\ntimeout_ms = 0\n\
+         prefix = \"two words\"\n\n\
+         [auth]\n[[auth.api_keys]]\nname = \"team\"\n\
+         sha256 = \"8254c329a92850f6d539dd376f4816ee2764517da5e0235514af433164480d7a\"\nmodels = [\"*\"]\n\
+         rate = {{ burst = 5 }}\n\n\
+         [[models]]\nname = \"llm\"\nversions = [ {{ version = \"1\", backend = \"fleet-a\" }} ]\n\
+         rate = {{ tokens_per_minute = 0 }}\ntokens_output_holds = \"count\"\n"
+    );
+    let found = problems(&text);
+    let expected = [
+        "limits.shared.redis: must be a redis:// or rediss:// URL",
+        "limits.shared.lease: 20000 is above 10000",
+        "limits.shared.timeout_ms: must be at least 1",
+        "limits.shared.prefix: must not hold whitespace",
+        "auth.api_keys[0].rate.burst: applies with per_second only",
+        "models[2].rate.tokens_per_minute: 0 is outside 1 to 60000000",
+        "models[2].tokens_output_holds: applies with tokens_output only",
+    ];
+    for message in expected {
+        assert!(found.iter().any(|p| p == message), "missing {message:?} in {found:#?}");
+    }
+    let unknown = problems(&format!(
+        "{EXAMPLE}\n[limits.shared]\nredis = \"redis://r\"\nwhen_unreachable = \"panic\"\n"
+    ));
+    assert!(unknown[0].contains("when_unreachable"), "{unknown:?}");
+}

@@ -59,6 +59,18 @@ proptest! {
     fn protobuf_request_arbitrary(data in prop::collection::vec(any::<u8>(), 0..256)) { fuzzing::protobuf_request(&data); }
 
     #[test]
+    fn generate_answer_mutated(data in mutated(&[
+        "data: {\"text_output\":\"Hel\",\"model_name\":\"llm\",\"model_version\":\"1\"}\n\ndata: {\"text_output\":[\"lo\",\"!\"],\"num_output_tokens\":2}\n\n",
+        r#"{"OUTPUT0":[1,2,3],"OUTPUT1":4,"model_name":"m","parameters":{"a":1}}"#,
+        "data:{\"error\":\"broken\"}\n\n: keep-alive\n\n",
+    ])) {
+        fuzzing::generate_answer(&data);
+    }
+
+    #[test]
+    fn generate_answer_arbitrary(data in prop::collection::vec(any::<u8>(), 0..128)) { fuzzing::generate_answer(&data); }
+
+    #[test]
     fn rename_mutated(data in mutated(&[r#"{"model_name":"up","model_version":"1","id":"x","outputs":[{"name":"o","data":[1,"a\"b"]}]}"#, r#"{"outputs":[],"model_name":""}"#])) {
         fuzzing::rename(&data);
     }

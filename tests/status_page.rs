@@ -93,6 +93,10 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
     assert_eq!(status.status, 200);
     let json = status.json();
     assert_eq!(json["generation"], 1);
+    assert_eq!(
+        json["limits"]["shared"], false,
+        "no [limits.shared]: each replica's own"
+    );
     assert_eq!(json["models"].as_array().unwrap().len(), 4, "{json}");
     assert_eq!(
         (json["versions_total"].as_u64(), json["versions_unavailable"].as_u64()),
@@ -126,6 +130,7 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
         "add_sub",
         "slow",
         "4 versions, 0 unavailable",
+        "limits: each replica's own",
     ] {
         assert!(dom.contains(text), "{text} missing:\n{dom}");
     }

@@ -1,6 +1,6 @@
 //! The fleet status page on the metrics listener: `GET /status`, a page that refreshes itself from
-//! `GET /status.json` (no external assets), and that JSON: the configuration's generation and last reload, every
-//! public model version and every endpoint.
+//! `GET /status.json` (no external assets), and that JSON: the configuration's generation and last reload, whether
+//! the limits are shared and the state of their Redis, every public model version and every endpoint.
 
 use std::time::SystemTime;
 
@@ -21,8 +21,36 @@ struct Status {
     last_reload: Option<LastReload>,
     /// Readiness: what load balancers are told.
     ready: bool,
+    limits: LimitsStatus,
     #[serde(flatten)]
     fleet: FleetStatus,
+}
+
+/// Whether the rate limits and token budgets are each replica's own or shared through Redis, and the state of Redis.
+#[derive(Serialize)]
+struct LimitsStatus {
+    shared: bool,
+    /// The Redis URL, its password hidden.
+    redis: Option<String>,
+    /// `reachable`, or `unreachable` while the limits fall back to `when_unreachable`.
+    redis_state: Option<&'static str>,
+    when_unreachable: Option<&'static str>,
+    /// Replicas seen in Redis recently, this one included.
+    replicas: Option<u32>,
+    lease: Option<u32>,
+}
+
+impl LimitsStatus {
+    fn of(store: Option<&crate::guard::shared::SharedStore>) -> LimitsStatus {
+        LimitsStatus {
+            shared: store.is_some(),
+            redis: store.map(|store| store.config().shown()),
+            redis_state: store.map(|store| if store.reachable() { "reachable" } else { "unreachable" }),
+            when_unreachable: store.map(|store| store.config().when_unreachable.label()),
+            replicas: store.map(crate::guard::shared::SharedStore::replicas),
+            lease: store.map(|store| store.config().lease),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -46,6 +74,7 @@ pub async fn json(gateway: &Gateway) -> Vec<u8> {
             problems: outcome.err(),
         }),
         ready: gateway.server_ready().await,
+        limits: LimitsStatus::of(dispatcher.guard().shared().map(|store| &**store)),
         fleet: dispatcher.fleet_status().await,
     };
     serde_json::to_vec(&status).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes())

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::limits::{Rate, RawRate, validate_rate};
+use super::limits::{Rates, RawRate, validate_rate};
 use super::{Problems, file};
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -70,7 +70,7 @@ pub struct ApiKey {
     pub sha256: [u8; 32],
     pub models: ModelScope,
     pub admin: bool,
-    pub rate: Option<Rate>,
+    pub rate: Rates,
 }
 
 /// The public models a principal may use.
@@ -98,8 +98,8 @@ pub struct Jwt {
     pub principal_claim: String,
     pub models_claim: String,
     pub admin_claim: Option<String>,
-    /// Each token principal's own bucket.
-    pub rate: Option<Rate>,
+    /// Each token principal's own bucket and token budget.
+    pub rate: Rates,
 }
 
 /// The `[auth]` section: keys named once each, with well-formed digests, scoped to configured models.
@@ -141,7 +141,8 @@ pub(super) fn validate_auth(problems: &mut Problems, auth: &RawAuth, models: &Ha
             rate: key
                 .rate
                 .as_ref()
-                .and_then(|rate| validate_rate(problems, &format!("{path}.rate"), rate)),
+                .map(|rate| validate_rate(problems, &format!("{path}.rate"), rate))
+                .unwrap_or_default(),
         });
     }
     let jwt = auth.jwt.as_ref().map(|jwt| {
@@ -160,7 +161,8 @@ pub(super) fn validate_auth(problems: &mut Problems, auth: &RawAuth, models: &Ha
             rate: jwt
                 .rate
                 .as_ref()
-                .and_then(|rate| validate_rate(problems, "auth.jwt.rate", rate)),
+                .map(|rate| validate_rate(problems, "auth.jwt.rate", rate))
+                .unwrap_or_default(),
         }
     });
     if api_keys.is_empty() && jwt.is_none() {

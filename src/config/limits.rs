@@ -47,6 +47,8 @@ pub struct RawLimits {
     pub max_connections: Option<u32>,
     /// Bytes of answers one HTTP/2 client connection may hold in the gateway unread, on both doors (past it, 429).
     pub max_buffered_answer_bytes: Option<u64>,
+    /// Rate limits and token budgets shared by every replica through Redis; absent, each replica keeps its own.
+    pub shared: Option<super::shared_limits::RawSharedLimits>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,14 +140,17 @@ pub(super) fn validate_limits(problems: &mut Problems, limits: &RawLimits) -> Li
     }
 }
 
-/// A token bucket as written: `{ per_second = 50.0, burst = 100 }`.
+/// A principal's or model's rates as written: `{ per_second = 50.0, burst = 100 }` for its calls,
+/// `{ tokens_per_minute = 100000 }` for the tokens its `generate` answers carry, or both.
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawRate {
     /// Tokens added per second (calls allowed per second, sustained).
-    pub per_second: f64,
+    pub per_second: Option<f64>,
     /// The most calls allowed at once after a quiet spell (default: one second's worth, at least 1).
     pub burst: Option<u32>,
+    /// Tokens of `generate` and `generate_stream` answers allowed per minute, sustained (a minute's worth at once).
+    pub tokens_per_minute: Option<u64>,
 }
 
 /// A token bucket: `per_second` calls sustained, up to `burst` at once.
@@ -155,21 +160,85 @@ pub struct Rate {
     pub burst: std::num::NonZeroU32,
 }
 
+impl Rate {
+    /// The time one call's token takes to come back.
+    pub fn interval(self) -> Duration {
+        Duration::from_secs_f64(1.0 / self.per_second).max(Duration::from_nanos(1))
+    }
+}
+
+/// A budget of generated tokens: `per_minute` sustained, a minute's worth at once. It is charged when an answer
+/// ends, by the tokens the answer carried, and refuses new calls while it is spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenRate {
+    pub per_minute: std::num::NonZeroU64,
+}
+
+impl TokenRate {
+    /// The time one token takes to come back.
+    pub fn interval(self) -> Duration {
+        (Duration::from_secs(60) / u32::try_from(self.per_minute.get()).unwrap_or(u32::MAX))
+            .max(Duration::from_nanos(1))
+    }
+}
+
+/// What a `rate` key sets: a bucket of calls, a budget of tokens, or both.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Rates {
+    pub calls: Option<Rate>,
+    pub tokens: Option<TokenRate>,
+}
+
 /// The fastest rate accepted: one call per nanosecond is what a token bucket's clock can tell apart.
 const MAX_PER_SECOND: f64 = 1e9;
+/// The largest token budget accepted: what a minute can be divided into, one token per microsecond.
+const MAX_TOKENS_PER_MINUTE: u64 = 60_000_000;
 
-/// A rate limit at `path`: a positive, finite rate and a burst of at least one call.
-pub(super) fn validate_rate(problems: &mut Problems, path: &str, rate: &RawRate) -> Option<Rate> {
-    if !(rate.per_second > 0.0 && rate.per_second <= MAX_PER_SECOND) {
+/// The rates at `path`: a positive, finite call rate with a burst of at least one call, and a token budget of at
+/// least one token a minute; at least one of them.
+pub(super) fn validate_rate(problems: &mut Problems, path: &str, rate: &RawRate) -> Rates {
+    let tokens = match rate.tokens_per_minute {
+        None => None,
+        Some(per_minute) if (1..=MAX_TOKENS_PER_MINUTE).contains(&per_minute) => {
+            std::num::NonZeroU64::new(per_minute).map(|per_minute| TokenRate { per_minute })
+        }
+        Some(other) => {
+            problems.add(
+                format!("{path}.tokens_per_minute"),
+                format!("{other} is outside 1 to {MAX_TOKENS_PER_MINUTE}"),
+            );
+            None
+        }
+    };
+    let calls = match rate.per_second {
+        Some(per_second) => validate_calls(problems, path, per_second, rate.burst),
+        None if rate.burst.is_some() => {
+            problems.add(format!("{path}.burst"), "applies with per_second only");
+            None
+        }
+        None if rate.tokens_per_minute.is_none() => {
+            problems.add(
+                path,
+                "sets neither per_second (calls) nor tokens_per_minute (generated tokens)",
+            );
+            None
+        }
+        None => None,
+    };
+    Rates { calls, tokens }
+}
+
+fn validate_calls(problems: &mut Problems, path: &str, per_second: f64, burst: Option<u32>) -> Option<Rate> {
+    if !(per_second > 0.0 && per_second <= MAX_PER_SECOND) {
         problems.add(
             format!("{path}.per_second"),
-            format!("{} is not above 0 and at most {MAX_PER_SECOND}", rate.per_second),
+            format!("{per_second} is not above 0 and at most {MAX_PER_SECOND}"),
         );
         return None;
     }
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let one_second = rate.per_second.ceil().min(f64::from(u32::MAX)) as u32;
-    let burst = match rate.burst {
+    let one_second = per_second.ceil().min(f64::from(u32::MAX)) as u32;
+    let burst = match burst {
         Some(0) => {
             problems.add(format!("{path}.burst"), "must be at least 1");
             return None;
@@ -178,7 +247,7 @@ pub(super) fn validate_rate(problems: &mut Problems, path: &str, rate: &RawRate)
         None => one_second.max(1),
     };
     Some(Rate {
-        per_second: rate.per_second,
+        per_second,
         burst: std::num::NonZeroU32::new(burst)?,
     })
 }

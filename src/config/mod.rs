@@ -13,6 +13,7 @@ pub mod load;
 pub mod models;
 pub mod process;
 pub mod raw;
+pub mod shared_limits;
 pub mod telemetry;
 
 use std::collections::HashSet;
@@ -27,6 +28,7 @@ pub use load::{LoadSource, RawLoad};
 pub use models::*;
 pub use process::*;
 pub use raw::{Problem, RawConfig};
+pub use shared_limits::{SharedLimits, WhenUnreachable};
 pub use telemetry::{LogMode, LoggedTensors, PayloadLog, Tracing};
 
 /// The metrics label standing for every series past its bound and for calls by no configured principal: no
@@ -39,6 +41,8 @@ pub struct Config {
     pub ready_policy: ReadyPolicy,
     pub listen: Listen,
     pub limits: Limits,
+    /// Rate limits and token budgets shared through Redis; `None`: each replica keeps its own.
+    pub shared_limits: Option<SharedLimits>,
     /// TLS on the front doors.
     pub tls: Option<ServerTls>,
     pub shutdown: Shutdown,
@@ -210,6 +214,11 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
     let mut problems = Problems::default();
     let listen = validate_listen(&mut problems, &raw.listen);
     let limits = validate_limits(&mut problems, &raw.limits);
+    let shared_limits = raw
+        .limits
+        .shared
+        .as_ref()
+        .map(|shared| shared_limits::validate_shared_limits(&mut problems, shared));
     let (backends, backend_index) = validate_backends(&mut problems, &raw.backends, base);
     let models = validate_models(&mut problems, &raw.models, &backend_index);
     for (i, model) in models.iter().enumerate() {
@@ -254,6 +263,7 @@ pub fn validate_in(raw: RawConfig, base: &Path) -> Result<Config, Vec<Problem>> 
             ready_policy: raw.ready_policy,
             listen,
             limits,
+            shared_limits,
             tls,
             shutdown,
             reload,

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 
 use super::backends::BackendId;
-use super::limits::{Rate, RawRate, validate_rate};
+use super::limits::{Rates, RawRate, validate_rate};
 use super::{Problems, check_name, positive};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -25,8 +25,13 @@ pub struct RawModel {
     /// backend go to the backend's `generate_stream`, whose events become the stream's responses.
     #[serde(default)]
     pub decoupled: bool,
-    /// A token bucket for the model's calls, across all callers.
+    /// A token bucket for the model's calls and a budget of its generated tokens, across all callers.
     pub rate: Option<RawRate>,
+    /// The output a `generate` answer's tokens are counted from (default: every output).
+    pub tokens_output: Option<String>,
+    /// What that output holds: `elements` (each element is a token, the default) or `count` (its value is the
+    /// number of tokens, as Triton's vLLM backend's `num_output_tokens`).
+    pub tokens_output_holds: Option<TokensHeld>,
     /// Calls under way at once; more are refused at once.
     pub max_concurrent: Option<u32>,
     /// Bound on each of the model's backend calls, in milliseconds (a client's deadline can only shorten it).
@@ -76,6 +81,8 @@ pub struct ModelConfig {
     pub decoupled: bool,
     /// How fast, how many at once and for how long the model is called.
     pub limits: ModelLimits,
+    /// How the tokens of its `generate` answers are counted, for token budgets.
+    pub tokens: TokenCount,
     /// Its inferences are sent to `[payload_log]`'s sink: the section is configured and covers it, and the model
     /// does not opt out.
     pub payload_log: bool,
@@ -84,10 +91,28 @@ pub struct ModelConfig {
 /// A model's own limits, across all callers.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ModelLimits {
-    pub rate: Option<Rate>,
+    pub rate: Rates,
     pub max_concurrent: Option<std::num::NonZeroU32>,
     pub timeout: Option<std::time::Duration>,
     pub shed: Option<Shed>,
+}
+
+/// What a counted output holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokensHeld {
+    /// Each element is one token (token ids, or one text piece per streamed token).
+    #[default]
+    Elements,
+    /// Its value is the number of tokens.
+    Count,
+}
+
+/// Where a `generate` answer's tokens are read: one output, or (`None`) the elements of every output.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TokenCount {
+    pub output: Option<String>,
+    pub holds: TokensHeld,
 }
 
 /// Refusing a model's calls while every endpoint serving it reports a long queue.
@@ -189,6 +214,7 @@ fn validate_model(
         versions,
         decoupled: model.decoupled,
         limits: model_limits(problems, path, model),
+        tokens: token_count(problems, path, model),
         payload_log: model.payload_log.unwrap_or(true),
     }
 }
@@ -202,7 +228,8 @@ fn model_limits(problems: &mut Problems, path: &str, model: &RawModel) -> ModelL
         rate: model
             .rate
             .as_ref()
-            .and_then(|rate| validate_rate(problems, &format!("{path}.rate"), rate)),
+            .map(|rate| validate_rate(problems, &format!("{path}.rate"), rate))
+            .unwrap_or_default(),
         max_concurrent: model.max_concurrent.and_then(std::num::NonZeroU32::new),
         timeout: model
             .timeout_ms
@@ -218,6 +245,20 @@ fn model_limits(problems: &mut Problems, path: &str, model: &RawModel) -> ModelL
             }
             (None, None) => None,
         },
+    }
+}
+
+/// How the model's generated tokens are counted: `tokens_output_holds` needs the output it speaks of.
+fn token_count(problems: &mut Problems, path: &str, model: &RawModel) -> TokenCount {
+    if model.tokens_output.is_none() && model.tokens_output_holds.is_some() {
+        problems.add(format!("{path}.tokens_output_holds"), "applies with tokens_output only");
+    }
+    if model.tokens_output.as_deref().is_some_and(str::is_empty) {
+        problems.add(format!("{path}.tokens_output"), "must name an output");
+    }
+    TokenCount {
+        output: model.tokens_output.clone(),
+        holds: model.tokens_output_holds.unwrap_or_default(),
     }
 }
 

@@ -29,6 +29,8 @@ pub struct CallRequest<'a> {
     /// Whether the principal's own rate was taken already: the gRPC door takes it before reading the message that
     /// names the model.
     pub principal_rate_taken: bool,
+    /// A `generate` or `generate_stream` call: held to the token budgets and charged the tokens its answer carries.
+    pub generates: bool,
     /// The request's span: routing is a step of it.
     pub trace: &'a Trace,
 }
@@ -59,13 +61,13 @@ impl Dispatcher {
         start: impl Future<Output = Result<(T, Reserved)>>,
     ) -> (Result<(AdmittedCall, T)>, Arc<RouteMetrics>) {
         // Refused by the name it gives, whether or not that model exists.
-        let admission = self.guard.authorize(call.principal, call.model).and_then(|()| {
-            if call.principal_rate_taken {
-                self.guard.admit_model(call.model)
-            } else {
-                self.guard.admit(call.principal, call.model)
+        let admission = match self.guard.authorize(call.principal, call.model) {
+            Err(error) => Err(error),
+            Ok(()) if call.principal_rate_taken => {
+                self.guard.admit_model(call.principal, call.model, call.generates).await
             }
-        });
+            Ok(()) => self.guard.admit(call.principal, call.model, call.generates).await,
+        };
         let admission = match admission {
             Ok(admission) => admission,
             Err(error) => return (Err(error), self.route(call.model, call.version, call.forward, None).1),
@@ -108,6 +110,7 @@ impl Dispatcher {
             forward: &context.forward,
             principal: context.principal.as_deref(),
             principal_rate_taken: false,
+            generates: false,
             trace: &context.trace,
         };
         let (admitted, _) = self

@@ -223,10 +223,15 @@ impl Dispatcher {
                 Some(Arc::new(PayloadLogger::start(config, &metrics, sink)))
             }
         };
+        let shared = match (&config.shared_limits, previous.and_then(|p| p.guard.shared())) {
+            (None, _) => None,
+            (Some(config), Some(kept)) if kept.made_from(config) => Some(kept.clone()),
+            (Some(config), _) => Some(crate::guard::shared::SharedStore::start(config, &metrics)?),
+        };
         Ok(Dispatcher {
             traces,
             payload_log,
-            guard: Guard::new(config, jwt_keys, previous.map(|p| &p.guard), metrics.clone()),
+            guard: Guard::new(config, jwt_keys, shared, previous.map(|p| &p.guard), metrics.clone()),
             rest_paths,
             routes,
             mirror_slots: previous.map_or_else(

@@ -122,6 +122,7 @@ impl JwtKeys {
             models: Arc::new(models),
             admin,
             bucket: None,
+            tokens: None,
         }))
     }
 }

@@ -2,7 +2,10 @@
 //! scope, token buckets per principal and per model, and each model's calls under way. Both doors ask here before
 //! reading a request's body; the answer is a principal and an admission that is held until the call is answered.
 
+mod buckets;
+mod gcra;
 mod jwt;
+pub mod shared;
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -10,110 +13,22 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use governor::clock::{Clock, DefaultClock};
-use governor::{Quota, RateLimiter};
+use governor::clock::DefaultClock;
 use http::{HeaderMap, HeaderName};
 use subtle::ConstantTimeEq;
 
+pub use buckets::TokenMeter;
+use buckets::{Bucket, BucketOf, PrincipalBuckets, PrincipalBudgets, TokenBudget, TokenCharge};
 pub use jwt::JwtKeys;
+use shared::SharedStore;
 
-use crate::config::{Config, ModelScope, Rate};
+use crate::config::{Config, ModelScope, TokenCount};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::telemetry::ReportedPrincipal;
 use crate::telemetry::metrics::{Metrics, OTHER_PRINCIPAL};
 
 /// The header carrying an API key, besides `Authorization: Bearer`.
 pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
-
-type Limiter = RateLimiter<
-    governor::state::NotKeyed,
-    governor::state::InMemoryState,
-    DefaultClock,
-    governor::middleware::NoOpMiddleware<<DefaultClock as Clock>::Instant>,
->;
-
-/// One token bucket per token principal, keyed by the principal's name.
-type KeyedLimiter = RateLimiter<
-    String,
-    governor::state::keyed::HashMapStateStore<String>,
-    DefaultClock,
-    governor::middleware::NoOpMiddleware<<DefaultClock as Clock>::Instant>,
->;
-
-/// How many checks of the token principals' buckets pass between two sweeps of the buckets that are full again.
-const PRINCIPAL_SWEEP_EVERY: u32 = 4096;
-
-/// The quota of `rate`: one token every 1/per_second, `burst` at most.
-fn quota(rate: Rate) -> Quota {
-    let period = Duration::from_secs_f64(1.0 / rate.per_second).max(Duration::from_nanos(1));
-    Quota::with_period(period)
-        .unwrap_or_else(|| Quota::per_second(NonZeroU32::MIN))
-        .allow_burst(rate.burst)
-}
-
-/// A bucket of `[auth.jwt] rate` for each principal the tokens name, made at its first call. Buckets that have
-/// filled up again are forgotten now and then (a forgotten bucket is a full one), so the table holds the recent
-/// callers only. Kept across reloads that keep the rate.
-#[derive(Debug)]
-struct PrincipalBuckets {
-    rate: Rate,
-    limiter: KeyedLimiter,
-    checks: AtomicU32,
-}
-
-impl PrincipalBuckets {
-    fn kept(rate: Rate, previous: Option<&Arc<PrincipalBuckets>>, clock: &DefaultClock) -> Arc<PrincipalBuckets> {
-        match previous {
-            Some(buckets) if buckets.rate == rate => buckets.clone(),
-            _ => Arc::new(PrincipalBuckets {
-                rate,
-                limiter: RateLimiter::hashmap_with_clock(quota(rate), clock.clone()),
-                checks: AtomicU32::new(0),
-            }),
-        }
-    }
-
-    /// Takes a token from `principal`'s bucket, or says how long until one is there.
-    fn take(&self, principal: &str, clock: &DefaultClock) -> Result<(), Duration> {
-        if self.checks.fetch_add(1, Ordering::Relaxed) % PRINCIPAL_SWEEP_EVERY == PRINCIPAL_SWEEP_EVERY - 1 {
-            self.limiter.retain_recent();
-        }
-        self.limiter
-            .check_key(&principal.to_owned())
-            .map_err(|not_until| not_until.wait_time_from(clock.now()))
-    }
-}
-
-/// A token bucket with the rate it was made for, so a reload that keeps the rate keeps the bucket.
-#[derive(Debug)]
-struct Bucket {
-    rate: Rate,
-    limiter: Limiter,
-}
-
-impl Bucket {
-    fn new(rate: Rate, clock: &DefaultClock) -> Arc<Bucket> {
-        Arc::new(Bucket {
-            rate,
-            limiter: RateLimiter::direct_with_clock(quota(rate), clock.clone()),
-        })
-    }
-
-    /// The bucket for `rate`: the previous one when its rate is the same (its tokens carry over), else a new one.
-    fn kept(rate: Rate, previous: Option<&Arc<Bucket>>, clock: &DefaultClock) -> Arc<Bucket> {
-        match previous {
-            Some(bucket) if bucket.rate == rate => bucket.clone(),
-            _ => Bucket::new(rate, clock),
-        }
-    }
-
-    /// Takes a token, or says how long until one is there.
-    fn take(&self, clock: &DefaultClock) -> Result<(), Duration> {
-        self.limiter
-            .check()
-            .map_err(|not_until| not_until.wait_time_from(clock.now()))
-    }
-}
 
 /// Who is calling: a configured API key's name, or a JWT's principal claim.
 #[derive(Debug)]
@@ -125,6 +40,8 @@ pub struct Principal {
     models: Arc<ModelScope>,
     admin: bool,
     bucket: Option<Arc<Bucket>>,
+    /// Its budget of generated tokens, for a configured key with `tokens_per_minute`.
+    tokens: Option<Arc<TokenBudget>>,
 }
 
 impl Principal {
@@ -173,16 +90,26 @@ struct Key {
 #[derive(Debug)]
 struct ModelGate {
     bucket: Option<Arc<Bucket>>,
+    tokens: Option<Arc<TokenBudget>>,
     max_concurrent: Option<NonZeroU32>,
     /// Calls of this model under way; shared with the previous configuration's gate, so a reload keeps counting the
     /// calls that began before it.
     under_way: Arc<AtomicU32>,
 }
 
-/// A call let in: it holds its place among the model's calls under way until dropped.
-#[derive(Debug)]
+/// A call let in: it holds its place among the model's calls under way until dropped, and charges the tokens its
+/// answer carried to the budgets it was let in under.
+#[derive(Debug, Default)]
 pub struct Admission {
     under_way: Option<Arc<AtomicU32>>,
+    tokens: Option<TokenCharge>,
+}
+
+impl Admission {
+    /// Where a `generate` answer's tokens are counted, when the call is under a token budget.
+    pub fn token_meter(&self) -> Option<&TokenMeter> {
+        self.tokens.as_ref().map(|charge| &charge.meter)
+    }
 }
 
 impl Drop for Admission {
@@ -219,6 +146,10 @@ impl Denied {
 pub enum Limited {
     Principal,
     Model,
+    /// A principal's budget of generated tokens is spent.
+    PrincipalTokens,
+    /// A model's budget of generated tokens is spent.
+    ModelTokens,
     Concurrency,
     /// Every endpoint serving the model reports more than its `max_queue` waiting.
     Queue,
@@ -229,6 +160,8 @@ impl Limited {
         match self {
             Limited::Principal => "principal",
             Limited::Model => "model",
+            Limited::PrincipalTokens => "principal_tokens",
+            Limited::ModelTokens => "model_tokens",
             Limited::Concurrency => "concurrency",
             Limited::Queue => "queue",
         }
@@ -241,6 +174,10 @@ pub struct Guard {
     /// `None`: no `[auth]`, everyone may call everything.
     auth: Option<Authenticator>,
     models: HashMap<String, ModelGate>,
+    /// How each model's generated tokens are counted, for the models that say.
+    token_counts: HashMap<String, Arc<TokenCount>>,
+    /// The Redis the limits are shared through, with `[limits.shared]`.
+    shared: Option<Arc<SharedStore>>,
     clock: DefaultClock,
     metrics: Arc<Metrics>,
 }
@@ -251,49 +188,66 @@ struct Authenticator {
     jwt: Option<(crate::config::Jwt, Arc<JwtKeys>)>,
     /// Each token principal's bucket, when `[auth.jwt] rate` says.
     jwt_buckets: Option<Arc<PrincipalBuckets>>,
+    /// Each token principal's budget of generated tokens, when `[auth.jwt] rate` says.
+    jwt_budgets: Option<Arc<PrincipalBudgets>>,
     forward_credentials: bool,
 }
 
 impl Guard {
-    /// The rules of `config`, with the JWT issuer's keys `jwt_keys` (read with the configuration's other files).
-    /// Buckets whose principal or model and rate are unchanged from `previous` keep their tokens, and each model
-    /// keeps counting its calls under way.
+    /// The rules of `config`, with the JWT issuer's keys `jwt_keys` (read with the configuration's other files) and
+    /// the Redis its limits are shared through. Buckets whose principal or model, rate and store are unchanged from
+    /// `previous` keep their tokens, and each model keeps counting its calls under way.
     pub fn new(
         config: &Config,
         jwt_keys: Option<Arc<JwtKeys>>,
+        shared: Option<Arc<SharedStore>>,
         previous: Option<&Guard>,
         metrics: Arc<Metrics>,
     ) -> Guard {
         let clock = previous.map_or_else(DefaultClock::default, |p| p.clock.clone());
-        let previous_principal = |name: &str| {
-            previous
-                .and_then(|p| p.auth.as_ref())
-                .and_then(|auth| auth.keys.iter().find(|key| key.principal.name == name))
-                .and_then(|key| key.principal.bucket.as_ref())
-        };
+        let store = shared.as_ref();
+        let previous_auth = previous.and_then(|p| p.auth.as_ref());
+        let previous_principal =
+            |name: &str| previous_auth.and_then(|auth| auth.keys.iter().find(|key| key.principal.name == name));
         let auth = config.auth.as_ref().map(|auth| Authenticator {
             keys: auth
                 .api_keys
                 .iter()
                 .enumerate()
-                .map(|(index, key)| Key {
-                    sha256: key.sha256,
-                    principal: Arc::new(Principal {
-                        name: key.name.clone(),
-                        counted: Some(index),
-                        models: Arc::new(key.models.clone()),
-                        admin: key.admin,
-                        bucket: key
-                            .rate
-                            .map(|rate| Bucket::kept(rate, previous_principal(&key.name), &clock)),
-                    }),
+                .map(|(index, key)| {
+                    let before = previous_principal(&key.name).map(|key| &key.principal);
+                    let of = |rate| BucketOf {
+                        rate,
+                        store,
+                        scope: "principal",
+                        name: &key.name,
+                    };
+                    Key {
+                        sha256: key.sha256,
+                        principal: Arc::new(Principal {
+                            name: key.name.clone(),
+                            counted: Some(index),
+                            models: Arc::new(key.models.clone()),
+                            admin: key.admin,
+                            bucket: key
+                                .rate
+                                .calls
+                                .map(|rate| Bucket::kept(of(rate), before.and_then(|p| p.bucket.as_ref()), &clock)),
+                            tokens: key.rate.tokens.map(|rate| {
+                                let kept = before.and_then(|p| p.tokens.as_ref());
+                                TokenBudget::kept(rate, store, "principal", &key.name, kept)
+                            }),
+                        }),
+                    }
                 })
                 .collect(),
-            jwt_buckets: auth.jwt.as_ref().and_then(|jwt| jwt.rate).map(|rate| {
-                let before = previous
-                    .and_then(|p| p.auth.as_ref())
-                    .and_then(|auth| auth.jwt_buckets.as_ref());
-                PrincipalBuckets::kept(rate, before, &clock)
+            jwt_buckets: auth.jwt.as_ref().and_then(|jwt| jwt.rate.calls).map(|rate| {
+                let before = previous_auth.and_then(|auth| auth.jwt_buckets.as_ref());
+                PrincipalBuckets::kept(rate, store, before, &clock)
+            }),
+            jwt_budgets: auth.jwt.as_ref().and_then(|jwt| jwt.rate.tokens).map(|rate| {
+                let before = previous_auth.and_then(|auth| auth.jwt_budgets.as_ref());
+                PrincipalBudgets::kept(rate, store, before)
             }),
             jwt: auth.jwt.clone().zip(jwt_keys),
             forward_credentials: auth.forward_credentials,
@@ -302,26 +256,53 @@ impl Guard {
         let models = config
             .models()
             .iter()
-            .filter(|model| model.limits.rate.is_some() || model.limits.max_concurrent.is_some())
+            .filter(|model| {
+                let rate = &model.limits.rate;
+                rate.calls.is_some() || rate.tokens.is_some() || model.limits.max_concurrent.is_some()
+            })
             .map(|model| {
                 let before = previous.and_then(|p| p.models.get(&model.name));
+                let of = |rate| BucketOf {
+                    rate,
+                    store,
+                    scope: "model",
+                    name: &model.name,
+                };
                 let gate = ModelGate {
                     bucket: model
                         .limits
                         .rate
-                        .map(|rate| Bucket::kept(rate, before.and_then(|b| b.bucket.as_ref()), &clock)),
+                        .calls
+                        .map(|rate| Bucket::kept(of(rate), before.and_then(|b| b.bucket.as_ref()), &clock)),
+                    tokens: model.limits.rate.tokens.map(|rate| {
+                        let kept = before.and_then(|b| b.tokens.as_ref());
+                        TokenBudget::kept(rate, store, "model", &model.name, kept)
+                    }),
                     max_concurrent: model.limits.max_concurrent,
                     under_way: before.map_or_else(Arc::default, |b| b.under_way.clone()),
                 };
                 (model.name.clone(), gate)
             })
             .collect();
+        let token_counts = config
+            .models()
+            .iter()
+            .filter(|model| model.tokens != TokenCount::default())
+            .map(|model| (model.name.clone(), Arc::new(model.tokens.clone())))
+            .collect();
         Guard {
             auth,
             models,
+            token_counts,
+            shared,
             clock,
             metrics,
         }
+    }
+
+    /// The Redis the limits are shared through, for a rebuild that keeps it.
+    pub fn shared(&self) -> Option<&Arc<SharedStore>> {
+        self.shared.as_ref()
     }
 
     /// The JWT issuer's keys in use, for a rebuild that does not read them again.
@@ -411,23 +392,24 @@ impl Guard {
         principal.is_none_or(|p| p.may_use(model))
     }
 
-    /// Lets a call of `model` in under the principal's and the model's buckets and the model's bound on calls
-    /// under way; refused with 429 / RESOURCE_EXHAUSTED and when to come back. A model without limits (or one the
-    /// configuration does not have) is only held to the principal's.
-    pub fn admit(&self, principal: Option<&Principal>, model: &str) -> Result<Admission> {
-        self.admit_principal(principal)?;
-        self.admit_model(model)
+    /// Lets a call of `model` in under the principal's and the model's buckets, their token budgets when the call
+    /// `generates` (a budget is charged when the answer ends), and the model's bound on calls under way; refused with
+    /// 429 / RESOURCE_EXHAUSTED and when to come back. A model without limits (or one the configuration does not
+    /// have) is only held to the principal's.
+    pub async fn admit(&self, principal: Option<&Principal>, model: &str, generates: bool) -> Result<Admission> {
+        self.admit_principal(principal).await?;
+        self.admit_model(principal, model, generates).await
     }
 
     /// The principal's bucket alone: for a call whose model is not known until its body is read (a gRPC message
     /// names it), so a principal over its rate is refused before that.
-    pub fn admit_principal(&self, principal: Option<&Principal>) -> Result<()> {
+    pub async fn admit_principal(&self, principal: Option<&Principal>) -> Result<()> {
         let Some(principal) = principal else { return Ok(()) };
         let jwt_buckets = self.auth.as_ref().and_then(|auth| auth.jwt_buckets.as_ref());
         let taken = match (&principal.bucket, principal.counted, jwt_buckets) {
-            (Some(bucket), _, _) => bucket.take(&self.clock),
+            (Some(bucket), _, _) => bucket.take(&self.clock).await,
             // A token's principal (not a configured key) takes from its own bucket of `[auth.jwt] rate`.
-            (None, None, Some(buckets)) => buckets.take(&principal.name, &self.clock),
+            (None, None, Some(buckets)) => buckets.take(&principal.name, &self.clock).await,
             _ => return Ok(()),
         };
         taken.map_err(|wait| {
@@ -439,25 +421,33 @@ impl Guard {
         })
     }
 
-    /// The model's bucket and its bound on calls under way.
-    pub fn admit_model(&self, model: &str) -> Result<Admission> {
-        let Some(gate) = self.models.get(model) else {
-            return Ok(Admission { under_way: None });
-        };
-        if let Some(bucket) = &gate.bucket {
-            bucket.take(&self.clock).map_err(|wait| {
+    /// The model's bucket, the token budgets of a call that generates, and the model's bound on calls under way.
+    pub async fn admit_model(&self, principal: Option<&Principal>, model: &str, generates: bool) -> Result<Admission> {
+        let gate = self.models.get(model);
+        if let Some(bucket) = gate.and_then(|gate| gate.bucket.as_ref()) {
+            bucket.take(&self.clock).await.map_err(|wait| {
                 self.limited(Limited::Model, format!("model '{model}' is over its rate limit"), wait)
             })?;
         }
-        let Some(max) = gate.max_concurrent else {
-            return Ok(Admission { under_way: None });
+        let tokens = if generates {
+            self.token_charge(principal, gate, model).await?
+        } else {
+            None
         };
-        let taken = gate.under_way.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+        let Some(max) = gate.and_then(|gate| gate.max_concurrent) else {
+            return Ok(Admission {
+                under_way: None,
+                tokens,
+            });
+        };
+        let under_way = &gate.expect("a gate holds max_concurrent").under_way;
+        let taken = under_way.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
             (n < max.get()).then_some(n + 1)
         });
         match taken {
             Ok(_) => Ok(Admission {
-                under_way: Some(gate.under_way.clone()),
+                under_way: Some(under_way.clone()),
+                tokens,
             }),
             Err(_) => Err(self.limited(
                 Limited::Concurrency,
@@ -465,6 +455,50 @@ impl Guard {
                 Duration::from_secs(1),
             )),
         }
+    }
+
+    /// The token budgets a generating call is let in under (refused while one is spent) and will be charged to.
+    async fn token_charge(
+        &self,
+        principal: Option<&Principal>,
+        gate: Option<&ModelGate>,
+        model: &str,
+    ) -> Result<Option<TokenCharge>> {
+        let jwt_budgets = self.auth.as_ref().and_then(|auth| auth.jwt_budgets.as_ref());
+        let principal_budget =
+            principal.and_then(|principal| match (&principal.tokens, principal.counted, jwt_budgets) {
+                (Some(budget), _, _) => Some(budget.clone()),
+                (None, None, Some(budgets)) => Some(budgets.budget(&principal.name)),
+                _ => None,
+            });
+        if let (Some(budget), Some(principal)) = (&principal_budget, principal) {
+            budget.check().await.map_err(|wait| {
+                self.limited(
+                    Limited::PrincipalTokens,
+                    format!(
+                        "principal '{}' has spent its token budget (tokens_per_minute)",
+                        principal.name
+                    ),
+                    wait,
+                )
+            })?;
+        }
+        let model_budget = gate.and_then(|gate| gate.tokens.clone());
+        if let Some(budget) = &model_budget {
+            budget.check().await.map_err(|wait| {
+                self.limited(
+                    Limited::ModelTokens,
+                    format!("model '{model}' has spent its token budget (tokens_per_minute)"),
+                    wait,
+                )
+            })?;
+        }
+        let budgets: Vec<_> = principal_budget.into_iter().chain(model_budget).collect();
+        if budgets.is_empty() {
+            return Ok(None);
+        }
+        let count = self.token_counts.get(model).cloned().unwrap_or_default();
+        Ok(Some(TokenCharge::new(budgets, count)))
     }
 
     /// Counts a call refused by a limit: 429 / RESOURCE_EXHAUSTED, telling the client when to come back.
@@ -544,21 +578,22 @@ max_concurrent = 1
         headers
     }
 
-    #[test]
-    fn a_reload_keeps_the_buckets_and_the_count_of_calls_under_way_that_did_not_change() {
+    #[tokio::test]
+    async fn a_reload_keeps_the_buckets_and_the_count_of_calls_under_way_that_did_not_change() {
         let metrics = Metrics::new().unwrap();
         let slow = "{ per_second = 0.001, burst = 1 }";
         let guard = Guard::new(
             &config(slow, "{ per_second = 1000.0, burst = 1000 }"),
             None,
             None,
+            None,
             metrics.clone(),
         );
         let team = guard.authenticate(&headers("k")).unwrap();
         assert!(guard.authenticate(&headers("not k")).is_err());
-        let held = guard.admit(team.as_deref(), "m").unwrap();
+        let held = guard.admit(team.as_deref(), "m", false).await.unwrap();
         assert_eq!(
-            guard.admit(team.as_deref(), "m").unwrap_err().kind(),
+            guard.admit(team.as_deref(), "m", false).await.unwrap_err().kind(),
             ErrorKind::Overloaded
         );
 
@@ -566,16 +601,17 @@ max_concurrent = 1
         let reloaded = Guard::new(
             &config(slow, "{ per_second = 1000.0, burst = 1000 }"),
             None,
+            None,
             Some(&guard),
             metrics.clone(),
         );
         let team = reloaded.authenticate(&headers("k")).unwrap();
-        let refused = reloaded.admit(team.as_deref(), "m").unwrap_err();
+        let refused = reloaded.admit(team.as_deref(), "m", false).await.unwrap_err();
         assert!(refused.message().contains("principal 'team'"), "{refused:?}");
-        let other = reloaded.admit(None, "m").unwrap_err();
+        let other = reloaded.admit(None, "m", false).await.unwrap_err();
         assert!(other.message().contains("max_concurrent"), "{other:?}");
         drop(held);
-        assert!(reloaded.admit(None, "m").is_ok());
+        assert!(reloaded.admit(None, "m", false).await.is_ok());
 
         // A new rate is a new bucket.
         let changed = Guard::new(
@@ -584,10 +620,11 @@ max_concurrent = 1
                 "{ per_second = 1000.0, burst = 1000 }",
             ),
             None,
+            None,
             Some(&reloaded),
             metrics,
         );
         let team = changed.authenticate(&headers("k")).unwrap();
-        assert!(changed.admit(team.as_deref(), "m").is_ok());
+        assert!(changed.admit(team.as_deref(), "m", false).await.is_ok());
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod ports;
+pub mod redis;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -126,6 +126,53 @@ pub fn decode_generate_response(json: &[u8], model: &ModelMetadata) -> Result<In
     Ok(response)
 }
 
+/// The tokens one generate answer (a response, or one event of a stream) carries, for token budgets: the elements of
+/// its outputs (a scalar is one, a list its length), or of `output` alone when named; with `holds_count`, that
+/// output's value is the number of tokens (Triton's vLLM backend's `num_output_tokens`). Anything that is no
+/// object of outputs (an error event, a broken answer) carries none.
+pub fn answer_tokens(json: &[u8], output: Option<&str>, holds_count: bool) -> u64 {
+    let Ok(members) = serde_json::from_slice::<BTreeMap<String, &RawValue>>(json) else {
+        return 0;
+    };
+    if members.contains_key("error") {
+        return 0;
+    }
+    let counted = members.iter().filter(|(name, _)| match output {
+        Some(output) => name.as_str() == output,
+        None => !matches!(name.as_str(), "model_name" | "model_version" | "id" | "parameters"),
+    });
+    counted
+        .map(|(_, value)| {
+            if holds_count {
+                count_value(value)
+            } else {
+                element_count(value).unwrap_or(1)
+            }
+        })
+        .fold(0, u64::saturating_add)
+}
+
+/// A count written as a number or a list of numbers (their sum); anything else counts none.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn count_value(value: &RawValue) -> u64 {
+    let as_count = |number: &serde_json::Value| {
+        number
+            .as_u64()
+            .or_else(|| {
+                number
+                    .as_f64()
+                    .filter(|f| f.is_finite() && *f >= 0.0)
+                    .map(|f| f.round() as u64)
+            })
+            .unwrap_or(0)
+    };
+    match serde_json::from_str::<serde_json::Value>(value.get()) {
+        Ok(serde_json::Value::Array(items)) => items.iter().map(as_count).fold(0, u64::saturating_add),
+        Ok(number) => as_count(&number),
+        Err(_) => 0,
+    }
+}
+
 /// The data of each whole server-sent event at the front of `pending`, taken out of it; what is left is the start
 /// of an event still arriving. Events without data (comments, keep-alives) are skipped.
 pub fn take_events(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
@@ -212,6 +259,23 @@ pub fn encode_generate(response: &InferResponse) -> Result<Option<Vec<u8>>> {
 mod tests {
     use super::*;
     use bytes::Bytes;
+
+    #[test]
+    fn an_answers_tokens_are_its_outputs_elements_or_the_count_it_names() {
+        let answer = br#"{"model_name":"llm","model_version":"1","id":"7","text_output":"Hello","ids":[5,6,7],"num_output_tokens":3,"parameters":{"x":1}}"#;
+        // Every output: one text, three ids, one count.
+        assert_eq!(answer_tokens(answer, None, false), 5);
+        assert_eq!(answer_tokens(answer, Some("ids"), false), 3);
+        assert_eq!(answer_tokens(answer, Some("num_output_tokens"), true), 3);
+        assert_eq!(
+            answer_tokens(br#"{"num_output_tokens":[2,2.4]}"#, Some("num_output_tokens"), true),
+            4
+        );
+        // An error event, an answer without the output, and what is no object carry none.
+        assert_eq!(answer_tokens(br#"{"error":"broken","x":[1,2]}"#, None, false), 0);
+        assert_eq!(answer_tokens(answer, Some("absent"), false), 0);
+        assert_eq!(answer_tokens(b"[1,2,3]", None, false), 0);
+    }
 
     fn metadata() -> ModelMetadata {
         let tensor = |name: &str, datatype: &str, shape: Vec<i64>| TensorMetadata {

@@ -331,6 +331,7 @@ impl Call {
             forward: &self.forward,
             principal: principal.as_deref(),
             principal_rate_taken: false,
+            generates: false,
             trace: &trace,
         };
         let reserved = read.reserved.clone();

@@ -47,14 +47,13 @@ where
         super::call_span(traces, super::MODEL_INFER_PATH, &headers)
     });
     // The caller, and its rate, are settled before its message is read; its model is named inside the message.
-    let principal =
-        match super::authenticate(&dispatcher, super::MODEL_INFER_PATH, &mut headers).and_then(|principal| {
-            dispatcher.guard().admit_principal(principal.as_deref())?;
-            Ok(principal)
-        }) {
-            Ok(principal) => principal,
-            Err(status) => return status.into_http(),
-        };
+    let principal = match super::authenticate(&dispatcher, super::MODEL_INFER_PATH, &mut headers) {
+        Ok(principal) => principal,
+        Err(status) => return status.into_http(),
+    };
+    if let Err(error) = dispatcher.guard().admit_principal(principal.as_deref()).await {
+        return Status::from(error).into_http();
+    }
     let message = match read_message(&headers, body, limit).await {
         Ok((message, trailers)) => {
             // Trailers sent with the request join its metadata, as tonic's unary calls have it: without credentials,
@@ -162,6 +161,7 @@ async fn infer(
                 forward: &context.forward,
                 principal: principal.as_deref(),
                 principal_rate_taken: true,
+                generates: false,
                 trace,
             };
             dispatcher

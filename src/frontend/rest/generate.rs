@@ -22,6 +22,7 @@ use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::guard::TokenMeter;
 use crate::proto::ModelStreamInferResponse;
 use crate::protocol::{InferRequest, InferResponse, Reserved, StreamCall};
 use crate::routing::{Routed, VersionRoute};
@@ -35,6 +36,14 @@ const EVENTS: usize = 16;
 /// Triton's words for a `generate` whose model answered more than once.
 const NOT_ONE_RESPONSE: &str = "generate expects model to produce exactly 1 response, use generate stream for model that generates various \
      number of responses";
+
+/// The call a streaming request names: its model, version and kind.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    model: &'a str,
+    version: Option<&'a str>,
+    call: StreamCall,
+}
 
 /// What one answer on the inference stream is for a generate client.
 enum Generated {
@@ -58,14 +67,23 @@ impl RestDoor {
     ) -> Result<PendingAnswer> {
         let dispatcher = record.dispatcher().clone();
         let forward = crate::headers::for_backend(&parts.headers);
-        let (routed, raw) = self
-            .admit_generate(parts, body, record, &forward, model, version)
-            .await?;
+        let asked = Asked { model, version, call };
+        let (routed, raw) = self.admit_generate(parts, body, record, &forward, asked).await?;
+        // The tokens the answer carries, counted as it passes, are charged to the call's budgets when it ends.
+        let meter = record
+            .admission
+            .as_ref()
+            .and_then(|admission| admission.token_meter().cloned());
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
             let answer = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)
                 .await?;
-            return relay(answer, &routed.route, call.streams(), dispatcher.stream_idle_timeout()).await;
+            let relayed = Relayed {
+                stream: call.streams(),
+                idle: dispatcher.stream_idle_timeout(),
+                meter,
+            };
+            return relay(answer, &routed.route, relayed).await;
         }
         let route = routed.route;
         let mut request = translated_request(&dispatcher, parts, call, raw, model, &route).await?;
@@ -88,9 +106,9 @@ impl RestDoor {
                 .await
         });
         if !call.streams() {
-            return one_response(&mut received, call).await;
+            return one_response(&mut received, call, meter.as_ref()).await;
         }
-        events_of(received, call).await
+        events_of(received, call, meter).await
     }
 
     /// Admits and routes the call, its body read whole once it is let in: the version is chosen by routing (canary
@@ -102,17 +120,18 @@ impl RestDoor {
         body: &mut Option<RequestBody>,
         record: &mut Record,
         forward: &http::HeaderMap,
-        model: &str,
-        version: Option<&str>,
+        asked: Asked<'_>,
     ) -> Result<(Routed, Bytes)> {
+        let Asked { model, version, call } = asked;
         let dispatcher = record.dispatcher().clone();
         let principal = record.principal.clone();
-        let asked = CallRequest {
+        let request = CallRequest {
             model,
             version,
             forward,
             principal: principal.as_deref(),
             principal_rate_taken: false,
+            generates: call != StreamCall::InferStream,
             trace: &record.trace,
         };
         let read_bytes = std::sync::atomic::AtomicU64::new(0);
@@ -127,7 +146,7 @@ impl RestDoor {
                 let reserved = Reserved::from_parameters(&body_parameters(&raw)?)?;
                 Ok((raw, reserved))
             });
-            dispatcher.admit(&asked, start).await
+            dispatcher.admit(&request, start).await
         };
         record.route = Some(route_metrics);
         // Counted whether or not the call goes on, as the access log reports a refused call's body too.
@@ -169,7 +188,11 @@ async fn translated_request(
 
 /// `generate_stream` and `infer_stream`: each response as an event. The first decides the status: an error before
 /// it is the answer; one after it is an error event.
-async fn events_of(mut received: mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<PendingAnswer> {
+async fn events_of(
+    mut received: mpsc::Receiver<StreamAnswer>,
+    call: StreamCall,
+    meter: Option<TokenMeter>,
+) -> Result<PendingAnswer> {
     let first = loop {
         match received.recv().await {
             None => break None,
@@ -180,6 +203,9 @@ async fn events_of(mut received: mpsc::Receiver<StreamAnswer>, call: StreamCall)
             },
         }
     };
+    if let (Some(meter), Some(json)) = (&meter, &first) {
+        meter.add(json);
+    }
     let (events, sent) = mpsc::channel(EVENTS);
     tokio::spawn(async move {
         if let Some(json) = first
@@ -189,7 +215,12 @@ async fn events_of(mut received: mpsc::Receiver<StreamAnswer>, call: StreamCall)
         }
         while let Some(answer) = received.recv().await {
             let json = match generated(answer, call) {
-                Ok(Generated::Response(Some(json))) => json,
+                Ok(Generated::Response(Some(json))) => {
+                    if let Some(meter) = &meter {
+                        meter.add(&json);
+                    }
+                    json
+                }
                 Ok(Generated::Response(None)) => continue,
                 Ok(Generated::Failed(message)) => rest_codec::encode_error(&message),
                 Err(error) => rest_codec::encode_error(error.message()),
@@ -203,7 +234,11 @@ async fn events_of(mut received: mpsc::Receiver<StreamAnswer>, call: StreamCall)
 }
 
 /// `generate`: the stream's one response, as JSON.
-async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamCall) -> Result<PendingAnswer> {
+async fn one_response(
+    received: &mut mpsc::Receiver<StreamAnswer>,
+    call: StreamCall,
+    meter: Option<&TokenMeter>,
+) -> Result<PendingAnswer> {
     let mut only = None;
     while let Some(answer) = received.recv().await {
         match generated(answer, call)? {
@@ -217,6 +252,9 @@ async fn one_response(received: &mut mpsc::Receiver<StreamAnswer>, call: StreamC
         }
     }
     let json = only.ok_or_else(|| Error::invalid(NOT_ONE_RESPONSE))?;
+    if let Some(meter) = meter {
+        meter.add(&json);
+    }
     Ok(PendingAnswer::Json(StatusCode::OK, json))
 }
 
@@ -255,14 +293,24 @@ fn event(json: &[u8]) -> Bytes {
 /// Largest `generate` answer read from a REST backend.
 const MAX_ANSWER_BYTES: usize = 64 << 20;
 
+/// How a REST backend's generate answer is relayed.
+struct Relayed {
+    /// The client asked for a stream (`generate_stream`).
+    stream: bool,
+    /// How long the backend may send nothing.
+    idle: Duration,
+    /// Where the answer's tokens are counted, when the call is under a token budget.
+    meter: Option<TokenMeter>,
+}
+
 /// A REST backend's generate answer for the client: an error or a `generate` answer read whole (renamed for an
 /// alias); a `generate_stream` answer relayed event by event as it arrives.
 async fn relay(
     answer: http::Response<crate::upstream::BackendBody>,
     route: &VersionRoute,
-    stream: bool,
-    idle: Duration,
+    relayed: Relayed,
 ) -> Result<PendingAnswer> {
+    let Relayed { stream, idle, meter } = relayed;
     let (head, mut body) = answer.into_parts();
     let is_events = head
         .headers
@@ -272,6 +320,9 @@ async fn relay(
     if !stream || !head.status.is_success() || !is_events {
         let whole = read_whole(&mut body, idle).await?;
         let json = if head.status.is_success() {
+            if let Some(meter) = &meter {
+                meter.add(&whole);
+            }
             rename(&whole, route)
         } else {
             whole.to_vec()
@@ -311,6 +362,9 @@ async fn relay(
             pending.extend_from_slice(&chunk);
             // Each complete event goes on as soon as it is whole.
             for json in take_events(&mut pending) {
+                if let Some(meter) = &meter {
+                    meter.add(&json);
+                }
                 if events.send(event(&rename(&json, &route))).await.is_err() {
                     return;
                 }

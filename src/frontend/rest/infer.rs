@@ -72,6 +72,7 @@ impl RestDoor {
             forward: headers,
             principal: principal.as_deref(),
             principal_rate_taken: false,
+            generates: false,
             trace: &record.trace,
         };
         // What the head says of the body is read now but refused only once the call is let in (a refusal of the

@@ -3,6 +3,8 @@
 
 mod family;
 mod handles;
+mod shared_limits;
+pub use shared_limits::SharedDecision;
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
@@ -70,6 +72,8 @@ pub struct Metrics {
     connections_refused: IntCounterVec,
     /// The endpoint picker's (`oipgate epp`).
     epp: EppMetrics,
+    /// The limits shared through Redis.
+    shared_limits: shared_limits::SharedLimitMetrics,
 }
 
 /// What the endpoint picker reports: its picks, how long each took, and the endpoints the proxy reported serving.
@@ -410,8 +414,8 @@ impl Metrics {
         let rate_limited = counters(
             &registry,
             "oipgate_rate_limited_total",
-            "Calls refused with 429 by scope: a principal's or a model's rate limit, a model's max_concurrent, or its \
-             max_queue (queue).",
+            "Calls refused with 429 by scope: a principal's or a model's rate limit, a principal's or a model's \
+             spent token budget (principal_tokens, model_tokens), a model's max_concurrent, or its max_queue (queue).",
             &["scope"],
         )?;
         let translation = histograms(
@@ -473,6 +477,7 @@ impl Metrics {
             reloads: ["ok", "error"].map(|result| reloads.with_label_values(&[result])),
             streams: StreamMetrics::new(&families)?,
             epp: EppMetrics::new(&families)?,
+            shared_limits: shared_limits::SharedLimitMetrics::new(&registry)?,
             registry,
         }))
     }
@@ -611,6 +616,21 @@ impl Metrics {
     /// Counts a call the proxy reported served by `endpoint` (`result`: picked, fallback or unreported).
     pub fn epp_served(&self, endpoint: &str, result: &str) {
         self.epp.served.series(&[endpoint, result]).inc();
+    }
+
+    /// Counts one decision of a shared limit.
+    pub fn shared_limit_call(&self, decided: SharedDecision) {
+        self.shared_limits.call(decided);
+    }
+
+    /// Records how long Redis took to answer one of the shared limits' calls.
+    pub fn shared_limit_redis(&self, operation: &str, took: Duration) {
+        self.shared_limits.redis(operation, took);
+    }
+
+    /// Whether the shared limits reach Redis (else they fall back to `when_unreachable`), and the replicas seen.
+    pub fn shared_limits_state(&self, when_unreachable: &str, reachable: bool, replicas: u32) {
+        self.shared_limits.state(when_unreachable, reachable, replicas);
     }
 
     /// Counts a configuration reload, applied or refused.

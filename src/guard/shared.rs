@@ -1,0 +1,521 @@
+//! Limits shared by every replica through one Redis: each principal's and model's bucket is a key there, stepped by
+//! one Lua script (a generic cell rate algorithm on Redis's clock), taken a lease at a time so most calls touch no
+//! network; a heartbeat that counts the replicas and notices when Redis is away, and what the limits do then.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use super::gcra::Gcra;
+use crate::config::{Rate, SharedLimits, TokenRate, WhenUnreachable};
+use crate::error::{Error, Result};
+use crate::telemetry::metrics::{Metrics, SharedDecision as Decided};
+
+/// How often a replica says it is alive while Redis answers.
+const HEARTBEAT: Duration = Duration::from_millis(500);
+/// How often a replica asks again while Redis does not answer: sharing resumes this soon after it is back.
+const PROBE: Duration = Duration::from_millis(100);
+/// How long a replica counts as alive after its last heartbeat, in milliseconds.
+const SEEN_FOR_MS: u64 = 3_000;
+/// When `deny` refuses a call for Redis being away, the client is told to come back after this.
+const DENIED_RETRY: Duration = Duration::from_secs(1);
+/// Token principals' buckets kept before the idle ones are forgotten.
+const KEYED_SWEEP_ABOVE: usize = 4096;
+
+/// What one script step does (`limit.lua`'s modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Take,
+    Check,
+    Charge,
+}
+
+impl Step {
+    fn mode(self) -> &'static str {
+        match self {
+            Step::Take => "take",
+            Step::Check => "check",
+            Step::Charge => "charge",
+        }
+    }
+}
+
+/// Redis's answer to a step: tokens granted, or how long until one fits.
+#[derive(Debug, Clone, Copy)]
+struct Answer {
+    granted: u64,
+    wait: Duration,
+}
+
+/// The Redis the limits are shared through, and what this replica knows of it.
+pub struct SharedStore {
+    config: SharedLimits,
+    connection: ConnectionManager,
+    limit: redis::Script,
+    heartbeat: redis::Script,
+    /// Whether Redis answered the last call within `timeout`; while not, every limit uses its fallback.
+    reachable: AtomicBool,
+    /// Replicas that said they were alive recently, this one included.
+    replicas: AtomicU32,
+    /// This replica's name in the heartbeat set.
+    id: String,
+    metrics: Arc<Metrics>,
+    /// Every bucket holding (or able to hold) a lease, for giving back the ones that expire unspent.
+    leased: Mutex<Vec<Weak<SharedBucket>>>,
+}
+
+impl std::fmt::Debug for SharedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedStore")
+            .field("redis", &self.config.shown())
+            .field("reachable", &self.reachable())
+            .field("replicas", &self.replicas())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedStore {
+    /// The store for `config`: the connection is made on first use and remade whenever it breaks; the heartbeat
+    /// runs while the store lives.
+    pub fn start(config: &SharedLimits, metrics: &Arc<Metrics>) -> Result<Arc<SharedStore>> {
+        let runtime = crate::runtime::limits_runtime();
+        let _entered = runtime.enter();
+        let client = redis::Client::open(config.redis.as_str())
+            .map_err(|e| Error::internal(format!("limits.shared.redis: {e}")))?;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.timeout.max(Duration::from_millis(200))))
+            .set_response_timeout(Some(config.timeout))
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(PROBE)
+            // Calls beyond these wait for a place rather than pile up on a Redis that is slow.
+            .set_concurrency_limit(1024);
+        let connection = ConnectionManager::new_lazy_with_config(client, manager)
+            .map_err(|e| Error::internal(format!("limits.shared.redis: {e}")))?;
+        let store = Arc::new(SharedStore {
+            config: config.clone(),
+            connection,
+            limit: redis::Script::new(include_str!("limit.lua")),
+            heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
+            reachable: AtomicBool::new(true),
+            replicas: AtomicU32::new(1),
+            id: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
+            metrics: metrics.clone(),
+            leased: Mutex::default(),
+        });
+        metrics.shared_limits_state(config.when_unreachable.label(), true, 1);
+        runtime.spawn(maintain(Arc::downgrade(&store)));
+        Ok(store)
+    }
+
+    /// Whether this store serves `config` (a reload that keeps the section keeps the store and its leases).
+    pub fn made_from(&self, config: &SharedLimits) -> bool {
+        self.config == *config
+    }
+
+    pub fn config(&self) -> &SharedLimits {
+        &self.config
+    }
+
+    /// Whether Redis answered the last call in time.
+    pub fn reachable(&self) -> bool {
+        self.reachable.load(Ordering::Acquire)
+    }
+
+    /// Replicas seen recently, this one included.
+    pub fn replicas(&self) -> u32 {
+        self.replicas.load(Ordering::Acquire).max(1)
+    }
+
+    /// The key of one limit: `{prefix}{scope}:{name}:{what}`.
+    fn key(&self, scope: &str, name: &str, what: &str) -> String {
+        format!("{}{scope}:{name}:{what}", self.config.prefix)
+    }
+
+    /// A bucket of calls shared by every replica, at key `scope:name:calls`.
+    pub fn bucket(self: &Arc<Self>, scope: &str, name: &str, rate: Rate) -> Arc<SharedBucket> {
+        let bucket = Arc::new(SharedBucket {
+            store: self.clone(),
+            key: self.key(scope, name, "calls"),
+            rate,
+            lease: Mutex::new(Lease::default()),
+            refill: tokio::sync::Mutex::new(()),
+            local: Gcra::default(),
+        });
+        if self.config.lease > 0 {
+            let mut leased = self.leased.lock().unwrap_or_else(PoisonError::into_inner);
+            leased.retain(|bucket| bucket.strong_count() > 0);
+            leased.push(Arc::downgrade(&bucket));
+        }
+        bucket
+    }
+
+    /// A token budget shared by every replica, at key `scope:name:tokens`.
+    pub fn token_key(&self, scope: &str, name: &str) -> String {
+        self.key(scope, name, "tokens")
+    }
+
+    /// One step of `limit.lua`, within `deadline`; `None` when Redis did not answer in time (it is then taken as
+    /// away until the heartbeat hears it again).
+    #[allow(clippy::too_many_arguments)]
+    async fn step(
+        &self,
+        step: Step,
+        key: &str,
+        interval: Duration,
+        burst: u64,
+        n: u64,
+        returned: u64,
+        deadline: tokio::time::Instant,
+    ) -> Option<Answer> {
+        let interval_us = interval.as_secs_f64() * 1e6;
+        let mut invocation = self.limit.key(key);
+        invocation
+            .arg(step.mode())
+            .arg(interval_us)
+            .arg(interval_us * burst as f64)
+            .arg(n)
+            .arg(returned);
+        let mut connection = self.connection.clone();
+        let started = Instant::now();
+        let answered = tokio::time::timeout_at(deadline, invocation.invoke_async::<(u64, u64)>(&mut connection)).await;
+        match answered {
+            Ok(Ok((granted, wait_us))) => {
+                self.metrics.shared_limit_redis(step.mode(), started.elapsed());
+                Some(Answer {
+                    granted,
+                    wait: Duration::from_micros(wait_us),
+                })
+            }
+            Ok(Err(error)) => {
+                self.away(&error.to_string());
+                None
+            }
+            Err(_) => {
+                self.away(&format!("no answer within {} ms", self.config.timeout.as_millis()));
+                None
+            }
+        }
+    }
+
+    /// Redis did not answer: the limits fall back until the heartbeat hears it again. Logged once per outage.
+    fn away(&self, why: &str) {
+        if self.reachable.swap(false, Ordering::AcqRel) {
+            self.metrics
+                .shared_limits_state(self.config.when_unreachable.label(), false, self.replicas());
+            tracing::warn!(
+                redis = %self.config.shown(),
+                error = why,
+                fallback = self.config.when_unreachable.label(),
+                replicas = self.replicas(),
+                "shared limits: Redis is unreachable; each limit falls back until it answers"
+            );
+        }
+    }
+
+    /// Redis answered the heartbeat: shared again.
+    fn back(&self, replicas: u32) {
+        self.replicas.store(replicas.max(1), Ordering::Release);
+        if !self.reachable.swap(true, Ordering::AcqRel) {
+            tracing::info!(redis = %self.config.shown(), replicas, "shared limits: Redis answers again; limits are shared");
+        }
+        self.metrics
+            .shared_limits_state(self.config.when_unreachable.label(), true, replicas.max(1));
+    }
+
+    /// Says this replica is alive and counts the replicas; marks Redis away or back.
+    async fn beat(&self) {
+        let mut invocation = self.heartbeat.key(format!("{}replicas", self.config.prefix));
+        invocation.arg(&self.id).arg(SEEN_FOR_MS);
+        let mut connection = self.connection.clone();
+        let started = Instant::now();
+        match tokio::time::timeout(self.config.timeout, invocation.invoke_async::<u32>(&mut connection)).await {
+            Ok(Ok(replicas)) => {
+                self.metrics.shared_limit_redis("heartbeat", started.elapsed());
+                self.back(replicas);
+            }
+            Ok(Err(error)) => self.away(&error.to_string()),
+            Err(_) => self.away(&format!("no answer within {} ms", self.config.timeout.as_millis())),
+        }
+    }
+
+    /// Gives back the tokens of leases that expired unspent, so an idle replica does not sit on the budget.
+    async fn give_back_expired(&self) {
+        let buckets: Vec<Arc<SharedBucket>> = {
+            let mut leased = self.leased.lock().unwrap_or_else(PoisonError::into_inner);
+            leased.retain(|bucket| bucket.strong_count() > 0);
+            leased.iter().filter_map(Weak::upgrade).collect()
+        };
+        let now = Instant::now();
+        for bucket in buckets {
+            let unspent = bucket.expired_tokens(now);
+            if unspent > 0 {
+                let deadline = tokio::time::Instant::now() + self.config.timeout;
+                let (interval, burst) = (bucket.rate.interval(), u64::from(bucket.rate.burst.get()));
+                self.step(Step::Take, &bucket.key, interval, burst, 0, unspent, deadline)
+                    .await;
+            }
+        }
+    }
+
+    /// The fallback's decision while Redis is away: the local share of `burst` refilled one per `interval`.
+    fn fallback(&self, local: &Gcra, interval: Duration, burst: u64, n: u64) -> Result<(), Duration> {
+        let decided = match self.config.when_unreachable {
+            WhenUnreachable::Allow => Ok(()),
+            WhenUnreachable::Deny => Err(DENIED_RETRY),
+            WhenUnreachable::Local => {
+                let replicas = self.replicas();
+                local.take(n, interval * replicas, (burst / u64::from(replicas)).max(1))
+            }
+        };
+        self.count(if decided.is_ok() {
+            Decided::FallbackAllowed
+        } else {
+            Decided::FallbackRefused
+        });
+        decided
+    }
+
+    fn count(&self, decided: Decided) {
+        self.metrics.shared_limit_call(decided);
+    }
+}
+
+/// Heartbeats and lease returns, while the store lives.
+async fn maintain(store: Weak<SharedStore>) {
+    loop {
+        let Some(store) = store.upgrade() else { return };
+        store.beat().await;
+        if store.reachable() {
+            store.give_back_expired().await;
+        }
+        let every = if store.reachable() { HEARTBEAT } else { PROBE };
+        drop(store);
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Tokens a replica took from Redis and spends locally until they run out or expire.
+#[derive(Debug, Default)]
+struct Lease {
+    tokens: u64,
+    expires: Option<Instant>,
+    /// Redis said the bucket is empty until then: calls are refused without asking again.
+    refused_until: Option<Instant>,
+}
+
+/// A bucket of calls shared by every replica.
+#[derive(Debug)]
+pub struct SharedBucket {
+    store: Arc<SharedStore>,
+    key: String,
+    rate: Rate,
+    lease: Mutex<Lease>,
+    /// One refill of the lease at a time: the calls that find it empty meanwhile wait for that one.
+    refill: tokio::sync::Mutex<()>,
+    /// The replica's share while Redis is away.
+    local: Gcra,
+}
+
+impl SharedBucket {
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    pub fn store(&self) -> &Arc<SharedStore> {
+        &self.store
+    }
+
+    /// Takes one call's token: from the lease, else from Redis (a new lease), else as the fallback says. Never
+    /// waits on Redis longer than `timeout_ms`.
+    pub async fn take(&self) -> Result<(), Duration> {
+        let store = &*self.store;
+        let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
+        if !store.reachable() {
+            return store.fallback(&self.local, interval, burst, 1);
+        }
+        if let Some(decided) = self.lease_decision() {
+            return decided;
+        }
+        let deadline = tokio::time::Instant::now() + store.config.timeout;
+        let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await else {
+            return store.fallback(&self.local, interval, burst, 1);
+        };
+        if let Some(decided) = self.lease_decision() {
+            return decided;
+        }
+        let size = u64::from(store.config.lease).max(1);
+        let returned = self.expired_tokens(Instant::now());
+        let Some(answer) = store
+            .step(Step::Take, &self.key, interval, burst, size, returned, deadline)
+            .await
+        else {
+            return store.fallback(&self.local, interval, burst, 1);
+        };
+        let now = Instant::now();
+        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+        if answer.granted == 0 {
+            lease.refused_until = Some(now + answer.wait);
+            store.count(Decided::Refused);
+            return Err(answer.wait);
+        }
+        lease.tokens = answer.granted - 1;
+        lease.expires = Some(now + store.config.lease_time);
+        lease.refused_until = None;
+        store.count(Decided::Allowed);
+        Ok(())
+    }
+
+    /// The lease's decision, when it can make one: a token it holds, or a refusal Redis gave a moment ago.
+    fn lease_decision(&self) -> Option<Result<(), Duration>> {
+        let now = Instant::now();
+        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+        if lease.tokens > 0 && lease.expires.is_some_and(|expires| now < expires) {
+            lease.tokens -= 1;
+            drop(lease);
+            self.store.count(Decided::Leased);
+            return Some(Ok(()));
+        }
+        if let Some(until) = lease.refused_until.filter(|until| now < *until) {
+            drop(lease);
+            self.store.count(Decided::Refused);
+            return Some(Err(until - now));
+        }
+        None
+    }
+
+    /// Takes the tokens of a lease that has expired (to give them back).
+    fn expired_tokens(&self, now: Instant) -> u64 {
+        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+        if lease.expires.is_some_and(|expires| now >= expires) {
+            lease.expires = None;
+            std::mem::take(&mut lease.tokens)
+        } else {
+            0
+        }
+    }
+}
+
+/// The shared buckets of token principals, one per principal, made at its first call.
+#[derive(Debug)]
+pub struct SharedKeyedBuckets {
+    store: Arc<SharedStore>,
+    rate: Rate,
+    buckets: Mutex<HashMap<String, Arc<SharedBucket>>>,
+}
+
+impl SharedKeyedBuckets {
+    pub fn new(store: &Arc<SharedStore>, rate: Rate) -> SharedKeyedBuckets {
+        SharedKeyedBuckets {
+            store: store.clone(),
+            rate,
+            buckets: Mutex::default(),
+        }
+    }
+
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    pub fn store(&self) -> &Arc<SharedStore> {
+        &self.store
+    }
+
+    /// `principal`'s bucket. Past a few thousand principals, those holding no lease and no call are forgotten.
+    pub fn bucket(&self, principal: &str) -> Arc<SharedBucket> {
+        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(bucket) = buckets.get(principal) {
+            return bucket.clone();
+        }
+        if buckets.len() >= KEYED_SWEEP_ABOVE {
+            buckets.retain(|_, bucket| {
+                Arc::strong_count(bucket) > 1 || bucket.lease.lock().unwrap_or_else(PoisonError::into_inner).tokens > 0
+            });
+        }
+        let bucket = self.store.bucket("token_principal", principal, self.rate);
+        buckets.insert(principal.to_owned(), bucket.clone());
+        bucket
+    }
+}
+
+/// A budget of generated tokens shared by every replica: checked as a call begins, charged when its answer ends.
+#[derive(Debug)]
+pub struct SharedTokens {
+    store: Arc<SharedStore>,
+    key: String,
+}
+
+impl SharedTokens {
+    pub fn new(store: &Arc<SharedStore>, scope: &str, name: &str) -> SharedTokens {
+        SharedTokens {
+            store: store.clone(),
+            key: store.token_key(scope, name),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<SharedStore> {
+        &self.store
+    }
+
+    /// Whether the budget has a token left, by Redis, or by the fallback with `local` (this replica's own charges).
+    pub async fn check(&self, rate: TokenRate, local: &Gcra) -> Result<(), Duration> {
+        let store = &*self.store;
+        let (interval, burst) = (rate.interval(), rate.per_minute.get());
+        if store.reachable() {
+            let deadline = tokio::time::Instant::now() + store.config.timeout;
+            if let Some(answer) = store
+                .step(Step::Check, &self.key, interval, burst, 1, 0, deadline)
+                .await
+            {
+                let decided = if answer.granted > 0 { Ok(()) } else { Err(answer.wait) };
+                store.count(if decided.is_ok() {
+                    Decided::Allowed
+                } else {
+                    Decided::Refused
+                });
+                return decided;
+            }
+        }
+        let decided = match store.config.when_unreachable {
+            WhenUnreachable::Allow => Ok(()),
+            WhenUnreachable::Deny => Err(DENIED_RETRY),
+            WhenUnreachable::Local => {
+                let replicas = store.replicas();
+                local.check(interval * replicas, (burst / u64::from(replicas)).max(1))
+            }
+        };
+        store.count(if decided.is_ok() {
+            Decided::FallbackAllowed
+        } else {
+            Decided::FallbackRefused
+        });
+        decided
+    }
+
+    /// Charges `tokens` to the budget in Redis, in the background (the answer has ended; nothing waits on it), and to
+    /// `local` as this replica's share, for the fallback.
+    pub fn charge(self: &Arc<Self>, rate: TokenRate, local: &Gcra, tokens: u64) {
+        local.charge(tokens, rate.interval() * self.store.replicas());
+        if !self.store.reachable() {
+            return;
+        }
+        let shared = self.clone();
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + shared.store.config.timeout;
+            shared
+                .store
+                .step(
+                    Step::Charge,
+                    &shared.key,
+                    rate.interval(),
+                    rate.per_minute.get(),
+                    tokens,
+                    0,
+                    deadline,
+                )
+                .await;
+        });
+    }
+}

@@ -1,0 +1,359 @@
+//! `[limits.shared]`, black box: several built gateways with one configuration behind one real Redis
+//! (`redis-server` on a held port), the built model server behind them. One budget for the whole fleet whatever
+//! replica a client reaches, what each `when_unreachable` mode does while Redis is stopped or frozen (and that no call
+//! waits on it), sharing resumed once it is back, and a token budget for `generate` charged on one replica and
+//! enforced on another.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::config::backend;
+use common::redis::RedisProcess;
+use common::{GatewayProcess, ModelServerProcess, http_client, send};
+use tokio::sync::Mutex;
+
+const KEY: &str = "fleet-tenant-key-41c2";
+const IDENTITY: &str = r#"{"inputs":[{"name":"INPUT0","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
+
+/// The tests that put load on the fleet run one at a time: on a machine of two cores, two fleets at once would
+/// starve each other's clients.
+static ONE_FLEET_AT_A_TIME: Mutex<()> = Mutex::const_new(());
+
+/// A gateway configuration: the principal `fleet` limited by `rate`, `identity` and `count` on `server`, the limits
+/// shared through `redis` with `shared` keys added.
+fn config(server: &ModelServerProcess, redis: &RedisProcess, rate: &str, shared: &str) -> String {
+    format!(
+        "[limits.shared]\nredis = \"{}\"\nprefix = \"test:\"\n{shared}\n\
+         [auth]\n[[auth.api_keys]]\nname = \"fleet\"\nsha256 = \"{}\"\nmodels = [\"*\"]\nrate = {rate}\n\
+         {}\
+         [[models]]\nname = \"identity\"\nversions = [ {{ version = \"1\", backend = \"models\" }} ]\n\
+         [[models]]\nname = \"count\"\nversions = [ {{ version = \"1\", backend = \"models\" }} ]\n\
+         [[models]]\nname = \"add_sub\"\nversions = [ {{ version = \"1\", backend = \"models\" }} ]\n\
+         tokens_output = \"OUTPUT0\"\n",
+        redis.url(),
+        common::sha256_hex(KEY),
+        backend("models", "rest", [server.rest.unwrap()]),
+    )
+}
+
+/// Calls answered during a load, by replica and status, and the slowest answer.
+#[derive(Debug, Default)]
+struct Answered {
+    statuses: Vec<HashMap<u16, usize>>,
+    slowest: Duration,
+}
+
+impl Answered {
+    fn total(&self, status: u16) -> usize {
+        self.statuses.iter().map(|s| s.get(&status).copied().unwrap_or(0)).sum()
+    }
+
+    fn on(&self, replica: usize, status: u16) -> usize {
+        self.statuses[replica].get(&status).copied().unwrap_or(0)
+    }
+
+    fn others(&self) -> Vec<(usize, u16, usize)> {
+        let mut others = Vec::new();
+        for (replica, statuses) in self.statuses.iter().enumerate() {
+            for (&status, &count) in statuses {
+                if status != 200 && status != 429 {
+                    others.push((replica, status, count));
+                }
+            }
+        }
+        others
+    }
+}
+
+/// `identity` called by four clients on each replica, one call every few milliseconds each, for `span`.
+async fn load(replicas: &[GatewayProcess], span: Duration) -> Answered {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for (index, replica) in replicas.iter().enumerate() {
+        for _ in 0..4 {
+            let (stop, url) = (stop.clone(), replica.rest_url("/v2/models/identity/infer"));
+            workers.push(tokio::spawn(async move {
+                let client = http_client(false);
+                let mut statuses = HashMap::new();
+                let mut slowest = Duration::ZERO;
+                let headers = [("x-api-key", KEY.to_owned())];
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let call = send(&client, "POST", &url, &headers, IDENTITY);
+                    let answer = tokio::time::timeout(Duration::from_secs(10), call)
+                        .await
+                        .expect("every call is answered within 10 s");
+                    slowest = slowest.max(started.elapsed());
+                    *statuses.entry(answer.status).or_insert(0) += 1;
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                }
+                (index, statuses, slowest)
+            }));
+        }
+    }
+    tokio::time::sleep(span).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut answered = Answered {
+        statuses: vec![HashMap::new(); replicas.len()],
+        slowest: Duration::ZERO,
+    };
+    for worker in workers {
+        let (index, statuses, slowest) = worker.await.unwrap();
+        for (status, count) in statuses {
+            *answered.statuses[index].entry(status).or_insert(0) += count;
+        }
+        answered.slowest = answered.slowest.max(slowest);
+    }
+    answered
+}
+
+async fn started(count: usize, config: &str) -> Vec<GatewayProcess> {
+    let replicas: Vec<GatewayProcess> = (0..count).map(|_| GatewayProcess::start(config)).collect();
+    // Each has heard from every other through Redis: the share each takes alone while Redis is away is known.
+    for replica in &replicas {
+        common::eventually(Duration::from_secs(10), "every replica counted in Redis", || async {
+            replica.metric_if_present("oipgate_shared_limits_replicas").await == Some(count as f64)
+        })
+        .await;
+    }
+    replicas
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_admit_one_budget() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
+    let redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    let config = config(&server, &redis, "{ per_second = 100.0, burst = 100 }", "lease = 20");
+    let replicas = started(3, &config).await;
+    let status = common::get(&format!("http://{}/status.json", replicas[0].metrics))
+        .await
+        .json();
+    let limits = &status["limits"];
+    assert_eq!(
+        (
+            &limits["shared"],
+            &limits["redis_state"],
+            &limits["replicas"],
+            &limits["lease"]
+        ),
+        (&true.into(), &"reachable".into(), &3.into(), &20.into()),
+        "{status}"
+    );
+    assert_eq!(limits["redis"], redis.url());
+
+    let answered = load(&replicas, Duration::from_secs(10)).await;
+    assert!(answered.others().is_empty(), "{:?}", answered.others());
+    // One bucket of 100 calls a second with a burst of 100, over ten seconds: 1,100, whichever replica is called. The
+    // leases let a replica spend up to 20 without asking Redis, and hand back what they did not spend.
+    let admitted = answered.total(200);
+    assert!(
+        (990..=1210).contains(&admitted),
+        "admitted {admitted} of about 1,100: {answered:?}"
+    );
+    // Each replica admitted calls, and refused some: the budget was the fleet's, not each replica's.
+    for replica in 0..3 {
+        assert!(
+            answered.on(replica, 200) > 50 && answered.on(replica, 429) > 0,
+            "{answered:?}"
+        );
+    }
+    // Most calls were decided without a Redis call: spent from a lease while the budget lasted (the first burst),
+    // refused for as long as Redis said the bucket stays empty once it was spent.
+    for (index, replica) in replicas.iter().enumerate() {
+        let leased = replica
+            .metric("oipgate_shared_limit_calls_total{result=\"leased\"}")
+            .await;
+        assert!(leased > 0.0, "no call spent from a lease");
+        let asked = replica
+            .metric("oipgate_shared_limit_redis_duration_seconds_count{operation=\"take\"}")
+            .await;
+        let calls = (answered.on(index, 200) + answered.on(index, 429)) as f64;
+        assert!(asked < calls / 2.0, "{asked} Redis calls for {calls} calls");
+    }
+}
+
+/// How a test takes Redis away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outage {
+    /// Killed: connections are refused.
+    Stopped,
+    /// SIGSTOP: connections stay open and nothing is answered, the case a timeout is for.
+    Frozen,
+}
+
+/// Two replicas falling back to `mode` while Redis is away: returns what a three-second load was answered with
+/// meanwhile, once both replicas had noticed; checks that no call waited on Redis and that sharing resumed within
+/// a second of Redis coming back.
+async fn outage(mode: &str, outage: Outage) -> Answered {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    let shared = format!("lease = 20\nwhen_unreachable = \"{mode}\"\ntimeout_ms = 20");
+    let config = config(&server, &redis, "{ per_second = 100.0, burst = 100 }", &shared);
+    let replicas = started(2, &config).await;
+    let fallback = format!("oipgate_shared_limits_fallback{{when_unreachable=\"{mode}\"}}");
+
+    let before = load(&replicas, Duration::from_secs(1)).await;
+    assert!(before.total(200) > 0 && before.others().is_empty(), "{before:?}");
+    match outage {
+        Outage::Stopped => redis.stop(),
+        Outage::Frozen => redis.freeze(),
+    }
+    for replica in &replicas {
+        common::eventually(Duration::from_secs(5), "the replica noticing Redis is away", || async {
+            replica.metric(&fallback).await == 1.0
+        })
+        .await;
+    }
+    // The status page says so.
+    let status = common::get(&format!("http://{}/status.json", replicas[0].metrics))
+        .await
+        .json();
+    assert_eq!(status["limits"]["redis_state"], "unreachable", "{status}");
+    assert_eq!(status["limits"]["when_unreachable"], mode, "{status}");
+    let during = load(&replicas, Duration::from_secs(3)).await;
+    assert!(during.others().is_empty(), "{during:?}");
+    // A call that waited on a frozen Redis would wait out the whole outage; each waits timeout_ms at most (the
+    // bound here leaves room for a slow machine, not for a wait on Redis).
+    assert!(
+        during.slowest < Duration::from_millis(500),
+        "a call took {:?}",
+        during.slowest
+    );
+
+    match outage {
+        Outage::Stopped => redis.resume_after_stop(),
+        Outage::Frozen => redis.thaw(),
+    }
+    let back = Instant::now();
+    for replica in &replicas {
+        common::eventually(Duration::from_secs(5), "sharing resumed", || async {
+            replica.metric(&fallback).await == 0.0
+        })
+        .await;
+    }
+    assert!(
+        back.elapsed() <= Duration::from_secs(1),
+        "sharing resumed after {:?}",
+        back.elapsed()
+    );
+    let allowed = "oipgate_shared_limit_calls_total{result=\"allowed\"}";
+    let asked_before = replicas[0].metric(allowed).await;
+    let after = load(&replicas, Duration::from_millis(500)).await;
+    assert!(after.total(200) > 0 && after.others().is_empty(), "{after:?}");
+    assert!(
+        replicas[0].metric(allowed).await > asked_before,
+        "the replica asks Redis again"
+    );
+    during
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_with_local_fallback_each_replica_keeps_its_share() {
+    let during = outage("local", Outage::Frozen).await;
+    // Each of the two replicas alone: 50 a second with a burst of 50, for three seconds: 200 each, 400 in all, as the
+    // shared budget would have allowed.
+    let admitted = during.total(200);
+    assert!(
+        (320..=480).contains(&admitted),
+        "admitted {admitted} of about 400: {during:?}"
+    );
+    for replica in 0..2 {
+        let own = during.on(replica, 200);
+        assert!(
+            (150..=250).contains(&own),
+            "replica {replica} admitted {own} of about 200: {during:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_with_allow_fallback_admits_every_call() {
+    let during = outage("allow", Outage::Stopped).await;
+    assert_eq!(during.total(429), 0, "{during:?}");
+    // More than the 400 the limit would have let in over the three seconds.
+    assert!(during.total(200) > 600, "{during:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_with_deny_fallback_refuses_every_call() {
+    let during = outage("deny", Outage::Frozen).await;
+    assert_eq!(during.total(200), 0, "{during:?}");
+    assert!(during.total(429) > 100, "{during:?}");
+}
+
+/// Through `replica`: `count` asked for `tokens` responses by `generate_stream` (a token each), or `add_sub` by
+/// `generate` (its answer's tokens counted from `OUTPUT0`, 16 elements).
+async fn generate(replica: &GatewayProcess, stream: bool, tokens: usize) -> common::HttpAnswer {
+    let (url, body) = if stream {
+        (
+            replica.rest_url("/v2/models/count/generate_stream"),
+            format!("{{\"INPUT0\": {tokens}}}"),
+        )
+    } else {
+        let ones = vec![1; 16];
+        (
+            replica.rest_url("/v2/models/add_sub/generate"),
+            serde_json::json!({ "INPUT0": ones, "INPUT1": ones }).to_string(),
+        )
+    };
+    common::post_with_headers(&url, &[("x-api-key", KEY.to_owned())], body).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
+    let redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    // Twenty tokens a minute: spent after two answers of six and sixteen tokens.
+    let config = config(&server, &redis, "{ tokens_per_minute = 20 }", "");
+    let replicas = started(2, &config).await;
+    let budget = "test:principal:fleet:tokens";
+
+    let streamed = generate(&replicas[0], true, 6).await;
+    assert_eq!(streamed.status, 200, "{:?}", streamed.body);
+    assert_eq!(String::from_utf8_lossy(&streamed.body).matches("data: ").count(), 6);
+    // Charged when the answer ended, in Redis, where the other replica reads it.
+    common::eventually(Duration::from_secs(5), "the stream's tokens charged", || async {
+        redis.command(&["GET", budget]).is_some_and(|tat| tat != "$-1")
+    })
+    .await;
+    let charged_before = redis.command(&["GET", budget]);
+    let answered = generate(&replicas[1], false, 16).await;
+    assert_eq!(answered.status, 200, "{:?}", answered.body);
+    common::eventually(Duration::from_secs(5), "the answer's tokens charged", || async {
+        redis.command(&["GET", budget]) != charged_before
+    })
+    .await;
+
+    // Twenty-two of twenty spent: both replicas refuse generate calls, by either door's path, until it refills.
+    for (replica, stream) in [(0, false), (1, true), (0, true)] {
+        let refused = generate(&replicas[replica], stream, 1).await;
+        assert_eq!(refused.status, 429, "{:?}", refused.body);
+        let message = refused.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("principal 'fleet' has spent its token budget"),
+            "{message}"
+        );
+        let retry: u64 = refused.header("retry-after").expect("Retry-After").parse().unwrap();
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    }
+    // Calls that generate nothing are not held to the budget.
+    let infer = common::post_with_headers(
+        &replicas[1].rest_url("/v2/models/identity/infer"),
+        &[("x-api-key", KEY.to_owned())],
+        IDENTITY,
+    )
+    .await;
+    assert_eq!(infer.status, 200, "{:?}", infer.body);
+    assert_eq!(
+        replicas[0]
+            .metric("oipgate_rate_limited_total{scope=\"principal_tokens\"}")
+            .await,
+        2.0
+    );
+}
