@@ -191,6 +191,19 @@ fn demo_runs_and_its_printed_curl_examples_work() {
             .any(|a| a.starts_with("HTTP/1.1 429") && a.to_lowercase().contains("retry-after:")),
         "{answers:?}"
     );
+    // The token budget: twelve tokens streamed, then the budget is spent.
+    assert!(
+        answers
+            .iter()
+            .any(|a| a.matches("data: ").count() == 12 && a.contains(r#""model_name":"budgeted""#)),
+        "{answers:?}"
+    );
+    assert!(
+        answers.iter().any(|a| a.starts_with("HTTP/1.1 429")
+            && a.contains("model 'budgeted' has spent its token budget")
+            && a.to_lowercase().contains("retry-after:")),
+        "{answers:?}"
+    );
     // The traced call, with its request id, answers as any other.
     assert!(
         answers.last().unwrap().contains(r#""model_version":"2""#),

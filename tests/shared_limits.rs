@@ -357,3 +357,46 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
         2.0
     );
 }
+
+/// The demo's printed way to share its limits: the environment names a Redis, and the demo's gateway shares its
+/// limits through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_shares_its_limits_through_the_redis_the_environment_names() {
+    use std::process::{Command, Stdio};
+    let redis = RedisProcess::start();
+    let held = [(); 5].map(|()| common::ports::hold_port());
+    let [rest, grpc, metrics, epp, envoy] = held.each_ref().map(ToString::to_string);
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_oipgate"))
+        .args([
+            "demo",
+            "--rest",
+            &rest,
+            "--grpc",
+            &grpc,
+            "--metrics",
+            &metrics,
+            "--epp",
+            &epp,
+            "--envoy",
+            &envoy,
+        ])
+        .env("OIPGATE__LIMITS__SHARED__REDIS", redis.url())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    common::eventually(Duration::from_secs(20), "the demo's metrics listener", || async {
+        tokio::net::TcpStream::connect(&metrics).await.is_ok()
+    })
+    .await;
+    let url = format!("http://{metrics}/status.json");
+    common::eventually(Duration::from_secs(10), "the demo's limits shared", || async {
+        common::get(&url).await.json()["limits"]["redis_state"] == "reachable"
+    })
+    .await;
+    let limits = common::get(&url).await.json()["limits"].clone();
+    let _ = demo.kill();
+    let _ = demo.wait();
+    assert_eq!(limits["shared"], true, "{limits}");
+    assert_eq!(limits["redis"], redis.url(), "{limits}");
+}

@@ -32,7 +32,8 @@ struct LimitsStatus {
     shared: bool,
     /// The Redis URL, its password hidden.
     redis: Option<String>,
-    /// `reachable`, or `unreachable` while the limits fall back to `when_unreachable`.
+    /// `connecting` until Redis first answers, then `reachable`, or `unreachable` while the limits fall back to
+    /// `when_unreachable`.
     redis_state: Option<&'static str>,
     when_unreachable: Option<&'static str>,
     /// Replicas seen in Redis recently, this one included.
@@ -45,7 +46,7 @@ impl LimitsStatus {
         LimitsStatus {
             shared: store.is_some(),
             redis: store.map(|store| store.config().shown()),
-            redis_state: store.map(|store| if store.reachable() { "reachable" } else { "unreachable" }),
+            redis_state: store.map(crate::guard::shared::SharedStore::state),
             when_unreachable: store.map(|store| store.config().when_unreachable.label()),
             replicas: store.map(crate::guard::shared::SharedStore::replicas),
             lease: store.map(|store| store.config().lease),

@@ -242,6 +242,13 @@ The model `metered` lets two calls in at once, then one a second: the third call
   curl -s {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
   curl -s {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
   curl -s -i {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
+The model `budgeted` (count under a budget of 10 generated tokens a minute): a call is let in while tokens are left
+and charged when its answer ends, so the first streams its 12 and the next is 429 until the budget has refilled:
+  curl -sN {auth} http://{rest}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 12}}'
+  curl -s -i {auth} http://{rest}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 1}}'
+These limits are this process's own. Replicas of one fleet share them through a Redis ([limits.shared]); with one
+on 127.0.0.1:6379, the demo's are shared through it (its status page then says so):
+  OIPGATE__LIMITS__SHARED__REDIS=redis://127.0.0.1:6379/0 oipgate demo
 
 Metadata, Triton's model configuration (version 2's translated from the gRPC backend's), statistics summed over
 both replicas:

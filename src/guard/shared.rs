@@ -58,6 +58,8 @@ pub struct SharedStore {
     heartbeat: redis::Script,
     /// Whether Redis answered the last call within `timeout`; while not, every limit uses its fallback.
     reachable: AtomicBool,
+    /// Whether Redis has answered at all yet (the status page says `connecting` until it has).
+    heard: AtomicBool,
     /// Replicas that said they were alive recently, this one included.
     replicas: AtomicU32,
     /// This replica's name in the heartbeat set.
@@ -100,6 +102,7 @@ impl SharedStore {
             limit: redis::Script::new(include_str!("limit.lua")),
             heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
             reachable: AtomicBool::new(true),
+            heard: AtomicBool::new(false),
             replicas: AtomicU32::new(1),
             id: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             metrics: metrics.clone(),
@@ -122,6 +125,15 @@ impl SharedStore {
     /// Whether Redis answered the last call in time.
     pub fn reachable(&self) -> bool {
         self.reachable.load(Ordering::Acquire)
+    }
+
+    /// `connecting` until Redis first answers, then `reachable` or `unreachable`.
+    pub fn state(&self) -> &'static str {
+        match (self.heard.load(Ordering::Acquire), self.reachable()) {
+            (false, _) => "connecting",
+            (true, true) => "reachable",
+            (true, false) => "unreachable",
+        }
     }
 
     /// Replicas seen recently, this one included.
@@ -184,6 +196,7 @@ impl SharedStore {
         match answered {
             Ok(Ok((granted, wait_us))) => {
                 self.metrics.shared_limit_redis(step.mode(), started.elapsed());
+                self.heard.store(true, Ordering::Release);
                 Some(Answer {
                     granted,
                     wait: Duration::from_micros(wait_us),
@@ -218,6 +231,7 @@ impl SharedStore {
     /// Redis answered the heartbeat: shared again.
     fn back(&self, replicas: u32) {
         self.replicas.store(replicas.max(1), Ordering::Release);
+        self.heard.store(true, Ordering::Release);
         if !self.reachable.swap(true, Ordering::AcqRel) {
             tracing::info!(redis = %self.config.shown(), replicas, "shared limits: Redis answers again; limits are shared");
         }
