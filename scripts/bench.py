@@ -10,7 +10,8 @@ at a fixed concurrency and duration, alternating the setups
 requests of each process, and the gateway's peak RSS. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
 and 10,000 models instead, scenario 8 (scripts/bench_load.py) what `least_load` costs, scenario 9
 (scripts/bench_telemetry.py) what traces and payload logging cost, scenario 10 (scripts/bench_epp.py) the endpoint
-picker behind Envoy. Writes target/bench/results.json and target/bench/report.md.
+picker behind Envoy, scenario 11 (scripts/bench_shared_limits.py) rate limits shared through Redis against
+per-replica ones. Writes target/bench/results.json and target/bench/report.md.
 """
 
 import argparse
@@ -662,7 +663,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10, help="duration of each run")
     parser.add_argument("--rounds", type=int, default=2, help="how many times each setup runs (A B C A B C)")
     parser.add_argument("--connections", type=int, default=32, help="concurrency of the small-request scenarios")
-    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9,10", help="scenarios to run, e.g. 1,2,6")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7,8,9,10,11", help="scenarios to run, e.g. 1,2,6")
     parser.add_argument("--workers", type=int, default=os.cpu_count(),
                         help="worker threads of oipgate's doors and nginx's worker processes (default: cores)")
     parser.add_argument("--binary", default=str(BINARY),
@@ -702,7 +703,14 @@ def main():
 
         results["scenarios"]["10"] = bench_epp.epp_costs(args.seconds, args.rounds, 16, args.workers,
                                                          binary=args.binary)
-    if only <= {7, 8, 9, 10}:
+    if 11 in only:
+        # Scenario 11 too: scenario 1 with [auth], its limits per replica and shared through Redis
+        # (scripts/bench_shared_limits.py).
+        import bench_shared_limits
+
+        results["scenarios"]["11"] = bench_shared_limits.shared_limit_costs(
+            args.seconds, args.rounds, args.connections, args.workers, binary=args.binary)
+    if only <= {7, 8, 9, 10, 11}:
         return finish(results)
     work = Path(tempfile.mkdtemp(prefix="oipgate-bench-"))
     ports, backend, gateway, gateway_auth, gateway_logged, nginx, haproxy, floors = start_all(
@@ -945,6 +953,11 @@ def report(results):
 
             lines += bench_epp.report(runs)
             continue
+        if name == "11":
+            import bench_shared_limits
+
+            lines += bench_shared_limits.report(runs)
+            continue
         if name == "6":
             lines += ["| | idle RSS | RSS with 1,000 idle keep-alive connections | per connection |", "|---|---|---|---|"]
             for proc, r in runs.items():
@@ -1055,6 +1068,10 @@ def targets(results):
         import bench_epp
 
         lines += bench_epp.targets(scenarios["10"])
+    if "11" in scenarios:
+        import bench_shared_limits
+
+        lines += bench_shared_limits.targets(scenarios["11"])
     lines.append("")
     return lines
 

@@ -2,12 +2,14 @@
 """Renders every kustomization under deploy/ the way kustomize would (for the fields used here), validates each
 resource against the Kubernetes schemas with kubernetes-validate (strict) and each custom resource against the
 openAPIV3Schema of its CRD's checked-in copy in deploy/crds (strict too: unknown fields fail), then checks that the
-manifests, the gateway configuration, the InferencePool example's endpoint picker and the Dockerfile agree with each
-other, and that oipgate accepts each configuration a ConfigMap carries.
+manifests, the gateway configuration, the InferencePool example's endpoint picker, the shared-limits example's Redis
+and the Dockerfile agree with each other, and that oipgate accepts each configuration a ConfigMap carries.
 
 Every failure is printed as `FAIL ...` with what was expected; the exit status is 1 when any check failed.
 """
 
+import base64
+import copy
 import json
 import os
 import re
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 try:
     import tomllib
@@ -33,6 +36,7 @@ DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 WITH_MODEL_SERVERS = DEPLOY / "examples" / "with-model-servers"
 INFERENCE_POOL = DEPLOY / "examples" / "inference-pool"
+SHARED_LIMITS = DEPLOY / "examples" / "shared-limits"
 # Verbatim copies of upstream CustomResourceDefinitions (a comment header names each one's source); the schemas the
 # custom resources are validated against. Not a kustomization: nothing here is applied.
 CRDS = DEPLOY / "crds"
@@ -55,16 +59,20 @@ EPP_SERVICE_APP_PROTOCOLS = ("http2", "kubernetes.io/h2c")  # gRPC in clear text
 INFERENCE_GROUP = "inference.networking.k8s.io"
 # InferencePool appProtocol (default http) for each oipgate backend protocol.
 POOL_APP_PROTOCOL = {"rest": "http", "grpc": "kubernetes.io/h2c"}
+# deploy/examples/shared-limits: the environment variable that gives the gateway its Redis URL, password included.
+REDIS_URL_ENV = "OIPGATE__LIMITS__SHARED__REDIS"
 
 # The kustomization fields this renderer implements; any other field fails the check rather than being ignored.
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "commonLabels", "images"}
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "namespace", "labels", "commonLabels", "images", "patches"}
 # Kinds whose label and namespace handling below is complete (kustomize's fieldspecs for them).
 SUPPORTED_KINDS = {
     ("", "ConfigMap"),
+    ("", "Secret"),
     ("", "Service"),
     ("apps", "Deployment"),
     ("autoscaling", "HorizontalPodAutoscaler"),
     ("policy", "PodDisruptionBudget"),
+    ("networking.k8s.io", "NetworkPolicy"),
     # Custom resources: kustomize has no fieldspecs for them beyond metadata (labels, namespace), nor do we.
     (INFERENCE_GROUP, "InferencePool"),
     ("gateway.networking.k8s.io", "HTTPRoute"),
@@ -82,8 +90,15 @@ SELECTOR_FIELDS = [
     ("Deployment", f"{_AFFINITY}/podAntiAffinity/requiredDuringSchedulingIgnoredDuringExecution/labelSelector/matchLabels", False),  # noqa: E501
     ("Deployment", "spec/template/spec/topologySpreadConstraints/labelSelector/matchLabels", False),
     ("PodDisruptionBudget", "spec/selector/matchLabels", False),
+    ("NetworkPolicy", "spec/podSelector/matchLabels", False),
+    ("NetworkPolicy", "spec/ingress/from/podSelector/matchLabels", False),
+    ("NetworkPolicy", "spec/egress/to/podSelector/matchLabels", False),
 ]
 TEMPLATE_FIELDS = [("Deployment", "spec/template/metadata/labels", True)]
+# Strategic merge patches: the lists a patch may reach, each merged element by element on its Kubernetes
+# patchMergeKey. Any other list (some replace, some merge on keys not listed here) fails rather than be merged wrongly.
+PATCH_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+                    "volumeMounts": "mountPath"}
 
 failures = []
 
@@ -202,6 +217,65 @@ def apply_images(resources, images):
                     container["image"] = name + (f":{tag}" if tag else "") + (f"@{digest}" if digest else "")
 
 
+def merge_patch(target, patch, where):
+    """Applies a strategic merge patch to `target` in place: maps merge, null removes a key, the lists of
+    PATCH_MERGE_KEYS merge on their key (the patch's elements first, in its order, then the target's others, as
+    kustomize orders them); anything else the patch sets replaces the target's value."""
+    for key, value in patch.items():
+        if key.startswith("$"):
+            raise Fatal(f"{where}: {key} is a patch directive scripts/deploy_check.py does not implement")
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge_patch(target[key], value, f"{where}/{key}")
+        elif isinstance(value, list) or isinstance(target.get(key), list):
+            merge_key = PATCH_MERGE_KEYS.get(key)
+            if merge_key is None or not isinstance(value, list) or not isinstance(target.get(key, []), list):
+                raise Fatal(f"{where}/{key}: patching this list is not implemented by scripts/deploy_check.py (it "
+                            f"merges {', '.join(sorted(PATCH_MERGE_KEYS))} only)")
+            original = target.get(key) or []
+            merged, patched = [], set()
+            for item in value:
+                if not isinstance(item, dict) or merge_key not in item:
+                    raise Fatal(f"{where}/{key}: every element needs its merge key {merge_key}")
+                patched.add(item[merge_key])
+                match = next((o for o in original if o.get(merge_key) == item[merge_key]), None)
+                element = copy.deepcopy(match) if match is not None else {}
+                merge_patch(element, item, f"{where}/{key}[{item[merge_key]}]")
+                merged.append(element)
+            target[key] = merged + [o for o in original if o.get(merge_key) not in patched]
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def apply_patches(resources, entries, directory, path):
+    """kustomize `patches` of strategic merge patches that name their target (kind, name, namespace if set) in
+    themselves; returns the patch files, which are not resources of their own."""
+    files = set()
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"path"}:
+            raise Fatal(f"{rel(path)}: patches entry {entry} must be `path: FILE` alone (a strategic merge patch "
+                        "naming its target); scripts/deploy_check.py renders no other form")
+        patch_path = (directory / entry["path"]).resolve()
+        if not patch_path.is_file():
+            raise Fatal(f"{rel(path)}: patch {entry['path']!r} does not exist")
+        files.add(patch_path)
+        for patch in load_yaml(patch_path):
+            if not isinstance(patch, dict) or not {"apiVersion", "kind", "metadata"} <= set(patch) \
+                    or not patch["metadata"].get("name"):
+                raise Fatal(f"{rel(patch_path)}: every patch needs apiVersion, kind and metadata.name")
+            namespace = patch["metadata"].get("namespace")
+            targets = [r for r in resources if r["apiVersion"] == patch["apiVersion"] and r["kind"] == patch["kind"]
+                       and r["metadata"]["name"] == patch["metadata"]["name"]
+                       and namespace in (None, r["metadata"].get("namespace", "default"))]
+            if len(targets) != 1:
+                raise Fatal(f"{rel(patch_path)}: {kn(patch)} matches {len(targets)} resources of {rel(directory)}, "
+                            "want exactly one")
+            merge_patch(targets[0], patch, f"{rel(patch_path)} {kn(patch)}")
+            targets[0]["_source"] += f" + {rel(patch_path)}"
+    return files
+
+
 def render(directory, stack=()):
     """The resources `kustomize build directory` would give, for the fields in KUSTOMIZATION_FIELDS."""
     directory = directory.resolve()
@@ -240,6 +314,8 @@ def render(directory, stack=()):
                 resources.append(doc)
         else:
             raise Fatal(f"{rel(path)} lists {entry!r}, which does not exist")
+    # kustomize patches first, then namespace, labels and images (below).
+    listed |= apply_patches(resources, k.get("patches") or [], directory, path)
 
     # Every manifest next to the kustomization is one it lists: nothing is silently left out of `kubectl apply -k`.
     for candidate in sorted(list(directory.glob("*.yaml")) + list(directory.glob("*.yml"))):
@@ -253,7 +329,7 @@ def render(directory, stack=()):
             raise Fatal(f"{resource['_source']}: {kn(resource)} ({resource['apiVersion']}) is a kind whose "
                         "kustomize label handling scripts/deploy_check.py does not implement; extend it")
 
-    # kustomize's order: namespace, then labels, then images.
+    # kustomize's order after the patches: namespace, then labels, then images.
     if "namespace" in k:
         for resource in resources:
             resource["metadata"]["namespace"] = k["namespace"]
@@ -723,6 +799,179 @@ def check_routes(resources):
         ok(f"{', '.join(kn(r) for r in routes)}: backendRefs name the example's InferencePool; hostnames disjoint")
 
 
+def secret_value(secret, key):
+    """A Secret's value at `key`, from stringData or (base64) data; None when it has none."""
+    if key in (secret.get("stringData") or {}):
+        return str(secret["stringData"][key])
+    if key in (secret.get("data") or {}):
+        return base64.b64decode(secret["data"][key]).decode("utf-8", "replace")
+    return None
+
+
+def secret_env(container):
+    """{env var: (Secret, key)} for the container's env vars that come from a Secret."""
+    refs = {}
+    for var in container.get("env") or []:
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            refs[var.get("name")] = (ref.get("name"), ref.get("key"))
+    return refs
+
+
+def check_shared_limits(resources, base_config):
+    """deploy/examples/shared-limits: its gateway.toml is config/gateway.toml plus [limits.shared] and [auth]; the
+    Redis URL there names the Redis Service, on a port leading to the one Redis pod, without a password; the gateway's
+    OIPGATE__LIMITS__SHARED__REDIS comes from a Secret whose URL names the same Redis with the password Redis starts
+    with, also from a Secret; Redis keeps nothing on disk; NetworkPolicies let only the gateway's pods reach it.
+    Returns (gateway.toml, its parsed form, the Secret's URL or None)."""
+    before = len(failures)
+    config_map = find(resources, "ConfigMap", CONFIG_MAP)
+    text = config_map.get("data", {}).get(CONFIG_KEY)
+    where = f"ConfigMap/{CONFIG_MAP} {CONFIG_KEY} of {rel(SHARED_LIMITS)}"
+    if text is None:
+        raise Fatal(f"{where} is missing")
+    try:
+        config = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise Fatal(f"{where} is not valid TOML: {e}") from e
+    shared = (config.get("limits") or {}).get("shared")
+    if not isinstance(shared, dict) or not isinstance(shared.get("redis"), str):
+        raise Fatal(f"{where} has no [limits.shared] redis")
+
+    # The example changes what it shows and nothing else, so it cannot drift from the base configuration.
+    rest = copy.deepcopy(config)
+    del rest["limits"]["shared"]
+    rest.pop("auth", None)
+    check(rest == base_config, f"{where}: apart from [limits.shared] and [auth] it differs from config/gateway.toml; "
+                               "keep the rest the same")
+    check(any(key.get("rate") for key in (config.get("auth") or {}).get("api_keys") or []),
+          f"{where}: no [[auth.api_keys]] principal has a rate for the replicas to share")
+
+    # The URL the ConfigMap names: the Redis Service, no password (that comes from the Secret, below).
+    url = urlsplit(shared["redis"])
+    check(url.username is None and url.password is None,
+          f"{where}: [limits.shared] redis carries credentials; they belong in a Secret ({REDIS_URL_ENV}), not in a "
+          "ConfigMap")
+    match = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc\.cluster\.local\.?", url.hostname or "")
+    if not match:
+        raise Fatal(f"{where}: [limits.shared] redis host {url.hostname!r} is not "
+                    "<service>.<namespace>.svc.cluster.local")
+    service = find(resources, "Service", match.group(1))
+    check(service["metadata"].get("namespace", "default") == match.group(2),
+          f"{where}: [limits.shared] redis names namespace {match.group(2)}, but Service/{match.group(1)} is in "
+          f"{service['metadata'].get('namespace', 'default')}")
+    port = url.port or 6379
+    service_port = next((p for p in service["spec"].get("ports", []) if p["port"] == port), None)
+    if service_port is None:
+        raise Fatal(f"{where}: [limits.shared] redis port {port} is not a port of {kn(service)}")
+    deployments = [r for r in resources if r["kind"] == "Deployment"]
+    selected = [d for d in deployments if selects(service["spec"].get("selector"), d["spec"]["template"]["metadata"]
+                                                  .get("labels"))]
+    if len(selected) != 1:
+        raise Fatal(f"{kn(service)}: selects {[kn(d) for d in selected]}, want the one Redis Deployment")
+    redis = selected[0]
+    check(redis["spec"].get("replicas", 1) == 1, f"{kn(redis)}: {redis['spec'].get('replicas')} replicas; each "
+                                                  "would keep a budget of its own")
+    container = next((c for c in pod_spec(redis)["containers"]
+                      if service_port_target(service_port, named_container_ports(c))
+                      in {p["containerPort"] for p in c.get("ports", [])}), None)
+    if container is None:
+        raise Fatal(f"{kn(service)}: port {port} leads to no container port of {kn(redis)}")
+    redis_port = service_port_target(service_port, named_container_ports(container))
+
+    # Redis: no persistence, and its password from a Secret, passed through the environment.
+    command_line = " ".join(container.get("command", []) + container.get("args", []))
+    check(re.search(r"--save (\"\"|'')(\s|$)", command_line) and re.search(r"--appendonly no\b", command_line),
+          f"{kn(redis)}: Redis must run with --save \"\" --appendonly no (limits need no persistence)")
+    redis_secrets = {name: ref for name, ref in secret_env(container).items()
+                     if re.search(rf"\$\(?{re.escape(name)}\b", command_line)}
+    check(len(redis_secrets) == 1, f"{kn(redis)}: Redis must start with its password from a Secret, through one "
+                                   "env var with a secretKeyRef that its command line uses")
+    password = None
+    for secret_name, key in redis_secrets.values():
+        password = secret_value(find(resources, "Secret", secret_name), key)
+        check(password, f"Secret/{secret_name} has no {key} for {kn(redis)}'s password")
+
+    # The gateway: its URL, password included, from a Secret; the same Redis as the ConfigMap's, the same password.
+    gateway = find(resources, "Deployment", GATEWAY)
+    gateway_container = next(c for c in pod_spec(gateway)["containers"] if c["name"] == GATEWAY)
+    ref = secret_env(gateway_container).get(REDIS_URL_ENV)
+    secret_url = None
+    if check(ref, f"{kn(gateway)}: no env {REDIS_URL_ENV} from a Secret (secretKeyRef)"):
+        secret_url = secret_value(find(resources, "Secret", ref[0]), ref[1])
+        if check(secret_url, f"Secret/{ref[0]} has no {ref[1]} for {kn(gateway)}'s {REDIS_URL_ENV}"):
+            given = urlsplit(secret_url)
+            check((given.scheme, given.hostname, given.port or 6379, given.path)
+                  == (url.scheme, url.hostname, port, url.path),
+                  f"Secret/{ref[0]} {ref[1]}: names another Redis than [limits.shared] redis {shared['redis']}")
+            check(password is None or given.password == password,
+                  f"Secret/{ref[0]} {ref[1]}: its password is not the one {kn(redis)} starts with")
+
+    # Only the gateway's pods reach Redis, on its port. Policies add up, so every one selecting Redis must say so.
+    redis_labels = redis["spec"]["template"]["metadata"].get("labels")
+    policies = [p for p in resources if p["kind"] == "NetworkPolicy"
+                and selects((p["spec"].get("podSelector") or {}).get("matchLabels"), redis_labels)]
+    check(policies, f"no NetworkPolicy selects {kn(redis)}'s pods; only the gateways should reach Redis")
+    for policy in policies:
+        spec = policy["spec"]
+        check("Ingress" in spec.get("policyTypes", ["Ingress"]), f"{kn(policy)}: policyTypes lack Ingress")
+        for rule in spec.get("ingress") or []:
+            check(rule.get("from"), f"{kn(policy)}: an ingress rule without `from` admits every source")
+            for peer in rule.get("from") or []:
+                selector = peer.get("podSelector") or {}
+                admitted = [kn(d) for d in deployments
+                            if selects(selector.get("matchLabels"), d["spec"]["template"]["metadata"].get("labels"))]
+                check(set(peer) == {"podSelector"} and set(selector) == {"matchLabels"}
+                      and admitted == [kn(gateway)],
+                      f"{kn(policy)}: ingress from {peer} admits {admitted or 'more than the example'}, want the "
+                      f"pods of {kn(gateway)} alone (a podSelector with matchLabels, no namespaceSelector or ipBlock)")
+            ports = rule.get("ports") or []
+            check(ports and all(p.get("protocol", "TCP") == "TCP"
+                                and p.get("port") in (redis_port, service_port.get("targetPort")) for p in ports),
+                  f"{kn(policy)}: ingress ports {ports}, want TCP {redis_port} alone")
+    if len(failures) == before:
+        ok(f"{where}: config/gateway.toml plus [limits.shared] and a principal with a rate; redis "
+           f"{shared['redis']} is {kn(service)} port {port} -> {kn(redis)} ({container['image']}, 1 replica, no "
+           "persistence), no password in it")
+        ok(f"{kn(gateway)}: {REDIS_URL_ENV} from Secret/{ref[0]} {ref[1]}, the same Redis with the password "
+           f"{kn(redis)} starts with (Secret/{next(iter(redis_secrets.values()))[0]})")
+        ok(f"{', '.join(kn(p) for p in policies)}: only {kn(gateway)}'s pods reach {kn(redis)}, on TCP {redis_port}")
+    return text, config, secret_url
+
+
+def check_hardening(resources):
+    """Every container of every Deployment runs as non-root, with RuntimeDefault seccomp, a read-only root
+    filesystem, no privilege escalation and no capabilities, with readiness and liveness probes, a memory request
+    and a memory limit."""
+    before = len(failures)
+    seen = []
+    for deployment in (r for r in resources if r["kind"] == "Deployment"):
+        if kn(deployment) in seen:
+            continue
+        seen.append(kn(deployment))
+        pod = pod_spec(deployment)
+        pod_security = pod.get("securityContext") or {}
+        for container in pod["containers"]:
+            where = f"{kn(deployment)} container {container['name']}"
+            security = container.get("securityContext") or {}
+            check(security.get("runAsNonRoot", pod_security.get("runAsNonRoot")) is True,
+                  f"{where}: runAsNonRoot is not set")
+            seccomp = security.get("seccompProfile", pod_security.get("seccompProfile")) or {}
+            check(seccomp.get("type") == "RuntimeDefault", f"{where}: seccompProfile is not RuntimeDefault")
+            check(security.get("readOnlyRootFilesystem") is True, f"{where}: the root filesystem is writable")
+            check(security.get("allowPrivilegeEscalation") is False, f"{where}: allowPrivilegeEscalation is not false")
+            check((security.get("capabilities") or {}).get("drop") == ["ALL"] and
+                  not (security.get("capabilities") or {}).get("add"), f"{where}: capabilities must drop ALL, add none")
+            check("readinessProbe" in container and "livenessProbe" in container,
+                  f"{where}: needs a readinessProbe and a livenessProbe")
+            resources_ = container.get("resources") or {}
+            check((resources_.get("requests") or {}).get("memory") and (resources_.get("limits") or {}).get("memory"),
+                  f"{where}: needs a memory request and a memory limit")
+    if len(failures) == before:
+        ok(f"{', '.join(seen)}: non-root, RuntimeDefault seccomp, read-only root, no privilege escalation, no "
+           "capabilities, readiness and liveness probes, memory request and limit")
+
+
 def oipgate_binary():
     return os.environ.get("OIPGATE_BIN", str(ROOT / "target" / "debug" / "oipgate"))
 
@@ -757,13 +1006,15 @@ def check_command_lines(resources, dockerfile_cmd):
             ok(f"{where}: oipgate {' '.join(args)}")
 
 
-def check_config_accepted(text, config_map=CONFIG_MAP):
+def check_config_accepted(text, what, overrides=None):
+    """`oipgate check-config` on `text` (`what` names it), with the OIPGATE__SECTION__KEY `overrides` the pod has."""
     binary = oipgate_binary()
     with tempfile.TemporaryDirectory(prefix="deploy-check-") as tmp:
         path = Path(tmp) / CONFIG_KEY
         path.write_text(text, encoding="utf-8")
-        # The file as the pod sees it: no OIPGATE__SECTION__KEY overrides from this shell.
+        # The file as the pod sees it: no OIPGATE__SECTION__KEY overrides from this shell, only the pod's.
         environment = {k: v for k, v in os.environ.items() if not k.upper().startswith("OIPGATE__")}
+        environment.update(overrides or {})
         try:
             result = subprocess.run([binary, "check-config", str(path)], env=environment, capture_output=True,
                                     text=True, timeout=60)
@@ -773,10 +1024,8 @@ def check_config_accepted(text, config_map=CONFIG_MAP):
     output = (result.stdout + result.stderr).strip()
     for line in output.splitlines():
         print(f"      {line}")
-    if check(result.returncode == 0,
-             f"{binary} check-config rejects ConfigMap/{config_map}'s {CONFIG_KEY} (exit status "
-             f"{result.returncode})"):
-        ok(f"{binary} check-config accepts ConfigMap/{config_map}'s {CONFIG_KEY}")
+    if check(result.returncode == 0, f"{binary} check-config rejects {what} (exit status {result.returncode})"):
+        ok(f"{binary} check-config accepts {what}")
 
 
 def dockerfile_instructions(path):
@@ -868,33 +1117,50 @@ def main():
             continue
         if not (manifest.parent / "kustomization.yaml").is_file():
             fail(f"{rel(manifest)} is in no kustomization's directory, so nothing applies or checks it")
-    for required in (BASE, WITH_MODEL_SERVERS, INFERENCE_POOL):
+    for required in (BASE, WITH_MODEL_SERVERS, INFERENCE_POOL, SHARED_LIMITS):
         if required not in rendered:
             raise Fatal(f"{rel(required)}/kustomization.yaml is missing")
 
     section(f"gateway manifests in {rel(BASE)} against config/gateway.toml")
-    embedded = check_gateway(rendered[BASE], config, config_text)
+    check_gateway(rendered[BASE], config, config_text)
 
     section(f"backends reached by DNS in {rel(WITH_MODEL_SERVERS)}")
     check_fleet(rendered[WITH_MODEL_SERVERS], config)
 
     section(f"the endpoint picker of {rel(INFERENCE_POOL)} against its ConfigMap and the InferencePool")
-    epp_config = check_epp(rendered[INFERENCE_POOL])
+    check_epp(rendered[INFERENCE_POOL])
 
     section(f"routes of {rel(INFERENCE_POOL)}")
     check_routes(rendered[INFERENCE_POOL])
 
-    section(f"oipgate accepts the ConfigMaps' {CONFIG_KEY}")
-    if embedded is not None:
-        check_config_accepted(embedded)
-    if epp_config is not None:
-        check_config_accepted(epp_config, EPP_CONFIG_MAP)
+    section(f"the Redis of {rel(SHARED_LIMITS)} against its gateway configuration, Secret and NetworkPolicy")
+    shared_text, shared_config, shared_url = check_shared_limits(rendered[SHARED_LIMITS], config)
+    check_fleet(rendered[SHARED_LIMITS], shared_config, f"ConfigMap/{CONFIG_MAP} of {rel(SHARED_LIMITS)}",
+                SHARED_LIMITS)
+
+    every_resource = [resource for resources in rendered.values() for resource in resources]
+    section("hardening of every Deployment's containers")
+    check_hardening(every_resource)
+
+    # Every ConfigMap that carries a configuration, in any kustomization; each text once.
+    section(f"oipgate accepts every ConfigMap's {CONFIG_KEY}")
+    checked = set()
+    for directory, resources in rendered.items():
+        for config_map in (r for r in resources if r["kind"] == "ConfigMap"):
+            text = (config_map.get("data") or {}).get(CONFIG_KEY)
+            if text is not None and text not in checked:
+                checked.add(text)
+                check_config_accepted(text, f"{kn(config_map)} {CONFIG_KEY} of {rel(directory)}")
+    if shared_url is not None:
+        check_config_accepted(shared_text, f"{kn(find(rendered[SHARED_LIMITS], 'ConfigMap', CONFIG_MAP))} "
+                                           f"{CONFIG_KEY} of {rel(SHARED_LIMITS)} with its Secret's {REDIS_URL_ENV}",
+                              {REDIS_URL_ENV: shared_url})
 
     section("Dockerfile")
     dockerfile_cmd = check_dockerfile(pod_spec(find(rendered[BASE], "Deployment", GATEWAY)))
 
     section("oipgate command lines in the manifests and the Dockerfile")
-    check_command_lines(rendered[WITH_MODEL_SERVERS] + rendered[INFERENCE_POOL], dockerfile_cmd)
+    check_command_lines(every_resource, dockerfile_cmd)
 
 
 if __name__ == "__main__":

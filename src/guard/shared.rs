@@ -154,6 +154,7 @@ impl SharedStore {
             rate,
             lease: Mutex::new(Lease::default()),
             refill: tokio::sync::Mutex::new(()),
+            ahead: AtomicBool::new(false),
             local: Gcra::default(),
         });
         if self.config.lease > 0 {
@@ -329,6 +330,8 @@ pub struct SharedBucket {
     lease: Mutex<Lease>,
     /// One refill of the lease at a time: the calls that find it empty meanwhile wait for that one.
     refill: tokio::sync::Mutex<()>,
+    /// A refill ahead of need is under way: the lease ran low, and the next is taken before it runs out.
+    ahead: AtomicBool,
     /// The replica's share while Redis is away.
     local: Gcra,
 }
@@ -343,8 +346,9 @@ impl SharedBucket {
     }
 
     /// Takes one call's token: from the lease, else from Redis (a new lease), else as the fallback says. Never
-    /// waits on Redis longer than `timeout_ms`.
-    pub async fn take(&self) -> Result<(), Duration> {
+    /// waits on Redis longer than `timeout_ms`. A lease that runs low is refilled in the background, so under the
+    /// limit no call waits on Redis at all.
+    pub async fn take(self: &Arc<Self>) -> Result<(), Duration> {
         let store = &*self.store;
         let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
         if !store.reachable() {
@@ -383,13 +387,17 @@ impl SharedBucket {
     }
 
     /// The lease's decision, when it can make one: a token it holds, or a refusal Redis gave a moment ago.
-    fn lease_decision(&self) -> Option<Result<(), Duration>> {
+    fn lease_decision(self: &Arc<Self>) -> Option<Result<(), Duration>> {
         let now = Instant::now();
         let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
         if lease.tokens > 0 && lease.expires.is_some_and(|expires| now < expires) {
             lease.tokens -= 1;
+            let low = lease.tokens <= self.low_water();
             drop(lease);
             self.store.count(Decided::Leased);
+            if low && !self.ahead.swap(true, Ordering::AcqRel) {
+                tokio::spawn(self.clone().refill_ahead());
+            }
             return Some(Ok(()));
         }
         if let Some(until) = lease.refused_until.filter(|until| now < *until) {
@@ -398,6 +406,35 @@ impl SharedBucket {
             return Some(Err(until - now));
         }
         None
+    }
+
+    /// The tokens left in a lease below which the next is taken ahead: a quarter of it.
+    fn low_water(&self) -> u64 {
+        u64::from(self.store.config.lease) / 4
+    }
+
+    /// Takes the next lease while this one still has tokens, adding them to it (and keeping them the lease's time
+    /// from now). A refusal is left for the calls that find the lease empty to learn.
+    async fn refill_ahead(self: Arc<Self>) {
+        let store = &*self.store;
+        let deadline = tokio::time::Instant::now() + store.config.timeout;
+        if let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await {
+            let left = self.lease.lock().unwrap_or_else(PoisonError::into_inner).tokens;
+            if left <= self.low_water() && store.reachable() {
+                let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
+                let size = u64::from(store.config.lease).max(1);
+                let answer = store
+                    .step(Step::Take, &self.key, interval, burst, size, 0, deadline)
+                    .await;
+                if let Some(answer) = answer.filter(|answer| answer.granted > 0) {
+                    let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+                    lease.tokens += answer.granted;
+                    lease.expires = Some(Instant::now() + store.config.lease_time);
+                    lease.refused_until = None;
+                }
+            }
+        }
+        self.ahead.store(false, Ordering::Release);
     }
 
     /// Takes the tokens of a lease that has expired (to give them back).
