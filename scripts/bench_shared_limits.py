@@ -25,6 +25,9 @@ Run by scripts/bench (`--only 11`), or alone with the binary already built (targ
 target/release/oipgate; `--binary` another) and redis-server installed (`scripts/setup --tests`):
     python3 scripts/bench_shared_limits.py --seconds 8 --rounds 5
 Writes target/bench/shared_limits.json and target/bench/shared_limits.md.
+
+`python3 scripts/bench_shared_limits.py instructions [SECONDS]` counts the three setups' instructions a request
+under callgrind instead (needs valgrind), for when CPU time swings more than the difference looked for.
 """
 
 import json
@@ -34,6 +37,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -366,7 +370,49 @@ def targets(results):
     return lines
 
 
+def instruction_costs(seconds, binary=None):
+    """Instructions a request costs in each setup, counted under callgrind (scripts/bench_instructions.py's method:
+    wrk 1 x 8 for SECONDS and 3 x SECONDS, the difference over the requests between), for a machine whose CPU time
+    swings more than the difference looked for. User space only: the Redis round trips' system calls are not in it.
+    Redis's timeout is raised to a second, as a gateway under callgrind runs tens of times slower."""
+    import bench_instructions
+
+    binary = find_binary(binary)
+    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-shared-instructions-"))
+    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "redis", "rest", "grpc", "metrics")}
+    body, _ = bench.add_sub_json(1)
+    body_file = bench.write(bench.OUT / "add_sub.json", body)
+    servers = [
+        bench.model_server("instructions-model-server", ports),
+        bench.Server("instructions-redis",
+                     ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--loglevel", "warning", "--dir", str(work)], [ports["redis"]]),
+    ]
+    results = {}
+    try:
+        url = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub/infer"
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+        load = lambda span: bench.wrk(url, body_file, headers, span, 8, 1)
+        for name, lease, prefix in SETUPS:
+            text = config_text(ports["rest"], ports["grpc"], ports["metrics"], ports, lease, prefix)
+            path = work / f"{name.replace(' ', '').replace(',', '-')}.toml"
+            path.write_text(text.replace("timeout_ms = 20", "timeout_ms = 1000"))
+            command = [str(binary), "serve", "--config", str(path)]
+            counted = bench_instructions.per_request(
+                f"shared-{lease}", command, ports["rest"], url, body_file, seconds, bench.gateway_env(1), load=load)
+            results[name] = round(counted["instructions"])
+            print(f"  11 {name:<20} {results[name]:>8,} instructions a request", flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    return results
+
+
 def main():
+    if sys.argv[1:2] == ["instructions"]:
+        seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+        print(json.dumps(instruction_costs(seconds), indent=1))
+        return
     bench.scenario_main(__doc__, shared_limit_costs, "shared_limits", report, targets=targets, rounds=5,
                         extra=(("--binary", "the oipgate measured (default target/dist/oipgate, else the release "
                                             "build)"),))

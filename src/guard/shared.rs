@@ -53,6 +53,9 @@ struct Answer {
 /// The Redis the limits are shared through, and what this replica knows of it.
 pub struct SharedStore {
     config: SharedLimits,
+    client: redis::Client,
+    manager: ConnectionManagerConfig,
+    /// The heartbeat's connection, on the limits' own thread.
     connection: ConnectionManager,
     limit: redis::Script,
     heartbeat: redis::Script,
@@ -67,6 +70,8 @@ pub struct SharedStore {
     metrics: Arc<Metrics>,
     /// Every bucket holding (or able to hold) a lease, for giving back the ones that expire unspent.
     leased: Mutex<Vec<Weak<SharedBucket>>>,
+    /// Lives as long as the store: a thread's connection made for it is let go once it has gone.
+    alive: Arc<()>,
 }
 
 impl std::fmt::Debug for SharedStore {
@@ -94,10 +99,12 @@ impl SharedStore {
             .set_max_delay(PROBE)
             // Calls beyond these wait for a place rather than pile up on a Redis that is slow.
             .set_concurrency_limit(1024);
-        let connection = ConnectionManager::new_lazy_with_config(client, manager)
+        let connection = ConnectionManager::new_lazy_with_config(client.clone(), manager.clone())
             .map_err(|e| Error::internal(format!("limits.shared.redis: {e}")))?;
         let store = Arc::new(SharedStore {
             config: config.clone(),
+            client,
+            manager,
             connection,
             limit: redis::Script::new(include_str!("limit.lua")),
             heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
@@ -107,6 +114,7 @@ impl SharedStore {
             id: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             metrics: metrics.clone(),
             leased: Mutex::default(),
+            alive: Arc::new(()),
         });
         metrics.shared_limits_state(config.when_unreachable.label(), true, 1);
         runtime.spawn(maintain(Arc::downgrade(&store)));
@@ -191,7 +199,7 @@ impl SharedStore {
             .arg(interval_us * burst as f64)
             .arg(n)
             .arg(returned);
-        let mut connection = self.connection.clone();
+        let mut connection = self.thread_connection();
         let started = Instant::now();
         let answered = tokio::time::timeout_at(deadline, invocation.invoke_async::<(u64, u64)>(&mut connection)).await;
         match answered {
@@ -212,6 +220,34 @@ impl SharedStore {
                 None
             }
         }
+    }
+
+    /// This thread's connection to Redis, made at its first call: a door thread's calls go out and come back on
+    /// the thread itself, with no hop to another thread and back (which cost more than the call). A pool of one
+    /// multiplexed connection per door thread.
+    fn thread_connection(self: &SharedStore) -> ConnectionManager {
+        thread_local! {
+            static CONNECTIONS: std::cell::RefCell<Vec<(*const SharedStore, Weak<()>, ConnectionManager)>> =
+                const { std::cell::RefCell::new(Vec::new()) };
+        }
+        CONNECTIONS.with_borrow_mut(|connections| {
+            let this: *const SharedStore = self;
+            if let Some((_, _, connection)) = connections
+                .iter()
+                .find(|(store, alive, _)| *store == this && alive.strong_count() > 0)
+            {
+                return connection.clone();
+            }
+            // Made lazily on this thread's runtime; the ones of stores since replaced are let go.
+            connections.retain(|(_, alive, _)| alive.strong_count() > 0);
+            match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
+                Ok(connection) => {
+                    connections.push((this, Arc::downgrade(&self.alive), connection.clone()));
+                    connection
+                }
+                Err(_) => self.connection.clone(),
+            }
+        })
     }
 
     /// Redis did not answer: the limits fall back until the heartbeat hears it again. Logged once per outage.
@@ -358,6 +394,9 @@ impl SharedBucket {
             return decided;
         }
         let deadline = tokio::time::Instant::now() + store.config.timeout;
+        if store.config.lease == 0 {
+            return self.take_one(deadline).await;
+        }
         let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await else {
             return store.fallback(&self.local, interval, burst, 1);
         };
@@ -386,6 +425,24 @@ impl SharedBucket {
         Ok(())
     }
 
+    /// `lease = 0`: the call's one token from Redis, asked beside every other call's (on the one connection, in
+    /// flight together), not one at a time as leases are refilled.
+    async fn take_one(&self, deadline: tokio::time::Instant) -> Result<(), Duration> {
+        let store = &*self.store;
+        let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
+        let Some(answer) = store.step(Step::Take, &self.key, interval, burst, 1, 0, deadline).await else {
+            return store.fallback(&self.local, interval, burst, 1);
+        };
+        if answer.granted == 0 {
+            let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+            lease.refused_until = Some(Instant::now() + answer.wait);
+            store.count(Decided::Refused);
+            return Err(answer.wait);
+        }
+        store.count(Decided::Allowed);
+        Ok(())
+    }
+
     /// The lease's decision, when it can make one: a token it holds, or a refusal Redis gave a moment ago.
     fn lease_decision(self: &Arc<Self>) -> Option<Result<(), Duration>> {
         let now = Instant::now();
@@ -408,9 +465,10 @@ impl SharedBucket {
         None
     }
 
-    /// The tokens left in a lease below which the next is taken ahead: a quarter of it.
+    /// The tokens left in a lease below which the next is taken ahead: half of it, so the next is there before the
+    /// calls under way have spent the rest.
     fn low_water(&self) -> u64 {
-        u64::from(self.store.config.lease) / 4
+        u64::from(self.store.config.lease) / 2
     }
 
     /// Takes the next lease while this one still has tokens, adding them to it (and keeping them the lease's time
