@@ -31,25 +31,8 @@ fn demo_runs_and_its_printed_curl_examples_work() {
     // The examples name the addresses the demo is given, so they are chosen here; they stay held for the whole test,
     // and the demo's listeners bind them all the same (with SO_REUSEADDR).
     let held = [hold_port(), hold_port(), hold_port(), hold_port(), hold_port()];
-    let [rest, grpc, metrics, epp, envoy] = held.each_ref().map(ToString::to_string);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args([
-            "demo",
-            "--rest",
-            &rest,
-            "--grpc",
-            &grpc,
-            "--metrics",
-            &metrics,
-            "--epp",
-            &epp,
-            "--envoy",
-            &envoy,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let (mut command, [rest, _, _, _, envoy]) = common::demo_command(&held, &[]);
+    let mut child = command.stdout(Stdio::piped()).spawn().unwrap();
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut curls = Vec::new();
     let mut envoy_command = None;

@@ -362,29 +362,12 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
 /// limits through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_shares_its_limits_through_the_redis_the_environment_names() {
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
     let redis = RedisProcess::start();
     let held = [(); 5].map(|()| common::ports::hold_port());
-    let [rest, grpc, metrics, epp, envoy] = held.each_ref().map(ToString::to_string);
-    let mut demo = Command::new(env!("CARGO_BIN_EXE_oipgate"))
-        .args([
-            "demo",
-            "--rest",
-            &rest,
-            "--grpc",
-            &grpc,
-            "--metrics",
-            &metrics,
-            "--epp",
-            &epp,
-            "--envoy",
-            &envoy,
-        ])
-        .env("OIPGATE__LIMITS__SHARED__REDIS", redis.url())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let (mut command, [_, _, metrics, _, _]) =
+        common::demo_command(&held, &[("OIPGATE__LIMITS__SHARED__REDIS", redis.url())]);
+    let mut demo = command.stdout(Stdio::null()).spawn().unwrap();
     common::eventually(Duration::from_secs(20), "the demo's metrics listener", || async {
         tokio::net::TcpStream::connect(&metrics).await.is_ok()
     })

@@ -307,6 +307,32 @@ fn series_value(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// `oipgate demo` as a user starts it, on the addresses `held` for it (REST, gRPC, metrics, the picker, Envoy; its
+/// listeners bind them all the same, with SO_REUSEADDR), with `environment` added; stderr inherited, stdout for the
+/// caller to set.
+pub fn demo_command(held: &[ports::HeldPort; 5], environment: &[(&str, String)]) -> (Command, [String; 5]) {
+    let addresses = held.each_ref().map(ToString::to_string);
+    let [rest, grpc, metrics, epp, envoy] = &addresses;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_oipgate"));
+    command
+        .args([
+            "demo",
+            "--rest",
+            rest,
+            "--grpc",
+            grpc,
+            "--metrics",
+            metrics,
+            "--epp",
+            epp,
+            "--envoy",
+            envoy,
+        ])
+        .envs(environment.iter().map(|(name, value)| (*name, value)))
+        .stderr(Stdio::inherit());
+    (command, addresses)
+}
+
 /// `oipgate serve` started as a child process with a configuration written for it; killed when dropped.
 pub struct GatewayProcess {
     child: Child,
