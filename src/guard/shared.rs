@@ -3,7 +3,7 @@
 //! network; a heartbeat that counts the replicas and notices when Redis is away, and what the limits do then.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -72,6 +72,9 @@ pub struct SharedStore {
     leased: Mutex<Vec<Weak<SharedBucket>>>,
     /// Lives as long as the store: a thread's connection made for it is let go once it has gone.
     alive: Arc<()>,
+    /// Counts Redis's returns: a thread's connection made before the last one is made anew (the old one may be to
+    /// a Redis that was restarted since, and would fail the first call sent on it).
+    returns: AtomicU64,
 }
 
 impl std::fmt::Debug for SharedStore {
@@ -115,6 +118,7 @@ impl SharedStore {
             metrics: metrics.clone(),
             leased: Mutex::default(),
             alive: Arc::new(()),
+            returns: AtomicU64::new(0),
         });
         metrics.shared_limits_state(config.when_unreachable.label(), true, 1);
         runtime.spawn(maintain(Arc::downgrade(&store)));
@@ -212,6 +216,7 @@ impl SharedStore {
                 })
             }
             Ok(Err(error)) => {
+                self.drop_thread_connection();
                 self.away(&error.to_string());
                 None
             }
@@ -225,29 +230,38 @@ impl SharedStore {
     /// This thread's connection to Redis, made at its first call: a door thread's calls go out and come back on
     /// the thread itself, with no hop to another thread and back (which cost more than the call). A pool of one
     /// multiplexed connection per door thread.
-    fn thread_connection(self: &SharedStore) -> ConnectionManager {
-        thread_local! {
-            static CONNECTIONS: std::cell::RefCell<Vec<(*const SharedStore, Weak<()>, ConnectionManager)>> =
-                const { std::cell::RefCell::new(Vec::new()) };
-        }
-        CONNECTIONS.with_borrow_mut(|connections| {
-            let this: *const SharedStore = self;
-            if let Some((_, _, connection)) = connections
+    fn thread_connection(&self) -> ConnectionManager {
+        let this: *const SharedStore = self;
+        let returns = self.returns.load(Ordering::Acquire);
+        THREAD_CONNECTIONS.with_borrow_mut(|connections| {
+            if let Some(entry) = connections
                 .iter()
-                .find(|(store, alive, _)| *store == this && alive.strong_count() > 0)
+                .find(|entry| entry.store == this && entry.alive.strong_count() > 0 && entry.returns == returns)
             {
-                return connection.clone();
+                return entry.connection.clone();
             }
-            // Made lazily on this thread's runtime; the ones of stores since replaced are let go.
-            connections.retain(|(_, alive, _)| alive.strong_count() > 0);
+            // Made lazily on this thread's runtime; the ones of stores since replaced, or made before Redis last
+            // came back, are let go.
+            connections.retain(|entry| entry.alive.strong_count() > 0 && entry.store != this);
             match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
                 Ok(connection) => {
-                    connections.push((this, Arc::downgrade(&self.alive), connection.clone()));
+                    connections.push(ThreadConnection {
+                        store: this,
+                        alive: Arc::downgrade(&self.alive),
+                        returns,
+                        connection: connection.clone(),
+                    });
                     connection
                 }
                 Err(_) => self.connection.clone(),
             }
         })
+    }
+
+    /// Lets go of this thread's connection after it failed, so the next call makes a new one.
+    fn drop_thread_connection(&self) {
+        let this: *const SharedStore = self;
+        THREAD_CONNECTIONS.with_borrow_mut(|connections| connections.retain(|entry| entry.store != this));
     }
 
     /// Redis did not answer: the limits fall back until the heartbeat hears it again. Logged once per outage.
@@ -270,6 +284,7 @@ impl SharedStore {
         self.replicas.store(replicas.max(1), Ordering::Release);
         self.heard.store(true, Ordering::Release);
         if !self.reachable.swap(true, Ordering::AcqRel) {
+            self.returns.fetch_add(1, Ordering::AcqRel);
             tracing::info!(redis = %self.config.shown(), replicas, "shared limits: Redis answers again; limits are shared");
         }
         self.metrics
@@ -332,6 +347,19 @@ impl SharedStore {
     fn count(&self, decided: Decided) {
         self.metrics.shared_limit_call(decided);
     }
+}
+
+/// A door thread's connection to one store's Redis.
+struct ThreadConnection {
+    store: *const SharedStore,
+    alive: Weak<()>,
+    /// The store's count of Redis's returns when it was made.
+    returns: u64,
+    connection: ConnectionManager,
+}
+
+thread_local! {
+    static THREAD_CONNECTIONS: std::cell::RefCell<Vec<ThreadConnection>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Heartbeats and lease returns, while the store lives.
