@@ -176,6 +176,8 @@ pub struct Guard {
     models: HashMap<String, ModelGate>,
     /// How each model's generated tokens are counted, for the models that say.
     token_counts: HashMap<String, Arc<TokenCount>>,
+    /// How the other models' tokens are counted (every output's elements), made once.
+    default_token_count: Arc<TokenCount>,
     /// The Redis the limits are shared through, with `[limits.shared]`.
     shared: Option<Arc<SharedStore>>,
     clock: DefaultClock,
@@ -294,6 +296,7 @@ impl Guard {
             auth,
             models,
             token_counts,
+            default_token_count: Arc::default(),
             shared,
             clock,
             metrics,
@@ -497,7 +500,11 @@ impl Guard {
         if budgets.is_empty() {
             return Ok(None);
         }
-        let count = self.token_counts.get(model).cloned().unwrap_or_default();
+        let count = self
+            .token_counts
+            .get(model)
+            .unwrap_or(&self.default_token_count)
+            .clone();
         Ok(Some(TokenCharge::new(budgets, count)))
     }
 

@@ -328,13 +328,15 @@ impl SharedStore {
 
     /// The fallback's decision while Redis is away: the local share of `burst` refilled one per `interval`.
     fn fallback(&self, local: &Gcra, interval: Duration, burst: u64, n: u64) -> Result<(), Duration> {
+        self.fallback_with(|replicas| local.take(n, interval * replicas, (burst / u64::from(replicas)).max(1)))
+    }
+
+    /// The fallback's decision while Redis is away, counted: `local_share` decides with the replicas seen.
+    fn fallback_with(&self, local_share: impl FnOnce(u32) -> Result<(), Duration>) -> Result<(), Duration> {
         let decided = match self.config.when_unreachable {
             WhenUnreachable::Allow => Ok(()),
             WhenUnreachable::Deny => Err(DENIED_RETRY),
-            WhenUnreachable::Local => {
-                let replicas = self.replicas();
-                local.take(n, interval * replicas, (burst / u64::from(replicas)).max(1))
-            }
+            WhenUnreachable::Local => local_share(self.replicas()),
         };
         self.count(if decided.is_ok() {
             Decided::FallbackAllowed
@@ -615,20 +617,7 @@ impl SharedTokens {
                 return decided;
             }
         }
-        let decided = match store.config.when_unreachable {
-            WhenUnreachable::Allow => Ok(()),
-            WhenUnreachable::Deny => Err(DENIED_RETRY),
-            WhenUnreachable::Local => {
-                let replicas = store.replicas();
-                local.check(interval * replicas, (burst / u64::from(replicas)).max(1))
-            }
-        };
-        store.count(if decided.is_ok() {
-            Decided::FallbackAllowed
-        } else {
-            Decided::FallbackRefused
-        });
-        decided
+        store.fallback_with(|replicas| local.check(interval * replicas, (burst / u64::from(replicas)).max(1)))
     }
 
     /// Charges `tokens` to the budget in Redis, in the background (the answer has ended; nothing waits on it), and to
