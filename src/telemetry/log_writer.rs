@@ -23,8 +23,19 @@ pub struct LogWriter {
     wake: Condvar,
     dropped: AtomicU64,
     bound: usize,
-    target: Mutex<LogTarget>,
+    output: Mutex<Output>,
 }
+
+/// The target, and the batch last written kept empty with its capacity: swapped with the pending one at each
+/// write-out, so lines are appended into room already there rather than into a buffer grown from nothing each batch.
+#[derive(Debug)]
+struct Output {
+    target: LogTarget,
+    spare: Vec<u8>,
+}
+
+/// A batch buffer larger than this after a burst is let go once written, not kept for the process's life.
+const KEPT_CAPACITY: usize = 1 << 20;
 
 #[derive(Debug, Default)]
 struct Pending {
@@ -71,7 +82,10 @@ impl LogWriter {
             wake: Condvar::new(),
             dropped: AtomicU64::new(0),
             bound,
-            target: Mutex::new(target),
+            output: Mutex::new(Output {
+                target,
+                spare: Vec::new(),
+            }),
         }
     }
 
@@ -94,11 +108,16 @@ impl LogWriter {
 
     /// Writes the batch, and then `line` when given, in one turn of the target.
     fn write_out(&self, line: Option<&[u8]>) {
-        // The target's lock first: batches are written whole and in order.
-        let mut target = lock(&self.target);
-        let lines = std::mem::take(&mut lock(&self.pending).lines);
-        if !lines.is_empty() {
-            target.write_all(&lines);
+        // The output's lock first: batches are written whole and in order.
+        let mut output = lock(&self.output);
+        let Output { target, spare } = &mut *output;
+        std::mem::swap(&mut lock(&self.pending).lines, spare);
+        if !spare.is_empty() {
+            target.write_all(spare);
+            spare.clear();
+        }
+        if spare.capacity() > KEPT_CAPACITY {
+            *spare = Vec::new();
         }
         if let Some(line) = line {
             target.write_all(line);
@@ -107,12 +126,12 @@ impl LogWriter {
 
     /// Reopens the file written to, by its path; a file that cannot be opened leaves the old one and says why.
     fn reopen(&self) {
-        let mut target = lock(&self.target);
-        if let LogTarget::File { path, .. } = &*target {
+        let mut output = lock(&self.output);
+        if let LogTarget::File { path, .. } = &output.target {
             match LogTarget::open(Some(path.clone())) {
-                Ok(reopened) => *target = reopened,
+                Ok(reopened) => output.target = reopened,
                 Err(error) => {
-                    drop(target);
+                    drop(output);
                     self.write_out(Some(format!("could not reopen the log file: {error}\n").as_bytes()));
                 }
             }
