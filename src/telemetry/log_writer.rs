@@ -14,6 +14,9 @@ use std::time::Duration;
 pub const DEFAULT_BOUND: usize = 8 << 20;
 /// How long the writing thread lets lines gather once the first of a batch has come.
 const GATHER: Duration = Duration::from_millis(50);
+/// A batch this large is written at once, not held for the rest of [`GATHER`]: under load the lines waiting stay
+/// within the caches' reach (a 50 ms batch at 40,000 lines a second is half a megabyte), as nginx's `buffer=64k`.
+const BATCH: usize = 64 << 10;
 
 /// The one writer of the process's lines.
 #[derive(Debug)]
@@ -97,10 +100,11 @@ impl LogWriter {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        let first = pending.lines.is_empty();
+        let before = pending.lines.len();
         pending.lines.extend_from_slice(line);
         drop(pending);
-        if first {
+        // The first line of a batch wakes the writer to start gathering; the line that fills a batch, to write it.
+        if before == 0 || (before < BATCH && before + line.len() >= BATCH) {
             self.wake.notify_one();
         }
         true
@@ -138,17 +142,21 @@ impl LogWriter {
         }
     }
 
-    /// Waits for a batch's first line, lets more gather, and writes them all at once; for ever.
+    /// Waits for a batch's first line, lets more gather until the batch is full or [`GATHER`] has passed, and
+    /// writes them all at once; for ever.
     fn writing(&self) {
         loop {
             {
                 let pending = lock(&self.pending);
-                let _pending = self
+                let pending = self
                     .wake
                     .wait_while(pending, |pending| pending.lines.is_empty())
                     .unwrap_or_else(PoisonError::into_inner);
+                let _pending = self
+                    .wake
+                    .wait_timeout_while(pending, GATHER, |pending| pending.lines.len() < BATCH)
+                    .unwrap_or_else(PoisonError::into_inner);
             }
-            std::thread::sleep(GATHER);
             self.write_out(None);
         }
     }
