@@ -1,12 +1,15 @@
 //! The route table: a public model name and version resolved to a backend and the backend's own names. Built once
 //! from a validated configuration, read by every request without locks or string formatting.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::config::{Config, ModelConfig};
 use crate::error::{Error, Result};
 use crate::protocol::Sequence;
+
+/// Names as requests spell them, to what they name. foldhash, seeded per process, hashes a short name in about a
+/// tenth of SipHash's instructions; requests only look names up, never add them, so no client can fill a bucket.
+type ByName<V> = std::collections::HashMap<String, V, foldhash::fast::RandomState>;
 
 /// Where one public model version goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +53,7 @@ impl VersionRoute {
 
 #[derive(Debug)]
 struct ModelRoutes {
-    versions: HashMap<String, Arc<VersionRoute>>,
+    versions: ByName<Arc<VersionRoute>>,
     default_version: Arc<VersionRoute>,
     /// Public versions in configured order, for messages and metadata.
     names: Vec<String>,
@@ -74,7 +77,7 @@ pub struct Routed {
 /// Every model's routes.
 #[derive(Debug, Default)]
 pub struct RouteTable {
-    models: HashMap<String, ModelRoutes>,
+    models: ByName<ModelRoutes>,
     /// Every route, by id.
     routes: Vec<Arc<VersionRoute>>,
 }
@@ -198,7 +201,7 @@ impl ModelRoutes {
 }
 
 fn routes(model: &ModelConfig, timeout: std::time::Duration, all: &mut Vec<Arc<VersionRoute>>) -> Result<ModelRoutes> {
-    let versions: HashMap<String, Arc<VersionRoute>> = model
+    let versions: ByName<Arc<VersionRoute>> = model
         .versions
         .iter()
         .map(|v| {
