@@ -81,12 +81,13 @@ def descendants(pid):
     return found
 
 
-def cpu_seconds(pid):
+def cpu_seconds(pid, kernel_only=False):
+    """CPU seconds `pid` and its descendants have used: user and kernel time, or the kernel's alone."""
     total = 0
     for p in descendants(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            total += int(fields[12]) if kernel_only else int(fields[11]) + int(fields[12])
         except (OSError, IndexError):
             pass
     return total / TICKS
@@ -617,15 +618,19 @@ def start_all(work, workers, binary=BINARY):
 
 
 def run_one(label, load, processes):
-    before = {name: cpu_seconds(p.pid) for name, p in processes.items()}
+    before = {name: (cpu_seconds(p.pid), cpu_seconds(p.pid, True)) for name, p in processes.items()}
     started = time.time()
     result = load()
     elapsed = time.time() - started
-    after = {name: cpu_seconds(p.pid) for name, p in processes.items()}
+    after = {name: (cpu_seconds(p.pid), cpu_seconds(p.pid, True)) for name, p in processes.items()}
     result["seconds"] = elapsed
     result["rps"] = result["requests"] / elapsed if elapsed else 0.0
     result["cpu_per_1k"] = {
-        name: (after[name] - before[name]) * 1000.0 / max(result["requests"], 1) for name in processes
+        name: (after[name][0] - before[name][0]) * 1000.0 / max(result["requests"], 1) for name in processes
+    }
+    # The kernel's share of it (system calls, the loopback's TCP), apart from the process's own work.
+    result["kernel_per_1k"] = {
+        name: (after[name][1] - before[name][1]) * 1000.0 / max(result["requests"], 1) for name in processes
     }
     result["setup"] = label
     return result
@@ -965,12 +970,14 @@ def report(results):
                              f"{r['per_connection_kib']:.1f} KiB |")
             lines.append("")
             continue
-        lines += ["| setup | req/s | p50 ms | p90 ms | p99 ms | errors | CPU s / 1k req | gateway peak RSS |",
+        lines += ["| setup | req/s | p50 ms | p90 ms | p99 ms | errors | CPU s / 1k req (of it the kernel's) | gateway peak RSS |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in runs:
             if "rps" not in r:
                 continue
-            cpu = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_per_1k"].items())
+            kernel = r.get("kernel_per_1k", {})
+            cpu = ", ".join(f"{k} {v:.3f}" + (f" (kernel {kernel[k]:.3f})" if k in kernel else "")
+                            for k, v in r["cpu_per_1k"].items())
             rss = f"{r['gateway_peak_rss_mib']:.0f} MiB" if r.get("gateway_peak_rss_mib") else ""
             lines.append(f"| {r['setup']} | {r['rps']:.1f} | {r.get('p50', float('nan')):.3f} | "
                          f"{r.get('p90', float('nan')):.3f} | {r.get('p99', float('nan')):.3f} | {r['errors']} | {cpu} | {rss} |")
