@@ -2,7 +2,7 @@
 """The workload a profile-guided build learns from (run by scripts/build-dist, not by hand).
 
 Starts an instrumented oipgate as the model server and as the gateway in front of it (scripts/bench.py's
-configuration, two worker threads), drives each of the paths scripts/bench measures for a few seconds (REST
+configuration, two worker threads, its access log on as by default), drives each of the paths scripts/bench measures for a few seconds (REST
 passthrough, gRPC passthrough, REST JSON -> gRPC, gRPC -> REST, the binary extension, a 1M-value JSON body, health
 and metadata), then stops both with SIGTERM so that they write their profiles on the way out.
     scripts/pgo_train.py INSTRUMENTED_BINARY [SECONDS]
@@ -27,8 +27,10 @@ def main():
     gateway = None
     try:
         config = bench.gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
+        # As users run it, access log on: trained without it, the build takes the line's code for cold and lays it
+        # out for size (the line cost more instructions in the production build than in release).
         gateway = bench.Server("pgo-oipgate", [str(bench.BINARY), "serve", "--config", str(config)],
-                               [ports["rest"], ports["grpc"]], bench.gateway_env(2))
+                               [ports["rest"], ports["grpc"]], bench.gateway_env(2, access_log=True))
         rest = f"http://127.0.0.1:{ports['rest']}"
         grpc = f"http://127.0.0.1:{ports['grpc']}/inference.GRPCInferenceService/ModelInfer"
         json_header = {"Content-Type": "application/json"}
