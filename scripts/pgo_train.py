@@ -2,9 +2,10 @@
 """The workload a profile-guided build learns from (run by scripts/build-dist, not by hand).
 
 Starts an instrumented oipgate as the model server and as the gateway in front of it (scripts/bench.py's
-configuration, two worker threads, its access log on as by default), drives each of the paths scripts/bench measures for a few seconds (REST
-passthrough, gRPC passthrough, REST JSON -> gRPC, gRPC -> REST, the binary extension, a 1M-value JSON body, health
-and metadata), then stops both with SIGTERM so that they write their profiles on the way out.
+configuration, two worker threads, its access log on as by default), drives each of the paths scripts/bench
+measures for a few seconds (REST passthrough, gRPC passthrough, REST JSON -> gRPC, gRPC -> REST, the binary
+extension, a 1M-value JSON body, health and metadata), then stops both with SIGTERM so that they write their
+profiles on the way out.
     scripts/pgo_train.py INSTRUMENTED_BINARY [SECONDS]
 """
 
