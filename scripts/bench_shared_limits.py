@@ -133,7 +133,11 @@ def shared_metrics(port):
     found.update(take_count=0.0, take_seconds=0.0)
     for name, labels, value in SAMPLE.findall(body.decode()):
         label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if name == "oipgate_shared_limit_calls_total" and label.get("result") in DECISIONS:
+        if (
+            name == "oipgate_shared_limit_calls_total"
+            and label.get("limit") == "calls"
+            and label.get("result") in DECISIONS
+        ):
             found[label["result"]] = float(value)
         elif name == "oipgate_shared_limit_redis_duration_seconds_count" and label.get("operation") == "take":
             found["take_count"] = float(value)

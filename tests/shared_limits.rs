@@ -166,7 +166,7 @@ async fn three_replicas_admit_one_budget() {
     // refused for as long as Redis said the bucket stays empty once it was spent.
     for (index, replica) in replicas.iter().enumerate() {
         let leased = replica
-            .metric("oipgate_shared_limit_calls_total{result=\"leased\"}")
+            .metric("oipgate_shared_limit_calls_total{limit=\"calls\",result=\"leased\"}")
             .await;
         assert!(leased > 0.0, "no call spent from a lease");
         let asked = replica
@@ -242,7 +242,7 @@ async fn outage(mode: &str, outage: Outage) -> Answered {
         "sharing resumed after {:?}",
         back.elapsed()
     );
-    let allowed = "oipgate_shared_limit_calls_total{result=\"allowed\"}";
+    let allowed = "oipgate_shared_limit_calls_total{limit=\"calls\",result=\"allowed\"}";
     let asked_before = replicas[0].metric(allowed).await;
     let after = load(&replicas, Duration::from_millis(500)).await;
     assert!(after.total(200) > 0 && after.others().is_empty(), "{after:?}");
@@ -356,6 +356,61 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
             .await,
         2.0
     );
+    // Replica 0's token checks, each a Redis decision, counted as the token budget's and not as calls: one let in,
+    // two refused. No rate of calls is set, so no call was decided.
+    for (result, count) in [("allowed", 1.0), ("refused", 2.0)] {
+        let series = format!("oipgate_shared_limit_calls_total{{limit=\"tokens\",result=\"{result}\"}}");
+        assert_eq!(replicas[0].metric(&series).await, count, "{series}");
+    }
+    for result in ["leased", "allowed", "refused"] {
+        let series = format!("oipgate_shared_limit_calls_total{{limit=\"calls\",result=\"{result}\"}}");
+        assert_eq!(replicas[0].metric_if_present(&series).await, None, "{series}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_generated_while_redis_was_away_are_charged_once_it_answers() {
+    let redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    let config = config(
+        &server,
+        &redis,
+        "{ tokens_per_minute = 20 }",
+        "when_unreachable = \"local\"",
+    );
+    let replica = &started(1, &config).await[0];
+    let budget = "test:principal:fleet:tokens";
+    // Redis's theoretical arrival time of the budget, in microseconds.
+    let arrival = || redis.command(&["GET", budget]).and_then(|tat| tat.parse::<f64>().ok());
+
+    let streamed = generate(replica, true, 6).await;
+    assert_eq!(streamed.status, 200, "{:?}", streamed.body);
+    common::eventually(Duration::from_secs(5), "the stream's tokens charged", || async {
+        arrival().is_some()
+    })
+    .await;
+    let charged_before = arrival().unwrap();
+
+    redis.freeze();
+    let fallback = "oipgate_shared_limits_fallback{when_unreachable=\"local\"}";
+    common::eventually(Duration::from_secs(5), "the replica noticing Redis is away", || async {
+        replica.metric(fallback).await == 1.0
+    })
+    .await;
+    // Five tokens while Redis is away: let in by the replica's own share, and owed to the shared budget.
+    let streamed = generate(replica, true, 5).await;
+    assert_eq!(streamed.status, 200, "{:?}", streamed.body);
+    redis.thaw();
+    common::eventually(Duration::from_secs(5), "sharing resumed", || async {
+        replica.metric(fallback).await == 0.0
+    })
+    .await;
+    // Paid once Redis answers: the budget's arrival time moves on by five tokens of three seconds each (more, were
+    // the budget full again by then, which twenty tokens a minute keep it from within this test).
+    common::eventually(Duration::from_secs(5), "the owed tokens charged", || async {
+        arrival().is_some_and(|tat| tat - charged_before >= 5.0 * 3e6 - 1.0)
+    })
+    .await;
 }
 
 /// The demo's printed way to share its limits: the environment names a Redis, and the demo's gateway shares its

@@ -184,7 +184,7 @@ impl TokenBudget {
             _ => Arc::new(TokenBudget {
                 rate,
                 local: Gcra::default(),
-                shared: store.map(|store| Arc::new(SharedTokens::new(store, scope, name))),
+                shared: store.map(|store| Arc::new(SharedTokens::new(store, scope, name, rate))),
             }),
         }
     }
@@ -192,14 +192,14 @@ impl TokenBudget {
     /// Whether a token is left: a spent budget refuses new calls until it has refilled.
     pub(super) async fn check(&self) -> Result<(), Duration> {
         match &self.shared {
-            Some(shared) => shared.check(self.rate, &self.local).await,
+            Some(shared) => shared.check(&self.local).await,
             None => self.local.check(self.rate.interval(), self.rate.per_minute.get()),
         }
     }
 
     fn charge(&self, tokens: u64) {
         match &self.shared {
-            Some(shared) => shared.charge(self.rate, &self.local, tokens),
+            Some(shared) => shared.charge(&self.local, tokens),
             None => self.local.charge(tokens, self.rate.interval()),
         }
     }

@@ -12,7 +12,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use super::gcra::Gcra;
 use crate::config::{Rate, SharedLimits, TokenRate, WhenUnreachable};
 use crate::error::{Error, Result};
-use crate::telemetry::metrics::{Metrics, SharedDecision as Decided};
+use crate::telemetry::metrics::{Metrics, SharedDecision as Decided, SharedLimit};
 
 /// How often a replica says it is alive while Redis answers.
 const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -70,6 +70,9 @@ pub struct SharedStore {
     metrics: Arc<Metrics>,
     /// Every bucket holding (or able to hold) a lease, for giving back the ones that expire unspent.
     leased: Mutex<Vec<Weak<SharedBucket>>>,
+    /// The token budgets owed charges Redis has not taken (made while it was away, or not answered): paid once it
+    /// answers again.
+    owing: Mutex<Vec<Weak<SharedTokens>>>,
     /// Lives as long as the store: a thread's connection made for it is let go once it has gone.
     alive: Arc<()>,
     /// Counts Redis's returns: a thread's connection made before the last one is made anew (the old one may be to
@@ -117,6 +120,7 @@ impl SharedStore {
             id: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             metrics: metrics.clone(),
             leased: Mutex::default(),
+            owing: Mutex::default(),
             alive: Arc::new(()),
             returns: AtomicU64::new(0),
         });
@@ -326,28 +330,52 @@ impl SharedStore {
         }
     }
 
+    /// Charges the token budgets what they owe: the charges made while Redis was away, so an outage spends the
+    /// fleet's budget late rather than never.
+    async fn pay_owed(&self) {
+        let owing: Vec<Arc<SharedTokens>> = {
+            let mut owing = self.owing.lock().unwrap_or_else(PoisonError::into_inner);
+            owing.drain(..).filter_map(|tokens| tokens.upgrade()).collect()
+        };
+        for tokens in owing {
+            let owed = tokens.owed.swap(0, Ordering::AcqRel);
+            if owed > 0 {
+                tokens.send_charge(owed).await;
+            }
+        }
+    }
+
     /// The fallback's decision while Redis is away: the local share of `burst` refilled one per `interval`.
     fn fallback(&self, local: &Gcra, interval: Duration, burst: u64, n: u64) -> Result<(), Duration> {
-        self.fallback_with(|replicas| local.take(n, interval * replicas, (burst / u64::from(replicas)).max(1)))
+        self.fallback_with(SharedLimit::Calls, |replicas| {
+            local.take(n, interval * replicas, (burst / u64::from(replicas)).max(1))
+        })
     }
 
     /// The fallback's decision while Redis is away, counted: `local_share` decides with the replicas seen.
-    fn fallback_with(&self, local_share: impl FnOnce(u32) -> Result<(), Duration>) -> Result<(), Duration> {
+    fn fallback_with(
+        &self,
+        limit: SharedLimit,
+        local_share: impl FnOnce(u32) -> Result<(), Duration>,
+    ) -> Result<(), Duration> {
         let decided = match self.config.when_unreachable {
             WhenUnreachable::Allow => Ok(()),
             WhenUnreachable::Deny => Err(DENIED_RETRY),
             WhenUnreachable::Local => local_share(self.replicas()),
         };
-        self.count(if decided.is_ok() {
-            Decided::FallbackAllowed
-        } else {
-            Decided::FallbackRefused
-        });
+        self.count(
+            limit,
+            if decided.is_ok() {
+                Decided::FallbackAllowed
+            } else {
+                Decided::FallbackRefused
+            },
+        );
         decided
     }
 
-    fn count(&self, decided: Decided) {
-        self.metrics.shared_limit_call(decided);
+    fn count(&self, limit: SharedLimit, decided: Decided) {
+        self.metrics.shared_limit_call(limit, decided);
     }
 }
 
@@ -371,6 +399,7 @@ async fn maintain(store: Weak<SharedStore>) {
         store.beat().await;
         if store.reachable() {
             store.give_back_expired().await;
+            store.pay_owed().await;
         }
         let every = if store.reachable() { HEARTBEAT } else { PROBE };
         drop(store);
@@ -445,13 +474,13 @@ impl SharedBucket {
         let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
         if answer.granted == 0 {
             lease.refused_until = Some(now + answer.wait);
-            store.count(Decided::Refused);
+            store.count(SharedLimit::Calls, Decided::Refused);
             return Err(answer.wait);
         }
         lease.tokens = answer.granted - 1;
         lease.expires = Some(now + store.config.lease_time);
         lease.refused_until = None;
-        store.count(Decided::Allowed);
+        store.count(SharedLimit::Calls, Decided::Allowed);
         Ok(())
     }
 
@@ -466,10 +495,10 @@ impl SharedBucket {
         if answer.granted == 0 {
             let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
             lease.refused_until = Some(Instant::now() + answer.wait);
-            store.count(Decided::Refused);
+            store.count(SharedLimit::Calls, Decided::Refused);
             return Err(answer.wait);
         }
-        store.count(Decided::Allowed);
+        store.count(SharedLimit::Calls, Decided::Allowed);
         Ok(())
     }
 
@@ -481,7 +510,7 @@ impl SharedBucket {
             lease.tokens -= 1;
             let low = lease.tokens <= self.low_water();
             drop(lease);
-            self.store.count(Decided::Leased);
+            self.store.count(SharedLimit::Calls, Decided::Leased);
             if low && !self.ahead.swap(true, Ordering::AcqRel) {
                 tokio::spawn(self.clone().refill_ahead());
             }
@@ -489,7 +518,7 @@ impl SharedBucket {
         }
         if let Some(until) = lease.refused_until.filter(|until| now < *until) {
             drop(lease);
-            self.store.count(Decided::Refused);
+            self.store.count(SharedLimit::Calls, Decided::Refused);
             return Some(Err(until - now));
         }
         None
@@ -584,13 +613,18 @@ impl SharedKeyedBuckets {
 pub struct SharedTokens {
     store: Arc<SharedStore>,
     key: String,
+    rate: TokenRate,
+    /// Tokens charged that Redis has not taken yet: charged while it was away, or in a charge it did not answer.
+    owed: AtomicU64,
 }
 
 impl SharedTokens {
-    pub fn new(store: &Arc<SharedStore>, scope: &str, name: &str) -> SharedTokens {
+    pub fn new(store: &Arc<SharedStore>, scope: &str, name: &str, rate: TokenRate) -> SharedTokens {
         SharedTokens {
             store: store.clone(),
             key: store.token_key(scope, name),
+            rate,
+            owed: AtomicU64::new(0),
         }
     }
 
@@ -599,9 +633,9 @@ impl SharedTokens {
     }
 
     /// Whether the budget has a token left, by Redis, or by the fallback with `local` (this replica's own charges).
-    pub async fn check(&self, rate: TokenRate, local: &Gcra) -> Result<(), Duration> {
+    pub async fn check(&self, local: &Gcra) -> Result<(), Duration> {
         let store = &*self.store;
-        let (interval, burst) = (rate.interval(), rate.per_minute.get());
+        let (interval, burst) = (self.rate.interval(), self.rate.per_minute.get());
         if store.reachable() {
             let deadline = tokio::time::Instant::now() + store.config.timeout;
             if let Some(answer) = store
@@ -609,39 +643,57 @@ impl SharedTokens {
                 .await
             {
                 let decided = if answer.granted > 0 { Ok(()) } else { Err(answer.wait) };
-                store.count(if decided.is_ok() {
-                    Decided::Allowed
-                } else {
-                    Decided::Refused
-                });
+                store.count(
+                    SharedLimit::Tokens,
+                    if decided.is_ok() {
+                        Decided::Allowed
+                    } else {
+                        Decided::Refused
+                    },
+                );
                 return decided;
             }
         }
-        store.fallback_with(|replicas| local.check(interval * replicas, (burst / u64::from(replicas)).max(1)))
+        store.fallback_with(SharedLimit::Tokens, |replicas| {
+            local.check(interval * replicas, (burst / u64::from(replicas)).max(1))
+        })
     }
 
-    /// Charges `tokens` to the budget in Redis, in the background (the answer has ended; nothing waits on it), and to
-    /// `local` as this replica's share, for the fallback.
-    pub fn charge(self: &Arc<Self>, rate: TokenRate, local: &Gcra, tokens: u64) {
-        local.charge(tokens, rate.interval() * self.store.replicas());
+    /// Charges `tokens` to the budget in Redis, in the background (the answer has ended; nothing waits on it), with
+    /// whatever is owed, and to `local` as this replica's share, for the fallback. While Redis is away they are owed,
+    /// and paid once it answers.
+    pub fn charge(self: &Arc<Self>, local: &Gcra, tokens: u64) {
+        local.charge(tokens, self.rate.interval() * self.store.replicas());
         if !self.store.reachable() {
+            self.owe(tokens);
             return;
         }
         let shared = self.clone();
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + shared.store.config.timeout;
-            shared
-                .store
-                .step(
-                    Step::Charge,
-                    &shared.key,
-                    rate.interval(),
-                    rate.per_minute.get(),
-                    tokens,
-                    0,
-                    deadline,
-                )
-                .await;
+            let tokens = tokens + shared.owed.swap(0, Ordering::AcqRel);
+            shared.send_charge(tokens).await;
         });
+    }
+
+    /// One charge sent to Redis; owed again when it does not answer in time.
+    async fn send_charge(self: &Arc<Self>, tokens: u64) {
+        let deadline = tokio::time::Instant::now() + self.store.config.timeout;
+        let (interval, burst) = (self.rate.interval(), self.rate.per_minute.get());
+        let charged = self
+            .store
+            .step(Step::Charge, &self.key, interval, burst, tokens, 0, deadline)
+            .await;
+        if charged.is_none() {
+            self.owe(tokens);
+        }
+    }
+
+    /// Adds to what is owed; a budget that owed nothing is listed with the store, which pays it once Redis answers.
+    fn owe(self: &Arc<Self>, tokens: u64) {
+        if self.owed.fetch_add(tokens, Ordering::AcqRel) == 0 {
+            let mut owing = self.store.owing.lock().unwrap_or_else(PoisonError::into_inner);
+            owing.retain(|tokens| tokens.strong_count() > 0);
+            owing.push(Arc::downgrade(self));
+        }
     }
 }

@@ -4,7 +4,7 @@
 mod family;
 mod handles;
 mod shared_limits;
-pub use shared_limits::SharedDecision;
+pub use shared_limits::{SharedDecision, SharedLimit};
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
@@ -619,8 +619,8 @@ impl Metrics {
     }
 
     /// Counts one decision of a shared limit.
-    pub fn shared_limit_call(&self, decided: SharedDecision) {
-        self.shared_limits.call(decided);
+    pub fn shared_limit_call(&self, limit: SharedLimit, decided: SharedDecision) {
+        self.shared_limits.call(limit, decided);
     }
 
     /// Records how long Redis took to answer one of the shared limits' calls.

@@ -10,6 +10,24 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaug
 use super::{metric_error, registered};
 use crate::error::Result;
 
+/// Which shared limit decided a call, as `oipgate_shared_limit_calls_total{limit}` tells them apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedLimit {
+    /// A rate of calls (`rate.calls`): one token a call.
+    Calls,
+    /// A budget of generated tokens (`rate.tokens`): checked as a generate call starts.
+    Tokens,
+}
+
+impl SharedLimit {
+    pub fn label(self) -> &'static str {
+        match self {
+            SharedLimit::Calls => "calls",
+            SharedLimit::Tokens => "tokens",
+        }
+    }
+}
+
 /// How a shared limit decided one call, as `oipgate_shared_limit_calls_total{result}` counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedDecision {
@@ -54,8 +72,8 @@ const REDIS_BUCKETS: [f64; 11] = [
 #[derive(Debug)]
 pub(super) struct SharedLimitMetrics {
     calls: IntCounterVec,
-    /// `calls` by [`SharedDecision`], made at first use: a call counts with no label lookup.
-    decided: [OnceLock<IntCounter>; SharedDecision::ALL.len()],
+    /// `calls` by [`SharedLimit`] and [`SharedDecision`], made at first use: a call counts with no label lookup.
+    decided: [[OnceLock<IntCounter>; SharedDecision::ALL.len()]; 2],
     redis: HistogramVec,
     fallback: IntGaugeVec,
     replicas: IntGaugeVec,
@@ -66,11 +84,12 @@ impl SharedLimitMetrics {
         let calls = IntCounterVec::new(
             Opts::new(
                 "oipgate_shared_limit_calls_total",
-                "Decisions of limits shared through Redis ([limits.shared]), by result: leased (spent from this \
-                 replica's lease, no network), allowed or refused (by Redis), fallback_allowed or fallback_refused \
-                 (Redis did not answer within timeout_ms; when_unreachable decided).",
+                "Decisions of limits shared through Redis ([limits.shared]), by limit (calls: a rate of calls; \
+                 tokens: a budget of generated tokens, checked as a generate call starts) and by result: leased \
+                 (spent from this replica's lease, no network), allowed or refused (by Redis), fallback_allowed or \
+                 fallback_refused (Redis did not answer within timeout_ms; when_unreachable decided).",
             ),
-            &["result"],
+            &["limit", "result"],
         )
         .map_err(metric_error)?;
         let redis = HistogramVec::new(
@@ -109,10 +128,10 @@ impl SharedLimitMetrics {
         })
     }
 
-    pub(super) fn call(&self, decided: SharedDecision) {
+    pub(super) fn call(&self, limit: SharedLimit, decided: SharedDecision) {
         let index = SharedDecision::ALL.iter().position(|d| *d == decided).unwrap_or(0);
-        self.decided[index]
-            .get_or_init(|| self.calls.with_label_values(&[decided.label()]))
+        self.decided[limit as usize][index]
+            .get_or_init(|| self.calls.with_label_values(&[limit.label(), decided.label()]))
             .inc();
     }
 
