@@ -275,10 +275,9 @@ pub fn protobuf_keys(data: &[u8]) {
         read_as_cpp_reads(data, 0),
         "the gateway reads fields where C++ protobuf reads others"
     );
-    let (Ok(fields), Ok(parameters), Ok(())) = (
+    let (Ok(fields), Ok(parameters)) = (
         splice::model_fields(data),
-        splice::parameters(data),
-        splice::refuse_shared_memory(data),
+        splice::parameters_refusing_shared_memory(data),
     ) else {
         return;
     };

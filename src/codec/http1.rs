@@ -278,24 +278,57 @@ fn is_canonical_length(value: &[u8]) -> bool {
         && (value.len() == 1 || value[0] != b'0')
 }
 
-/// The names, unknown to `http`, that most of the gateway's messages carry: each taken from here rather than made
-/// (and allocated) again for every message that carries it.
-static KNOWN: [HeaderName; 3] = [
+/// The names that most of the gateway's messages carry, each taken from here rather than parsed again (and, for
+/// those `http` does not know, allocated) for every message that carries it: `HeaderName::from_bytes` lowers a name
+/// into a scratch buffer and matches it against every standard name, about 130 instructions a name.
+static KNOWN: [HeaderName; 16] = [
+    http::header::HOST,
+    http::header::DATE,
+    http::header::ACCEPT,
+    http::header::SERVER,
+    EXPECT,
+    http::header::USER_AGENT,
+    CONNECTION,
+    http::header::CONTENT_TYPE,
     crate::headers::REQUEST_ID,
-    crate::headers::INFERENCE_HEADER_CONTENT_LENGTH,
+    CONTENT_LENGTH,
+    http::header::ACCEPT_ENCODING,
+    http::header::CONTENT_ENCODING,
+    TRANSFER_ENCODING,
     crate::headers::OIP_MODEL_VERSION,
+    crate::headers::INFERENCE_HEADER_CONTENT_LENGTH,
+    http::header::AUTHORIZATION,
 ];
 
-/// `name` as one of the [`KNOWN`] names, when it is one (in any case).
+/// `name` as one of the [`KNOWN`] names, when it is one (in any case): its length and first letter pick the one it
+/// can be.
 fn known_name(name: &[u8]) -> Option<HeaderName> {
-    // Most names are none of them; a name's first letter tells (`content-type` is as long as `x-request-id`).
-    if !matches!(name.first(), Some(b'x' | b'X' | b'i' | b'I' | b'o' | b'O')) {
-        return None;
-    }
-    KNOWN
-        .iter()
-        .find(|known| known.as_str().len() == name.len() && known.as_str().as_bytes().eq_ignore_ascii_case(name))
-        .cloned()
+    let first = name.first()?.to_ascii_lowercase();
+    let index = match (name.len(), first) {
+        (4, b'h') => 0,
+        (4, b'd') => 1,
+        (6, b'a') => 2,
+        (6, b's') => 3,
+        (6, b'e') => 4,
+        (10, b'u') => 5,
+        (10, b'c') => 6,
+        (12, b'c') => 7,
+        (12, b'x') => 8,
+        (14, b'c') => 9,
+        (15, b'a') => 10,
+        (16, b'c') => 11,
+        (17, b't') => 12,
+        (17, b'o') => 13,
+        (31, b'i') => 14,
+        (13, b'a') => 15,
+        _ => return None,
+    };
+    let known = &KNOWN[index];
+    known
+        .as_str()
+        .as_bytes()
+        .eq_ignore_ascii_case(name)
+        .then(|| known.clone())
 }
 
 /// How a body is framed, and how much of it is left.
@@ -479,6 +512,8 @@ mod tests {
             );
         }
         assert_eq!(known_name(b"x-request-i"), None);
+        assert_eq!(known_name(b"content-typo"), None);
+        assert_eq!(known_name(b""), None);
         assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
         assert!(matches!(
             said.note(b"bad name", HeaderValue::from_static("")),

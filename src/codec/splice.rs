@@ -275,19 +275,33 @@ fn parameter_entry<'a>(entry: &'a [u8], kind: &str) -> Result<(&'a str, Option<c
     Ok((key, value))
 }
 
-/// Refuses a request whose inputs, requested outputs or own parameters point at shared memory, reading only their
-/// names and the names of their parameters (tensor contents are skipped).
-pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
+/// The request-level parameters of an encoded `ModelInferRequest`, read in the same walk that refuses a request
+/// whose inputs, requested outputs or own parameters point at shared memory (of tensors only their names and their
+/// parameters' names are read; contents are skipped).
+pub fn parameters_refusing_shared_memory(message: &[u8]) -> Result<Parameters> {
+    let mut parameters = Parameters::new();
     for field in fields(message) {
         let field = field?;
         let (kind, parameters_field) = match field.number {
             INPUTS => ("input", INPUT_PARAMETERS),
             OUTPUTS => ("output", OUTPUT_PARAMETERS),
-            // The request's own parameters hold none either.
-            PARAMETERS if field.wire_type == 2 => {
-                let (key, _) = parameter_entry(&message[field.value_start..field.end], "request")?;
+            PARAMETERS => {
+                if field.wire_type != 2 {
+                    return Err(Error::invalid("parameters is not encoded as a map"));
+                }
+                let (key, value) = parameter_entry(&message[field.value_start..field.end], "request")?;
+                // The request's own parameters hold no shared memory either.
                 if reserved::SHARED_MEMORY.contains(&key) {
                     return Err(reserved::shared_memory_anywhere(key));
+                }
+                // As in `parameters`: the last of a key given twice holds; one with no value set is dropped.
+                match value.and_then(|value| value.parameter_choice) {
+                    Some(choice) => {
+                        parameters.insert(key.to_owned(), super::protobuf::value_from_proto(choice));
+                    }
+                    None => {
+                        parameters.shift_remove(key);
+                    }
                 }
                 continue;
             }
@@ -314,7 +328,7 @@ pub fn refuse_shared_memory(message: &[u8]) -> Result<()> {
             return Err(reserved::shared_memory_error(kind, name, parameter));
         }
     }
-    Ok(())
+    Ok(parameters)
 }
 
 /// An encoded Triton `ModelConfig` with its name (field 1) replaced and every other field kept as it came, whatever
@@ -623,7 +637,7 @@ mod tests {
             tensor.extend_from_slice(&parameters_field[1..]);
             let mut message = vec![5 << 3 | 2, u8::try_from(tensor.len()).unwrap()];
             message.extend(tensor);
-            let error = refuse_shared_memory(&message).unwrap_err();
+            let error = parameters_refusing_shared_memory(&message).unwrap_err();
             assert!(error.message().contains(refused_for), "{extra}: {}", error.message());
         }
     }

@@ -68,7 +68,8 @@ impl Dispatcher {
     /// The gRPC front door's inference, routed here: the convenience form of [`Self::infer_grpc_routed`].
     pub async fn infer_grpc(&self, message: Bytes, context: &CallContext) -> Result<BackendAnswer<Vec<Bytes>>> {
         let fields = splice::model_fields(&message)?;
-        let reserved = splice::parameters(&message).and_then(|parameters| Reserved::from_parameters(&parameters));
+        let reserved = splice::parameters_refusing_shared_memory(&message)
+            .and_then(|parameters| Reserved::from_parameters(&parameters));
         let admitted = self
             .admit_with(fields.name, Some(fields.version), context, reserved)
             .await?;

@@ -7,7 +7,6 @@ mod gcra;
 mod jwt;
 pub mod shared;
 
-use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -24,6 +23,7 @@ use shared::SharedStore;
 
 use crate::config::{Config, ModelScope, TokenCount};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::routing::ByName;
 use crate::telemetry::ReportedPrincipal;
 use crate::telemetry::metrics::{Metrics, OTHER_PRINCIPAL};
 
@@ -173,9 +173,9 @@ impl Limited {
 pub struct Guard {
     /// `None`: no `[auth]`, everyone may call everything.
     auth: Option<Authenticator>,
-    models: HashMap<String, ModelGate>,
+    models: ByName<ModelGate>,
     /// How each model's generated tokens are counted, for the models that say.
-    token_counts: HashMap<String, Arc<TokenCount>>,
+    token_counts: ByName<Arc<TokenCount>>,
     /// How the other models' tokens are counted (every output's elements), made once.
     default_token_count: Arc<TokenCount>,
     /// The Redis the limits are shared through, with `[limits.shared]`.

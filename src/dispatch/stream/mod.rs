@@ -387,8 +387,8 @@ impl Dispatcher {
             Some(version) if fields.version.is_empty() => version.as_str(),
             _ => fields.version,
         };
-        let reserved = splice::refuse_shared_memory(message)
-            .and_then(|()| Reserved::from_parameters(&splice::parameters(message)?));
+        let reserved = splice::parameters_refusing_shared_memory(message)
+            .and_then(|parameters| Reserved::from_parameters(&parameters));
         // A refused request is answered with its error, and the stream goes on.
         let admitted = self.admit_with(fields.name, Some(version), context, reserved).await?;
         chosen

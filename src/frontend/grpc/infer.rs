@@ -134,8 +134,7 @@ where
 
 /// What an encoded request's reserved parameters ask; a tensor in shared memory is refused.
 fn reserved(message: &[u8]) -> Result<Reserved> {
-    splice::refuse_shared_memory(message)?;
-    Reserved::from_parameters(&splice::parameters(message)?)
+    Reserved::from_parameters(&splice::parameters_refusing_shared_memory(message)?)
 }
 
 /// Routes and sends one inference given as its encoded message; gives the answer's message as chunks, with the
