@@ -7,7 +7,8 @@ gRPC) and the smallest hyper (HTTP/1.1 and HTTP/2) and pingora proxies (benches/
 with wrk (HTTP/1.1) or h2load (gRPC unary over HTTP/2; scenario 2 at 4x8 and, as 2b, 16x8 connections x streams)
 at a fixed concurrency and duration, alternating the setups
 (A B C A B C) so drift hits all alike, and reports requests per second, p50/p90/p99 latency, CPU seconds per 1,000
-requests of each process, and the gateway's peak RSS. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
+requests of each process, and the gateway's peak RSS. Scenarios 1r and 2r run oipgate with its access log off and on
+at one fixed rate (h2load --rps), so the log's own cost shows apart from how the load batches. Scenario 7 (scripts/bench_scale.py) runs gateways of 1, 1,000
 and 10,000 models instead, scenario 8 (scripts/bench_load.py) what `least_load` costs, scenario 9
 (scripts/bench_telemetry.py) what traces and payload logging cost, scenario 10 (scripts/bench_epp.py) the endpoint
 picker behind Envoy, scenario 11 (scripts/bench_shared_limits.py) rate limits shared through Redis against
@@ -321,34 +322,24 @@ f:close()
     return {"requests": requests, "errors": errors, **percentiles}
 
 
-def h2load(url, body_file, seconds, connections, streams):
+GRPC_HEADERS = ("content-type: application/grpc", "te: trailers")
+
+
+def h2load(url, body_file, seconds, connections, streams, rate=None, headers=GRPC_HEADERS, http1=False):
+    """h2load's load: as fast as it goes, or `rate` requests a second in all (spread over the connections); gRPC
+    calls by default, HTTP/1.1 requests with `http1`."""
     log = OUT / "h2load.log"
     # h2load appends to its log.
     log.unlink(missing_ok=True)
-    done = subprocess.run(
-        [
-            "h2load",
-            "-D",
-            str(seconds),
-            "-c",
-            str(connections),
-            "-m",
-            str(streams),
-            "-t",
-            "1",
-            "-d",
-            str(body_file),
-            "-H",
-            "content-type: application/grpc",
-            "-H",
-            "te: trailers",
-            "--log-file",
-            str(log),
-            url,
-        ],
-        capture_output=True,
-        text=True,
-    )
+    command = ["h2load", "-D", str(seconds), "-c", str(connections), "-m", str(streams), "-t", "1", "-d",
+               str(body_file), "--log-file", str(log)]
+    for header in headers:
+        command += ["-H", header]
+    if rate:
+        command += ["--rps", str(rate // connections)]
+    if http1:
+        command.append("--h1")
+    done = subprocess.run(command + [url], capture_output=True, text=True)
     text = done.stdout
     match = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded, (\d+) failed, (\d+) errored", text)
     if not match:
@@ -462,6 +453,11 @@ frontend grpc_logged
 def floor_binaries():
     """The smallest hyper and pingora proxies (benches/floor_*.rs), built with the bench profile; their paths."""
     return bench_binaries(("floor_hyper", "floor_pingora"))
+
+
+# The rates the access log's cost is measured at (scenarios 1r and 2r): about a fifth of what the gateway serves at
+# full load on 2 cores, so neither gateway is short of CPU.
+FIXED_RATE = {"1": 10000, "2": 8000}
 
 
 def scenario_main(doc, run, name, report, targets=None, rounds=2, extra=()):
@@ -750,6 +746,15 @@ def main():
                 ("logs on: oipgate", lambda: wrk(url(ports["rest_logged"]), f, h, seconds, c, threads),
                  ["model-server", "oipgate_logged"]),
             ], args.rounds, processes, gateway)
+            # The access log's cost at one rate for both: at full load a slower gateway serves fewer requests a
+            # wake-up, and its kernel time a request rises with that, whatever the log itself costs.
+            json_header = ("content-type: application/json",)
+            fixed = lambda port: h2load(url(port), f, seconds, c, 1, FIXED_RATE["1"], json_header, http1=True)
+            results["scenarios"]["1r"] = scenario_runs(f"1r {FIXED_RATE['1']} req/s", [
+                (f"oipgate, {FIXED_RATE['1']} req/s", lambda: fixed(ports["rest"]), ["model-server", "oipgate"]),
+                (f"logs on: oipgate, {FIXED_RATE['1']} req/s", lambda: fixed(ports["rest_logged"]),
+                 ["model-server", "oipgate_logged"]),
+            ], args.rounds, processes, gateway)
         grpc_path = "/inference.GRPCInferenceService/ModelInfer"
         if 2 in only or 3 in only:
             body, _ = add_sub_json("2")
@@ -779,6 +784,12 @@ def main():
                     ("logs on: oipgate", lambda: h2load(gurl(ports["grpc_logged"]), g, seconds, conns, streams),
                      ["model-server", "oipgate_logged"]),
                 ], args.rounds, processes, gateway)
+            fixed = lambda port: h2load(gurl(port), g, seconds, 16, 1, FIXED_RATE["2"])
+            results["scenarios"]["2r"] = scenario_runs(f"2r {FIXED_RATE['2']} calls/s", [
+                (f"oipgate, {FIXED_RATE['2']} calls/s", lambda: fixed(ports["grpc"]), ["model-server", "oipgate"]),
+                (f"logs on: oipgate, {FIXED_RATE['2']} calls/s", lambda: fixed(ports["grpc_logged"]),
+                 ["model-server", "oipgate_logged"]),
+            ], args.rounds, processes, gateway)
         if 3 in only:
             h = {"Content-Type": "application/json"}
             results["scenarios"]["3a"] = scenario_runs("3 small", [
@@ -1008,7 +1019,7 @@ def targets(results):
         lines.append(f"| 1, logs on | {index} | {ratio:.2f}x {name} req/s; p99 {ours['p99']:.2f} vs {peer['p99']:.2f} ms; "
                      f"CPU {cpu_ours:.3f} vs {cpu_peer:.3f} s/1k | >= 1.0x the faster peer, p99 and CPU <= its | "
                      f"{verdict(ratio >= 1.0 and ours['p99'] <= peer['p99'] and cpu_ours <= cpu_peer)} |")
-    for key, door in (("1", "REST"), ("2", "gRPC"), ("2b", "gRPC")):
+    for key, door in (("1", "REST"), ("2", "gRPC"), ("2b", "gRPC"), ("1r", "REST, one rate"), ("2r", "gRPC, one rate")):
         for index, (off, on) in enumerate(rounds(scenarios.get(key, []), "oipgate", "logs on: oipgate"), 1):
             # CPU seconds per 1,000 requests are milliseconds a request: x 1,000 for microseconds.
             cost_us = (on["cpu_per_1k"]["oipgate_logged"] - off["cpu_per_1k"]["oipgate"]) * 1000.0
