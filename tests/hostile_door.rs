@@ -253,7 +253,8 @@ async fn h2c_request(address: SocketAddr, path: &str, body: &[u8], frame: usize)
         let _ = sending.send_data(bytes::Bytes::new(), true);
     };
     let (_, answer) = tokio::join!(send, answer);
-    let answer = answer.unwrap_or_else(|error| panic!("no answer to {} bytes in frames of {frame}: {error:?}", body.len()));
+    let answer =
+        answer.unwrap_or_else(|error| panic!("no answer to {} bytes in frames of {frame}: {error:?}", body.len()));
     let status = answer.status().as_u16();
     let body = answer.into_body();
     let mut length = 0;

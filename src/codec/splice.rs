@@ -192,17 +192,22 @@ pub fn parameters(message: &[u8]) -> Result<Parameters> {
             return Err(Error::invalid("parameters is not encoded as a map"));
         }
         let (key, value) = parameter_entry(&message[field.value_start..field.end], "request")?;
-        // A map entry given twice keeps its last value, as protobuf decoders do; one with no value set is dropped.
-        match value.and_then(|value| value.parameter_choice) {
-            Some(choice) => {
-                parameters.insert(key.to_owned(), super::protobuf::value_from_proto(choice));
-            }
-            None => {
-                parameters.shift_remove(key);
-            }
-        }
+        keep_entry(&mut parameters, key, value);
     }
     Ok(parameters)
+}
+
+/// One entry of a request's `parameters` map, kept as protobuf decoders keep it: a key given twice keeps its last
+/// value; an entry with no value set is dropped.
+fn keep_entry(parameters: &mut Parameters, key: &str, value: Option<crate::proto::InferParameter>) {
+    match value.and_then(|value| value.parameter_choice) {
+        Some(choice) => {
+            parameters.insert(key.to_owned(), super::protobuf::value_from_proto(choice));
+        }
+        None => {
+            parameters.shift_remove(key);
+        }
+    }
 }
 
 /// How many bytes of an encoded `ModelInferRequest`'s start hold its leading fields, everything before its tensors
@@ -294,15 +299,7 @@ pub fn parameters_refusing_shared_memory(message: &[u8]) -> Result<Parameters> {
                 if reserved::SHARED_MEMORY.contains(&key) {
                     return Err(reserved::shared_memory_anywhere(key));
                 }
-                // As in `parameters`: the last of a key given twice holds; one with no value set is dropped.
-                match value.and_then(|value| value.parameter_choice) {
-                    Some(choice) => {
-                        parameters.insert(key.to_owned(), super::protobuf::value_from_proto(choice));
-                    }
-                    None => {
-                        parameters.shift_remove(key);
-                    }
-                }
+                keep_entry(&mut parameters, key, value);
                 continue;
             }
             _ => continue,
