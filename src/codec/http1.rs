@@ -324,11 +324,28 @@ fn known_name(name: &[u8]) -> Option<HeaderName> {
         _ => return None,
     };
     let known = &KNOWN[index];
-    known
-        .as_str()
-        .as_bytes()
-        .eq_ignore_ascii_case(name)
-        .then(|| known.clone())
+    folded_eq(name, known.as_str().as_bytes()).then(|| known.clone())
+}
+
+/// Whether `name` (token characters, as the parser took them) is `lower` (lower-case letters and dashes) in any
+/// case, eight bytes at a time: setting a byte's 0x20 bit lowers a capital and makes no other token character a
+/// letter or a dash.
+fn folded_eq(name: &[u8], lower: &[u8]) -> bool {
+    if name.len() != lower.len() {
+        return false;
+    }
+    let (mut name_words, mut lower_words) = (name.chunks_exact(8), lower.chunks_exact(8));
+    let word = |bytes: &[u8]| u64::from_ne_bytes(bytes.try_into().unwrap_or_default());
+    for (name_word, lower_word) in (&mut name_words).zip(&mut lower_words) {
+        if word(name_word) | 0x2020_2020_2020_2020 != word(lower_word) {
+            return false;
+        }
+    }
+    name_words
+        .remainder()
+        .iter()
+        .zip(lower_words.remainder())
+        .all(|(byte, lower)| byte | 0x20 == *lower)
 }
 
 /// How a body is framed, and how much of it is left.
@@ -513,12 +530,36 @@ mod tests {
         }
         assert_eq!(known_name(b"x-request-i"), None);
         assert_eq!(known_name(b"content-typo"), None);
+        assert_eq!(known_name(b"Inference-Header-Content-Lengti"), None);
+        assert_eq!(
+            known_name(b"Inference-Header-Content-Length"),
+            Some(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH)
+        );
         assert_eq!(known_name(b""), None);
         assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
         assert!(matches!(
             said.note(b"bad name", HeaderValue::from_static("")),
             Err(BadHeader::Name)
         ));
+    }
+
+    /// The word-at-a-time comparison against a known name agrees with `eq_ignore_ascii_case` for every name the
+    /// parser can take that is a known name with one byte changed to any token character.
+    #[test]
+    fn known_names_are_matched_in_any_case_and_no_other_token_matches() {
+        let token: Vec<u8> = (0x21..0x7f_u8)
+            .filter(|byte| !b"\"(),/:;<=>?@[\\]{}".contains(byte))
+            .collect();
+        for known in &KNOWN {
+            let lower = known.as_str().as_bytes();
+            for position in 0..lower.len() {
+                for &byte in &token {
+                    let mut name = lower.to_vec();
+                    name[position] = byte;
+                    assert_eq!(folded_eq(&name, lower), name.eq_ignore_ascii_case(lower), "{name:?}");
+                }
+            }
+        }
     }
 
     #[test]
