@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use super::limits::{Rates, RawRate, validate_rate};
 use super::{Problems, file};
+use crate::protocol::NameSet;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -77,7 +78,7 @@ pub struct ApiKey {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelScope {
     Every,
-    Only(HashSet<String>),
+    Only(NameSet),
 }
 
 impl ModelScope {

@@ -23,7 +23,7 @@ use shared::SharedStore;
 
 use crate::config::{Config, ModelScope, TokenCount};
 use crate::error::{Error, ErrorKind, Origin, Result};
-use crate::routing::ByName;
+use crate::protocol::ByName;
 use crate::telemetry::ReportedPrincipal;
 use crate::telemetry::metrics::{Metrics, OTHER_PRINCIPAL};
 

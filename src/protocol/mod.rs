@@ -19,6 +19,14 @@ pub use reserved::Reserved;
 pub use sequence::{Sequence, SequenceId};
 pub use tensor::{BytesElements, Tensor};
 
+/// A map keyed by the names requests spell (models, versions), looked up by every request. foldhash, seeded per
+/// process, hashes a short name in about a tenth of SipHash's instructions; names come from the configuration (or a
+/// signed token's claims) and requests only look them up, so no client can fill a bucket.
+pub type ByName<V> = std::collections::HashMap<String, V, foldhash::fast::RandomState>;
+
+/// A set of such names, as [`ByName`] holds them.
+pub type NameSet = std::collections::HashSet<String, foldhash::fast::RandomState>;
+
 /// The REST calls that answer a stream of inference responses: Triton's generate extension and MLServer's
 /// inference stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

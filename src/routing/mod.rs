@@ -5,12 +5,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, ModelConfig};
 use crate::error::{Error, Result};
-use crate::protocol::Sequence;
-
-/// Names as requests spell them (models, versions), to what they name: the map every request looks a name up in.
-/// foldhash, seeded per process, hashes a short name in about a tenth of SipHash's instructions; requests only look
-/// names up, never add them, so no client can fill a bucket.
-pub type ByName<V> = std::collections::HashMap<String, V, foldhash::fast::RandomState>;
+use crate::protocol::{ByName, Sequence};
 
 /// Where one public model version goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
