@@ -355,24 +355,36 @@ fn put_string_field(out: &mut BytesMut, number: u64, value: &str) {
 /// original message as slices of it (tensor bytes are never copied). An empty `version` leaves the field out. A
 /// message that already names them is given back as it is.
 pub fn rename(message: &Bytes, name: &str, version: &str) -> Result<Vec<Bytes>> {
-    let current = model_fields(message)?;
-    if current.name == name && current.version == version {
+    // One walk reads the names (as `model_fields` does) and keeps the slices between their fields: encoders write
+    // the names first, so for most messages there are none, and nothing is made when the names already match.
+    let (mut current_name, mut current_version) = ("", "");
+    let mut kept = Vec::new();
+    let mut kept_from = 0;
+    for field in fields(message) {
+        let field = field?;
+        match field.number {
+            MODEL_NAME => current_name = text_of(message, &field, "model_name")?,
+            MODEL_VERSION => current_version = text_of(message, &field, "model_version")?,
+            REQUEST_ID => {
+                text_of(message, &field, "id")?;
+                continue;
+            }
+            _ => continue,
+        }
+        if field.start > kept_from {
+            kept.push(message.slice(kept_from..field.start));
+        }
+        kept_from = field.end;
+    }
+    if current_name == name && current_version == version {
         return Ok(vec![message.clone()]);
     }
     let mut head = BytesMut::with_capacity(name.len() + version.len() + 8);
     put_string_field(&mut head, MODEL_NAME, name);
     put_string_field(&mut head, MODEL_VERSION, version);
-    let mut chunks = vec![head.freeze()];
-    let mut kept_from = 0;
-    for field in fields(message) {
-        let field = field?;
-        if matches!(field.number, MODEL_NAME | MODEL_VERSION) {
-            if field.start > kept_from {
-                chunks.push(message.slice(kept_from..field.start));
-            }
-            kept_from = field.end;
-        }
-    }
+    let mut chunks = Vec::with_capacity(kept.len() + 2);
+    chunks.push(head.freeze());
+    chunks.extend(kept);
     if kept_from < message.len() {
         chunks.push(message.slice(kept_from..));
     }
