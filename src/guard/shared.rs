@@ -320,6 +320,10 @@ impl SharedStore {
         };
         let now = Instant::now();
         for bucket in buckets {
+            // Redis went away during the sweep: the rest wait for the next one rather than a timeout each.
+            if !self.reachable() {
+                return;
+            }
             let unspent = bucket.expired_tokens(now);
             if unspent > 0 {
                 let deadline = tokio::time::Instant::now() + self.config.timeout;
@@ -337,11 +341,20 @@ impl SharedStore {
             let mut owing = self.owing.lock().unwrap_or_else(PoisonError::into_inner);
             owing.drain(..).filter_map(|tokens| tokens.upgrade()).collect()
         };
-        for tokens in owing {
+        let mut owing = owing.into_iter();
+        for tokens in owing.by_ref() {
             let owed = tokens.owed.swap(0, Ordering::AcqRel);
             if owed > 0 {
                 tokens.send_charge(owed).await;
             }
+            // Redis went away again: the rest stay owed, for its return, rather than wait a timeout each.
+            if !self.reachable() {
+                break;
+            }
+        }
+        let unpaid: Vec<Weak<SharedTokens>> = owing.map(|tokens| Arc::downgrade(&tokens)).collect();
+        if !unpaid.is_empty() {
+            self.owing.lock().unwrap_or_else(PoisonError::into_inner).extend(unpaid);
         }
     }
 
