@@ -19,8 +19,8 @@ use tokio::sync::Mutex;
 const KEY: &str = "fleet-tenant-key-41c2";
 const IDENTITY: &str = r#"{"inputs":[{"name":"INPUT0","datatype":"INT32","shape":[2],"data":[7,8]}]}"#;
 
-/// The tests that put load on the fleet run one at a time: on a machine of two cores, two fleets at once would
-/// starve each other's clients.
+/// The tests run their fleets one at a time: on a machine of two cores, a second fleet (even one only starting
+/// up) slows Redis's answers past the 20 ms a load test's replicas wait, and turns its sharing into an outage.
 static ONE_FLEET_AT_A_TIME: Mutex<()> = Mutex::const_new(());
 
 /// A gateway configuration: the principal `fleet` limited by `rate`, `identity` and `count` on `server`, the limits
@@ -128,7 +128,14 @@ async fn three_replicas_admit_one_budget() {
     let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let redis = RedisProcess::start();
     let server = ModelServerProcess::rest_only(&[]);
-    let config = config(&server, &redis, "{ per_second = 100.0, burst = 100 }", "lease = 20");
+    // Redis is not away in this test: a wait of 200 ms keeps a busy machine's slow answer from being taken for an
+    // outage (whose fallback would admit beyond the one budget).
+    let config = config(
+        &server,
+        &redis,
+        "{ per_second = 100.0, burst = 100 }",
+        "lease = 20\ntimeout_ms = 200",
+    );
     let replicas = started(3, &config).await;
     let status = common::get(&format!("http://{}/status.json", replicas[0].metrics))
         .await
@@ -307,6 +314,7 @@ async fn generate(replica: &GatewayProcess, stream: bool, tokens: usize) -> comm
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let redis = RedisProcess::start();
     let server = ModelServerProcess::rest_only(&[]);
     // Twenty tokens a minute: spent after two answers of six and sixteen tokens.
@@ -370,6 +378,7 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_generated_while_redis_was_away_are_charged_once_it_answers() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let redis = RedisProcess::start();
     let server = ModelServerProcess::rest_only(&[]);
     let config = config(
@@ -418,6 +427,7 @@ async fn tokens_generated_while_redis_was_away_are_charged_once_it_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_shares_its_limits_through_the_redis_the_environment_names() {
     use std::process::Stdio;
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let redis = RedisProcess::start();
     let held = [(); 5].map(|()| common::ports::hold_port());
     let (mut command, [_, _, metrics, _, _]) =
