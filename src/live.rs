@@ -274,7 +274,18 @@ impl Gateway {
             (dispatcher, config, prepared)
         });
         let dispatcher = dispatcher.map_err(|e| vec![problem(e.message())])?;
+        // A store the new configuration does not keep hands back its leases and owed charges now, rather than
+        // sit on them until the requests still under way on it have ended.
+        let replaced_store = self
+            .dispatcher()
+            .guard()
+            .shared()
+            .filter(|old| !dispatcher.guard().shared().is_some_and(|kept| Arc::ptr_eq(old, kept)))
+            .cloned();
         self.current.store(Arc::new(dispatcher));
+        if let Some(store) = replaced_store {
+            crate::runtime::limits_runtime().spawn(async move { store.retire().await });
+        }
         self.generation.fetch_add(1, Ordering::AcqRel);
         if let (Some(identity), Some(server)) = (&self.identity, server) {
             identity.replace(server);

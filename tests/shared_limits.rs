@@ -2,7 +2,8 @@
 //! (`redis-server` on a held port), the built model server behind them. One budget for the whole fleet whatever
 //! replica a client reaches, what each `when_unreachable` mode does while Redis is stopped or frozen (and that no call
 //! waits on it), sharing resumed once it is back, and a token budget for `generate` charged on one replica and
-//! enforced on another.
+//! enforced on another; what a replica holds of the budget handed back when a reload replaces its store and when it
+//! exits.
 
 mod common;
 
@@ -182,6 +183,73 @@ async fn three_replicas_admit_one_budget() {
         let calls = (answered.on(index, 200) + answered.on(index, 429)) as f64;
         assert!(asked < calls / 2.0, "{asked} Redis calls for {calls} calls");
     }
+}
+
+/// What a replica holds of the fleet's budget goes back to it: a reload that changes `[limits.shared]` gives back the
+/// old store's lease, and a replica that exits gives back its lease and its place among the replicas before it goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_hands_back_its_lease_when_reloaded_off_its_store_and_when_it_exits() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
+    let redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    // A token every ten seconds, twenty at most, taken ten at a time: one call holds nine more.
+    let config_with = |timeout: &str| {
+        config(
+            &server,
+            &redis,
+            "{ per_second = 0.1, burst = 20 }",
+            &format!("lease = 10\ntimeout_ms = {timeout}"),
+        )
+    };
+    let mut replicas = started(1, &config_with("200")).await;
+    let replica = &mut replicas[0];
+    // Redis keeps the bucket a second past when it is full again: ten seconds for each token out of it.
+    let bucket = "test:principal:fleet:calls";
+    let out_ms = || {
+        redis
+            .command(&["PTTL", bucket])
+            .and_then(|ttl| ttl.trim_start_matches(':').parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    let replicas_seen = || redis.command(&["ZCARD", "test:replicas"]);
+    let url = replica.rest_url("/v2/models/identity/infer");
+    let call = || async {
+        let headers = [("x-api-key", KEY.to_owned())];
+        send(&http_client(false), "POST", &url, &headers, IDENTITY).await.status
+    };
+
+    assert_eq!(call().await, 200);
+    assert!(out_ms() > 90_000, "a lease of ten taken: {} ms", out_ms());
+    assert_eq!(replicas_seen().as_deref(), Some(":1"));
+
+    // Another Redis wait is another store: the one replaced gives back the nine tokens it held.
+    replica.rewrite(&config_with("250"));
+    replica.signal("HUP");
+    common::eventually(
+        Duration::from_secs(10),
+        "the replaced store's lease given back",
+        || async { out_ms() < 20_000 },
+    )
+    .await;
+    common::eventually(Duration::from_secs(10), "one replica counted", || async {
+        replicas_seen().as_deref() == Some(":1")
+    })
+    .await;
+
+    // The new store takes a lease of its own, and the replica exits holding it.
+    assert_eq!(call().await, 200);
+    assert!(out_ms() > 90_000, "a lease of ten taken: {} ms", out_ms());
+    replica.signal("TERM");
+    let exited = replica.wait_exit(Duration::from_secs(20)).expect("the replica exits");
+    assert!(exited.success(), "{exited:?}");
+    // Before it went: two tokens spent, nine handed back, and no longer counted among the replicas (it would be
+    // for three seconds after its last heartbeat otherwise).
+    let out = out_ms();
+    assert!(
+        (10_000..30_000).contains(&out),
+        "two calls' tokens out of the bucket: {out} ms"
+    );
+    assert_eq!(replicas_seen().as_deref(), Some(":0"));
 }
 
 /// How a test takes Redis away.
@@ -378,16 +446,24 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_generated_while_redis_was_away_are_charged_once_it_answers() {
+    tokens_owed_during_an_outage_are_charged(false).await;
+}
+
+/// A reload that changes the budget's rate while tokens are owed: the budget it replaces leaves them to be charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_owed_by_a_budget_a_reload_replaced_are_charged_once_redis_answers() {
+    tokens_owed_during_an_outage_are_charged(true).await;
+}
+
+/// Five tokens generated while Redis is frozen are charged to the shared budget once it answers again; with
+/// `reload`, after a reload that changed the budget's rate meanwhile.
+async fn tokens_owed_during_an_outage_are_charged(reload: bool) {
     let _alone = ONE_FLEET_AT_A_TIME.lock().await;
     let redis = RedisProcess::start();
     let server = ModelServerProcess::rest_only(&[]);
-    let config = config(
-        &server,
-        &redis,
-        "{ tokens_per_minute = 20 }",
-        "when_unreachable = \"local\"",
-    );
-    let replica = &started(1, &config).await[0];
+    let fallback_local = "when_unreachable = \"local\"";
+    let config_at = |rate: &str| config(&server, &redis, rate, fallback_local);
+    let replica = &started(1, &config_at("{ tokens_per_minute = 20 }")).await[0];
     let budget = "test:principal:fleet:tokens";
     // Redis's theoretical arrival time of the budget, in microseconds.
     let arrival = || redis.command(&["GET", budget]).and_then(|tat| tat.parse::<f64>().ok());
@@ -409,6 +485,16 @@ async fn tokens_generated_while_redis_was_away_are_charged_once_it_answers() {
     // Five tokens while Redis is away: let in by the replica's own share, and owed to the shared budget.
     let streamed = generate(replica, true, 5).await;
     assert_eq!(streamed.status, 200, "{:?}", streamed.body);
+    if reload {
+        let reloads = "oipgate_config_reloads_total{result=\"ok\"}";
+        let before = replica.metric_if_present(reloads).await.unwrap_or(0.0);
+        replica.rewrite(&config_at("{ tokens_per_minute = 30 }"));
+        replica.signal("HUP");
+        common::eventually(Duration::from_secs(10), "the new rate applied", || async {
+            replica.metric_if_present(reloads).await.unwrap_or(0.0) > before
+        })
+        .await;
+    }
     redis.thaw();
     common::eventually(Duration::from_secs(5), "sharing resumed", || async {
         replica.metric(fallback).await == 0.0

@@ -365,6 +365,10 @@ fn drain(gateway: &Gateway, grace: Duration) {
     } else {
         tracing::info!("drained; exiting");
     }
+    // The fleet's budgets get back what this replica held of them, and its place among the replicas.
+    if let Some(store) = gateway.dispatcher().guard().shared() {
+        store.retire_before_exit();
+    }
     crate::telemetry::log_writer::flush();
 }
 

@@ -24,6 +24,9 @@ const SEEN_FOR_MS: u64 = 3_000;
 const DENIED_RETRY: Duration = Duration::from_secs(1);
 /// Token principals' buckets kept before the idle ones are forgotten.
 const KEYED_SWEEP_ABOVE: usize = 4096;
+/// The longest a replica that exits waits for Redis to take back its leases and owed charges (at least its
+/// `timeout_ms` three times: the give-backs, the charges and the heartbeat's removal).
+const RETIRE_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// What one script step does (`limit.lua`'s modes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +44,17 @@ impl Step {
             Step::Charge => "charge",
         }
     }
+}
+
+/// What Redis is still owed for a bucket or budget that is gone (replaced by a reload, or its store retired): a
+/// lease's unspent tokens to give back (`Take`), or generated tokens to charge (`Charge`).
+#[derive(Debug)]
+struct Unsettled {
+    step: Step,
+    key: String,
+    interval: Duration,
+    burst: u64,
+    tokens: u64,
 }
 
 /// Redis's answer to a step: tokens granted, or how long until one fits.
@@ -73,6 +87,11 @@ pub struct SharedStore {
     /// The token budgets owed charges Redis has not taken (made while it was away, or not answered): paid once it
     /// answers again.
     owing: Mutex<Vec<Weak<SharedTokens>>>,
+    /// Leases and charges of buckets and budgets that are gone, settled by the next sweep.
+    unsettled: Mutex<Vec<Unsettled>>,
+    /// Replaced by a reload, or the process exits: its leases and owed charges were handed back, its place in the
+    /// heartbeat set given up, and its buckets take a call's token at a time (holding no lease).
+    retired: AtomicBool,
     /// Lives as long as the store: a thread's connection made for it is let go once it has gone.
     alive: Arc<()>,
     /// Counts Redis's returns: a thread's connection made before the last one is made anew (the old one may be to
@@ -121,12 +140,112 @@ impl SharedStore {
             metrics: metrics.clone(),
             leased: Mutex::default(),
             owing: Mutex::default(),
+            unsettled: Mutex::default(),
+            retired: AtomicBool::new(false),
             alive: Arc::new(()),
             returns: AtomicU64::new(0),
         });
         metrics.shared_limits_state(config.when_unreachable.label(), true, 1);
         runtime.spawn(maintain(Arc::downgrade(&store)));
         Ok(store)
+    }
+
+    /// Hands back what this replica holds of the fleet's budgets, once no configuration uses this store any more
+    /// (a reload changed `[limits.shared]`, or the process exits): every lease's unspent tokens, every charge owed,
+    /// and its place among the replicas (the others' local shares grow at once, not when it is forgotten). What Redis
+    /// does not take meanwhile (it is away) is lost, as a replica's leases are when it dies.
+    pub async fn retire(&self) {
+        if self.retired.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let buckets: Vec<Arc<SharedBucket>> = {
+            let leased = self.leased.lock().unwrap_or_else(PoisonError::into_inner);
+            leased.iter().filter_map(Weak::upgrade).collect()
+        };
+        for bucket in buckets {
+            let unspent = bucket.unspent_tokens();
+            bucket.unsettled(unspent);
+        }
+        let owing: Vec<Arc<SharedTokens>> = {
+            let mut owing = self.owing.lock().unwrap_or_else(PoisonError::into_inner);
+            owing.drain(..).filter_map(|tokens| tokens.upgrade()).collect()
+        };
+        for tokens in owing {
+            let owed = tokens.owed.swap(0, Ordering::AcqRel);
+            tokens.unsettled(owed);
+        }
+        if self.reachable() {
+            self.settle().await;
+            let mut connection = self.connection.clone();
+            let replicas = format!("{}replicas", self.config.prefix);
+            let _ = tokio::time::timeout(
+                self.config.timeout,
+                redis::cmd("ZREM")
+                    .arg(replicas)
+                    .arg(&self.id)
+                    .query_async::<u32>(&mut connection),
+            )
+            .await;
+        }
+    }
+
+    /// [`SharedStore::retire`], for a process on its way out: waits, on this thread, until it is done or its time
+    /// is up.
+    pub fn retire_before_exit(self: &Arc<Self>) {
+        let bound = RETIRE_AT_LEAST.max(self.config.timeout * 3);
+        let (done, finished) = std::sync::mpsc::channel();
+        let store = self.clone();
+        crate::runtime::limits_runtime().spawn(async move {
+            let _ = tokio::time::timeout(bound, store.retire()).await;
+            let _ = done.send(());
+        });
+        let _ = finished.recv_timeout(bound + PROBE);
+    }
+
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Notes what Redis is owed for a bucket or budget that is gone; a retired store (whose sweeps have stopped)
+    /// settles it at once.
+    fn owe_for_gone(self: &Arc<Self>, unsettled: Unsettled) {
+        self.unsettled
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(unsettled);
+        if self.retired() {
+            let store = self.clone();
+            crate::runtime::limits_runtime().spawn(async move { store.settle().await });
+        }
+    }
+
+    /// Sends Redis what it is owed for the buckets and budgets that are gone; what it does not take stays owed.
+    async fn settle(&self) {
+        let mut pending: std::collections::VecDeque<Unsettled> =
+            std::mem::take(&mut *self.unsettled.lock().unwrap_or_else(PoisonError::into_inner)).into();
+        while let Some(owed) = pending.pop_front() {
+            let (n, returned) = match owed.step {
+                Step::Charge => (owed.tokens, 0),
+                Step::Take | Step::Check => (0, owed.tokens),
+            };
+            let deadline = tokio::time::Instant::now() + self.config.timeout;
+            let taken = match self.reachable() {
+                true => self
+                    .step(owed.step, &owed.key, owed.interval, owed.burst, n, returned, deadline)
+                    .await
+                    .is_some(),
+                false => false,
+            };
+            if !taken {
+                // Redis went away: the rest wait for its return rather than a timeout each.
+                pending.push_front(owed);
+                self.unsettled
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .extend(pending);
+                return;
+            }
+        }
     }
 
     /// Whether this store serves `config` (a reload that keeps the section keeps the store and its leases).
@@ -409,10 +528,14 @@ thread_local! {
 async fn maintain(store: Weak<SharedStore>) {
     loop {
         let Some(store) = store.upgrade() else { return };
+        if store.retired() {
+            return;
+        }
         store.beat().await;
         if store.reachable() {
             store.give_back_expired().await;
             store.pay_owed().await;
+            store.settle().await;
         }
         let every = if store.reachable() { HEARTBEAT } else { PROBE };
         drop(store);
@@ -466,7 +589,7 @@ impl SharedBucket {
             return decided;
         }
         let deadline = tokio::time::Instant::now() + store.config.timeout;
-        if store.config.lease == 0 {
+        if store.config.lease == 0 || store.retired() {
             return self.take_one(deadline).await;
         }
         let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await else {
@@ -550,7 +673,7 @@ impl SharedBucket {
         let deadline = tokio::time::Instant::now() + store.config.timeout;
         if let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await {
             let left = self.lease.lock().unwrap_or_else(PoisonError::into_inner).tokens;
-            if left <= self.low_water() && store.reachable() {
+            if left <= self.low_water() && store.reachable() && !store.retired() {
                 let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
                 let size = u64::from(store.config.lease).max(1);
                 let answer = store
@@ -567,6 +690,26 @@ impl SharedBucket {
         self.ahead.store(false, Ordering::Release);
     }
 
+    /// Takes the tokens of the lease, expired or not (to give them back).
+    fn unspent_tokens(&self) -> u64 {
+        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
+        lease.expires = None;
+        std::mem::take(&mut lease.tokens)
+    }
+
+    /// Notes `tokens` of this bucket to give back to Redis.
+    fn unsettled(&self, tokens: u64) {
+        if tokens > 0 {
+            self.store.owe_for_gone(Unsettled {
+                step: Step::Take,
+                key: self.key.clone(),
+                interval: self.rate.interval(),
+                burst: u64::from(self.rate.burst.get()),
+                tokens,
+            });
+        }
+    }
+
     /// Takes the tokens of a lease that has expired (to give them back).
     fn expired_tokens(&self, now: Instant) -> u64 {
         let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
@@ -576,6 +719,14 @@ impl SharedBucket {
         } else {
             0
         }
+    }
+}
+
+/// A bucket a reload replaced (its rate changed) gives back the lease it held.
+impl Drop for SharedBucket {
+    fn drop(&mut self) {
+        let unspent = std::mem::take(&mut self.lease.get_mut().unwrap_or_else(PoisonError::into_inner).tokens);
+        self.unsettled(unspent);
     }
 }
 
@@ -701,6 +852,19 @@ impl SharedTokens {
         }
     }
 
+    /// Notes `tokens` of this budget to charge, for when it is gone.
+    fn unsettled(&self, tokens: u64) {
+        if tokens > 0 {
+            self.store.owe_for_gone(Unsettled {
+                step: Step::Charge,
+                key: self.key.clone(),
+                interval: self.rate.interval(),
+                burst: self.rate.per_minute.get(),
+                tokens,
+            });
+        }
+    }
+
     /// Adds to what is owed; a budget that owed nothing is listed with the store, which pays it once Redis answers.
     fn owe(self: &Arc<Self>, tokens: u64) {
         if self.owed.fetch_add(tokens, Ordering::AcqRel) == 0 {
@@ -708,5 +872,13 @@ impl SharedTokens {
             owing.retain(|tokens| tokens.strong_count() > 0);
             owing.push(Arc::downgrade(self));
         }
+    }
+}
+
+/// A budget a reload replaced (its rate changed) leaves what it owed to be charged.
+impl Drop for SharedTokens {
+    fn drop(&mut self) {
+        let owed = std::mem::take(self.owed.get_mut());
+        self.unsettled(owed);
     }
 }
