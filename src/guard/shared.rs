@@ -339,11 +339,13 @@ impl SharedStore {
                 })
             }
             Ok(Err(error)) => {
+                self.metrics.shared_limit_redis_unanswered(step.mode());
                 self.drop_thread_connection();
                 self.away(&error.to_string());
                 None
             }
             Err(_) => {
+                self.metrics.shared_limit_redis_unanswered(step.mode());
                 self.away(&format!("no answer within {} ms", self.config.timeout.as_millis()));
                 None
             }
@@ -425,8 +427,14 @@ impl SharedStore {
                 self.metrics.shared_limit_redis("heartbeat", started.elapsed());
                 self.back(replicas);
             }
-            Ok(Err(error)) => self.away(&error.to_string()),
-            Err(_) => self.away(&format!("no answer within {} ms", self.config.timeout.as_millis())),
+            Ok(Err(error)) => {
+                self.metrics.shared_limit_redis_unanswered("heartbeat");
+                self.away(&error.to_string());
+            }
+            Err(_) => {
+                self.metrics.shared_limit_redis_unanswered("heartbeat");
+                self.away(&format!("no answer within {} ms", self.config.timeout.as_millis()));
+            }
         }
     }
 

@@ -628,6 +628,11 @@ impl Metrics {
         self.shared_limits.redis(operation, took);
     }
 
+    /// Counts one of the shared limits' calls to Redis that failed or was not answered in time.
+    pub fn shared_limit_redis_unanswered(&self, operation: &str) {
+        self.shared_limits.unanswered(operation);
+    }
+
     /// Whether the shared limits reach Redis (else they fall back to `when_unreachable`), and the replicas seen.
     pub fn shared_limits_state(&self, when_unreachable: &str, reachable: bool, replicas: u32) {
         self.shared_limits.state(when_unreachable, reachable, replicas);

@@ -75,6 +75,7 @@ pub(super) struct SharedLimitMetrics {
     /// `calls` by [`SharedLimit`] and [`SharedDecision`], made at first use: a call counts with no label lookup.
     decided: [[OnceLock<IntCounter>; SharedDecision::ALL.len()]; 2],
     redis: HistogramVec,
+    unanswered: IntCounterVec,
     fallback: IntGaugeVec,
     replicas: IntGaugeVec,
 }
@@ -102,6 +103,16 @@ impl SharedLimitMetrics {
             &["operation"],
         )
         .map_err(metric_error)?;
+        let unanswered = IntCounterVec::new(
+            Opts::new(
+                "oipgate_shared_limit_redis_unanswered_total",
+                "The shared limits' calls to Redis that failed or got no answer within timeout_ms, by operation (as \
+                 oipgate_shared_limit_redis_duration_seconds): each marks Redis away until a heartbeat is answered; \
+                 while it is away only the heartbeat asks.",
+            ),
+            &["operation"],
+        )
+        .map_err(metric_error)?;
         let fallback = IntGaugeVec::new(
             Opts::new(
                 "oipgate_shared_limits_fallback",
@@ -123,6 +134,7 @@ impl SharedLimitMetrics {
             calls: registered(registry, calls)?,
             decided: Default::default(),
             redis: registered(registry, redis)?,
+            unanswered: registered(registry, unanswered)?,
             fallback: registered(registry, fallback)?,
             replicas: registered(registry, replicas)?,
         })
@@ -137,6 +149,10 @@ impl SharedLimitMetrics {
 
     pub(super) fn redis(&self, operation: &str, took: Duration) {
         self.redis.with_label_values(&[operation]).observe(took.as_secs_f64());
+    }
+
+    pub(super) fn unanswered(&self, operation: &str) {
+        self.unanswered.with_label_values(&[operation]).inc();
     }
 
     pub(super) fn state(&self, when_unreachable: &str, reachable: bool, replicas: u32) {
