@@ -699,16 +699,33 @@ pub fn key_scan(data: &[u8]) {
 /// ends however the bytes arrive; and the tokens each event (or the whole body, as a `generate` answer) carries for a
 /// token budget, never more for one output than for all of them.
 pub fn generate_answer(data: &[u8]) {
-    use crate::codec::rest::generate::{answer_tokens, take_events};
-    let mut whole = data.to_vec();
-    let at_once = take_events(&mut whole);
-    let (first, second) = data.split_at(data.len() / 2);
-    let mut pending = first.to_vec();
-    let mut piecewise = take_events(&mut pending);
-    pending.extend_from_slice(second);
-    piecewise.extend(take_events(&mut pending));
-    assert_eq!(at_once, piecewise, "the events depend on how the bytes arrived");
-    assert_eq!(whole, pending, "the rest depends on how the bytes arrived");
+    use crate::codec::rest::generate::{EventReader, answer_tokens};
+    let mut whole = EventReader::new(usize::MAX);
+    let at_once = whole.push(data);
+    // In two chunks, cut where the data says, and in chunks of a few bytes: the same events, the same rest.
+    let cut = usize::from(data.first().copied().unwrap_or(0)).min(data.len());
+    for chunks in [data.chunks(cut.max(1)), data.chunks(3)] {
+        let mut piecewise = EventReader::new(usize::MAX);
+        let events: Vec<Vec<u8>> = chunks.flat_map(|chunk| piecewise.push(chunk)).collect();
+        assert_eq!(at_once, events, "the events depend on how the bytes arrived");
+        assert_eq!(
+            whole.pending(),
+            piecewise.pending(),
+            "the rest depends on how the bytes arrived"
+        );
+    }
+    // Held to a bound, the reader gives the same events until one outgrows it, and then holds nothing.
+    let mut bounded = EventReader::new(32);
+    let events: Vec<Vec<u8>> = data.chunks(5).flat_map(|chunk| bounded.push(chunk)).collect();
+    assert!(at_once.starts_with(&events), "a bounded reader's events differ");
+    assert!(
+        bounded.pending().len() <= 32,
+        "the bounded reader holds {} bytes",
+        bounded.pending().len()
+    );
+    if !bounded.too_long() {
+        assert_eq!(events, at_once, "a reader within its bound missed events");
+    }
     for json in at_once.iter().map(Vec::as_slice).chain([data]) {
         let all = answer_tokens(json, None, false);
         let Ok(members) =

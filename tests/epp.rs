@@ -67,6 +67,14 @@ versions = [ {{ version = "1", backend = "pool-grpc", upstream_name = "add_sub",
 [[models]]
 name = "accumulate"
 versions = [ {{ version = "1", backend = "pool-rest" }} ]
+[[models]]
+name = "count"
+versions = [ {{ version = "1", backend = "pool-rest" }} ]
+rate = {{ tokens_per_minute = 10 }}
+[[models]]
+name = "identity"
+versions = [ {{ version = "1", backend = "pool-rest" }} ]
+rate = {{ tokens_per_minute = 10 }}
 "#,
         rest = list(|r| r.rest.unwrap()),
         grpc = list(|r| r.grpc.unwrap()),
@@ -448,6 +456,67 @@ async fn a_grpc_message_is_read_from_its_leading_fields_and_renamed_for_its_back
     let mut expected = infer_request("add_sub");
     expected.model_version = "1".to_owned();
     assert_eq!(renamed, expected, "only the name changed");
+}
+
+/// One generate call through the picker, answered as Envoy relays a backend's answer: its head, then `chunks` of its
+/// body; returns the headers' answer to the request (the pick).
+async fn generate_answered(pool: &Pool, path: &str, content_type: &str, chunks: &[&str]) -> ext_proc::HeadersResponse {
+    let mut stream = Stream::open(pool).await;
+    stream.send(rest_headers(path), None).await;
+    stream.send(body(r#"{"INPUT0": 12}"#, true), None).await;
+    let (picked, _) = stream.picked().await;
+    assert!(matches!(stream.answer().await, Response::RequestBody(_)));
+    let head = headers(&[(":status", "200"), ("content-type", content_type)], false);
+    let Request::RequestHeaders(head) = head else {
+        unreachable!()
+    };
+    stream.send(Request::ResponseHeaders(head), None).await;
+    assert!(matches!(stream.answer().await, Response::ResponseHeaders(_)));
+    for (index, chunk) in chunks.iter().enumerate() {
+        let last = index + 1 == chunks.len();
+        let chunk = ext_proc::HttpBody {
+            body: Bytes::copy_from_slice(chunk.as_bytes()),
+            end_of_stream: last,
+        };
+        stream.send(Request::ResponseBody(chunk), None).await;
+        assert!(matches!(stream.answer().await, Response::ResponseBody(_)));
+    }
+    picked
+}
+
+/// A generate call under a token budget is charged what its answer carries, read from the answer's body as the
+/// proxy relays it (the answer asked for uncompressed): a stream's events counted across the chunks' seams, a whole
+/// answer at its end. The spent budget refuses the model's next generate call, 429, before any endpoint is picked.
+#[tokio::test]
+async fn generate_answers_are_charged_to_their_token_budget_as_they_pass() {
+    let pool = pool();
+    let events = [
+        "data: {\"OUTPUT0\":[1,2,3,4,5],\"model_name\":\"count\"}\n\nda",
+        "ta: {\"OUTPUT0\":[6,7,8,9,10,11,12]}\n",
+        "\n",
+    ];
+    let picked = generate_answered(&pool, "/v2/models/count/generate_stream", "text/event-stream", &events).await;
+    let mutation = picked.response.unwrap().header_mutation.unwrap();
+    assert_eq!(mutation.remove_headers, ["accept-encoding"]);
+    let whole = ["{\"OUTPUT0\":[1,2,3,4,5,", "6,7,8,9,10,11]}"];
+    generate_answered(&pool, "/v2/models/identity/generate", "application/json", &whole).await;
+
+    // Twelve tokens and eleven, against budgets of ten a minute: both spent.
+    for model in ["count", "identity"] {
+        let mut stream = Stream::open(&pool).await;
+        stream
+            .send(rest_headers(&format!("/v2/models/{model}/generate")), None)
+            .await;
+        stream.send(body(r#"{"INPUT0": 1}"#, true), None).await;
+        let refused = immediate(stream.answer().await);
+        assert_eq!(refused.status.unwrap().code, 429, "{model}: {refused:?}");
+    }
+    // An infer call of the same model is not held to the budget of generated tokens.
+    let mut stream = Stream::open(&pool).await;
+    stream.send(rest_headers("/v2/models/count/infer"), None).await;
+    stream.send(body(r#"{"inputs":[]}"#, true), None).await;
+    let (picked, _) = stream.picked().await;
+    assert!(!set_headers(&picked).is_empty());
 }
 
 #[tokio::test]

@@ -173,18 +173,69 @@ fn count_value(value: &RawValue) -> u64 {
     }
 }
 
-/// The data of each whole server-sent event at the front of `pending`, taken out of it; what is left is the start
-/// of an event still arriving. Events without data (comments, keep-alives) are skipped.
-pub fn take_events(pending: &mut Vec<u8>) -> Vec<Vec<u8>> {
-    let mut events = Vec::new();
-    while let Some(end) = pending.windows(2).position(|pair| pair == b"\n\n") {
-        let whole: Vec<u8> = pending.drain(..end + 2).collect();
-        let text = &whole[..end];
-        if let Some(data) = text.strip_prefix(b"data: ").or_else(|| text.strip_prefix(b"data:")) {
-            events.push(data.to_vec());
+/// The most bytes a server-sent event of a generate stream may hold: the bound of a whole `generate` answer.
+pub const MOST_EVENT_BYTES: usize = 64 << 20;
+
+/// The server-sent events of a stream, read as its bytes arrive: the data of each event once it is whole, whatever
+/// chunks carried it. Each byte is searched once for an event's end, and no event is held past `most` bytes: a
+/// longer one stops the reading (`too_long`), as the stream cannot be read on. Events without data (comments,
+/// keep-alives) are skipped.
+#[derive(Debug)]
+pub struct EventReader {
+    /// The start of an event still arriving.
+    pending: Vec<u8>,
+    /// How much of `pending` has been searched for an event's end: all but its last byte, which may be an end's first.
+    searched: usize,
+    most: usize,
+    too_long: bool,
+}
+
+impl EventReader {
+    pub fn new(most: usize) -> EventReader {
+        EventReader {
+            pending: Vec::new(),
+            searched: 0,
+            most,
+            too_long: false,
         }
     }
-    events
+
+    /// Reads `chunk`: the data of each event it ended, in order.
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<Vec<u8>> {
+        let mut events = Vec::new();
+        if self.too_long {
+            return events;
+        }
+        self.pending.extend_from_slice(chunk);
+        let mut start = 0;
+        while let Some(at) = memchr::memmem::find(&self.pending[self.searched..], b"\n\n") {
+            let end = self.searched + at;
+            let text = &self.pending[start..end];
+            if let Some(data) = text.strip_prefix(b"data: ").or_else(|| text.strip_prefix(b"data:")) {
+                events.push(data.to_vec());
+            }
+            start = end + 2;
+            self.searched = start;
+        }
+        self.pending.drain(..start);
+        self.searched = self.pending.len().saturating_sub(1);
+        if self.pending.len() > self.most {
+            self.too_long = true;
+            self.pending = Vec::new();
+            self.searched = 0;
+        }
+        events
+    }
+
+    /// Whether an event grew past the bound: nothing more is read.
+    pub fn too_long(&self) -> bool {
+        self.too_long
+    }
+
+    /// The start of an event still arriving.
+    pub fn pending(&self) -> &[u8] {
+        &self.pending
+    }
 }
 
 /// Tensors as generate members: a scalar for one element, else a flat list; each followed by a comma.
@@ -337,12 +388,35 @@ mod tests {
         assert_eq!(error.message(), "out of tokens");
         assert!(decode_generate_response(br#"{"OTHER": 1}"#, &model).is_err());
         // Events are taken whole, as they complete.
-        let mut pending = b"data: {\"a\":1}\n\n: keep-alive\n\ndata:{\"b\":2}\n\ndata: {\"c\"".to_vec();
+        let mut events = EventReader::new(64);
         assert_eq!(
-            take_events(&mut pending),
+            events.push(b"data: {\"a\":1}\n\n: keep-alive\n\ndata:{\"b\":2}\n\ndata: {\"c\""),
             [b"{\"a\":1}".to_vec(), b"{\"b\":2}".to_vec()]
         );
-        assert_eq!(pending, b"data: {\"c\"");
+        assert_eq!(events.pending(), b"data: {\"c\"");
+    }
+
+    #[test]
+    fn an_event_is_read_whole_whatever_chunks_carry_it_and_held_to_its_bound() {
+        let stream = b"data: {\"a\":1}\n\ndata: {\"b\":[1,2]}\n\n: ping\n\n";
+        let whole = EventReader::new(64).push(stream);
+        assert_eq!(whole.len(), 2);
+        // One byte at a time: an end split between two chunks is found, and the same events come.
+        let mut bytewise = EventReader::new(64);
+        let mut events = Vec::new();
+        for byte in stream {
+            events.extend(bytewise.push(&[*byte]));
+        }
+        assert_eq!(events, whole);
+        assert!(bytewise.pending().is_empty());
+        // An event past the bound stops the reading and lets its bytes go; the events before it come.
+        let mut bounded = EventReader::new(16);
+        assert_eq!(bounded.push(b"data: 1\n\ndata: ").len(), 1);
+        assert!(!bounded.too_long());
+        assert!(bounded.push(&[b'x'; 16]).is_empty());
+        assert!(bounded.too_long());
+        assert!(bounded.pending().is_empty());
+        assert!(bounded.push(b"\n\ndata: 2\n\n").is_empty());
     }
 
     #[test]

@@ -149,7 +149,7 @@ impl Dispatcher {
         let outcome: Result<bool> = async {
             let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
             let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context).await?;
-            let mut pending = Vec::new();
+            let mut reader = rest_generate::EventReader::new(rest_generate::MOST_EVENT_BYTES);
             loop {
                 let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {
                     Ok(Some(frame)) => frame.map_err(|e| {
@@ -169,8 +169,7 @@ impl Dispatcher {
                     }
                 };
                 let Ok(chunk) = frame.into_data() else { continue };
-                pending.extend_from_slice(&chunk);
-                for json in rest_generate::take_events(&mut pending) {
+                for json in reader.push(&chunk) {
                     let response = match &metadata {
                         Some(metadata) => rest_generate::decode_generate_response(&json, metadata),
                         None => crate::codec::rest::decode_stream_event(&json),
@@ -186,6 +185,16 @@ impl Dispatcher {
                     if !answer {
                         return Ok(false);
                     }
+                }
+                if reader.too_long() {
+                    return Err(Error::new(
+                        ErrorKind::BadGateway,
+                        Origin::Upstream,
+                        format!(
+                            "the backend's stream sent an event longer than {} bytes",
+                            rest_generate::MOST_EVENT_BYTES
+                        ),
+                    ));
                 }
             }
             if empty_final {

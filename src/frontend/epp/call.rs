@@ -12,13 +12,16 @@ use opentelemetry::trace::SpanKind;
 use prost_types::value::Kind;
 
 use super::read::{self, MOST_READ, Read, Wanted};
+use crate::codec::rest::generate::EventReader;
 use crate::config::BackendProtocol;
 use crate::dispatch::{AdmittedCall, CallRequest, Dispatcher, Picked};
 use crate::envoy_api::envoy::config::core::v3 as core;
 use crate::envoy_api::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use crate::envoy_api::envoy::service::ext_proc::v3 as ext_proc;
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::guard::TokenMeter;
 use crate::live::Gateway;
+use crate::protocol::StreamCall;
 use crate::routing::VersionRoute;
 use crate::telemetry::logging::{self, FinishedPick};
 use crate::telemetry::metrics::{NO_BACKEND, UNKNOWN};
@@ -28,6 +31,9 @@ use ext_proc::processing_response::Response as Answer;
 
 /// How much the body's start grows between two reads of it while the pick waits for more.
 const READ_STEP: usize = 1024;
+/// The most of a `generate` answer (or of one event of a `generate_stream` answer) held to count its tokens: past
+/// it, the answer is relayed uncounted.
+const MOST_COUNTED: usize = 4 << 20;
 
 /// The request header, and the dynamic metadata key in namespace [`LB_NAMESPACE`], that name the picked endpoints.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -49,6 +55,83 @@ enum Phase {
     Relaying,
     /// Refused with an immediate response: what else comes is ignored.
     Refused,
+}
+
+/// A `generate` answer's tokens, counted as its body passes for the call's token budgets (charged when the call
+/// ends).
+struct AnswerTokens {
+    meter: TokenMeter,
+    read: AnswerRead,
+}
+
+/// How far the answer's counting has come.
+enum AnswerRead {
+    /// The answer's headers are awaited: `generate` or `generate_stream`.
+    Headers(StreamCall),
+    /// A `generate` answer (or a stream answered with one body), gathered whole.
+    Whole(Vec<u8>),
+    /// A `generate_stream` answer, event by event.
+    Events(EventReader),
+    /// Counted, or not to be counted (an error, a compressed or an oversized answer).
+    Done,
+}
+
+impl AnswerTokens {
+    /// Reads the answer's head: what follows is counted only for a success the picker can read.
+    fn head(&mut self, status: u16, headers: &core::HeaderMap) {
+        let AnswerRead::Headers(call) = self.read else {
+            return;
+        };
+        let events = header(headers, "content-type").is_some_and(|kind| kind.starts_with("text/event-stream"));
+        self.read = if !(200..300).contains(&status) {
+            AnswerRead::Done
+        } else if let Some(coding) = header(headers, "content-encoding").filter(|c| *c != "identity") {
+            tracing::warn!(
+                coding,
+                "a generate answer came compressed though asked for without Accept-Encoding; its tokens are not \
+                 counted against its token budget"
+            );
+            AnswerRead::Done
+        } else if call == StreamCall::GenerateStream && events {
+            AnswerRead::Events(EventReader::new(MOST_COUNTED))
+        } else {
+            AnswerRead::Whole(Vec::new())
+        };
+    }
+
+    /// Counts what one chunk of the answer's body completes.
+    fn body(&mut self, chunk: &[u8], end: bool) {
+        match &mut self.read {
+            AnswerRead::Whole(whole) if whole.len() + chunk.len() > MOST_COUNTED => {
+                tracing::warn!(
+                    most = MOST_COUNTED,
+                    "a generate answer is longer than the endpoint picker counts; its tokens are not counted"
+                );
+                self.read = AnswerRead::Done;
+            }
+            AnswerRead::Whole(whole) => {
+                whole.extend_from_slice(chunk);
+                if end {
+                    self.meter.add(whole);
+                    self.read = AnswerRead::Done;
+                }
+            }
+            AnswerRead::Events(reader) => {
+                for json in reader.push(chunk) {
+                    self.meter.add(&json);
+                }
+                if reader.too_long() {
+                    tracing::warn!(
+                        most = MOST_COUNTED,
+                        "a generate_stream event is longer than the endpoint picker counts; the rest of the answer \
+                         is not counted"
+                    );
+                    self.read = AnswerRead::Done;
+                }
+            }
+            AnswerRead::Headers(_) | AnswerRead::Done => {}
+        }
+    }
 }
 
 /// How a call names the backend's model and version.
@@ -73,6 +156,8 @@ pub(super) struct Call {
     /// says): chunks come back as streamed mutations, else as plain continues.
     request_duplex: bool,
     response_duplex: bool,
+    /// The proxy sends the answer's body (in any mode but NONE), which a token budget is charged by.
+    answer_sent: bool,
     /// From the request's headers.
     path: String,
     grpc: bool,
@@ -91,6 +176,8 @@ pub(super) struct Call {
     picked: Option<Picked>,
     /// The call's place among its model's calls under way, held until it ends.
     admitted: Option<AdmittedCall>,
+    /// A `generate` call under a token budget: its answer's tokens, as counted so far.
+    tokens: Option<AnswerTokens>,
     /// For the access-log line: the endpoints named, the pick's result label, how long the pick took, the status
     /// the client was answered, whether the answer counts as the endpoint's failure, and the endpoint that served.
     endpoints: Option<String>,
@@ -115,6 +202,7 @@ impl Call {
             // Until the proxy's first message says otherwise: a call is then picked by its path, bodies continued.
             request_duplex: false,
             response_duplex: false,
+            answer_sent: false,
             path: String::new(),
             grpc: false,
             forward: HeaderMap::new(),
@@ -127,6 +215,7 @@ impl Call {
             version: None,
             picked: None,
             admitted: None,
+            tokens: None,
             endpoints: None,
             result: "refused",
             picked_after: None,
@@ -147,6 +236,7 @@ impl Call {
         if let Some(config) = &request.protocol_config {
             self.request_duplex = config.request_body_mode == BodySendMode::FullDuplexStreamed as i32;
             self.response_duplex = config.response_body_mode == BodySendMode::FullDuplexStreamed as i32;
+            self.answer_sent = config.response_body_mode != BodySendMode::None as i32;
         }
         let Some(message) = request.request else {
             return;
@@ -179,6 +269,9 @@ impl Call {
             }
             Message::ResponseBody(body) => {
                 let end = body.end_of_stream;
+                if let Some(tokens) = &mut self.tokens {
+                    tokens.body(&body.body, end);
+                }
                 answers.push(answer(Answer::ResponseBody(body_answer(body, self.response_duplex))));
                 if end {
                     self.end();
@@ -331,7 +424,7 @@ impl Call {
             forward: &self.forward,
             principal: principal.as_deref(),
             principal_rate_taken: false,
-            generates: false,
+            generates: self.wanted.generates().is_some(),
             trace: &trace,
         };
         let reserved = read.reserved.clone();
@@ -354,6 +447,7 @@ impl Call {
         }
         drop(picking);
         let picked = picked?;
+        self.tokens = self.tokens_counted(&admitted);
         self.admitted = Some(admitted);
         let mut answer = self.picked(picked, path);
         // The renamed message's length changed: a length the client gave no longer holds.
@@ -443,6 +537,26 @@ impl Call {
 
     /// Holds the pick and answers the request's headers with it: the endpoints named in the destination header and
     /// in the `envoy.lb` dynamic metadata, and the path renamed when the backend names the model otherwise.
+    /// Where a `generate` call's answer is counted, when the call is under a token budget.
+    fn tokens_counted(&self, admitted: &AdmittedCall) -> Option<AnswerTokens> {
+        let call = self.wanted.generates()?;
+        let meter = admitted.admission.token_meter()?.clone();
+        if !self.answer_sent {
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    "the proxy sends the endpoint picker no answer bodies (ext_proc response_body_mode NONE): token \
+                     budgets are not charged; send them FULL_DUPLEX_STREAMED"
+                );
+            }
+            return None;
+        }
+        Some(AnswerTokens {
+            meter,
+            read: AnswerRead::Headers(call),
+        })
+    }
+
     fn picked(&mut self, picked: Picked, path: Option<String>) -> ext_proc::ProcessingResponse {
         let endpoints = picked.endpoints.iter().map(|e| &**e).collect::<Vec<_>>().join(",");
         let mut set_headers = vec![set_header(DESTINATION, endpoints.as_bytes())];
@@ -469,7 +583,11 @@ impl Call {
                 response: Some(ext_proc::CommonResponse {
                     header_mutation: Some(ext_proc::HeaderMutation {
                         set_headers,
-                        remove_headers: Vec::new(),
+                        // An answer counted for a token budget is asked for uncompressed, so its tokens can be read.
+                        remove_headers: match self.tokens {
+                            Some(_) => vec!["accept-encoding".to_owned()],
+                            None => Vec::new(),
+                        },
                     }),
                     // The proxy's route may depend on what was set (the destination header, a renamed path).
                     clear_route_cache: true,
@@ -548,6 +666,9 @@ impl Call {
             if let Some(status) = header(map, ":status").and_then(|s| s.parse::<u16>().ok()) {
                 self.status = status;
                 self.failed |= status >= 500;
+            }
+            if let Some(tokens) = &mut self.tokens {
+                tokens.head(self.status, map);
             }
             if let Some(status) = header(map, "grpc-status").and_then(|s| s.parse::<u32>().ok()) {
                 self.failed |= grpc_failure(status);

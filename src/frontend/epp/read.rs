@@ -27,6 +27,8 @@ pub(super) enum Wanted {
         /// `None` for a path the picker cannot rename.
         suffix: Option<String>,
         body: BodyRead,
+        /// `generate` or `generate_stream`: a call whose answer's tokens its token budgets are charged.
+        generates: Option<StreamCall>,
     },
     /// A gRPC call of the inference service whose message names a model.
     Grpc { method: GrpcMethod },
@@ -88,6 +90,10 @@ pub(super) fn wanted(path: &str, grpc: bool, header_length: Option<&str>, decthi
     let Some(model) = route.model() else {
         return Ok(Wanted::Any);
     };
+    let generates = match route {
+        Route::Generate(_, _, call @ (StreamCall::Generate | StreamCall::GenerateStream)) => Some(call),
+        _ => None,
+    };
     let (version, suffix, steers) = match route {
         Route::Infer(_, version) => (version, Some("/infer"), true),
         Route::Generate(_, version, call) => (
@@ -130,6 +136,7 @@ pub(super) fn wanted(path: &str, grpc: bool, header_length: Option<&str>, decthi
         version: version.map(str::to_owned),
         suffix: suffix.map(str::to_owned),
         body,
+        generates,
     })
 }
 
@@ -143,6 +150,14 @@ impl Wanted {
                 ..
             } | Wanted::Grpc { .. }
         )
+    }
+
+    /// `generate` or `generate_stream`, whose answers carry tokens; `None` for any other call.
+    pub(super) fn generates(&self) -> Option<StreamCall> {
+        match self {
+            Wanted::Rest { generates, .. } => *generates,
+            Wanted::Grpc { .. } | Wanted::Any => None,
+        }
     }
 
     /// What a REST call names by its path alone, its parameters unread; `None` for any other call.

@@ -17,7 +17,7 @@ use super::{PendingAnswer, RestDoor};
 use crate::body::RequestBody;
 use crate::codec::compression;
 use crate::codec::protobuf;
-use crate::codec::rest::generate::{body_parameters, decode_generate, encode_generate, take_events};
+use crate::codec::rest::generate::{EventReader, MOST_EVENT_BYTES, body_parameters, decode_generate, encode_generate};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
 use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer};
@@ -336,7 +336,7 @@ async fn relay(
     let (events, sent) = mpsc::channel(EVENTS);
     let route = route.clone();
     tokio::spawn(async move {
-        let mut pending = Vec::new();
+        let mut reader = EventReader::new(MOST_EVENT_BYTES);
         loop {
             let frame = match tokio::time::timeout(idle, body.frame()).await {
                 Ok(Some(Ok(frame))) => frame,
@@ -359,15 +359,19 @@ async fn relay(
                 }
             };
             let Ok(chunk) = frame.into_data() else { continue };
-            pending.extend_from_slice(&chunk);
             // Each complete event goes on as soon as it is whole.
-            for json in take_events(&mut pending) {
+            for json in reader.push(&chunk) {
                 if let Some(meter) = &meter {
                     meter.add(&json);
                 }
                 if events.send(event(&rename(&json, &route))).await.is_err() {
                     return;
                 }
+            }
+            if reader.too_long() {
+                let why = format!("the backend sent an event longer than {MOST_EVENT_BYTES} bytes");
+                let _ = events.send(event(&rest_codec::encode_error(&why))).await;
+                return;
             }
         }
     });
