@@ -94,8 +94,9 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         let mut output = None;
         for _ in 0..tries {
             let ran = Command::new("sh").arg("-c").arg(command).output().expect("sh runs");
-            let done =
-                ran.status.success() && (tries == 1 || String::from_utf8_lossy(&ran.stdout).contains("model_name"));
+            // Envoy is up once it carries a call to a model server, or the picker refuses one.
+            let answered = |text: &str| text.contains("model_name") || text.contains("token budget");
+            let done = ran.status.success() && (tries == 1 || answered(&String::from_utf8_lossy(&ran.stdout)));
             output = Some(ran);
             if done {
                 break;
@@ -122,6 +123,18 @@ fn demo_runs_and_its_printed_curl_examples_work() {
             && answers[through_envoy].contains(r#""data":[1,2,3,4"#),
         "{}",
         answers[through_envoy]
+    );
+    // The budgeted call through Envoy: refused by the budget the gateway's calls spent, or (were it refilled by
+    // then) streamed.
+    let budgeted = curls
+        .iter()
+        .position(|c| c.contains(&envoy) && c.contains("budgeted"))
+        .expect("a budgeted call through Envoy");
+    let answer = &answers[budgeted];
+    assert!(
+        (answer.starts_with("HTTP/1.1 429") && answer.contains("spent its token budget"))
+            || (answer.starts_with("HTTP/1.1 200") && answer.contains(r#"data: {"OUTPUT0":1"#)),
+        "{answer}"
     );
     assert!(
         answers.iter().any(|a| a.contains("oipgate_epp_picks_total{")

