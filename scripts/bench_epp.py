@@ -208,8 +208,9 @@ def picker_envoy_config(listen, epp, admin, rest_ports, grpc_ports):
 
 
 def processing_mode(config):
-    """The ext_proc processing mode a rendered configuration runs, `name: value` pairs (comments left out)."""
-    block = config[config.index("processing_mode:"):config.index("message_timeout:")]
+    """The ext_proc processing mode a rendered configuration runs, `name: value` pairs (comments left out): the
+    filter's own, not the generate route's override ahead of it."""
+    block = config[config.rindex("processing_mode:"):config.index("message_timeout:")]
     pairs = re.finditer(r"^[ \t]*(\w+_mode):[ \t]*(\w+)", block, re.M)
     return ", ".join(f"{m.group(1)}: {m.group(2)}" for m in pairs)
 
