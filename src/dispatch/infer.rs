@@ -73,22 +73,31 @@ impl Dispatcher {
         let admitted = self
             .admit_with(fields.name, Some(fields.version), context, reserved)
             .await?;
-        self.infer_grpc_routed(&admitted.routed, message, context).await
+        self.infer_grpc_routed(&admitted.routed, &message, &fields, context)
+            .await
     }
 
     /// The gRPC front door's inference: an encoded `ModelInferRequest` in, an encoded `ModelInferResponse` out.
     /// To a gRPC backend it passes through as bytes with only the names spliced; to a REST backend it is translated.
+    /// `named` is what the door read of the message's names, to route it.
     pub async fn infer_grpc_routed(
         &self,
         routed: &Routed,
-        message: Bytes,
+        message: &Bytes,
+        named: &splice::ModelFields<'_>,
         context: &CallContext,
     ) -> Result<BackendAnswer<Vec<Bytes>>> {
         let backend = self.mirrored(routed, context, || MirrorPayload::Grpc(message.clone()))?;
         let route = &routed.route;
         let mut replied = match &backend.replicas {
             Replicas::Grpc { .. } => {
-                let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;
+                // A message that already names the backend's model and version (most do) goes as it came, without
+                // the rename's walk of its fields: the door's reading was the same walk.
+                let renamed = if named.name == route.upstream_name && named.version == route.upstream_version {
+                    vec![message.clone()]
+                } else {
+                    splice::rename(message, &route.upstream_name, &route.upstream_version)?
+                };
                 let coding = context.compressed.filter(|_| backend.config.compression);
                 let answer = backend
                     .model_infer(
@@ -116,7 +125,7 @@ impl Dispatcher {
                         i64::try_from(message.len()).unwrap_or(i64::MAX),
                     )]
                 });
-                let request = decode_grpc_request(message);
+                let request = decode_grpc_request(message.clone());
                 step.outcome(&request);
                 drop(step);
                 let request = request?;

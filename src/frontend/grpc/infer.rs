@@ -179,8 +179,8 @@ async fn infer(
     record.request_id = request_id.clone();
     record.principal = principal.map(|principal| principal as Arc<dyn ReportedPrincipal>);
     record.trace = trace.clone();
-    let answer = match admitted {
-        Ok((admitted, ())) => {
+    let answer = match (admitted, &fields) {
+        (Ok((admitted, ())), Ok(named)) => {
             if let Some(limit) = admitted.reserved.timeout {
                 context.deadline = Some(context.deadline.map_or(limit, |deadline| deadline.min(limit)));
             }
@@ -191,9 +191,13 @@ async fn infer(
                 record.capture = Some(Box::new(capture));
             }
             record.translated = dispatcher.backend_protocol(route) == Some(crate::config::BackendProtocol::Rest);
-            dispatcher.infer_grpc_routed(&admitted.routed, message, &context).await
+            dispatcher
+                .infer_grpc_routed(&admitted.routed, &message, named, &context)
+                .await
         }
-        Err(error) => Err(error),
+        (Err(error), _) => Err(error),
+        // Admitted only once the names were read.
+        (Ok(_), Err(error)) => Err(error.clone()),
     };
     match answer {
         Ok(replied) => {
