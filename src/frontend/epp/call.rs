@@ -3,6 +3,7 @@
 //! endpoint that served it recorded when it ends.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -31,9 +32,6 @@ use ext_proc::processing_response::Response as Answer;
 
 /// How much the body's start grows between two reads of it while the pick waits for more.
 const READ_STEP: usize = 1024;
-/// The most of a `generate` answer (or of one event of a `generate_stream` answer) held to count its tokens: past
-/// it, the answer is relayed uncounted.
-const MOST_COUNTED: usize = 4 << 20;
 
 /// The request header, and the dynamic metadata key in namespace [`LB_NAMESPACE`], that name the picked endpoints.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -57,11 +55,82 @@ enum Phase {
     Refused,
 }
 
+/// The most of a `generate` answer (or of one event of a `generate_stream` answer) held to count its tokens: past
+/// it, the answer is relayed uncounted.
+const MOST_COUNTED: usize = 4 << 20;
+/// The most the picker holds of all its calls' answers to count them: past it, answers are relayed uncounted, so
+/// many large answers at once cannot grow the picker by more than this.
+const MOST_COUNTED_IN_ALL: usize = 64 << 20;
+/// Bytes of answers held to count their tokens, across the picker's calls.
+static HELD_TO_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// The bytes one answer holds to count them, within [`MOST_COUNTED_IN_ALL`]; let go when dropped.
+#[derive(Default)]
+struct Held(usize);
+
+impl Held {
+    /// Holds `bytes` now (more or fewer than before); `false`, holding none, when that would pass the bound.
+    fn resize(&mut self, bytes: usize) -> bool {
+        if bytes > self.0 {
+            let more = bytes - self.0;
+            let taken = HELD_TO_COUNT.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                (held + more <= MOST_COUNTED_IN_ALL).then_some(held + more)
+            });
+            if taken.is_err() {
+                self.resize(0);
+                return false;
+            }
+        } else {
+            HELD_TO_COUNT.fetch_sub(self.0 - bytes, Ordering::AcqRel);
+        }
+        self.0 = bytes;
+        true
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.resize(0);
+    }
+}
+
+/// Why an answer goes uncounted, each said at most once a minute (many calls may share the reason).
+#[derive(Debug, Clone, Copy)]
+enum Uncounted {
+    Compressed,
+    TooLong,
+    TooMuchHeld,
+}
+
+impl Uncounted {
+    fn warn(self) {
+        static LAST: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+        static SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        let now = SINCE.get_or_init(Instant::now).elapsed().as_secs() + 60;
+        let last = &LAST[self as usize];
+        let said = last.load(Ordering::Relaxed);
+        if now < said + 60
+            || last
+                .compare_exchange(said, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let why = match self {
+            Uncounted::Compressed => "it came compressed though asked for without Accept-Encoding",
+            Uncounted::TooLong => "it (or one of its events) is longer than the 4 MiB the picker holds to count",
+            Uncounted::TooMuchHeld => "the picker holds 64 MiB of answers to count already",
+        };
+        tracing::warn!("a generate answer is relayed without its tokens counted against its token budget: {why}");
+    }
+}
+
 /// A `generate` answer's tokens, counted as its body passes for the call's token budgets (charged when the call
 /// ends).
 struct AnswerTokens {
     meter: TokenMeter,
     read: AnswerRead,
+    held: Held,
 }
 
 /// How far the answer's counting has come.
@@ -85,12 +154,8 @@ impl AnswerTokens {
         let events = header(headers, "content-type").is_some_and(|kind| kind.starts_with("text/event-stream"));
         self.read = if !(200..300).contains(&status) {
             AnswerRead::Done
-        } else if let Some(coding) = header(headers, "content-encoding").filter(|c| *c != "identity") {
-            tracing::warn!(
-                coding,
-                "a generate answer came compressed though asked for without Accept-Encoding; its tokens are not \
-                 counted against its token budget"
-            );
+        } else if header(headers, "content-encoding").is_some_and(|coding| coding != "identity") {
+            self.uncounted(Uncounted::Compressed);
             AnswerRead::Done
         } else if call == StreamCall::GenerateStream && events {
             AnswerRead::Events(EventReader::new(MOST_COUNTED))
@@ -102,35 +167,48 @@ impl AnswerTokens {
     /// Counts what one chunk of the answer's body completes.
     fn body(&mut self, chunk: &[u8], end: bool) {
         match &mut self.read {
-            AnswerRead::Whole(whole) if whole.len() + chunk.len() > MOST_COUNTED => {
-                tracing::warn!(
-                    most = MOST_COUNTED,
-                    "a generate answer is longer than the endpoint picker counts; its tokens are not counted"
-                );
-                self.read = AnswerRead::Done;
-            }
             AnswerRead::Whole(whole) => {
+                let length = whole.len() + chunk.len();
+                if length > MOST_COUNTED {
+                    return self.uncounted(Uncounted::TooLong);
+                }
+                if !self.held.resize(length) {
+                    return self.uncounted(Uncounted::TooMuchHeld);
+                }
                 whole.extend_from_slice(chunk);
                 if end {
-                    self.meter.add(whole);
-                    self.read = AnswerRead::Done;
+                    self.finish();
                 }
             }
             AnswerRead::Events(reader) => {
+                if !self.held.resize(reader.pending().len() + chunk.len()) {
+                    return self.uncounted(Uncounted::TooMuchHeld);
+                }
                 for json in reader.push(chunk) {
                     self.meter.add(&json);
                 }
                 if reader.too_long() {
-                    tracing::warn!(
-                        most = MOST_COUNTED,
-                        "a generate_stream event is longer than the endpoint picker counts; the rest of the answer \
-                         is not counted"
-                    );
-                    self.read = AnswerRead::Done;
+                    return self.uncounted(Uncounted::TooLong);
                 }
+                self.held.resize(reader.pending().len());
             }
             AnswerRead::Headers(_) | AnswerRead::Done => {}
         }
+    }
+
+    /// The answer has ended (its last chunk, its trailers, or the stream's close): a whole answer is counted.
+    fn finish(&mut self) {
+        if let AnswerRead::Whole(whole) = &self.read {
+            self.meter.add(whole);
+        }
+        self.read = AnswerRead::Done;
+        self.held.resize(0);
+    }
+
+    fn uncounted(&mut self, why: Uncounted) {
+        why.warn();
+        self.read = AnswerRead::Done;
+        self.held.resize(0);
     }
 }
 
@@ -535,15 +613,13 @@ impl Call {
         }
     }
 
-    /// Holds the pick and answers the request's headers with it: the endpoints named in the destination header and
-    /// in the `envoy.lb` dynamic metadata, and the path renamed when the backend names the model otherwise.
     /// Where a `generate` call's answer is counted, when the call is under a token budget.
     fn tokens_counted(&self, admitted: &AdmittedCall) -> Option<AnswerTokens> {
         let call = self.wanted.generates()?;
         let meter = admitted.admission.token_meter()?.clone();
         if !self.answer_sent {
             static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            if !SAID.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
                     "the proxy sends the endpoint picker no answer bodies (ext_proc response_body_mode NONE): token \
                      budgets are not charged; send them FULL_DUPLEX_STREAMED"
@@ -554,9 +630,12 @@ impl Call {
         Some(AnswerTokens {
             meter,
             read: AnswerRead::Headers(call),
+            held: Held::default(),
         })
     }
 
+    /// Holds the pick and answers the request's headers with it: the endpoints named in the destination header and
+    /// in the `envoy.lb` dynamic metadata, and the path renamed when the backend names the model otherwise.
     fn picked(&mut self, picked: Picked, path: Option<String>) -> ext_proc::ProcessingResponse {
         let endpoints = picked.endpoints.iter().map(|e| &**e).collect::<Vec<_>>().join(",");
         let mut set_headers = vec![set_header(DESTINATION, endpoints.as_bytes())];
@@ -705,6 +784,10 @@ impl Call {
         if let Some(picked) = self.picked.take() {
             picked.finished(self.failed);
         }
+        // Counted before the admission goes, whose end charges the budgets.
+        if let Some(tokens) = &mut self.tokens {
+            tokens.finish();
+        }
         self.admitted = None;
     }
 }
@@ -852,4 +935,25 @@ fn subset_hint(metadata: &core::Metadata) -> Option<Vec<String>> {
         _ => {}
     }
     Some(endpoints)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_held_to_count_stay_within_the_pickers_bound_and_are_let_go() {
+        let before = HELD_TO_COUNT.load(Ordering::Acquire);
+        let mut one = Held::default();
+        assert!(one.resize(1 << 20));
+        assert!(one.resize(3 << 20));
+        assert!(one.resize(2 << 20), "fewer bytes always fit");
+        // Another answer that would pass the bound across all calls is refused, and holds nothing.
+        let mut other = Held::default();
+        assert!(!other.resize(MOST_COUNTED_IN_ALL));
+        assert_eq!(other.0, 0);
+        drop(other);
+        drop(one);
+        assert_eq!(HELD_TO_COUNT.load(Ordering::Acquire), before, "what was held is let go");
+    }
 }
