@@ -449,12 +449,15 @@ async fn a_token_budget_charged_on_one_replica_is_spent_on_the_other() {
             .await,
         2.0
     );
-    // Replica 0's token checks, each a Redis decision, counted as the token budget's and not as calls: one let in,
-    // two refused. No rate of calls is set, so no call was decided.
+    // Replica 0's token checks, counted as the token budget's and not as calls: one let in, two refused. Redis was
+    // asked twice: its first refusal said until when the budget stays spent, and the second call was refused on
+    // that word, without asking. No rate of calls is set, so no call was decided.
     for (result, count) in [("allowed", 1.0), ("refused", 2.0)] {
         let series = format!("oipgate_shared_limit_calls_total{{limit=\"tokens\",result=\"{result}\"}}");
         assert_eq!(replicas[0].metric(&series).await, count, "{series}");
     }
+    let asked = "oipgate_shared_limit_redis_duration_seconds_count{operation=\"check\"}";
+    assert_eq!(replicas[0].metric(asked).await, 2.0, "{asked}");
     for result in ["leased", "allowed", "refused"] {
         let series = format!("oipgate_shared_limit_calls_total{{limit=\"calls\",result=\"{result}\"}}");
         assert_eq!(replicas[0].metric_if_present(&series).await, None, "{series}");

@@ -805,6 +805,9 @@ pub struct SharedTokens {
     rate: TokenRate,
     /// Tokens charged that Redis has not taken yet: charged while it was away, or in a charge it did not answer.
     owed: AtomicU64,
+    /// Redis said the budget is spent until then: calls are refused without asking again (charges only push that
+    /// time later; nothing gives tokens back to a budget).
+    refused_until: Mutex<Option<Instant>>,
 }
 
 impl SharedTokens {
@@ -814,6 +817,7 @@ impl SharedTokens {
             key: store.token_key(scope, name),
             rate,
             owed: AtomicU64::new(0),
+            refused_until: Mutex::new(None),
         }
     }
 
@@ -826,11 +830,21 @@ impl SharedTokens {
         let store = &*self.store;
         let (interval, burst) = (self.rate.interval(), self.rate.per_minute.get());
         if store.reachable() {
+            let now = Instant::now();
+            let refused = *self.refused_until.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(until) = refused.filter(|until| now < *until) {
+                store.count(SharedLimit::Tokens, Decided::Refused);
+                return Err(until - now);
+            }
             let deadline = tokio::time::Instant::now() + store.config.timeout;
             if let Some(answer) = store
                 .step(Step::Check, &self.key, interval, burst, 1, 0, deadline)
                 .await
             {
+                if answer.granted == 0 {
+                    *self.refused_until.lock().unwrap_or_else(PoisonError::into_inner) =
+                        Some(Instant::now() + answer.wait);
+                }
                 let decided = if answer.granted > 0 { Ok(()) } else { Err(answer.wait) };
                 store.count(
                     SharedLimit::Tokens,
