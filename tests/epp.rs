@@ -531,6 +531,11 @@ async fn generate_answers_are_charged_to_their_token_budget_as_they_pass() {
         stream.send(body(r#"{"INPUT0": 1}"#, true), None).await;
         let refused = immediate(stream.answer().await);
         assert_eq!(refused.status.unwrap().code, 429, "{model}: {refused:?}");
+        // Counted as the caller's limit, not as the fleet shedding load.
+        let series = format!(
+            "oipgate_epp_picks_total{{endpoint=\"_none\",model=\"{model}\",result=\"rate_limited\",version=\"_unknown\"}}"
+        );
+        assert_eq!(pool.epp.metric(&series).await, 1.0, "{series}");
     }
     // An infer call of the same model is not held to the budget of generated tokens.
     let mut stream = Stream::open(&pool).await;

@@ -695,6 +695,8 @@ impl Call {
         self.start = Vec::new();
         self.picked_after.get_or_insert_with(|| self.began.elapsed());
         self.result = match error.kind() {
+            // The caller's limits, told apart from the fleet's load.
+            ErrorKind::Overloaded if error.origin() == Origin::Client => "rate_limited",
             ErrorKind::Overloaded => "shed",
             ErrorKind::Unavailable => "unavailable",
             _ => "refused",

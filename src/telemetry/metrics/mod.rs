@@ -90,8 +90,9 @@ impl EppMetrics {
             picks: families.counters(
                 "oipgate_epp_picks_total",
                 "Endpoint picks for the proxy, by public model and version, the endpoint picked (_none when refused) \
-                 and result: picked, shed (429, max_queue or a limit), unavailable (503, no eligible endpoint) or \
-                 refused (another error: an unknown model, a malformed request).",
+                 and result: picked, shed (429, max_queue or an endpoint's bound on calls under way), rate_limited \
+                 (429, a rate, token budget or max_concurrent of the principal or model), unavailable (503, no \
+                 eligible endpoint) or refused (another error: an unknown model, a malformed request).",
                 &["model", "version", "endpoint", "result"],
             )?,
             pick_duration: registered(
