@@ -553,12 +553,31 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
     let (request, response) = logged(&events, "binary", "add_sub", "1").await;
     assert_eq!(request.json()["inputs"][1]["data"][0], 1);
     assert_eq!(response.json()["outputs"][0]["data"][0], 4);
+    // generate, to a REST backend (relayed) and a gRPC one (translated): the request as sent, the answer as received,
+    // under the request id the answer carries.
+    let ones = vec![1; 16];
+    let ones = serde_json::json!({ "INPUT0": ones, "INPUT1": ones }).to_string();
+    for version in ["1", "2"] {
+        let id = format!("generate-{version}");
+        let answer = post_with_headers(
+            &gateway.rest_url(&format!("/v2/models/add_sub/versions/{version}/generate")),
+            &[("x-request-id", id.clone())],
+            ones.clone(),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        assert_eq!(answer.header("x-request-id"), Some(id.as_str()));
+        let (request, response) = logged(&events, &id, "add_sub", version).await;
+        assert_eq!(request.body, Bytes::from(ones.clone()));
+        assert_eq!(response.body, answer.body);
+        assert_eq!(response.json()["OUTPUT0"][0], 2, "{:?}", response.body);
+    }
     an_opted_out_model_and_a_refused_call(&gateway, &events, &json).await;
     assert_eq!(
         gateway
             .metric("oipgate_payload_log_events_total{result=\"sent\"}")
             .await,
-        11.0
+        15.0
     );
 }
 

@@ -26,6 +26,7 @@ use crate::guard::TokenMeter;
 use crate::proto::ModelStreamInferResponse;
 use crate::protocol::{InferRequest, InferResponse, Reserved, StreamCall};
 use crate::routing::{Routed, VersionRoute};
+use crate::telemetry::payload_log::{Capture, form_of};
 use std::time::Duration;
 
 use super::answer::Record;
@@ -67,6 +68,8 @@ impl RestDoor {
     ) -> Result<PendingAnswer> {
         let dispatcher = record.dispatcher().clone();
         let forward = crate::headers::for_backend(&parts.headers);
+        // The call's id (the client's, or the one made for it) goes to the backend, the answer and the logs.
+        record.request_id = forward.get(crate::headers::REQUEST_ID).cloned();
         let asked = Asked { model, version, call };
         let (routed, raw) = self.admit_generate(parts, body, record, &forward, asked).await?;
         // The tokens the answer carries, counted as it passes, are charged to the call's budgets when it ends.
@@ -153,6 +156,13 @@ impl RestDoor {
         record.request_bytes = read_bytes.into_inner();
         let (admitted, raw) = admitted?;
         record.admission = Some(admitted.admission);
+        // A sampled call's request is logged as it came; a whole answer as the client gets it (a stream's events
+        // are not gathered for the log).
+        record.capture = admitted.payload_log.map(|logger| {
+            let mut capture = Capture::new(logger, &admitted.routed.route, form_of(&parts.headers));
+            capture.request(raw.clone());
+            Box::new(capture)
+        });
         Ok((admitted.routed, raw))
     }
 }
