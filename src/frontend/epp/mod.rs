@@ -2,6 +2,7 @@
 //! gateway's Envoy asks which endpoint of an inference pool serves each request, with the gRPC health services the
 //! Gateway API Inference Extension's endpoint picker protocol names, on one port.
 
+mod answer;
 mod call;
 mod read;
 

@@ -2,7 +2,6 @@
 //! one Lua script (a generic cell rate algorithm on Redis's clock), taken a lease at a time so most calls touch no
 //! network; a heartbeat that counts the replicas and notices when Redis is away, and what the limits do then.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
@@ -10,9 +9,15 @@ use std::time::{Duration, Instant};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::gcra::Gcra;
-use crate::config::{Rate, SharedLimits, TokenRate, WhenUnreachable};
+use crate::config::{SharedLimits, WhenUnreachable};
 use crate::error::{Error, Result};
 use crate::telemetry::metrics::{Metrics, SharedDecision as Decided, SharedLimit};
+
+mod calls;
+mod tokens;
+
+pub use calls::{SharedBucket, SharedKeyedBuckets};
+pub use tokens::SharedTokens;
 
 /// How often a replica says it is alive while Redis answers.
 const HEARTBEAT: Duration = Duration::from_millis(500);
@@ -298,25 +303,6 @@ impl SharedStore {
         format!("{}{scope}:{name}:{what}", self.config.prefix)
     }
 
-    /// A bucket of calls shared by every replica, at key `scope:name:calls`.
-    pub fn bucket(self: &Arc<Self>, scope: &str, name: &str, rate: Rate) -> Arc<SharedBucket> {
-        let bucket = Arc::new(SharedBucket {
-            store: self.clone(),
-            key: self.key(scope, name, "calls"),
-            rate,
-            lease: Mutex::new(Lease::default()),
-            refill: tokio::sync::Mutex::new(()),
-            ahead: AtomicBool::new(false),
-            local: Gcra::default(),
-        });
-        if self.config.lease > 0 {
-            let mut leased = self.leased.lock().unwrap_or_else(PoisonError::into_inner);
-            leased.retain(|bucket| bucket.strong_count() > 0);
-            leased.push(Arc::downgrade(&bucket));
-        }
-        bucket
-    }
-
     /// A token budget shared by every replica, at key `scope:name:tokens`.
     pub fn token_key(&self, scope: &str, name: &str) -> String {
         self.key(scope, name, "tokens")
@@ -471,7 +457,7 @@ impl SharedStore {
             let unspent = bucket.expired_tokens(now);
             if unspent > 0 {
                 let deadline = tokio::time::Instant::now() + self.config.timeout;
-                let (interval, burst) = (bucket.rate.interval(), u64::from(bucket.rate.burst.get()));
+                let (interval, burst) = (bucket.rate().interval(), u64::from(bucket.rate().burst.get()));
                 self.step(Step::Take, &bucket.key, interval, burst, 0, unspent, deadline)
                     .await;
             }
@@ -565,359 +551,5 @@ async fn maintain(store: Weak<SharedStore>) {
         let every = if store.reachable() { HEARTBEAT } else { PROBE };
         drop(store);
         tokio::time::sleep(every).await;
-    }
-}
-
-/// Tokens a replica took from Redis and spends locally until they run out or expire.
-#[derive(Debug, Default)]
-struct Lease {
-    tokens: u64,
-    expires: Option<Instant>,
-    /// Redis said the bucket is empty until then: calls are refused without asking again.
-    refused_until: Option<Instant>,
-}
-
-/// A bucket of calls shared by every replica.
-#[derive(Debug)]
-pub struct SharedBucket {
-    store: Arc<SharedStore>,
-    key: String,
-    rate: Rate,
-    lease: Mutex<Lease>,
-    /// One refill of the lease at a time: the calls that find it empty meanwhile wait for that one.
-    refill: tokio::sync::Mutex<()>,
-    /// A refill ahead of need is under way: the lease ran low, and the next is taken before it runs out.
-    ahead: AtomicBool,
-    /// The replica's share while Redis is away.
-    local: Gcra,
-}
-
-impl SharedBucket {
-    pub fn rate(&self) -> Rate {
-        self.rate
-    }
-
-    pub fn store(&self) -> &Arc<SharedStore> {
-        &self.store
-    }
-
-    /// Takes one call's token: from the lease, else from Redis (a new lease), else as the fallback says. Never
-    /// waits on Redis longer than `timeout_ms`. A lease that runs low is refilled in the background, so under the
-    /// limit no call waits on Redis at all.
-    pub async fn take(self: &Arc<Self>) -> Result<(), Duration> {
-        let store = &*self.store;
-        let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
-        if !store.reachable() {
-            return store.fallback(&self.local, interval, burst, 1);
-        }
-        if let Some(decided) = self.lease_decision() {
-            return decided;
-        }
-        let deadline = tokio::time::Instant::now() + store.config.timeout;
-        if store.config.lease == 0 || store.retired() {
-            return self.take_one(deadline).await;
-        }
-        let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await else {
-            return store.fallback(&self.local, interval, burst, 1);
-        };
-        if let Some(decided) = self.lease_decision() {
-            return decided;
-        }
-        let size = u64::from(store.config.lease).max(1);
-        let returned = self.expired_tokens(Instant::now());
-        let Some(answer) = store
-            .step(Step::Take, &self.key, interval, burst, size, returned, deadline)
-            .await
-        else {
-            return store.fallback(&self.local, interval, burst, 1);
-        };
-        let now = Instant::now();
-        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-        if answer.granted == 0 {
-            lease.refused_until = Some(now + answer.wait);
-            store.count(SharedLimit::Calls, Decided::Refused);
-            return Err(answer.wait);
-        }
-        lease.tokens = answer.granted - 1;
-        lease.expires = Some(now + store.config.lease_time);
-        lease.refused_until = None;
-        store.count(SharedLimit::Calls, Decided::Allowed);
-        Ok(())
-    }
-
-    /// `lease = 0`: the call's one token from Redis, asked beside every other call's (on the one connection, in
-    /// flight together), not one at a time as leases are refilled.
-    async fn take_one(&self, deadline: tokio::time::Instant) -> Result<(), Duration> {
-        let store = &*self.store;
-        let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
-        let Some(answer) = store.step(Step::Take, &self.key, interval, burst, 1, 0, deadline).await else {
-            return store.fallback(&self.local, interval, burst, 1);
-        };
-        if answer.granted == 0 {
-            let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-            lease.refused_until = Some(Instant::now() + answer.wait);
-            store.count(SharedLimit::Calls, Decided::Refused);
-            return Err(answer.wait);
-        }
-        store.count(SharedLimit::Calls, Decided::Allowed);
-        Ok(())
-    }
-
-    /// The lease's decision, when it can make one: a token it holds, or a refusal Redis gave a moment ago.
-    fn lease_decision(self: &Arc<Self>) -> Option<Result<(), Duration>> {
-        let now = Instant::now();
-        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-        if lease.tokens > 0 && lease.expires.is_some_and(|expires| now < expires) {
-            lease.tokens -= 1;
-            let low = lease.tokens <= self.low_water();
-            drop(lease);
-            self.store.count(SharedLimit::Calls, Decided::Leased);
-            if low && !self.ahead.swap(true, Ordering::AcqRel) {
-                tokio::spawn(self.clone().refill_ahead());
-            }
-            return Some(Ok(()));
-        }
-        if let Some(until) = lease.refused_until.filter(|until| now < *until) {
-            drop(lease);
-            self.store.count(SharedLimit::Calls, Decided::Refused);
-            return Some(Err(until - now));
-        }
-        None
-    }
-
-    /// The tokens left in a lease below which the next is taken ahead: half of it, so the next is there before the
-    /// calls under way have spent the rest.
-    fn low_water(&self) -> u64 {
-        u64::from(self.store.config.lease) / 2
-    }
-
-    /// Takes the next lease while this one still has tokens, adding them to it (and keeping them the lease's time
-    /// from now). A refusal is left for the calls that find the lease empty to learn.
-    async fn refill_ahead(self: Arc<Self>) {
-        let store = &*self.store;
-        let deadline = tokio::time::Instant::now() + store.config.timeout;
-        if let Ok(_refilling) = tokio::time::timeout_at(deadline, self.refill.lock()).await {
-            let left = self.lease.lock().unwrap_or_else(PoisonError::into_inner).tokens;
-            if left <= self.low_water() && store.reachable() && !store.retired() {
-                let (interval, burst) = (self.rate.interval(), u64::from(self.rate.burst.get()));
-                let size = u64::from(store.config.lease).max(1);
-                let answer = store
-                    .step(Step::Take, &self.key, interval, burst, size, 0, deadline)
-                    .await;
-                if let Some(answer) = answer.filter(|answer| answer.granted > 0) {
-                    let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-                    lease.tokens += answer.granted;
-                    lease.expires = Some(Instant::now() + store.config.lease_time);
-                    lease.refused_until = None;
-                }
-            }
-        }
-        self.ahead.store(false, Ordering::Release);
-    }
-
-    /// Takes the tokens of the lease, expired or not (to give them back).
-    fn unspent_tokens(&self) -> u64 {
-        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-        lease.expires = None;
-        std::mem::take(&mut lease.tokens)
-    }
-
-    /// `tokens` of this bucket to give back to Redis, if any.
-    fn give_back(&self, tokens: u64) -> Option<Unsettled> {
-        (tokens > 0).then(|| Unsettled {
-            step: Step::Take,
-            key: self.key.clone(),
-            interval: self.rate.interval(),
-            burst: u64::from(self.rate.burst.get()),
-            tokens,
-        })
-    }
-
-    /// Takes the tokens of a lease that has expired (to give them back).
-    fn expired_tokens(&self, now: Instant) -> u64 {
-        let mut lease = self.lease.lock().unwrap_or_else(PoisonError::into_inner);
-        if lease.expires.is_some_and(|expires| now >= expires) {
-            lease.expires = None;
-            std::mem::take(&mut lease.tokens)
-        } else {
-            0
-        }
-    }
-}
-
-/// A bucket a reload replaced (its rate changed) gives back the lease it held.
-impl Drop for SharedBucket {
-    fn drop(&mut self) {
-        let unspent = std::mem::take(&mut self.lease.get_mut().unwrap_or_else(PoisonError::into_inner).tokens);
-        if let Some(unsettled) = self.give_back(unspent) {
-            self.store.owe_for_gone(unsettled);
-        }
-    }
-}
-
-/// The shared buckets of token principals, one per principal, made at its first call.
-#[derive(Debug)]
-pub struct SharedKeyedBuckets {
-    store: Arc<SharedStore>,
-    rate: Rate,
-    buckets: Mutex<HashMap<String, Arc<SharedBucket>>>,
-}
-
-impl SharedKeyedBuckets {
-    pub fn new(store: &Arc<SharedStore>, rate: Rate) -> SharedKeyedBuckets {
-        SharedKeyedBuckets {
-            store: store.clone(),
-            rate,
-            buckets: Mutex::default(),
-        }
-    }
-
-    pub fn rate(&self) -> Rate {
-        self.rate
-    }
-
-    pub fn store(&self) -> &Arc<SharedStore> {
-        &self.store
-    }
-
-    /// `principal`'s bucket. Past a few thousand principals, those holding no lease and no call are forgotten.
-    pub fn bucket(&self, principal: &str) -> Arc<SharedBucket> {
-        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(bucket) = buckets.get(principal) {
-            return bucket.clone();
-        }
-        if buckets.len() >= KEYED_SWEEP_ABOVE {
-            buckets.retain(|_, bucket| {
-                Arc::strong_count(bucket) > 1 || bucket.lease.lock().unwrap_or_else(PoisonError::into_inner).tokens > 0
-            });
-        }
-        let bucket = self.store.bucket("token_principal", principal, self.rate);
-        buckets.insert(principal.to_owned(), bucket.clone());
-        bucket
-    }
-}
-
-/// A budget of generated tokens shared by every replica: checked as a call begins, charged when its answer ends.
-#[derive(Debug)]
-pub struct SharedTokens {
-    store: Arc<SharedStore>,
-    key: String,
-    rate: TokenRate,
-    /// Tokens charged that Redis has not taken yet: charged while it was away, or in a charge it did not answer.
-    owed: AtomicU64,
-    /// Redis said the budget is spent until then: calls are refused without asking again (charges only push that
-    /// time later; nothing gives tokens back to a budget).
-    refused_until: Mutex<Option<Instant>>,
-}
-
-impl SharedTokens {
-    pub fn new(store: &Arc<SharedStore>, scope: &str, name: &str, rate: TokenRate) -> SharedTokens {
-        SharedTokens {
-            store: store.clone(),
-            key: store.token_key(scope, name),
-            rate,
-            owed: AtomicU64::new(0),
-            refused_until: Mutex::new(None),
-        }
-    }
-
-    pub fn store(&self) -> &Arc<SharedStore> {
-        &self.store
-    }
-
-    /// Whether the budget has a token left, by Redis, or by the fallback with `local` (this replica's own charges).
-    pub async fn check(&self, local: &Gcra) -> Result<(), Duration> {
-        let store = &*self.store;
-        let (interval, burst) = (self.rate.interval(), self.rate.per_minute.get());
-        if store.reachable() {
-            let now = Instant::now();
-            let refused = *self.refused_until.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(until) = refused.filter(|until| now < *until) {
-                store.count(SharedLimit::Tokens, Decided::Refused);
-                return Err(until - now);
-            }
-            let deadline = tokio::time::Instant::now() + store.config.timeout;
-            if let Some(answer) = store
-                .step(Step::Check, &self.key, interval, burst, 1, 0, deadline)
-                .await
-            {
-                if answer.granted == 0 {
-                    *self.refused_until.lock().unwrap_or_else(PoisonError::into_inner) =
-                        Some(Instant::now() + answer.wait);
-                }
-                let decided = if answer.granted > 0 { Ok(()) } else { Err(answer.wait) };
-                store.count(
-                    SharedLimit::Tokens,
-                    if decided.is_ok() {
-                        Decided::Allowed
-                    } else {
-                        Decided::Refused
-                    },
-                );
-                return decided;
-            }
-        }
-        store.fallback_with(SharedLimit::Tokens, |replicas| {
-            local.check(interval * replicas, (burst / u64::from(replicas)).max(1))
-        })
-    }
-
-    /// Charges `tokens` to the budget in Redis, in the background (the answer has ended; nothing waits on it), with
-    /// whatever is owed, and to `local` as this replica's share, for the fallback. While Redis is away they are owed,
-    /// and paid once it answers.
-    pub fn charge(self: &Arc<Self>, local: &Gcra, tokens: u64) {
-        local.charge(tokens, self.rate.interval() * self.store.replicas());
-        if !self.store.reachable() {
-            self.owe(tokens);
-            return;
-        }
-        let shared = self.clone();
-        tokio::spawn(async move {
-            let tokens = tokens + shared.owed.swap(0, Ordering::AcqRel);
-            shared.send_charge(tokens).await;
-        });
-    }
-
-    /// One charge sent to Redis; owed again when it does not answer in time.
-    async fn send_charge(self: &Arc<Self>, tokens: u64) {
-        let deadline = tokio::time::Instant::now() + self.store.config.timeout;
-        let (interval, burst) = (self.rate.interval(), self.rate.per_minute.get());
-        let charged = self
-            .store
-            .step(Step::Charge, &self.key, interval, burst, tokens, 0, deadline)
-            .await;
-        if charged.is_none() {
-            self.owe(tokens);
-        }
-    }
-
-    /// `tokens` to charge this budget in Redis, if any.
-    fn to_charge(&self, tokens: u64) -> Option<Unsettled> {
-        (tokens > 0).then(|| Unsettled {
-            step: Step::Charge,
-            key: self.key.clone(),
-            interval: self.rate.interval(),
-            burst: self.rate.per_minute.get(),
-            tokens,
-        })
-    }
-
-    /// Adds to what is owed; a budget that owed nothing is listed with the store, which pays it once Redis answers.
-    fn owe(self: &Arc<Self>, tokens: u64) {
-        if self.owed.fetch_add(tokens, Ordering::AcqRel) == 0 {
-            let mut owing = self.store.owing.lock().unwrap_or_else(PoisonError::into_inner);
-            owing.retain(|tokens| tokens.strong_count() > 0);
-            owing.push(Arc::downgrade(self));
-        }
-    }
-}
-
-/// A budget a reload replaced (its rate changed) leaves what it owed to be charged.
-impl Drop for SharedTokens {
-    fn drop(&mut self) {
-        let owed = std::mem::take(self.owed.get_mut());
-        if let Some(unsettled) = self.to_charge(owed) {
-            self.store.owe_for_gone(unsettled);
-        }
     }
 }
