@@ -36,18 +36,20 @@ Writes target/bench/epp.json and target/bench/epp.md.
 import glob
 import json
 import os
+import platform
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import bench
+import bench_harness as harness
 
-TEMPLATE = bench.ROOT / "config" / "envoy-epp.yaml"
+TEMPLATE = harness.ROOT / "config" / "envoy-epp.yaml"
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 LARGE_ELEMENTS = 24_000  # FP32 values as a JSON writer prints them: about 220 KB
 LARGE_CONNECTIONS = 150
@@ -169,7 +171,7 @@ def find_envoy(given=None):
         return given
     if os.environ.get("INTEROP_ENVOY"):
         return os.environ["INTEROP_ENVOY"]
-    found = sorted(glob.glob(str(bench.ROOT / "target/interop/envoy/lib/python3*/site-packages/envoy/_bin/envoy")))
+    found = sorted(glob.glob(str(harness.ROOT / "target/interop/envoy/lib/python3*/site-packages/envoy/_bin/envoy")))
     return found[0] if found else None
 
 
@@ -181,7 +183,7 @@ def find_binary(given=None):
         if not has_epp(Path(given)):
             raise SystemExit(f"bench_epp: {given} has no `oipgate epp` (an older build?)")
         return Path(given)
-    for candidate in (bench.BINARY, bench.ROOT / "target" / "release" / "oipgate"):
+    for candidate in (harness.BINARY, harness.ROOT / "target" / "release" / "oipgate"):
         if has_epp(candidate):
             return candidate
     raise SystemExit("bench_epp: no build with `oipgate epp` (scripts/build-dist, or --binary)")
@@ -254,9 +256,9 @@ def workloads(connections, files):
     """(key, label, model, protocol, connections, what runs it: a function of the setup's REST and gRPC ports)."""
     small, grpc_small, large = files
     json_headers = {"Content-Type": "application/json"}
-    rest = lambda path, body, c, t, seconds: lambda ports: bench.wrk(
+    rest = lambda path, body, c, t, seconds: lambda ports: harness.wrk(
         f"http://127.0.0.1:{ports[0]}{path}", body, json_headers, seconds, c, t)
-    grpc = lambda c, m, seconds: lambda ports: bench.h2load(
+    grpc = lambda c, m, seconds: lambda ports: harness.h2load(
         f"http://127.0.0.1:{ports[1]}{GRPC_PATH}", grpc_small, seconds, c, m)
     streams = max(1, connections // 4)
     return [
@@ -272,9 +274,9 @@ def workloads(connections, files):
 
 
 def measured(label, load, processes):
-    """bench.run_one, with CPU in microseconds a request and the load generator's own CPU (this script's children)."""
+    """harness.run_one, with CPU in microseconds a request and the load generator's own CPU (this script's children)."""
     before = os.times()
-    run = bench.run_one(label, load, processes)
+    run = harness.run_one(label, load, processes)
     after = os.times()
     client = (after.children_user - before.children_user) + (after.children_system - before.children_system)
     run["cpu_us"] = {name: v * 1000.0 for name, v in run.pop("cpu_per_1k").items()}
@@ -310,8 +312,8 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
     print(f"bench_epp: measuring {binary}", flush=True)
     if not envoy or not Path(envoy).exists():
         raise SystemExit("bench_epp: no Envoy: run `scripts/interop --envoy` (scripts/bench does), or pass --envoy")
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-epp-"))
+    harness.OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="oipgate-epp-"))
     version = lambda cmd: (subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines() or [""])[-1]
     results = {"machine": machine(binary), "oipgate": version([str(binary), "--version"]),
                "envoy": (re.search(r"/(\d+\.\d+\.\d+)/", version([envoy, "--version"])) or [None, "?"])[1],
@@ -319,12 +321,12 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
                         "binary": str(binary), "envoy": envoy}, "runs": []}
     results["machine"]["oipgate"] = results["oipgate"]
     servers = {}
-    env = bench.gateway_env(workers)
+    env = harness.gateway_env(workers)
     try:
         replicas = []
         for name in ("a", "b"):
-            rest, grpc = bench.free_port(), bench.free_port()
-            servers[f"model-server {name}"] = bench.Server(
+            rest, grpc = harness.free_port(), harness.free_port()
+            servers[f"model-server {name}"] = harness.Server(
                 f"epp-model-server-{name}",
                 [str(binary), "model-server", "--rest", f"127.0.0.1:{rest}", "--grpc", f"127.0.0.1:{grpc}",
                  "--name", f"replica-{name}"], [rest, grpc])
@@ -333,31 +335,31 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
         pool = POOL_CONF.format(rest=", ".join(f'"127.0.0.1:{p}"' for p in rest_ports),
                                 grpc=", ".join(f'"127.0.0.1:{p}"' for p in grpc_ports))
         # oipgate serve
-        serve_rest, serve_grpc = bench.free_port(), bench.free_port()
+        serve_rest, serve_grpc = harness.free_port(), harness.free_port()
         serve_conf = work / "serve.toml"
         serve_conf.write_text(f'[listen]\nrest = "127.0.0.1:{serve_rest}"\ngrpc = "127.0.0.1:{serve_grpc}"\n' + pool)
-        servers["oipgate serve"] = bench.Server(
+        servers["oipgate serve"] = harness.Server(
             "epp-oipgate-serve", [str(binary), "serve", "--config", str(serve_conf)], [serve_rest, serve_grpc], env)
         # the picker
-        epp_port = bench.free_port()
+        epp_port = harness.free_port()
         epp_conf = work / "epp.toml"
         epp_conf.write_text(f'[listen]\nepp = "127.0.0.1:{epp_port}"\n' + pool)
-        servers["epp"] = bench.Server("epp-oipgate-epp", [str(binary), "epp", "--config", str(epp_conf)], [epp_port],
+        servers["epp"] = harness.Server("epp-oipgate-epp", [str(binary), "epp", "--config", str(epp_conf)], [epp_port],
                                       env)
         # the two Envoys
-        alone_listen, alone_admin = bench.free_port(), bench.free_port()
+        alone_listen, alone_admin = harness.free_port(), harness.free_port()
         alone_conf = work / "envoy-alone.yaml"
         alone_conf.write_text(alone_envoy_config(alone_listen, alone_admin, rest_ports, grpc_ports))
-        servers["envoy"] = bench.Server(
-            "epp-envoy-alone", [envoy, "-c", str(alone_conf), "--base-id", str(bench.free_port()), "-l", "warning"],
+        servers["envoy"] = harness.Server(
+            "epp-envoy-alone", [envoy, "-c", str(alone_conf), "--base-id", str(harness.free_port()), "-l", "warning"],
             [alone_listen, alone_admin])
-        picker_listen, picker_admin = bench.free_port(), bench.free_port()
+        picker_listen, picker_admin = harness.free_port(), harness.free_port()
         picker_conf = work / "envoy-epp.yaml"
         picker_conf.write_text(picker_envoy_config(picker_listen, epp_port, picker_admin, rest_ports, grpc_ports))
         results["processing_mode"] = processing_mode(picker_conf.read_text())
         print(f"bench_epp: envoy + epp processing mode: {results['processing_mode']}", flush=True)
-        servers["envoy (epp)"] = bench.Server(
-            "epp-envoy-picker", [envoy, "-c", str(picker_conf), "--base-id", str(bench.free_port()), "-l", "warning"],
+        servers["envoy (epp)"] = harness.Server(
+            "epp-envoy-picker", [envoy, "-c", str(picker_conf), "--base-id", str(harness.free_port()), "-l", "warning"],
             [picker_listen, picker_admin])
         until = time.time() + 60
         while not picker_healthy(picker_admin):
@@ -365,14 +367,14 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
                 raise SystemExit("bench_epp: Envoy never found the picker healthy")
             time.sleep(0.1)
 
-        small_body, _ = bench.add_sub_json("1")
-        small = bench.write(bench.OUT / "epp_add_sub.json", small_body)
-        grpc_body, _ = bench.add_sub_json("2")
+        small_body, _ = harness.add_sub_json("1")
+        small = harness.write(harness.OUT / "epp_add_sub.json", small_body)
+        grpc_body, _ = harness.add_sub_json("2")
         message = convert(binary, grpc_body)
-        grpc_small = bench.write(bench.OUT / "epp_add_sub.grpc",
-                                 bench.grpc_frame(bench.encode_name(message, "add_sub", "2")))
-        large_body = bench.fp32_json(LARGE_ELEMENTS)
-        large = bench.write(bench.OUT / "epp_220k.json", large_body)
+        grpc_small = harness.write(harness.OUT / "epp_add_sub.grpc",
+                                 harness.grpc_frame(harness.encode_name(message, "add_sub", "2")))
+        large_body = harness.fp32_json(LARGE_ELEMENTS)
+        large = harness.write(harness.OUT / "epp_220k.json", large_body)
         results["large_bytes"] = len(large_body)
         files = (small, grpc_small, large)
 
@@ -411,33 +413,33 @@ def epp_costs(seconds, rounds, connections, workers, binary=None, envoy=None):
     finally:
         for server in reversed(list(servers.values())):
             server.stop()
-    (bench.OUT / "epp.json").write_text(json.dumps(results, indent=2))
-    (bench.OUT / "epp.md").write_text("\n".join(["# Endpoint picker (oipgate epp) behind Envoy", ""] + report(results)
+    (harness.OUT / "epp.json").write_text(json.dumps(results, indent=2))
+    (harness.OUT / "epp.md").write_text("\n".join(["# Endpoint picker (oipgate epp) behind Envoy", ""] + report(results)
                                                 + ["", "| scenario | round | measured | target | verdict |",
                                                    "|---|---|---|---|---|"] + targets(results)) + "\n")
-    print(f"bench_epp: wrote {bench.OUT / 'epp.md'} and {bench.OUT / 'epp.json'}", flush=True)
+    print(f"bench_epp: wrote {harness.OUT / 'epp.md'} and {harness.OUT / 'epp.json'}", flush=True)
     return results
 
 
 def machine(binary):
-    """bench.machine(), which asks the production build and nginx their versions, for a run that may have neither."""
-    saved = bench.BINARY
-    bench.BINARY = binary
+    """harness.machine(), which asks the production build and nginx their versions, for a run that may have neither."""
+    saved = harness.BINARY
+    harness.BINARY = binary
     try:
-        return bench.machine()
+        return harness.machine()
     except OSError:
         version = lambda cmd: (subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
                                or "?").splitlines()[0]
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                     if line.startswith("model name")), "unknown")
-        return {"cpu": cpu, "cores": os.cpu_count(), "kernel": bench.platform.release(), "wrk": version(["wrk", "-v"]),
+        return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "wrk": version(["wrk", "-v"]),
                 "h2load": version(["h2load", "--version"]), "date": time.strftime("%Y-%m-%d")}
     finally:
-        bench.BINARY = saved
+        harness.BINARY = saved
 
 
 def convert(binary, body):
-    """bench.convert, with the binary measured (bench.convert runs the production build's)."""
+    """harness.convert, with the binary measured (harness.convert runs the production build's)."""
     done = subprocess.run([str(binary), "convert", "--from", "json", "--to", "protobuf"], input=body,
                           capture_output=True, check=True)
     return done.stdout
@@ -529,7 +531,7 @@ def targets(results):
 def main():
     # This scenario's small-request concurrency is 16 unless --connections says otherwise.
     sys.argv[1:1] = ["--connections", "16"]
-    bench.scenario_main(__doc__, epp_costs, "epp", report, targets=targets,
+    harness.scenario_main(__doc__, epp_costs, "epp", report, targets=targets,
                         extra=(("--binary", "the oipgate measured (default target/dist/oipgate, else the release "
                                             "build)"),
                                ("--envoy", "Envoy's binary (default scripts/interop's, or $INTEROP_ENVOY)")))

@@ -36,7 +36,7 @@ import shutil
 import subprocess
 import time
 
-import bench
+import bench_harness as harness
 
 CALLGRIND_TIMEOUT = 120.0
 # The cache misses reported with --cache, of those callgrind's simulation counts.
@@ -45,25 +45,25 @@ MISSES = ("I1mr", "D1mr", "D1mw")
 
 def wrk_load(url, body):
     """Drives `url` with wrk (1 thread x 8 connections) posting `body`: the REST rows' load."""
-    return lambda seconds: bench.wrk(url, body, {"Content-Type": "application/json"}, seconds, 8, 1)
+    return lambda seconds: harness.wrk(url, body, {"Content-Type": "application/json"}, seconds, 8, 1)
 
 
 def h2load_load(url, body):
     """Drives `url` with h2load (1 connection x 8 streams) sending the gRPC frame in `body`: the gRPC rows' load."""
-    return lambda seconds: bench.h2load(url, body, seconds, 1, 8)
+    return lambda seconds: harness.h2load(url, body, seconds, 1, 8)
 
 
 def counted(name, command, port, load, seconds, env=None, cache=False):
     """Runs `command` under callgrind, drives it with `load` for `seconds`; its totals by event and requests."""
-    out = bench.OUT / f"callgrind-{name}-{seconds}.out"
-    server = bench.Server(
+    out = harness.OUT / f"callgrind-{name}-{seconds}.out"
+    server = harness.Server(
         f"callgrind-{name}",
         ["valgrind", "--tool=callgrind", f"--cache-sim={'yes' if cache else 'no'}", f"--callgrind-out-file={out}",
          *command],
         [],
         env,
     )
-    if not bench.wait_port(port, timeout=CALLGRIND_TIMEOUT):
+    if not harness.wait_port(port, timeout=CALLGRIND_TIMEOUT):
         server.stop()
         raise SystemExit(f"bench: {name} under callgrind does not listen on {port}: {server.log.read_text()[-2000:]}")
     time.sleep(1)
@@ -121,33 +121,33 @@ def per_request(name, command, port, url, body, seconds, env=None, cache=False, 
 def run(seconds, workers, binary, cache=False):
     if not shutil.which("valgrind"):
         raise SystemExit("bench: valgrind is needed (apt-get install valgrind)")
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    work = bench.OUT / "instructions"
+    harness.OUT.mkdir(parents=True, exist_ok=True)
+    work = harness.OUT / "instructions"
     work.mkdir(exist_ok=True)
-    body, _ = bench.add_sub_json(1)
-    body_file = bench.write(bench.OUT / "add_sub.json", body)
-    message, _ = bench.convert(bench.add_sub_json("2")[0], "json", "protobuf")
-    grpc_file = bench.write(bench.OUT / "add_sub.grpc", bench.grpc_frame(bench.encode_name(message, "add_sub", "2")))
+    body, _ = harness.add_sub_json(1)
+    body_file = harness.write(harness.OUT / "add_sub.json", body)
+    message, _ = harness.convert(harness.add_sub_json("2")[0], "json", "protobuf")
+    grpc_file = harness.write(harness.OUT / "add_sub.grpc", harness.grpc_frame(harness.encode_name(message, "add_sub", "2")))
     grpc_path = "/inference.GRPCInferenceService/ModelInfer"
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "floor_h2",
+    ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "floor_h2",
                                             "haproxy", "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
-    backend = bench.model_server("model-server", ports)
+    backend = harness.model_server("model-server", ports)
     results = {}
     try:
-        config = bench.gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
-        env = bench.gateway_env(workers)
+        config = harness.gateway_config(work / "gateway.toml", ports["rest"], ports["grpc"], ports)
+        env = harness.gateway_env(workers)
         gateway = [str(binary), "serve", "--config", str(config)]
         rest = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub"
         results["oipgate REST passthrough"] = per_request(
             "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env, cache)
-        # As users run it: the access log on (the default `info`), its stderr a file (bench.Server's log).
+        # As users run it: the access log on (the default `info`), its stderr a file (harness.Server's log).
         logged = dict(env)
         logged.pop("RUST_LOG", None)
         results["oipgate REST passthrough, access log on"] = per_request(
             "oipgate-logged", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, logged, cache)
         results["oipgate REST JSON -> gRPC"] = per_request(
             "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env, cache)
-        floor = bench.floor_binaries()["floor_hyper"]
+        floor = harness.floor_binaries()["floor_hyper"]
         results["floor: smallest hyper proxy"] = per_request(
             "floor", [floor, "--listen", f"127.0.0.1:{ports['floor']}", "--upstream",
                       f"127.0.0.1:{ports['backend_rest']}", "--threads", str(workers)],
@@ -168,7 +168,7 @@ def run(seconds, workers, binary, cache=False):
         haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
         if haproxy:
             haproxy_conf = work / "haproxy.cfg"
-            haproxy_conf.write_text(bench.HAPROXY_CONF.format(
+            haproxy_conf.write_text(harness.HAPROXY_CONF.format(
                 workers=workers, haproxy_rest=ports["haproxy"], haproxy_grpc=ports["haproxy_grpc"],
                 haproxy_rest_logged=ports["haproxy_rest_logged"], haproxy_grpc_logged=ports["haproxy_grpc_logged"],
                 rest=ports["backend_rest"], grpc=ports["backend_grpc"]))
@@ -215,11 +215,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--binary", default=str(bench.BINARY), help="the oipgate to count (another build, to compare)")
+    parser.add_argument("--binary", default=str(harness.BINARY), help="the oipgate to count (another build, to compare)")
     parser.add_argument("--cache", action="store_true", help="simulate the caches too, and report misses a request")
     args = parser.parse_args()
     results = run(args.seconds, args.workers, args.binary, args.cache)
-    (bench.OUT / "instructions.json").write_text(json.dumps(results, indent=2))
+    (harness.OUT / "instructions.json").write_text(json.dumps(results, indent=2))
     print("\n".join(report(results)))
 
 

@@ -12,10 +12,11 @@ Run by scripts/bench (`--only 8`), or alone once the production binary is built 
 
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
-import bench
+import bench_harness as harness
 
 ENDPOINTS = 100
 INTERVAL_MS = 100
@@ -35,19 +36,19 @@ def gateway_config(rest, grpc, backend_port, endpoints, lb, load):
 
 
 def start_gateway(work, name, backend_port, endpoints, lb, load, env):
-    ports = {k: bench.free_port() for k in ("rest", "grpc")}
+    ports = {k: harness.free_port() for k in ("rest", "grpc")}
     path = work / f"{name}.toml"
     path.write_text(gateway_config(ports["rest"], ports["grpc"], backend_port, endpoints, lb, load))
-    server = bench.Server(name, [str(bench.BINARY), "serve", "--config", str(path)], [ports["rest"]], env)
+    server = harness.Server(name, [str(harness.BINARY), "serve", "--config", str(path)], [ports["rest"]], env)
     return server, ports
 
 
 def load_costs(seconds, rounds, connections, workers):
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-load-"))
-    port = bench.free_port()
-    backend = bench.Server("model-server-load", [str(bench.BINARY), "model-server", "--rest", f"0.0.0.0:{port}"],
+    work = Path(tempfile.mkdtemp(prefix="oipgate-load-"))
+    port = harness.free_port()
+    backend = harness.Server("model-server-load", [str(harness.BINARY), "model-server", "--rest", f"0.0.0.0:{port}"],
                            [port])
-    env = bench.gateway_env(workers)
+    env = harness.gateway_env(workers)
     results = {"idle": [], "load": []}
     servers = []
     try:
@@ -57,22 +58,22 @@ def load_costs(seconds, rounds, connections, workers):
         time.sleep(1.0)
         for _ in range(rounds):
             for name, server in (("with load", scraping), ("without load", quiet)):
-                before = bench.cpu_seconds(server.pid)
+                before = harness.cpu_seconds(server.pid)
                 time.sleep(seconds)
-                cpu = bench.cpu_seconds(server.pid) - before
+                cpu = harness.cpu_seconds(server.pid) - before
                 results["idle"].append({"setup": name, "cpu_seconds": cpu, "seconds": seconds})
                 print(f"  8a: {name:<13} idle {seconds} s: {cpu:.3f} CPU s", flush=True)
         least, least_ports = start_gateway(work, "least-load", port, 2, "least_load", True, env)
         rotating, rotating_ports = start_gateway(work, "round-robin", port, 2, "round_robin", False, env)
         servers += [least, rotating]
-        body, _ = bench.add_sub_json("1")
-        body_file = bench.write(bench.OUT / "add_sub_load.json", body)
+        body, _ = harness.add_sub_json("1")
+        body_file = harness.write(harness.OUT / "add_sub_load.json", body)
         headers = {"Content-Type": "application/json"}
         threads = min(2, os.cpu_count() or 1)
         for _ in range(rounds):
             for name, server, ports in (("least_load", least, least_ports), ("round_robin", rotating, rotating_ports)):
                 url = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub/infer"
-                run = bench.run_one(name, lambda: bench.wrk(url, body_file, headers, seconds, connections, threads),
+                run = harness.run_one(name, lambda: harness.wrk(url, body_file, headers, seconds, connections, threads),
                                     {"oipgate": server, "model-server": backend})
                 print(f"  8b: {name:<12} {run['rps']:>9.1f} req/s, oipgate CPU {run['cpu_per_1k']['oipgate']:.4f} s/1k, "
                       f"errors {run['errors']}", flush=True)
@@ -109,7 +110,7 @@ def report(results):
 
 
 def main():
-    bench.scenario_main(__doc__, load_costs, "load", report)
+    harness.scenario_main(__doc__, load_costs, "load", report)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ import os
 import signal
 import statistics
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-import bench
+import bench_harness as harness
 
 BACKENDS = 200
 SIZES = (1, 1000, 10000)
@@ -82,20 +83,20 @@ def wait_ready(port, timeout=60.0):
 
 def settle_rss(pid, seconds=1.5):
     time.sleep(seconds)
-    return bench.status_kib(pid, "VmRSS") / 1024
+    return harness.status_kib(pid, "VmRSS") / 1024
 
 
 def start(work, models, backend_rest, env, backends=BACKENDS):
-    ports = {k: bench.free_port() for k in ("rest", "grpc", "metrics")}
+    ports = {k: harness.free_port() for k in ("rest", "grpc", "metrics")}
     path = work / f"scale-{models}-{backends}.toml"
     path.write_text(config_text(models, ports["rest"], ports["grpc"], ports["metrics"], backend_rest, backends))
     started = time.perf_counter()
-    done = subprocess.run([str(bench.BINARY), "check-config", str(path)], capture_output=True, text=True)
+    done = subprocess.run([str(harness.BINARY), "check-config", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench: the {models}-model configuration is refused: {done.stderr[-2000:]}")
     check_ms = (time.perf_counter() - started) * 1e3
     started = time.perf_counter()
-    server = bench.Server(f"oipgate-{models}-{backends}", [str(bench.BINARY), "serve", "--config", str(path)],
+    server = harness.Server(f"oipgate-{models}-{backends}", [str(harness.BINARY), "serve", "--config", str(path)],
                           [ports["rest"], ports["metrics"]], env)
     if not wait_ready(ports["rest"]):
         raise SystemExit(f"bench: the {models}-model gateway does not answer")
@@ -132,12 +133,12 @@ def measure_idle(server, ports, figures, body):
 
 def scale(seconds, rounds, connections, workers):
     """Runs scenario 7; its results (a dict per gateway, and the alternated load runs)."""
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-scale-"))
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc")}
-    backend = bench.model_server("model-server-scale", ports)
-    env = bench.gateway_env(workers)
-    body, _ = bench.add_sub_json("1")
-    body_file = bench.write(bench.OUT / "add_sub_scale.json", body)
+    work = Path(tempfile.mkdtemp(prefix="oipgate-scale-"))
+    ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc")}
+    backend = harness.model_server("model-server-scale", ports)
+    env = harness.gateway_env(workers)
+    body, _ = harness.add_sub_json("1")
+    body_file = harness.write(harness.OUT / "add_sub_scale.json", body)
     gateways, results = {}, {"gateways": [], "load": []}
     try:
         # What 199 more backends cost: the 1-model gateway with one backend, for the per-backend figure.
@@ -155,11 +156,11 @@ def scale(seconds, rounds, connections, workers):
         for _ in range(rounds):
             for models, (server, gateway_ports) in gateways.items():
                 url = f"http://127.0.0.1:{gateway_ports['rest']}/v2/models/m{models - 1:05}/infer"
-                run = bench.run_one(f"{models} models", lambda: bench.wrk(url, body_file, headers, seconds, connections,
+                run = harness.run_one(f"{models} models", lambda: harness.wrk(url, body_file, headers, seconds, connections,
                                                                           threads),
                                     {"oipgate": server, "model-server": backend})
                 run["models"] = models
-                run["rss_after_load_mib"] = bench.status_kib(server.pid, "VmRSS") / 1024
+                run["rss_after_load_mib"] = harness.status_kib(server.pid, "VmRSS") / 1024
                 print(f"  7: {models:>6} models: {run['rps']:>9.1f} req/s, oipgate CPU "
                       f"{run['cpu_per_1k']['oipgate']:.3f} s/1k, errors {run['errors']}", flush=True)
                 results["load"].append(run)
@@ -219,7 +220,7 @@ def targets(results):
 
 
 def main():
-    bench.scenario_main(__doc__, scale, "scale", report, targets)
+    harness.scenario_main(__doc__, scale, "scale", report, targets)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import bench
+import bench_harness as harness
 import bench_epp
 
 # The key whose sha256 AUTH_CONF holds.
@@ -71,8 +72,8 @@ P99_TARGET_MS = 0.2
 def config_text(rest, grpc, metrics, ports, lease, prefix):
     """Scenario 1's configuration with its [auth] and a metrics listener; with `[limits.shared]` at `lease` calls
     under `prefix` unless `lease` is None."""
-    text = bench.GATEWAY_CONF.format(rest=rest, grpc=grpc, backend_rest=ports["backend_rest"],
-                                     backend_grpc=ports["backend_grpc"]) + bench.AUTH_CONF
+    text = harness.GATEWAY_CONF.format(rest=rest, grpc=grpc, backend_rest=ports["backend_rest"],
+                                     backend_grpc=ports["backend_grpc"]) + harness.AUTH_CONF
     # The metrics listener belongs in [listen], which GATEWAY_CONF opens; every setup has one so they differ only
     # in [limits.shared].
     door = f'grpc = "127.0.0.1:{grpc}"\n'
@@ -89,7 +90,7 @@ def find_binary(given=None):
     def knows_shared(path):
         if not path.exists():
             return False
-        with bench.tempfile.TemporaryDirectory(prefix="oipgate-shared-check-") as work:
+        with tempfile.TemporaryDirectory(prefix="oipgate-shared-check-") as work:
             probe = Path(work) / "gateway.toml"
             ports = {"backend_rest": 1, "backend_grpc": 2, "redis": 3}
             probe.write_text(config_text(4, 5, 6, ports, 20, "probe:"))
@@ -99,7 +100,7 @@ def find_binary(given=None):
         if not knows_shared(Path(given)):
             raise SystemExit(f"bench_shared_limits: {given} is missing or has no [limits.shared] (an older build?)")
         return Path(given)
-    for candidate in (bench.BINARY, bench.ROOT / "target" / "release" / "oipgate"):
+    for candidate in (harness.BINARY, harness.ROOT / "target" / "release" / "oipgate"):
         if knows_shared(candidate):
             return candidate
     raise SystemExit("bench_shared_limits: no build with [limits.shared] (scripts/build-dist, or --binary)")
@@ -179,8 +180,8 @@ def shared_limit_costs(seconds, rounds, connections, workers, binary=None):
         raise SystemExit("bench_shared_limits: no redis-server: run `scripts/setup --tests`")
     binary = find_binary(binary)
     print(f"bench_shared_limits: measuring {binary}", flush=True)
-    bench.OUT.mkdir(parents=True, exist_ok=True)
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-shared-limits-"))
+    harness.OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="oipgate-shared-limits-"))
     version = lambda cmd: (subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines() or [""])[-1]
     results = {"machine": bench_epp.machine(binary), "oipgate": version([str(binary), "--version"]),
                "redis": (re.search(r"v=(\S+)", version(["redis-server", "--version"])) or [None, "?"])[1],
@@ -189,13 +190,13 @@ def shared_limit_costs(seconds, rounds, connections, workers, binary=None):
     results["machine"]["oipgate"] = results["oipgate"]
     servers = []
     try:
-        ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "redis")}
-        backend = bench.Server(
+        ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc", "redis")}
+        backend = harness.Server(
             "shared-limits-model-server",
             [str(binary), "model-server", "--rest", f"127.0.0.1:{ports['backend_rest']}", "--grpc",
              f"127.0.0.1:{ports['backend_grpc']}"], [ports["backend_rest"], ports["backend_grpc"]])
         servers.append(backend)
-        redis = bench.Server(
+        redis = harness.Server(
             "shared-limits-redis",
             ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "", "--appendonly",
              "no", "--protected-mode", "no", "--loglevel", "warning", "--dir", str(work)], [ports["redis"]])
@@ -205,18 +206,18 @@ def shared_limit_costs(seconds, rounds, connections, workers, binary=None):
             if time.time() > until:
                 raise SystemExit("bench_shared_limits: redis-server does not answer PING")
             time.sleep(0.05)
-        env = bench.gateway_env(workers)
+        env = harness.gateway_env(workers)
         gateways = []
         for name, lease, prefix in SETUPS:
-            own = {k: bench.free_port() for k in ("rest", "grpc", "metrics")}
+            own = {k: harness.free_port() for k in ("rest", "grpc", "metrics")}
             path = work / f"{name.replace(', ', '-').replace(' ', '-')}.toml"
             path.write_text(config_text(own["rest"], own["grpc"], own["metrics"], ports, lease, prefix))
-            server = bench.Server(f"shared-limits-oipgate-{path.stem}",
+            server = harness.Server(f"shared-limits-oipgate-{path.stem}",
                                   [str(binary), "serve", "--config", str(path)], [own["rest"], own["metrics"]], env)
             servers.append(server)
             gateways.append((name, lease, dict(own, server=server)))
-        body, _ = bench.add_sub_json("1")
-        body_file = bench.write(bench.OUT / "shared_limits_add_sub.json", body)
+        body, _ = harness.add_sub_json("1")
+        body_file = harness.write(harness.OUT / "shared_limits_add_sub.json", body)
         preflight(gateways, body_file)
         time.sleep(1.0)
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
@@ -227,7 +228,7 @@ def shared_limit_costs(seconds, rounds, connections, workers, binary=None):
             for name, lease, gateway in gateways[start:] + gateways[:start]:
                 url = f"http://127.0.0.1:{gateway['rest']}/v2/models/add_sub/versions/1/infer"
                 before = shared_metrics(gateway["metrics"])
-                run = bench_epp.measured(name, lambda: bench.wrk(url, body_file, headers, seconds, connections,
+                run = bench_epp.measured(name, lambda: harness.wrk(url, body_file, headers, seconds, connections,
                                                                  threads),
                                          {"gateway": gateway["server"], "redis-server": redis,
                                           "model-server": backend})
@@ -248,12 +249,12 @@ def shared_limit_costs(seconds, rounds, connections, workers, binary=None):
     finally:
         for server in reversed(servers):
             server.stop()
-    (bench.OUT / "shared_limits.json").write_text(json.dumps(results, indent=2))
-    (bench.OUT / "shared_limits.md").write_text("\n".join(
+    (harness.OUT / "shared_limits.json").write_text(json.dumps(results, indent=2))
+    (harness.OUT / "shared_limits.md").write_text("\n".join(
         ["# Rate limits shared through Redis against per-replica limits", ""] + report(results)
         + ["", "| scenario | round | measured | target | verdict |", "|---|---|---|---|---|"] + targets(results))
         + "\n")
-    print(f"bench_shared_limits: wrote {bench.OUT / 'shared_limits.md'} and {bench.OUT / 'shared_limits.json'}",
+    print(f"bench_shared_limits: wrote {harness.OUT / 'shared_limits.md'} and {harness.OUT / 'shared_limits.json'}",
           flush=True)
     return results
 
@@ -382,13 +383,13 @@ def instruction_costs(seconds, binary=None):
     import bench_instructions
 
     binary = find_binary(binary)
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-shared-instructions-"))
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "redis", "rest", "grpc", "metrics")}
-    body, _ = bench.add_sub_json(1)
-    body_file = bench.write(bench.OUT / "add_sub.json", body)
+    work = Path(tempfile.mkdtemp(prefix="oipgate-shared-instructions-"))
+    ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc", "redis", "rest", "grpc", "metrics")}
+    body, _ = harness.add_sub_json(1)
+    body_file = harness.write(harness.OUT / "add_sub.json", body)
     servers = [
-        bench.model_server("instructions-model-server", ports),
-        bench.Server("instructions-redis",
+        harness.model_server("instructions-model-server", ports),
+        harness.Server("instructions-redis",
                      ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
                       "--appendonly", "no", "--loglevel", "warning", "--dir", str(work)], [ports["redis"]]),
     ]
@@ -396,14 +397,14 @@ def instruction_costs(seconds, binary=None):
     try:
         url = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub/infer"
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
-        load = lambda span: bench.wrk(url, body_file, headers, span, 8, 1)
+        load = lambda span: harness.wrk(url, body_file, headers, span, 8, 1)
         for name, lease, prefix in SETUPS:
             text = config_text(ports["rest"], ports["grpc"], ports["metrics"], ports, lease, prefix)
             path = work / f"{name.replace(' ', '').replace(',', '-')}.toml"
             path.write_text(text.replace("timeout_ms = 20", "timeout_ms = 1000"))
             command = [str(binary), "serve", "--config", str(path)]
             counted = bench_instructions.per_request(
-                f"shared-{lease}", command, ports["rest"], url, body_file, seconds, bench.gateway_env(1), load=load)
+                f"shared-{lease}", command, ports["rest"], url, body_file, seconds, harness.gateway_env(1), load=load)
             results[name] = round(counted["instructions"])
             print(f"  11 {name:<20} {results[name]:>8,} instructions a request", flush=True)
     finally:
@@ -417,7 +418,7 @@ def main():
         seconds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
         print(json.dumps(instruction_costs(seconds), indent=1))
         return
-    bench.scenario_main(__doc__, shared_limit_costs, "shared_limits", report, targets=targets, rounds=5,
+    harness.scenario_main(__doc__, shared_limit_costs, "shared_limits", report, targets=targets, rounds=5,
                         extra=(("--binary", "the oipgate measured (default target/dist/oipgate, else the release "
                                             "build)"),))
 

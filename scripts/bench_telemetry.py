@@ -16,10 +16,11 @@ Run by scripts/bench (`--only 9`), or alone once the production binary is built 
 
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
-import bench
+import bench_harness as harness
 
 VARIANTS = (
     ("off", ""),
@@ -34,31 +35,31 @@ PATHS = (
 
 
 def telemetry_costs(seconds, rounds, connections, workers, baseline=None):
-    work = Path(bench.tempfile.mkdtemp(prefix="oipgate-telemetry-"))
-    ports = {k: bench.free_port() for k in ("backend_rest", "backend_grpc", "otlp", "events")}
-    backend = bench.model_server("model-server-telemetry", ports)
-    sinks_binary = bench.bench_binaries(("telemetry_sinks",))["telemetry_sinks"]
-    sinks = bench.Server(
+    work = Path(tempfile.mkdtemp(prefix="oipgate-telemetry-"))
+    ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc", "otlp", "events")}
+    backend = harness.model_server("model-server-telemetry", ports)
+    sinks_binary = harness.bench_binaries(("telemetry_sinks",))["telemetry_sinks"]
+    sinks = harness.Server(
         "telemetry-sinks",
         [sinks_binary, "--otlp", f"127.0.0.1:{ports['otlp']}", "--events", f"127.0.0.1:{ports['events']}"],
         [ports["otlp"], ports["events"]],
     )
-    env = bench.gateway_env(workers)
+    env = harness.gateway_env(workers)
     gateways = []
     results = {"runs": []}
-    variants = [(name, section, bench.BINARY) for name, section in VARIANTS]
+    variants = [(name, section, harness.BINARY) for name, section in VARIANTS]
     if baseline:
         variants.insert(0, ("baseline binary", "", Path(baseline)))
     try:
         for name, section, binary in variants:
-            rest, grpc = bench.free_port(), bench.free_port()
-            path = bench.gateway_config(work / f"{name.replace(' ', '-')}.toml", rest, grpc, ports,
+            rest, grpc = harness.free_port(), harness.free_port()
+            path = harness.gateway_config(work / f"{name.replace(' ', '-')}.toml", rest, grpc, ports,
                                         section.format(otlp=ports["otlp"], events=ports["events"]))
-            server = bench.Server(f"oipgate-{name}", [str(binary), "serve", "--config", str(path)], [rest], env)
+            server = harness.Server(f"oipgate-{name}", [str(binary), "serve", "--config", str(path)], [rest], env)
             gateways.append((name, server, rest))
         time.sleep(1.0)
-        body, _ = bench.add_sub_json("1")
-        body_file = bench.write(bench.OUT / "add_sub_telemetry.json", body)
+        body, _ = harness.add_sub_json("1")
+        body_file = harness.write(harness.OUT / "add_sub_telemetry.json", body)
         headers = {"Content-Type": "application/json"}
         threads = min(2, os.cpu_count() or 1)
         for round_index in range(rounds):
@@ -68,7 +69,7 @@ def telemetry_costs(seconds, rounds, connections, workers, baseline=None):
             for key, _, target in PATHS:
                 for name, server, rest in order:
                     url = f"http://127.0.0.1:{rest}{target}"
-                    run = bench.run_one(name, lambda: bench.wrk(url, body_file, headers, seconds, connections, threads),
+                    run = harness.run_one(name, lambda: harness.wrk(url, body_file, headers, seconds, connections, threads),
                                         {"oipgate": server, "model-server": backend, "sinks": sinks})
                     run["path"] = key
                     results["runs"].append(run)
@@ -132,7 +133,7 @@ def targets(results):
 
 
 def main():
-    bench.scenario_main(__doc__, telemetry_costs, "telemetry", report, targets, rounds=3,
+    harness.scenario_main(__doc__, telemetry_costs, "telemetry", report, targets, rounds=3,
                         extra=[("--baseline", "an older oipgate binary run with the same configuration as off")])
 
 
