@@ -263,6 +263,67 @@ enum Outage {
     Frozen,
 }
 
+/// A restarted Redis has lost the heartbeat set: the first replica to beat again counts only itself. It keeps the
+/// count it held until the others have had time to beat (were Redis to go away again meanwhile, each replica alone
+/// would take the whole budget), and lets it go once they have not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_redis_does_not_make_a_replica_count_itself_alone() {
+    let _alone = ONE_FLEET_AT_A_TIME.lock().await;
+    let mut redis = RedisProcess::start();
+    let server = ModelServerProcess::rest_only(&[]);
+    let config = config(
+        &server,
+        &redis,
+        "{ per_second = 100.0, burst = 100 }",
+        "timeout_ms = 50",
+    );
+    let first = GatewayProcess::start_with(&config, &[], true);
+    let second = GatewayProcess::start(&config);
+    let replicas = "oipgate_shared_limits_replicas";
+    for replica in [&first, &second] {
+        common::eventually(Duration::from_secs(10), "both replicas counted in Redis", || async {
+            replica.metric_if_present(replicas).await == Some(2.0)
+        })
+        .await;
+    }
+    // The second replica frozen: it beats no more, so the first is the only one Redis hears once restarted.
+    second.signal("STOP");
+    redis.stop();
+    first
+        .logged("the first replica noticing Redis is away", |lines| {
+            lines.iter().any(|line| line.contains("Redis is unreachable"))
+        })
+        .await;
+    redis.resume_after_stop();
+    let lines = first
+        .logged("the first replica hearing Redis again", |lines| {
+            lines.iter().any(|line| line.contains("Redis answers again"))
+        })
+        .await;
+    let back = lines.iter().find(|line| line.contains("Redis answers again")).unwrap();
+    assert_eq!(
+        redis.command(&["ZCARD", "test:replicas"]).as_deref(),
+        Some(":1"),
+        "the restarted Redis holds the first replica alone"
+    );
+    assert!(
+        back.contains("replicas=2"),
+        "the count held when Redis came back: {back}"
+    );
+    // The frozen replica does not beat within the time one counts as alive: the first counts itself alone then.
+    common::eventually(
+        Duration::from_secs(10),
+        "the frozen replica no longer counted",
+        || async { first.metric(replicas).await == 1.0 },
+    )
+    .await;
+    second.signal("CONT");
+    common::eventually(Duration::from_secs(10), "the thawed replica counted again", || async {
+        first.metric(replicas).await == 2.0
+    })
+    .await;
+}
+
 /// Redis's calls of `operation` each replica made that were not answered.
 async fn unanswered(replicas: &[GatewayProcess], operation: &str) -> Vec<f64> {
     let series = format!("oipgate_shared_limit_redis_unanswered_total{{operation=\"{operation}\"}}");

@@ -451,6 +451,9 @@ impl GatewayProcess {
             "HUP" => Signal::SIGHUP,
             "QUIT" => Signal::SIGQUIT,
             "USR1" => Signal::SIGUSR1,
+            // Frozen and thawed: a replica that stops answering without going away.
+            "STOP" => Signal::SIGSTOP,
+            "CONT" => Signal::SIGCONT,
             other => panic!("no signal {other}"),
         };
         let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());

@@ -87,6 +87,8 @@ pub struct SharedStore {
     heard: AtomicBool,
     /// Replicas that said they were alive recently, this one included.
     replicas: AtomicU32,
+    /// The count held after a heartbeat found the set without this replica, and until when (see [`Self::recount`]).
+    held_count: Mutex<Option<(u32, Instant)>>,
     /// This replica's name in the heartbeat set.
     id: String,
     metrics: Arc<Metrics>,
@@ -144,6 +146,7 @@ impl SharedStore {
             reachable: AtomicBool::new(true),
             heard: AtomicBool::new(false),
             replicas: AtomicU32::new(1),
+            held_count: Mutex::default(),
             id: format!("{}-{:016x}", std::process::id(), fastrand::u64(..)),
             metrics: metrics.clone(),
             leased: Mutex::default(),
@@ -419,15 +422,41 @@ impl SharedStore {
             .shared_limits_state(self.config.when_unreachable.label(), true, replicas.max(1));
     }
 
+    /// The replicas to reckon with, from a heartbeat's count. A heartbeat that had to add this replica to the set it
+    /// was already in finds the set lost (Redis restarted or flushed) or itself forgotten (away longer than
+    /// [`SEEN_FOR_MS`]): the others are counted again only as each next beats, within that time, so until then the
+    /// count this replica held stands, rather than the one or few that beat first (should Redis go away again
+    /// meanwhile, each would take the whole budget for its own share).
+    fn recount(&self, added: bool, counted: u32) -> u32 {
+        let now = Instant::now();
+        let mut held = self.held_count.lock().unwrap_or_else(PoisonError::into_inner);
+        if added && self.heard.load(Ordering::Acquire) {
+            *held = Some((self.replicas(), now + Duration::from_millis(SEEN_FOR_MS)));
+        }
+        match *held {
+            Some((count, until)) if now < until => counted.max(count),
+            _ => {
+                *held = None;
+                counted
+            }
+        }
+    }
+
     /// Says this replica is alive and counts the replicas; marks Redis away or back.
     async fn beat(&self) {
         let mut invocation = self.heartbeat.key(format!("{}replicas", self.config.prefix));
         invocation.arg(&self.id).arg(SEEN_FOR_MS);
         let mut connection = self.connection.clone();
         let started = Instant::now();
-        match tokio::time::timeout(self.config.timeout, invocation.invoke_async::<u32>(&mut connection)).await {
-            Ok(Ok(replicas)) => {
+        match tokio::time::timeout(
+            self.config.timeout,
+            invocation.invoke_async::<(u32, u32)>(&mut connection),
+        )
+        .await
+        {
+            Ok(Ok((added, counted))) => {
                 self.metrics.shared_limit_redis("heartbeat", started.elapsed());
+                let replicas = self.recount(added == 1, counted);
                 self.back(replicas);
             }
             Ok(Err(error)) => {
