@@ -494,7 +494,11 @@ async fn logged(events: &Mutex<Vec<Event>>, id: &str, model: &str, version: &str
         assert_eq!(event.header("ce-source"), "oipgate-under-test");
         assert_eq!(event.header("ce-namespace"), "models");
         assert!(event.header("ce-time").ends_with('Z'));
-        assert!(event.header("content-type").starts_with("application/json"));
+        let content_type = event.header("content-type");
+        assert!(
+            content_type.starts_with("application/json") || content_type.starts_with("text/event-stream"),
+            "{content_type}"
+        );
     }
     (both[REQUEST].clone(), both[RESPONSE].clone())
 }
@@ -506,7 +510,9 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
     let gateway = GatewayProcess::start(&format!(
         "[payload_log]\nurl = \"http://{sink}/\"\nsource = \"oipgate-under-test\"\nnamespace = \"models\"\n{}{ADD_SUB_ON_BOTH}\
          [[models]]\nname = \"private\"\npayload_log = false\nversions = [ {{ version = \"1\", backend = \"fleet-a\", \
-         upstream_name = \"add_sub\" }} ]\n",
+         upstream_name = \"add_sub\" }} ]\n\
+         [[models]]\nname = \"count\"\nversions = [ {{ version = \"1\", backend = \"fleet-a\" }}, \
+         {{ version = \"2\", backend = \"fleet-b\", upstream_version = \"1\" }} ]\n",
         fleet_backends(rest_backend.rest_addr.unwrap(), grpc_backend.grpc_addr.unwrap())
     ));
     let json = common::add_sub_json("INT32");
@@ -572,13 +578,36 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
         assert_eq!(response.body, answer.body);
         assert_eq!(response.json()["OUTPUT0"][0], 2, "{:?}", response.body);
     }
+    streams_log_the_events_the_client_received(&gateway, &events).await;
     an_opted_out_model_and_a_refused_call(&gateway, &events, &json).await;
     assert_eq!(
         gateway
             .metric("oipgate_payload_log_events_total{result=\"sent\"}")
             .await,
-        15.0
+        19.0
     );
+}
+
+/// `generate_stream` of the decoupled `count` (three events), relayed from a REST backend and translated from a
+/// gRPC one: the answer is logged once the stream ends, as the events the client received.
+async fn streams_log_the_events_the_client_received(gateway: &GatewayProcess, events: &Mutex<Vec<Event>>) {
+    for version in ["1", "2"] {
+        let id = format!("generate-stream-{version}");
+        let body = r#"{"INPUT0": 3}"#;
+        let answer = post_with_headers(
+            &gateway.rest_url(&format!("/v2/models/count/versions/{version}/generate_stream")),
+            &[("x-request-id", id.clone())],
+            body.to_owned(),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{:?}", answer.body);
+        let (request, response) = logged(events, &id, "count", version).await;
+        assert_eq!(request.body, Bytes::from(body));
+        assert!(response.header("content-type").starts_with("text/event-stream"));
+        assert_eq!(response.body, answer.body, "the events as the client received them");
+        let text = String::from_utf8_lossy(&response.body).into_owned();
+        assert_eq!(text.matches("data: ").count(), 3, "{text}");
+    }
 }
 
 /// Posts add_sub's inputs (all 3s and all 1s) to its version 1 in the binary extension, with request id `id`; gives

@@ -51,6 +51,8 @@ pub struct PayloadLogger {
     config: PayloadLog,
     queue: mpsc::Sender<Event>,
     dropped: IntCounter,
+    /// Answers not logged for their size (a stream's events past the bound the door gathers).
+    too_large: IntCounter,
 }
 
 /// A body as it crossed the door: its buffers, and what they are.
@@ -150,6 +152,11 @@ impl Capture {
         });
     }
 
+    /// The answer outgrew what is gathered of it for the log: it is not logged, and counted.
+    pub fn response_too_large(&self) {
+        self.logger.too_large.inc();
+    }
+
     /// The answer's body in a form the caller names.
     pub fn response_as(&mut self, chunks: Vec<Bytes>, form: Form) {
         if self.wants_response() {
@@ -208,6 +215,7 @@ impl PayloadLogger {
             config: config.clone(),
             queue,
             dropped: metrics.payload_events("dropped"),
+            too_large: metrics.payload_events("too_large"),
         }
     }
 

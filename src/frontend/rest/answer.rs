@@ -119,7 +119,41 @@ enum Source {
     Chunks(ChunksBody),
     Proxied(Box<Proxied>),
     /// Server-sent events as they come; the stream ends when the sender is dropped.
-    Events(tokio::sync::mpsc::Receiver<Bytes>),
+    Events(EventStream),
+}
+
+/// The most of a stream's events gathered for the payload log: past it the answer is not logged (counted
+/// `too_large`), so a long stream holds no more than this for the log.
+const MOST_LOGGED_EVENT_BYTES: usize = 4 << 20;
+
+/// What a stream of server-sent events says it is.
+const EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream; charset=utf-8");
+
+/// Server-sent events on their way to the client.
+#[derive(Debug)]
+struct EventStream {
+    events: tokio::sync::mpsc::Receiver<Bytes>,
+    /// The events sent so far and their bytes, when the answer's payload is logged (let go past
+    /// [`MOST_LOGGED_EVENT_BYTES`]).
+    tee: Option<(Vec<Bytes>, usize)>,
+    /// The stream ended (rather than the client leaving it): every event was sent.
+    ended: bool,
+}
+
+impl EventStream {
+    /// Keeps `event` for the log, while the stream's events are within the bound; whether they just outgrew it.
+    fn gather(&mut self, event: &Bytes) -> bool {
+        let Some((events, held)) = &mut self.tee else {
+            return false;
+        };
+        *held += event.len();
+        if *held > MOST_LOGGED_EVENT_BYTES {
+            self.tee = None;
+            return true;
+        }
+        events.push(event.clone());
+        false
+    }
 }
 
 /// A backend's answer on its way to the client.
@@ -151,6 +185,12 @@ impl AnswerBody {
         {
             capture.response_as(chunks, form);
         }
+        if let (Source::Events(stream), Some(record)) = (&mut self.source, &mut self.record)
+            && stream.ended
+            && let (Some((events, _)), Some(capture)) = (stream.tee.take(), &mut record.capture)
+        {
+            capture.response_as(events, Form::Other(Some(EVENT_STREAM)));
+        }
         self.record = None;
     }
 }
@@ -173,7 +213,20 @@ impl Body for AnswerBody {
                 ready!(Pin::new(chunks).poll_frame(cx)).map(|frame| frame.map_err(|never| match never {}))
             }
             Source::Proxied(proxied) => ready!(proxied.poll_chunk(cx)).map(|chunk| chunk.map(Frame::data)),
-            Source::Events(events) => ready!(events.poll_recv(cx)).map(|event| Ok(Frame::data(event))),
+            Source::Events(stream) => match ready!(stream.events.poll_recv(cx)) {
+                Some(event) => {
+                    if stream.gather(&event)
+                        && let Some(capture) = this.record.as_ref().and_then(|record| record.capture.as_ref())
+                    {
+                        capture.response_too_large();
+                    }
+                    Some(Ok(Frame::data(event)))
+                }
+                None => {
+                    stream.ended = true;
+                    None
+                }
+            },
         };
         match &frame {
             Some(Ok(frame)) => {
@@ -314,14 +367,20 @@ pub(super) fn events(events: tokio::sync::mpsc::Receiver<Bytes>, mut record: Box
     if let Some(id) = &record.request_id {
         headers.insert(REQUEST_ID, id.clone());
     }
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
+    headers.insert(http::header::CONTENT_TYPE, EVENT_STREAM);
     headers.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     record.status = Some(StatusCode::OK.as_u16());
+    let tee = record
+        .capture
+        .as_ref()
+        .filter(|capture| capture.wants_response())
+        .map(|_| (Vec::new(), 0));
     let mut response = Response::new(AnswerBody {
-        source: Source::Events(events),
+        source: Source::Events(EventStream {
+            events,
+            tee,
+            ended: false,
+        }),
         record: Some(record),
     });
     *response.headers_mut() = headers;
@@ -585,5 +644,31 @@ impl Rename {
         out.extend_from_slice(&held[length..]);
         self.done = true;
         Ok(Some(Bytes::from(out)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stream_gathers_its_events_for_the_log_up_to_the_bound_then_lets_them_go() {
+        let (_sender, events) = tokio::sync::mpsc::channel(1);
+        let mut stream = EventStream {
+            events,
+            tee: Some((Vec::new(), 0)),
+            ended: false,
+        };
+        let event = Bytes::from(vec![b'x'; MOST_LOGGED_EVENT_BYTES / 4]);
+        for _ in 0..4 {
+            assert!(!stream.gather(&event), "within the bound");
+        }
+        assert_eq!(
+            stream.tee.as_ref().map(|(events, held)| (events.len(), *held)),
+            Some((4, MOST_LOGGED_EVENT_BYTES))
+        );
+        assert!(stream.gather(&Bytes::from_static(b"y")), "one byte past it");
+        assert!(stream.tee.is_none(), "nothing held past the bound");
+        assert!(!stream.gather(&event), "said once");
     }
 }

@@ -156,8 +156,8 @@ impl RestDoor {
         record.request_bytes = read_bytes.into_inner();
         let (admitted, raw) = admitted?;
         record.admission = Some(admitted.admission);
-        // A sampled call's request is logged as it came; a whole answer as the client gets it (a stream's events
-        // are not gathered for the log).
+        // A sampled call's request is logged as it came; its answer as the client gets it (a stream's events
+        // gathered as they are sent, within a bound).
         record.capture = admitted.payload_log.map(|logger| {
             let mut capture = Capture::new(logger, &admitted.routed.route, form_of(&parts.headers));
             capture.request(raw.clone());

@@ -441,8 +441,9 @@ impl Metrics {
         let payload_events = counters(
             &registry,
             "oipgate_payload_log_events_total",
-            "Inference payload events for [payload_log]'s sink, by result: sent, failed (after its retries) or dropped \
-             (the queue, [payload_log] max_queue, was full).",
+            "Inference payload events for [payload_log]'s sink, by result: sent, failed (after its retries), dropped \
+             (the queue, [payload_log] max_queue, was full) or too_large (a stream's events past what is gathered \
+             for the log, 4 MiB).",
             &["result"],
         )?;
         let connections_refused = counters(
@@ -522,7 +523,7 @@ impl Metrics {
         self.spans.with_label_values(&["dropped"])
     }
 
-    /// `oipgate_payload_log_events_total` for `result`: sent, failed or dropped.
+    /// `oipgate_payload_log_events_total` for `result`: sent, failed, dropped or too_large.
     pub fn connections_refused(&self, listener: &str) -> IntCounter {
         self.connections_refused.with_label_values(&[listener])
     }
