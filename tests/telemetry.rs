@@ -552,6 +552,32 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
         assert_eq!(response["model_name"], "add_sub");
         assert_eq!(response["outputs"][0]["data"][0], 7);
     }
+    // A gRPC stream's requests, each under its own id, to both backends: their requests logged, as V2 JSON.
+    let mut messages = Vec::new();
+    for version in ["2", "1"] {
+        let mut message = grpc_add_sub_request(version, 4, 1);
+        message.id = format!("stream-to-{version}");
+        messages.push(message);
+    }
+    let mut answers = client
+        .model_stream_infer(tokio_stream::iter(messages))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        let answer = answers.message().await.unwrap().unwrap();
+        assert!(answer.error_message.is_empty(), "{answer:?}");
+    }
+    for version in ["2", "1"] {
+        let id = format!("stream-to-{version}");
+        eventually(Duration::from_secs(10), "the stream request's event", || async {
+            events_of(&events, &id).contains_key(REQUEST)
+        })
+        .await;
+        let request = events_of(&events, &id)[REQUEST].clone();
+        assert_eq!(request.header("ce-endpoint"), version);
+        assert_eq!(request.json()["inputs"][0]["data"][0], 4, "{:?}", request.body);
+    }
     // The binary extension, both ways: translated to JSON for the sink.
     let (_, _, answer) = post_binary_add_sub(&gateway, "binary").await;
     assert_eq!(answer.status, 200, "{:?}", answer.body);
@@ -584,7 +610,7 @@ async fn every_path_logs_its_request_and_answer_as_kserve_cloudevents() {
         gateway
             .metric("oipgate_payload_log_events_total{result=\"sent\"}")
             .await,
-        19.0
+        21.0
     );
 }
 

@@ -80,6 +80,9 @@ pub struct CallContext {
     pub principal: Option<Arc<crate::guard::Principal>>,
     /// The span the backend calls are steps of (empty when the call is not traced).
     pub trace: Trace,
+    /// Whether an inference stream's requests go to the payload log, each as an inference of its own: a gRPC
+    /// client's stream's do; the one request of a REST streaming call, which its door logs as it came, does not.
+    pub logs_stream_requests: bool,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.

@@ -238,6 +238,28 @@ impl PayloadLogger {
         self.config.mode.responses()
     }
 
+    /// Queues the request event of one inference on a gRPC inference stream, `message` as the client sent it, under
+    /// the message's `id` (a new one when it has none): a stream's answers are not gathered for the log, being many
+    /// for one request of a decoupled model and matched to theirs only by an id the client may leave out.
+    pub fn log_stream_request(&self, id: &str, route: &Arc<VersionRoute>, message: Bytes) {
+        if !self.logs_requests() {
+            return;
+        }
+        let id = (!id.is_empty())
+            .then(|| HeaderValue::from_str(id).ok())
+            .flatten()
+            .unwrap_or_else(crate::headers::new_request_id);
+        self.log(Inference {
+            id,
+            route: route.clone(),
+            request: Some(Logged {
+                chunks: vec![message],
+                form: Form::GrpcRequest,
+            }),
+            response: None,
+        });
+    }
+
     /// Queues an inference's events; those that do not fit are dropped and counted. The doors keep only the bodies
     /// the mode logs ([`Self::logs_requests`], [`Self::logs_responses`]), so nothing is held that is not sent.
     pub fn log(&self, inference: Inference) {

@@ -287,8 +287,16 @@ impl Dispatcher {
         let id = fields.id.to_owned();
         let sent = async {
             let (admitted, backend) = self.route_in_stream(&message, &fields, context, chosen).await?;
-            let AdmittedCall { routed, admission, .. } = admitted;
+            let AdmittedCall {
+                routed,
+                admission,
+                payload_log,
+                ..
+            } = admitted;
             let route = routed.route.clone();
+            if let Some(logger) = payload_log.filter(|_| context.logs_stream_requests) {
+                logger.log_stream_request(&id, &route, message.clone());
+            }
             match &backend.replicas {
                 Replicas::Grpc { .. } => {
                     let renamed = splice::rename(&message, &route.upstream_name, &route.upstream_version)?;

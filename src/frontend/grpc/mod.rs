@@ -122,6 +122,7 @@ fn context_of(headers: &http::HeaderMap) -> CallContext {
             Some(b"deflate") => Some(Coding::Deflate),
             _ => None,
         },
+        logs_stream_requests: true,
     }
 }
 

@@ -99,6 +99,7 @@ impl RestDoor {
             compressed: None,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
+            logs_stream_requests: false,
         };
         let (answers, mut received) = mpsc::channel(EVENTS);
         let gateway = self.gateway.clone();

@@ -203,6 +203,7 @@ impl RestDoor {
             compressed: asked.coding,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
+            logs_stream_requests: false,
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
