@@ -181,6 +181,12 @@ max_concurrent = 1
 name = "metered"
 versions = [ {{ version = "1", backend = "fleet-a", upstream_name = "identity" }} ]
 rate = {{ per_second = 0.05, burst = 1 }}
+
+[[models]]
+name = "generated"
+versions = [ {{ version = "1", backend = "fleet-b", upstream_name = "add_sub" }} ]
+rate = {{ per_second = 0.05, burst = 2 }}
+max_concurrent = 1
 "#,
         team = common::sha256_hex(TEAM_KEY),
         ops = common::sha256_hex(OPS_KEY),
@@ -671,6 +677,29 @@ async fn max_concurrent_refuses_at_once_beyond_the_bound() {
             .await
             >= 2.0
     );
+}
+
+/// A REST `generate` call translated onto a gRPC backend's inference stream is let in once, by the REST door: the
+/// stream's request neither takes the model's rate again nor a second place under its `max_concurrent`.
+#[tokio::test]
+async fn a_generate_call_translated_for_a_grpc_backend_is_admitted_once() {
+    let setup = setup();
+    let ops = [bearer(OPS_KEY)];
+    let ones = serde_json::json!({ "INPUT0": vec![1; 16], "INPUT1": vec![1; 16] }).to_string();
+    let call = |path: &'static str| {
+        let (url, ops, ones) = (setup.gateway.rest_url(path), ops.clone(), ones.clone());
+        async move { send(&http_client(false), "POST", &url, &ops, ones).await }
+    };
+    // The model's one place under way and its burst of two: a call each.
+    let generated = call("/v2/models/generated/generate").await;
+    assert_eq!(generated.status, 200, "{}", error_text(&generated));
+    assert_eq!(generated.json()["OUTPUT0"][0], 2);
+    let streamed = call("/v2/models/generated/generate_stream").await;
+    assert_eq!(streamed.status, 200, "{}", error_text(&streamed));
+    assert!(String::from_utf8_lossy(&streamed.body).starts_with("data: "));
+    let refused = call("/v2/models/generated/generate").await;
+    assert_eq!(refused.status, 429);
+    assert!(error_text(&refused).contains("model 'generated' is over its rate limit"));
 }
 
 /// The model server's count of `slow`'s inferences at `version`: (succeeded, failed).

@@ -26,13 +26,25 @@ pub struct CallRequest<'a> {
     pub forward: &'a HeaderMap,
     /// Who is calling, when `[auth]` asks.
     pub principal: Option<&'a Principal>,
-    /// Whether the principal's own rate was taken already: the gRPC door takes it before reading the message that
-    /// names the model.
-    pub principal_rate_taken: bool,
+    /// What of the call's admission the door took already.
+    pub taken: Taken,
     /// A `generate` or `generate_stream` call: held to the token budgets and charged the tokens its answer carries.
     pub generates: bool,
     /// The request's span: routing is a step of it.
     pub trace: &'a Trace,
+}
+
+/// What of a call's admission its door took before handing it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taken {
+    /// Nothing: the call is let in under every limit here.
+    Nothing,
+    /// The principal's own rate: the gRPC door takes it before reading the message that names the model.
+    PrincipalRate,
+    /// The whole admission, which the door holds for the call's life (a REST streaming call translated onto an
+    /// inference stream): the call is routed only, neither let in under the limits again nor sampled again for
+    /// the payload log.
+    Everything,
 }
 
 /// A call let in and routed: what every path needs, held for the call's life.
@@ -61,12 +73,11 @@ impl Dispatcher {
         start: impl Future<Output = Result<(T, Reserved)>>,
     ) -> (Result<(AdmittedCall, T)>, Arc<RouteMetrics>) {
         // Refused by the name it gives, whether or not that model exists.
-        let admission = match self.guard.authorize(call.principal, call.model) {
-            Err(error) => Err(error),
-            Ok(()) if call.principal_rate_taken => {
-                self.guard.admit_model(call.principal, call.model, call.generates).await
-            }
-            Ok(()) => self.guard.admit(call.principal, call.model, call.generates).await,
+        let admission = match (self.guard.authorize(call.principal, call.model), call.taken) {
+            (Err(error), _) => Err(error),
+            (Ok(()), Taken::Everything) => Ok(Admission::held_by_door()),
+            (Ok(()), Taken::PrincipalRate) => self.guard.admit_model(call.principal, call.model, call.generates).await,
+            (Ok(()), Taken::Nothing) => self.guard.admit(call.principal, call.model, call.generates).await,
         };
         let admission = match admission {
             Ok(admission) => admission,
@@ -83,7 +94,10 @@ impl Dispatcher {
             let (value, reserved) = started?;
             self.shed(&routed.route, reserved.priority)?;
             self.note_route(&routing, call.trace, &routed.route);
-            let payload_log = self.payload_log(&routed.route).cloned();
+            let payload_log = match call.taken {
+                Taken::Everything => None,
+                Taken::Nothing | Taken::PrincipalRate => self.payload_log(&routed.route).cloned(),
+            };
             let admitted = AdmittedCall {
                 routed,
                 admission,
@@ -109,7 +123,11 @@ impl Dispatcher {
             version,
             forward: &context.forward,
             principal: context.principal.as_deref(),
-            principal_rate_taken: false,
+            taken: if context.admitted_by_door {
+                Taken::Everything
+            } else {
+                Taken::Nothing
+            },
             generates: false,
             trace: &context.trace,
         };

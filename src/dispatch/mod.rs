@@ -38,7 +38,7 @@ pub mod status;
 mod stream;
 mod window;
 
-pub use admit::{AdmittedCall, CallRequest};
+pub use admit::{AdmittedCall, CallRequest, Taken};
 use backend::{BackendClients, Replicas};
 use infer::{bad_answer, call_infer, decode_grpc_request};
 
@@ -80,9 +80,9 @@ pub struct CallContext {
     pub principal: Option<Arc<crate::guard::Principal>>,
     /// The span the backend calls are steps of (empty when the call is not traced).
     pub trace: Trace,
-    /// Whether an inference stream's requests go to the payload log, each as an inference of its own: a gRPC
-    /// client's stream's do; the one request of a REST streaming call, which its door logs as it came, does not.
-    pub logs_stream_requests: bool,
+    /// The door admitted the call itself, and holds its admission for the call's life (a REST streaming call
+    /// translated onto an inference stream): its request on the stream is routed, not admitted or sampled again.
+    pub admitted_by_door: bool,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.

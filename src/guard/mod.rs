@@ -106,6 +106,14 @@ pub struct Admission {
 }
 
 impl Admission {
+    /// The admission of a call whose door holds the one that counts: it holds nothing and charges nothing.
+    pub fn held_by_door() -> Admission {
+        Admission {
+            under_way: None,
+            tokens: None,
+        }
+    }
+
     /// Where a `generate` answer's tokens are counted, when the call is under a token budget.
     pub fn token_meter(&self) -> Option<&TokenMeter> {
         self.tokens.as_ref().map(|charge| &charge.meter)

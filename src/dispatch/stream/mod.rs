@@ -294,7 +294,7 @@ impl Dispatcher {
                 ..
             } = admitted;
             let route = routed.route.clone();
-            if let Some(logger) = payload_log.filter(|_| context.logs_stream_requests) {
+            if let Some(logger) = payload_log {
                 logger.log_stream_request(&id, &route, message.clone());
             }
             match &backend.replicas {

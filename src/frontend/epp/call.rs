@@ -15,7 +15,7 @@ use prost_types::value::Kind;
 use super::answer::AnswerTokens;
 use super::read::{self, MOST_READ, Read, Wanted};
 use crate::config::BackendProtocol;
-use crate::dispatch::{AdmittedCall, CallRequest, Dispatcher, Picked};
+use crate::dispatch::{AdmittedCall, CallRequest, Dispatcher, Picked, Taken};
 use crate::envoy_api::envoy::config::core::v3 as core;
 use crate::envoy_api::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use crate::envoy_api::envoy::service::ext_proc::v3 as ext_proc;
@@ -342,7 +342,7 @@ impl Call {
             version: read.version.as_deref(),
             forward: &self.forward,
             principal: principal.as_deref(),
-            principal_rate_taken: false,
+            taken: Taken::Nothing,
             generates: self.wanted.generates().is_some(),
             trace: &trace,
         };

@@ -11,7 +11,7 @@ use super::{answer_coding, context_of, message_encoding, size_message};
 use crate::body::{BodyLength, ChunksBody, GatherError};
 use crate::codec::compression::{self, Coding};
 use crate::codec::splice;
-use crate::dispatch::{CallRequest, Dispatcher};
+use crate::dispatch::{CallRequest, Dispatcher, Taken};
 use crate::error::Result;
 use crate::frontend::budget::AnswerBudget;
 use crate::guard::Principal;
@@ -159,7 +159,7 @@ async fn infer(
                 version: Some(fields.version),
                 forward: &context.forward,
                 principal: principal.as_deref(),
-                principal_rate_taken: true,
+                taken: Taken::PrincipalRate,
                 generates: false,
                 trace,
             };

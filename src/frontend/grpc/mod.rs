@@ -122,7 +122,8 @@ fn context_of(headers: &http::HeaderMap) -> CallContext {
             Some(b"deflate") => Some(Coding::Deflate),
             _ => None,
         },
-        logs_stream_requests: true,
+        // Each request of a stream is admitted as it comes.
+        admitted_by_door: false,
     }
 }
 

@@ -20,7 +20,7 @@ use crate::codec::protobuf;
 use crate::codec::rest::generate::{EventReader, MOST_EVENT_BYTES, body_parameters, decode_generate, encode_generate};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer};
+use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer, Taken};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::TokenMeter;
 use crate::proto::ModelStreamInferResponse;
@@ -99,7 +99,7 @@ impl RestDoor {
             compressed: None,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
-            logs_stream_requests: false,
+            admitted_by_door: true,
         };
         let (answers, mut received) = mpsc::channel(EVENTS);
         let gateway = self.gateway.clone();
@@ -134,7 +134,7 @@ impl RestDoor {
             version,
             forward,
             principal: principal.as_deref(),
-            principal_rate_taken: false,
+            taken: Taken::Nothing,
             generates: call != StreamCall::InferStream,
             trace: &record.trace,
         };

@@ -16,7 +16,9 @@ use crate::codec::decthings;
 use crate::codec::rest::key_scan::KeyScan;
 use crate::codec::rest::{self, BinaryOutputs, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{AdmittedCall, CallContext, CallRequest, Dispatcher, MirrorPayload, Outgoing, Passthrough};
+use crate::dispatch::{
+    AdmittedCall, CallContext, CallRequest, Dispatcher, MirrorPayload, Outgoing, Passthrough, Taken,
+};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::headers::{self, RequestHeaders};
@@ -71,7 +73,7 @@ impl RestDoor {
             version,
             forward: headers,
             principal: principal.as_deref(),
-            principal_rate_taken: false,
+            taken: Taken::Nothing,
             generates: false,
             trace: &record.trace,
         };
@@ -203,7 +205,7 @@ impl RestDoor {
             compressed: asked.coding,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
-            logs_stream_requests: false,
+            admitted_by_door: true,
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
