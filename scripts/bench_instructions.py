@@ -4,7 +4,7 @@ time between builds (docs/benchmarks/history.md, "Run 4 of 2026-11-24").
 
 Runs oipgate (scenario 1's REST passthrough, with its access log off and on, scenario 3a's REST JSON -> gRPC, and
 scenario 2's gRPC passthrough), the smallest hyper proxy (benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2) and
-HAProxy (scenario 1's faster peer, when installed) under callgrind in front of oipgate's model server, each twice:
+HAProxy and nginx (scenario 1's peers, when installed) under callgrind in front of oipgate's model server, each twice:
 wrk (1 thread x 8 connections; h2load, 1 connection x 8 streams, for gRPC) for SECONDS and for 3 x SECONDS. What
 the longer run counted beyond the shorter, divided by the requests it served beyond them, is the instructions a
 request costs, start-up and idle work taken out. Prints those and, per request, the functions where oipgate spends
@@ -130,7 +130,8 @@ def run(seconds, workers, binary, cache=False):
     grpc_file = harness.write(harness.OUT / "add_sub.grpc", harness.grpc_frame(harness.encode_name(message, "add_sub", "2")))
     grpc_path = "/inference.GRPCInferenceService/ModelInfer"
     ports = {k: harness.free_port() for k in ("backend_rest", "backend_grpc", "rest", "grpc", "floor", "floor_h2",
-                                            "haproxy", "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged")}
+                                            "haproxy", "haproxy_grpc", "haproxy_rest_logged", "haproxy_grpc_logged",
+                                            "nginx_rest", "nginx_grpc", "nginx_rest_logged", "nginx_grpc_logged")}
     backend = harness.model_server("model-server", ports)
     results = {}
     try:
@@ -178,6 +179,25 @@ def run(seconds, workers, binary, cache=False):
             results["HAProxy, httplog to a ring"] = per_request(
                 "haproxy-logged", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy_rest_logged"],
                 f"http://127.0.0.1:{ports['haproxy_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
+                cache=cache)
+        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        if nginx:
+            # Scenario 1's configuration, in one process (no master, its one worker under callgrind).
+            prefix = work / "nginx"
+            (prefix / "logs").mkdir(parents=True, exist_ok=True)
+            nginx_conf = prefix / "nginx.conf"
+            nginx_conf.write_text(harness.NGINX_CONF.format(
+                user="user root;" if os.geteuid() == 0 else "", workers=1, prefix=prefix,
+                rest=ports["backend_rest"], grpc=ports["backend_grpc"], nginx_rest=ports["nginx_rest"],
+                nginx_grpc=ports["nginx_grpc"], nginx_rest_logged=ports["nginx_rest_logged"],
+                nginx_grpc_logged=ports["nginx_grpc_logged"]))
+            command = [nginx, "-p", str(prefix), "-c", str(nginx_conf), "-g", "daemon off; master_process off;"]
+            results["nginx"] = per_request(
+                "nginx", command, ports["nginx_rest"],
+                f"http://127.0.0.1:{ports['nginx_rest']}/v2/models/add_sub/infer", body_file, seconds, cache=cache)
+            results["nginx, access log buffered"] = per_request(
+                "nginx-logged", command, ports["nginx_rest_logged"],
+                f"http://127.0.0.1:{ports['nginx_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
                 cache=cache)
     finally:
         backend.stop()
