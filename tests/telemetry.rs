@@ -487,6 +487,8 @@ async fn logged(events: &Mutex<Vec<Event>>, id: &str, model: &str, version: &str
     })
     .await;
     let both = events_of(events, id);
+    // JSON, but a stream's answer: its events as the client received them.
+    assert!(both[REQUEST].header("content-type").starts_with("application/json"));
     for event in both.values() {
         assert_eq!(event.header("ce-specversion"), "1.0");
         assert_eq!(event.header("ce-inferenceservicename"), model);

@@ -2,6 +2,7 @@
 //! without a copy), and a client's body relayed to a backend as it arrives; and bodies read whole, within a bound.
 //! The client's request bodies as each front-door protocol hands them over are `http1` and `http2`.
 
+pub mod held;
 pub mod http1;
 pub mod http2;
 

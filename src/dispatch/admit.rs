@@ -88,16 +88,18 @@ impl Dispatcher {
             .as_ref()
             .ok()
             .and_then(|(_, reserved)| reserved.sequence.clone());
-        let routing = call.trace.child("route", SpanKind::Internal, Vec::new);
+        // A call its door admitted was shed, noted on its trace and sampled there: it is only routed here.
+        let routing =
+            (call.taken != Taken::Everything).then(|| call.trace.child("route", SpanKind::Internal, Vec::new));
         let (routed, metrics) = self.route(call.model, call.version, call.forward, sequence);
         let admitted = routed.and_then(|routed| {
             let (value, reserved) = started?;
-            self.shed(&routed.route, reserved.priority)?;
-            self.note_route(&routing, call.trace, &routed.route);
-            let payload_log = match call.taken {
-                Taken::Everything => None,
-                Taken::Nothing | Taken::PrincipalRate => self.payload_log(&routed.route).cloned(),
-            };
+            let mut payload_log = None;
+            if let Some(routing) = &routing {
+                self.shed(&routed.route, reserved.priority)?;
+                self.note_route(routing, call.trace, &routed.route);
+                payload_log = self.payload_log(&routed.route).cloned();
+            }
             let admitted = AdmittedCall {
                 routed,
                 admission,

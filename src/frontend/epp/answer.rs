@@ -1,9 +1,10 @@
 //! What the picker reads of a call's answer: the tokens a `generate` answer carries, counted as its body passes
 //! through for the call's token budgets, within bounds on what it holds.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::body::held::{Held, HeldPool};
 use crate::codec::rest::generate::EventReader;
 use crate::guard::TokenMeter;
 use crate::protocol::StreamCall;
@@ -11,41 +12,9 @@ use crate::protocol::StreamCall;
 /// The most of a `generate` answer (or of one event of a `generate_stream` answer) held to count its tokens: past
 /// it, the answer is relayed uncounted.
 const MOST_COUNTED: usize = 4 << 20;
-/// The most the picker holds of all its calls' answers to count them: past it, answers are relayed uncounted, so
+/// What the picker holds of all its calls' answers to count them: past 64 MiB, answers are relayed uncounted, so
 /// many large answers at once cannot grow the picker by more than this.
-const MOST_COUNTED_IN_ALL: usize = 64 << 20;
-/// Bytes of answers held to count their tokens, across the picker's calls.
-static HELD_TO_COUNT: AtomicUsize = AtomicUsize::new(0);
-
-/// The bytes one answer holds to count them, within [`MOST_COUNTED_IN_ALL`]; let go when dropped.
-#[derive(Default)]
-struct Held(usize);
-
-impl Held {
-    /// Holds `bytes` now (more or fewer than before); `false`, holding none, when that would pass the bound.
-    fn resize(&mut self, bytes: usize) -> bool {
-        if bytes > self.0 {
-            let more = bytes - self.0;
-            let taken = HELD_TO_COUNT.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                (held + more <= MOST_COUNTED_IN_ALL).then_some(held + more)
-            });
-            if taken.is_err() {
-                self.resize(0);
-                return false;
-            }
-        } else {
-            HELD_TO_COUNT.fetch_sub(self.0 - bytes, Ordering::AcqRel);
-        }
-        self.0 = bytes;
-        true
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.resize(0);
-    }
-}
+static HELD_TO_COUNT: HeldPool = HeldPool::new(64 << 20);
 
 /// Why an answer goes uncounted, each said at most once a minute (many calls may share the reason).
 #[derive(Debug, Clone, Copy)]
@@ -104,7 +73,7 @@ impl AnswerTokens {
         AnswerTokens {
             meter,
             read: AnswerRead::Headers(call),
-            held: Held::default(),
+            held: Held::new(&HELD_TO_COUNT),
         }
     }
 
@@ -172,26 +141,5 @@ impl AnswerTokens {
         why.warn();
         self.read = AnswerRead::Done;
         self.held.resize(0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn answers_held_to_count_stay_within_the_pickers_bound_and_are_let_go() {
-        let before = HELD_TO_COUNT.load(Ordering::Acquire);
-        let mut one = Held::default();
-        assert!(one.resize(1 << 20));
-        assert!(one.resize(3 << 20));
-        assert!(one.resize(2 << 20), "fewer bytes always fit");
-        // Another answer that would pass the bound across all calls is refused, and holds nothing.
-        let mut other = Held::default();
-        assert!(!other.resize(MOST_COUNTED_IN_ALL));
-        assert_eq!(other.0, 0);
-        drop(other);
-        drop(one);
-        assert_eq!(HELD_TO_COUNT.load(Ordering::Acquire), before, "what was held is let go");
     }
 }

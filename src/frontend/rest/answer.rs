@@ -11,6 +11,7 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 
+use crate::body::held::{Held, HeldPool};
 use crate::body::{ChunksBody, RelaySource};
 use crate::codec::compression::{self, Coding, Compressor, MIN_COMPRESSED_BYTES};
 use crate::codec::rest::{self, EncodedBody};
@@ -125,6 +126,9 @@ enum Source {
 /// The most of a stream's events gathered for the payload log: past it the answer is not logged (counted
 /// `too_large`), so a long stream holds no more than this for the log.
 const MOST_LOGGED_EVENT_BYTES: usize = 4 << 20;
+/// What every stream holds for the payload log together: past 64 MiB, a stream's answer is not logged either, so
+/// many sampled streams at once cannot grow the gateway by more than this.
+static LOGGED_EVENTS: HeldPool = HeldPool::new(64 << 20);
 
 /// What a stream of server-sent events says it is.
 const EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream; charset=utf-8");
@@ -134,8 +138,8 @@ const EVENT_STREAM: HeaderValue = HeaderValue::from_static("text/event-stream; c
 struct EventStream {
     events: tokio::sync::mpsc::Receiver<Bytes>,
     /// The events sent so far and their bytes, when the answer's payload is logged (let go past
-    /// [`MOST_LOGGED_EVENT_BYTES`]).
-    tee: Option<(Vec<Bytes>, usize)>,
+    /// [`MOST_LOGGED_EVENT_BYTES`], or past [`LOGGED_EVENTS`]'s bound).
+    tee: Option<(Vec<Bytes>, Held)>,
     /// The stream ended (rather than the client leaving it): every event was sent.
     ended: bool,
 }
@@ -146,8 +150,8 @@ impl EventStream {
         let Some((events, held)) = &mut self.tee else {
             return false;
         };
-        *held += event.len();
-        if *held > MOST_LOGGED_EVENT_BYTES {
+        let bytes = held.bytes() + event.len();
+        if bytes > MOST_LOGGED_EVENT_BYTES || !held.resize(bytes) {
             self.tee = None;
             return true;
         }
@@ -374,7 +378,7 @@ pub(super) fn events(events: tokio::sync::mpsc::Receiver<Bytes>, mut record: Box
         .capture
         .as_ref()
         .filter(|capture| capture.wants_response())
-        .map(|_| (Vec::new(), 0));
+        .map(|_| (Vec::new(), Held::new(&LOGGED_EVENTS)));
     let mut response = Response::new(AnswerBody {
         source: Source::Events(EventStream {
             events,
@@ -656,7 +660,7 @@ mod tests {
         let (_sender, events) = tokio::sync::mpsc::channel(1);
         let mut stream = EventStream {
             events,
-            tee: Some((Vec::new(), 0)),
+            tee: Some((Vec::new(), Held::new(&LOGGED_EVENTS))),
             ended: false,
         };
         let event = Bytes::from(vec![b'x'; MOST_LOGGED_EVENT_BYTES / 4]);
@@ -664,7 +668,7 @@ mod tests {
             assert!(!stream.gather(&event), "within the bound");
         }
         assert_eq!(
-            stream.tee.as_ref().map(|(events, held)| (events.len(), *held)),
+            stream.tee.as_ref().map(|(events, held)| (events.len(), held.bytes())),
             Some((4, MOST_LOGGED_EVENT_BYTES))
         );
         assert!(stream.gather(&Bytes::from_static(b"y")), "one byte past it");

@@ -523,11 +523,12 @@ impl Metrics {
         self.spans.with_label_values(&["dropped"])
     }
 
-    /// `oipgate_payload_log_events_total` for `result`: sent, failed, dropped or too_large.
+    /// `oipgate_connections_refused_total` of `listener`.
     pub fn connections_refused(&self, listener: &str) -> IntCounter {
         self.connections_refused.with_label_values(&[listener])
     }
 
+    /// `oipgate_payload_log_events_total` for `result`: sent, failed, dropped or too_large.
     pub fn payload_events(&self, result: &str) -> IntCounter {
         self.payload_events.with_label_values(&[result])
     }
