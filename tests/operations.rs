@@ -302,6 +302,9 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
             name = "identity"
             versions = [ {{ version = "1", backend = "rest-a" }}, {{ version = "2", backend = "grpc-b", upstream_version = "1" }} ]
             default_version = "1"
+            [[models]]
+            name = "add_sub"
+            versions = [ {{ version = "1", backend = "grpc-b" }} ]
             "#,
             backend("rest-a", "rest", [a.rest.unwrap()]),
             backend("grpc-b", "grpc", [b.grpc.unwrap()]),
@@ -337,19 +340,30 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
         .metadata_mut()
         .insert("x-request-id", "req-grpc".parse().unwrap());
     grpc.model_infer(request).await.unwrap();
+    // A generate call, translated onto the gRPC backend's inference stream.
+    let ones = serde_json::json!({ "INPUT0": vec![1; 16], "INPUT1": vec![1; 16] }).to_string();
+    let generated = send(
+        &client,
+        "POST",
+        &gateway.rest_url("/v2/models/add_sub/generate"),
+        &[("x-request-id", "req-generate".to_owned())],
+        ones,
+    )
+    .await;
+    assert_eq!(generated.status, 200);
 
     let mut lines: Vec<serde_json::Value> = Vec::new();
-    eventually(Duration::from_secs(10), "five access-log lines", || {
+    eventually(Duration::from_secs(10), "six access-log lines", || {
         lines = gateway
             .log_lines()
             .iter()
             .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
             .filter(|line| line["target"] == "oipgate::access")
             .collect();
-        std::future::ready(lines.len() >= 5)
+        std::future::ready(lines.len() >= 6)
     })
     .await;
-    assert_eq!(lines.len(), 5, "{lines:#?}");
+    assert_eq!(lines.len(), 6, "{lines:#?}");
     let by_id: HashMap<String, &serde_json::Value> = lines
         .iter()
         .map(|line| (line["request_id"].as_str().unwrap().to_owned(), line))
@@ -373,6 +387,10 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
     assert_eq!(via_grpc["protocol"], "grpc");
     assert_eq!(via_grpc["backend"], "rest-a");
     assert_eq!(via_grpc["translated"], true);
+    let generate = by_id["req-generate"];
+    assert_eq!(generate["backend"], "grpc-b");
+    assert_eq!(generate["status"], 200);
+    assert_eq!(generate["translated"], true);
     assert!(lines.iter().any(|l| l["status"] == 404 && l["model"] == "_unknown"));
     assert!(
         lines

@@ -89,6 +89,7 @@ impl RestDoor {
             return relay(answer, &routed.route, relayed).await;
         }
         let route = routed.route;
+        record.translated = true;
         let mut request = translated_request(&dispatcher, parts, call, raw, model, &route).await?;
         request.model_name = model.to_owned();
         request.model_version = Some(route.version.clone());
