@@ -642,3 +642,56 @@ async fn infer_stream_takes_an_inference_request_and_answers_inference_responses
     .await;
     assert_eq!(direct.status, 404);
 }
+
+/// A `generate_stream` relayed from a REST backend is a call under way at its endpoint for as long as its events
+/// come (counted in flight, its place held for balancing by load), not only until the answer's head; its access
+/// line names the endpoint that served it.
+#[tokio::test]
+async fn a_stream_relayed_from_a_rest_backend_is_under_way_until_its_last_event() {
+    use http_body_util::BodyExt;
+
+    let server = ModelServerProcess::both();
+    let gateway = gateway(&server);
+    let in_flight = r#"oipgate_in_flight{backend="fleet-a"}"#;
+    let request = http::Request::post(gateway.rest_url("/v2/models/count_rest/generate_stream"))
+        .header("x-request-id", "held-stream")
+        .body(http_body_util::Full::new(Bytes::from(
+            r#"{"INPUT0": 3, "parameters": {"delay_ms": 400}}"#,
+        )))
+        .unwrap();
+    let answer = common::http_client(false).request(request).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let mut body = answer.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    // The backend sends the next events 400 ms apart: the stream is still under way.
+    assert_eq!(
+        gateway.metric(in_flight).await,
+        1.0,
+        "counted in flight while its events come"
+    );
+    let mut events = String::from_utf8_lossy(&first).into_owned();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            events.push_str(&String::from_utf8_lossy(&data));
+        }
+    }
+    assert_eq!(events.matches("data: ").count(), 3, "{events}");
+    common::eventually(Duration::from_secs(5), "the stream no longer in flight", || async {
+        gateway.metric(in_flight).await == 0.0
+    })
+    .await;
+    let lines = gateway
+        .logged("the stream's access line", |lines| {
+            lines.iter().any(|line| line.contains("request_id=held-stream"))
+        })
+        .await;
+    let line = lines
+        .iter()
+        .find(|line| line.contains("request_id=held-stream"))
+        .unwrap();
+    assert!(
+        line.contains(&format!("endpoint={}", server.rest.unwrap())),
+        "the access line names the endpoint: {line}"
+    );
+}

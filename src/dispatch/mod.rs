@@ -51,7 +51,7 @@ pub use pick::Picked;
 use probe::probe;
 use readiness::AskedReadiness;
 pub use repository::RepositoryAction;
-pub use stream::{MODEL_STREAM_INFER, StreamAnswer, StreamSummary};
+pub use stream::{MODEL_STREAM_INFER, StreamAnswer, StreamHold, StreamSummary};
 
 const MODEL_INFER: &str = "/inference.GRPCInferenceService/ModelInfer";
 const MODEL_METADATA: &str = "/inference.GRPCInferenceService/ModelMetadata";

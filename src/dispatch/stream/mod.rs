@@ -27,6 +27,8 @@ use crate::telemetry::traces::Trace;
 mod leg;
 mod rest;
 
+pub use rest::StreamHold;
+
 use leg::{BackendLeg, LegRecord, open_leg, relay, unary_over_rest};
 
 pub const MODEL_STREAM_INFER: &str = "/inference.GRPCInferenceService/ModelStreamInfer";

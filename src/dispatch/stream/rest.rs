@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -12,13 +12,22 @@ use super::{Answers, ERROR_BODY_BYTES};
 use crate::codec::rest::generate as rest_generate;
 use crate::codec::{protobuf, splice};
 use crate::config::StreamDialect;
-use crate::dispatch::backend::{Attempt, Replicas};
+use crate::dispatch::backend::{Attempt, Replicas, Tries};
+use crate::dispatch::fleet::Lease;
 use crate::dispatch::{CallContext, Dispatcher};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::reserved::{EMPTY_FINAL_RESPONSE, FINAL_RESPONSE};
 use crate::protocol::{ParamValue, StreamCall};
-use crate::telemetry::metrics::StreamResult;
+use crate::telemetry::metrics::{InFlight, StreamResult};
 use crate::telemetry::traces::Trace;
+
+/// The place a stream holds at the endpoint serving it, and its count in flight, until it is dropped when the
+/// stream ends: a stream is a call under way for as long as it runs, for balancing by load and for the metrics.
+#[derive(Debug)]
+pub struct StreamHold {
+    pub lease: Lease,
+    _in_flight: InFlight,
+}
 
 impl Dispatcher {
     /// A streaming call's body sent as it came to `route`'s REST backend, at the call's path: the answer's head
@@ -31,7 +40,7 @@ impl Dispatcher {
         body: Bytes,
         forward: &http::HeaderMap,
         trace: &Trace,
-    ) -> Result<http::Response<crate::upstream::BackendBody>> {
+    ) -> Result<(http::Response<crate::upstream::BackendBody>, StreamHold)> {
         let route = &routed.route;
         let backend = self.backend(route)?;
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
@@ -53,14 +62,18 @@ impl Dispatcher {
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),
         );
-        let upstream = (route.upstream_name.as_str(), route.upstream_version.as_str());
-        backend
-            .attempt(
-                upstream,
-                &routed.affinity,
-                route.timeout,
-                &headers,
-                trace,
+        let in_flight = backend.metrics.call();
+        let tries = Tries {
+            upstream: (&route.upstream_name, &route.upstream_version),
+            affinity: &routed.affinity,
+            until: Instant::now() + route.timeout,
+            forward: &headers,
+            trace,
+        };
+        let (answer, lease) = backend
+            .attempt_holding(
+                tries,
+                || true,
                 |Attempt { index, left, forward }| {
                     let body = crate::body::OutBody::from(crate::body::ChunksBody::new(vec![body.clone()]));
                     let path = &path;
@@ -70,8 +83,19 @@ impl Dispatcher {
                             .await
                     }
                 },
+                |answer, span| {
+                    span.set("http.response.status_code", i64::from(answer.status().as_u16()));
+                    answer.status().is_server_error()
+                },
             )
-            .await
+            .await?;
+        Ok((
+            answer,
+            StreamHold {
+                lease,
+                _in_flight: in_flight,
+            },
+        ))
     }
 
     /// A decoupled model's request sent to its REST backend's stream, in the backend's dialect: the answer's body
@@ -82,7 +106,11 @@ impl Dispatcher {
         routed: &crate::routing::Routed,
         request: &crate::protocol::InferRequest,
         context: &CallContext,
-    ) -> Result<(crate::upstream::BackendBody, Option<crate::protocol::ModelMetadata>)> {
+    ) -> Result<(
+        crate::upstream::BackendBody,
+        Option<crate::protocol::ModelMetadata>,
+        StreamHold,
+    )> {
         use http_body_util::BodyExt;
 
         let route = &routed.route;
@@ -97,12 +125,12 @@ impl Dispatcher {
                 (StreamCall::InferStream, body, None)
             }
         };
-        let answer = self
+        let (answer, hold) = self
             .rest_stream_call(routed, call, Bytes::from(body), &context.forward, &context.trace)
             .await?;
         let (head, mut body) = answer.into_parts();
         if head.status.is_success() {
-            return Ok((body, metadata));
+            return Ok((body, metadata, hold));
         }
         let mut error = Vec::new();
         while let Some(Ok(frame)) = body.frame().await {
@@ -148,7 +176,8 @@ impl Dispatcher {
         };
         let outcome: Result<bool> = async {
             let empty_final = request.parameters.get(EMPTY_FINAL_RESPONSE) == Some(&ParamValue::Bool(true));
-            let (mut body, metadata) = self.open_rest_stream(&routed, &request, &context).await?;
+            // Held while the events come: the stream is under way at its endpoint.
+            let (mut body, metadata, _hold) = self.open_rest_stream(&routed, &request, &context).await?;
             let mut reader = rest_generate::EventReader::new(rest_generate::MOST_EVENT_BYTES);
             loop {
                 let frame = match tokio::time::timeout(self.stream_idle_timeout, body.frame()).await {

@@ -20,7 +20,7 @@ use crate::codec::protobuf;
 use crate::codec::rest::generate::{EventReader, MOST_EVENT_BYTES, body_parameters, decode_generate, encode_generate};
 use crate::codec::rest::{self as rest_codec, RestRequest};
 use crate::config::BackendProtocol;
-use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer, Taken};
+use crate::dispatch::{CallContext, CallRequest, Dispatcher, StreamAnswer, StreamHold, Taken};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::TokenMeter;
 use crate::proto::ModelStreamInferResponse;
@@ -78,13 +78,15 @@ impl RestDoor {
             .as_ref()
             .and_then(|admission| admission.token_meter().cloned());
         if dispatcher.backend_protocol(&routed.route) == Some(BackendProtocol::Rest) {
-            let answer = dispatcher
+            let (answer, hold) = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)
                 .await?;
+            record.endpoint = Some(hold.lease.state.authority.clone());
             let relayed = Relayed {
                 stream: call.streams(),
                 idle: dispatcher.stream_idle_timeout(),
                 meter,
+                hold,
             };
             return relay(answer, &routed.route, relayed).await;
         }
@@ -313,6 +315,8 @@ struct Relayed {
     idle: Duration,
     /// Where the answer's tokens are counted, when the call is under a token budget.
     meter: Option<TokenMeter>,
+    /// The call's place at its endpoint, held until its answer has been read.
+    hold: StreamHold,
 }
 
 /// A REST backend's generate answer for the client: an error or a `generate` answer read whole (renamed for an
@@ -322,7 +326,12 @@ async fn relay(
     route: &VersionRoute,
     relayed: Relayed,
 ) -> Result<PendingAnswer> {
-    let Relayed { stream, idle, meter } = relayed;
+    let Relayed {
+        stream,
+        idle,
+        meter,
+        hold,
+    } = relayed;
     let (head, mut body) = answer.into_parts();
     let is_events = head
         .headers
@@ -348,6 +357,7 @@ async fn relay(
     let (events, sent) = mpsc::channel(EVENTS);
     let route = route.clone();
     tokio::spawn(async move {
+        let _hold = hold;
         let mut reader = EventReader::new(MOST_EVENT_BYTES);
         loop {
             let frame = match tokio::time::timeout(idle, body.frame()).await {
