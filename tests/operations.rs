@@ -391,6 +391,7 @@ async fn every_request_gets_one_json_access_log_line_and_translation_is_timed() 
     assert_eq!(generate["backend"], "grpc-b");
     assert_eq!(generate["status"], 200);
     assert_eq!(generate["translated"], true);
+    assert_eq!(generate["endpoint"], b.grpc.unwrap().to_string());
     assert!(lines.iter().any(|l| l["status"] == 404 && l["model"] == "_unknown"));
     assert!(
         lines

@@ -83,6 +83,9 @@ pub struct CallContext {
     /// The door admitted the call itself, and holds its admission for the call's life (a REST streaming call
     /// translated onto an inference stream): its request on the stream is routed, not admitted or sampled again.
     pub admitted_by_door: bool,
+    /// Where the door learns the endpoint its call's backend stream opened on (a REST streaming call translated
+    /// onto an inference stream, for its access line).
+    pub served_by: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.

@@ -404,9 +404,11 @@ def test_a_64_mib_binary_request_and_a_stream_pass_with_the_pickers_memory_flat(
     binary_identity(pool, 192 << 20)
     after_second = memory_kib(pool.epp_process, "VmHWM")
     # The bodies went through the picker in chunks: what it held at most is bounded by the relay's windows and
-    # queues, less than one body, and three times the data took no more of it.
+    # queues, less than one body, and three times the data took next to nothing more of it: under a twelfth of the
+    # second body (the allocator's own growth varies from run to run, and once reached 9 MiB; a picker that held a
+    # tenth of the body would grow by 19 MiB).
     assert after_first - resident < 48 * 1024, (resident, after_first)
-    assert after_second - after_first < 8 * 1024, (after_first, after_second)
+    assert after_second - after_first < 16 * 1024, (after_first, after_second)
 
     status, _, answer = http(
         "POST", f"http://{pool.envoy}/v2/models/count/generate_stream", json.dumps({"INPUT0": 3}).encode()

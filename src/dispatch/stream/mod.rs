@@ -316,6 +316,9 @@ impl Dispatcher {
                         }
                     }
                     let (upstream, lease) = open_leg(&backend, &routed, renamed, context).await?;
+                    if let Some(served_by) = &context.served_by {
+                        let _ = served_by.set(lease.state.authority.clone());
+                    }
                     let sent = Arc::new(AtomicU64::new(1));
                     let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled))
                         .holding(admission);

@@ -124,6 +124,7 @@ fn context_of(headers: &http::HeaderMap) -> CallContext {
         },
         // Each request of a stream is admitted as it comes.
         admitted_by_door: false,
+        served_by: None,
     }
 }
 

@@ -96,6 +96,7 @@ impl RestDoor {
         request.model_name = model.to_owned();
         request.model_version = Some(route.version.clone());
         let message = Bytes::from(protobuf::encode_request(request).chunks.concat());
+        let served_by = std::sync::Arc::new(std::sync::OnceLock::new());
         let context = CallContext {
             deadline: None,
             forward,
@@ -103,6 +104,7 @@ impl RestDoor {
             principal: record.principal.clone(),
             trace: record.trace.clone(),
             admitted_by_door: true,
+            served_by: Some(served_by.clone()),
         };
         let (answers, mut received) = mpsc::channel(EVENTS);
         let gateway = self.gateway.clone();
@@ -112,10 +114,14 @@ impl RestDoor {
                 .infer_stream(requests, context, answers, gateway.streams_ending())
                 .await
         });
-        if !call.streams() {
-            return one_response(&mut received, call, meter.as_ref()).await;
-        }
-        events_of(received, call, meter).await
+        let answer = if call.streams() {
+            events_of(received, call, meter).await
+        } else {
+            one_response(&mut received, call, meter.as_ref()).await
+        };
+        // Its first answer has come (or none will): the backend stream was opened, where it was.
+        record.endpoint = served_by.get().cloned();
+        answer
     }
 
     /// Admits and routes the call, its body read whole once it is let in: the version is chosen by routing (canary

@@ -206,6 +206,7 @@ impl RestDoor {
             principal: record.principal.clone(),
             trace: record.trace.clone(),
             admitted_by_door: true,
+            served_by: None,
         };
         let replied = dispatcher.infer_routed(&routed, request, &call).await?;
         record.endpoint = replied.endpoint;
