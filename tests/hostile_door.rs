@@ -504,7 +504,7 @@ async fn a_trickled_body_holds_its_admission_no_longer_than_the_whole_body_limit
         r#"
 [limits]
 body_read_timeout_ms = 1000
-body_total_timeout_ms = 2000
+body_total_timeout_ms = 6000
 {}
 [[models]]
 name = "capped"
@@ -537,7 +537,8 @@ max_concurrent = 1
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     });
-    // While it trickles, it holds the model's one place.
+    // While it trickles, it holds the model's one place (for the whole-body limit's six seconds: ample for a busy
+    // machine to see it, where two once were not).
     common::eventually(Duration::from_secs(10), "the trickled call admitted", || async {
         common::post(&url, common::INT32_BODY).await.status == 429
     })
