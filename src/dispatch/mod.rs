@@ -80,8 +80,9 @@ pub struct CallContext {
     pub principal: Option<Arc<crate::guard::Principal>>,
     /// The span the backend calls are steps of (empty when the call is not traced).
     pub trace: Trace,
-    /// The door admitted the call itself, and holds its admission for the call's life (a REST streaming call
-    /// translated onto an inference stream): its request on the stream is routed, not admitted or sampled again.
+    /// The door admitted the call itself, and holds its admission for the call's life (the REST door's translated
+    /// calls): a request of it that reaches the inference stream (a translated streaming call's) is routed, not
+    /// admitted or sampled again.
     pub admitted_by_door: bool,
     /// Where the door learns the endpoint its call's backend stream opened on (a REST streaming call translated
     /// onto an inference stream, for its access line).

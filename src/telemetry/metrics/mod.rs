@@ -442,8 +442,8 @@ impl Metrics {
             &registry,
             "oipgate_payload_log_events_total",
             "Inference payload events for [payload_log]'s sink, by result: sent, failed (after its retries), dropped \
-             (the queue, [payload_log] max_queue, was full) or too_large (a stream's events past what is gathered \
-             for the log, 4 MiB).",
+             (the queue, [payload_log] max_queue, was full) or too_large (a stream's answer whose events passed what \
+             is gathered for the log: 4 MiB a stream, 64 MiB across streams).",
             &["result"],
         )?;
         let connections_refused = counters(
