@@ -4,7 +4,6 @@
 //! are written.
 
 use std::io::{self, IoSlice};
-use std::ops::Range;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -124,22 +123,35 @@ impl TransferCodings {
 #[derive(Debug)]
 pub struct Places {
     count: usize,
-    places: [(Range<usize>, Range<usize>); PLACED],
+    /// Each header's name and value as offsets into the head: start and end of the name, start and end of the value.
+    /// Offsets of 32 bits (a head is bounded far below 4 GiB, and one past it is read again) and an array that is
+    /// `Copy`, read where it stands: this is filled and read for every head either way, and an array of ranges took
+    /// two copies of half a kilobyte a head.
+    places: [[u32; 4]; PLACED],
 }
 
 /// Notes where `headers`, parsed from the buffer that starts at `base`, lie in it.
 pub fn places(headers: &[httparse::Header<'_>], base: *const u8) -> Places {
-    let mut places: [_; PLACED] = std::array::from_fn(|_| (0..0, 0..0));
+    let mut places = [[0; 4]; PLACED];
     let base = base as usize;
+    let mut fits = true;
     for (place, header) in places.iter_mut().zip(headers) {
-        let at = |bytes: &[u8]| {
+        let mut at = |bytes: &[u8]| {
             let start = bytes.as_ptr() as usize - base;
-            start..start + bytes.len()
+            let (start, end) = (u32::try_from(start), u32::try_from(start + bytes.len()));
+            fits &= start.is_ok() && end.is_ok();
+            (start.unwrap_or(0), end.unwrap_or(0))
         };
-        *place = (at(header.name.as_bytes()), at(header.value));
+        let (name, value) = (at(header.name.as_bytes()), at(header.value));
+        *place = [name.0, name.1, value.0, value.1];
     }
     Places {
-        count: headers.len(),
+        // A head whose offsets do not fit is read again, as one with more headers than are placed.
+        count: if fits {
+            headers.len()
+        } else {
+            headers.len().max(PLACED + 1)
+        },
         places,
     }
 }
@@ -153,14 +165,18 @@ impl Places {
     /// value a slice of `head`: from the places noted when they hold them all, else by reading the header lines again
     /// (`malformed` if they cannot be, which a head already parsed whole never is).
     pub fn each<E>(
-        self,
+        &self,
         head: &Bytes,
         malformed: impl FnOnce() -> E,
         mut note: impl FnMut(&[u8], HeaderValue) -> Result<(), E>,
     ) -> Result<(), E> {
         if self.count <= PLACED {
-            for (name, value) in self.places.into_iter().take(self.count) {
-                note(&head[name], parsed_value(head.slice(value)))?;
+            for &[name_start, name_end, value_start, value_end] in &self.places[..self.count] {
+                let name = name_start as usize..name_end as usize;
+                note(
+                    &head[name],
+                    parsed_value(head.slice(value_start as usize..value_end as usize)),
+                )?;
             }
             return Ok(());
         }

@@ -95,8 +95,10 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     let head = read.split_to(length).freeze();
     let mut said = ParsedAnswerHeaders {
         version,
-        // A backend's Date is never passed on: each hop dates the answers it sends.
-        said: ParsedHeaders::new(places.count(), b"date"),
+        // A backend's Date is never passed on: each hop dates the answers it sends. Room is made for the two headers
+        // the gateway adds to an answer it passes back (the request id and the serving version): grown for them, the
+        // map would be allocated twice for every answer.
+        said: ParsedHeaders::new(places.count() + 2, b"date"),
     };
     places.each(
         &head,
