@@ -67,16 +67,10 @@ pub fn is_end_to_end(name: &HeaderName) -> bool {
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
 pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
-    gather(incoming, |_, _| {})
-}
-
-/// [`end_to_end`] in one pass over `incoming` that shows each header to `seen` on the way.
-fn gather<'a>(incoming: &'a HeaderMap, mut seen: impl FnMut(&HeaderName, &'a HeaderValue)) -> HeaderMap {
     // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
     let mut passed = HeaderMap::new();
     let mut connection = false;
     for (name, value) in incoming {
-        seen(name, value);
         if is_end_to_end(name) {
             passed.append(name.clone(), value.clone());
         } else {
@@ -131,16 +125,22 @@ fn nominated(headers: &HeaderMap) -> Vec<String> {
 
 /// What a request carries to its backend: its end-to-end headers, with a request id generated when it has none.
 pub fn for_backend(incoming: &HeaderMap) -> HeaderMap {
-    RequestHeaders::read(incoming).forward
+    RequestHeaders::read(incoming).forward()
 }
 
-/// A request's headers as the door reads them, in one pass: those it carries to the backend (with a request id, the
-/// client's or one made), and those about the body and the answer that it looks at, which are not carried as they
-/// are (each hop frames its own message).
+/// A request's headers as the door reads them, in one pass: the request id (the client's, or one made), and those
+/// about the body and the answer that it looks at, which are not carried as they are (each hop frames its own
+/// message). What goes on to the backend is read from the client's headers where they stand: as a map of their own
+/// ([`RequestHeaders::forward`]) for a call made anew, or written straight from them ([`PassedOn`]) by a passthrough.
 #[derive(Debug)]
 pub struct RequestHeaders<'a> {
-    pub forward: HeaderMap,
+    /// The client's headers.
+    pub incoming: &'a HeaderMap,
     pub request_id: HeaderValue,
+    /// The request id was made here: the client sent none.
+    made_id: bool,
+    /// The client's headers include a `Connection`, whose nominees stay behind.
+    connection: bool,
     pub content_length: Option<&'a HeaderValue>,
     pub content_type: Option<&'a HeaderValue>,
     /// The first of the request's Content-Encoding headers.
@@ -153,8 +153,10 @@ pub struct RequestHeaders<'a> {
 impl<'a> RequestHeaders<'a> {
     pub fn read(incoming: &'a HeaderMap) -> RequestHeaders<'a> {
         let mut read = RequestHeaders {
-            forward: HeaderMap::new(),
+            incoming,
             request_id: HeaderValue::from_static(""),
+            made_id: false,
+            connection: false,
             content_length: None,
             content_type: None,
             content_encoding: None,
@@ -162,8 +164,8 @@ impl<'a> RequestHeaders<'a> {
             accept_encoding: None,
             inference_header_length: None,
         };
-        let mut has_id = false;
-        read.forward = gather(incoming, |name, value| {
+        let mut client_id = None;
+        for (name, value) in incoming {
             let slot = if *name == header::CONTENT_LENGTH {
                 &mut read.content_length
             } else if *name == header::CONTENT_TYPE {
@@ -176,25 +178,90 @@ impl<'a> RequestHeaders<'a> {
                 &mut read.accept_encoding
             } else if *name == INFERENCE_HEADER_CONTENT_LENGTH {
                 &mut read.inference_header_length
+            } else if *name == REQUEST_ID {
+                &mut client_id
             } else {
-                has_id |= *name == REQUEST_ID;
-                return;
+                read.connection |= name == header::CONNECTION;
+                continue;
             };
             slot.get_or_insert(value);
-        });
-        let client_id = if has_id { read.forward.get_mut(REQUEST_ID) } else { None };
+        }
+        // An id the client's `Connection` names is this hop's alone: one is made in its place.
+        if read.connection && client_id.is_some() && nominated(incoming).iter().any(|name| name == REQUEST_ID.as_str())
+        {
+            client_id = None;
+        }
         read.request_id = match client_id {
             Some(id) => {
+                let mut id = id.clone();
                 id.set_sensitive(true);
-                id.clone()
+                id
             }
             None => {
-                let id = new_request_id();
-                read.forward.insert(REQUEST_ID, id.clone());
-                id
+                read.made_id = true;
+                new_request_id()
             }
         };
         read
+    }
+
+    /// The end-to-end headers, with the request id, as a map of their own: for a call made anew from the request (a
+    /// translation, a mirror, a stream).
+    pub fn forward(&self) -> HeaderMap {
+        let mut forward = end_to_end(self.incoming);
+        if self.made_id {
+            forward.insert(REQUEST_ID, self.request_id.clone());
+        } else if let Some(id) = forward.get_mut(REQUEST_ID) {
+            id.set_sensitive(true);
+        }
+        forward
+    }
+
+    /// The headers as a passthrough sends them on: the client's end-to-end ones where they stand, and the request
+    /// id when it was made here.
+    pub fn passed_on(&self) -> PassedOn<'a> {
+        let mut set = smallvec::SmallVec::new();
+        if self.made_id {
+            set.push((REQUEST_ID, self.request_id.clone()));
+        }
+        PassedOn {
+            client: self.incoming,
+            connection: self.connection,
+            set,
+        }
+    }
+}
+
+/// A request's headers as a passthrough sends them to its backend, written from where they stand rather than
+/// gathered into a map of their own (a map built and dropped for each request is most of what its headers cost):
+/// the client's end-to-end headers, and those the gateway sets (the request id it made, those about the body).
+#[derive(Debug)]
+pub struct PassedOn<'a> {
+    client: &'a HeaderMap,
+    connection: bool,
+    /// Names none of the client's end-to-end headers has: the request id only when the client sent none, and the
+    /// rest are never end to end.
+    pub set: smallvec::SmallVec<[(HeaderName, HeaderValue); 6]>,
+}
+
+impl PassedOn<'_> {
+    /// Shows each header to `write`, but those `overridden` says another source gives in its place.
+    pub fn each(&self, overridden: impl Fn(&HeaderName) -> bool, mut write: impl FnMut(&HeaderName, &HeaderValue)) {
+        let nominated = if self.connection {
+            nominated(self.client)
+        } else {
+            Vec::new()
+        };
+        for (name, value) in self.client {
+            if is_end_to_end(name) && !overridden(name) && !nominated.iter().any(|nominee| nominee == name.as_str()) {
+                write(name, value);
+            }
+        }
+        for (name, value) in &self.set {
+            if !overridden(name) {
+                write(name, value);
+            }
+        }
     }
 }
 
@@ -317,16 +384,70 @@ mod tests {
         assert_eq!(text(read.accept).as_deref(), Some("application/json"));
         assert_eq!(text(read.accept_encoding).as_deref(), Some("deflate"));
         assert_eq!(text(read.inference_header_length).as_deref(), Some("7"));
-        let mut names: Vec<&str> = read.forward.keys().map(HeaderName::as_str).collect();
+        let forward = read.forward();
+        let mut names: Vec<&str> = forward.keys().map(HeaderName::as_str).collect();
         names.sort_unstable();
         assert_eq!(names, ["x-request-id", "x-tenant"]);
-        assert_eq!(read.forward[REQUEST_ID], read.request_id);
+        assert_eq!(forward[REQUEST_ID], read.request_id);
 
         let with_id = map(&[("x-request-id", "abc")]);
         let read = RequestHeaders::read(&with_id);
         assert_eq!(read.request_id, "abc");
-        assert!(read.forward[REQUEST_ID].is_sensitive());
-        assert_eq!(read.forward.len(), 1);
+        assert!(read.request_id.is_sensitive());
+        let forward = read.forward();
+        assert!(forward[REQUEST_ID].is_sensitive());
+        assert_eq!(forward.len(), 1);
+
+        // An id the client's Connection names is not the request's: one is made.
+        let nominated = map(&[("x-request-id", "abc"), ("connection", "X-Request-Id")]);
+        let read = RequestHeaders::read(&nominated);
+        assert_ne!(read.request_id, "abc");
+        assert_eq!(read.forward()[REQUEST_ID], read.request_id);
+    }
+
+    /// What a passthrough writes: the pairs of the map [`RequestHeaders::forward`] builds, in any order, but those
+    /// another source overrides.
+    #[test]
+    fn a_passthrough_sends_what_the_forwarded_map_holds() {
+        let cases = [
+            map(&[]),
+            map(&[("x-request-id", "abc"), ("x-tenant", "a"), ("x-tenant", "b")]),
+            map(&[
+                ("connection", "keep-alive, X-Private, x-request-id"),
+                ("x-private", "secret"),
+                ("x-request-id", "abc"),
+                ("keep-alive", "timeout=5"),
+                ("content-type", "application/json"),
+                ("grpc-timeout", "5S"),
+                ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+                ("authorization", "Bearer t"),
+                ("host", "example"),
+            ]),
+        ];
+        let sorted = |mut pairs: Vec<(String, HeaderValue)>| {
+            pairs.sort_by(|a, b| (&a.0, a.1.as_bytes()).cmp(&(&b.0, b.1.as_bytes())));
+            pairs
+        };
+        for incoming in &cases {
+            let read = RequestHeaders::read(incoming);
+            let forward = read.forward();
+            let passed = read.passed_on();
+            let built = sorted(
+                forward
+                    .iter()
+                    .map(|(name, value)| (name.to_string(), value.clone()))
+                    .collect(),
+            );
+            let mut sent = Vec::new();
+            passed.each(|_| false, |name, value| sent.push((name.to_string(), value.clone())));
+            assert_eq!(built, sorted(sent), "{incoming:?}");
+            let mut traced = Vec::new();
+            passed.each(
+                |name| name.as_str() == "traceparent",
+                |name, _| traced.push(name.to_string()),
+            );
+            assert!(traced.iter().all(|name| name != "traceparent"));
+        }
     }
 
     #[test]

@@ -250,6 +250,7 @@ async fn connections_are_kept_and_one_whose_answer_was_not_read_is_not() {
         .forward(
             &path,
             &HeaderMap::new(),
+            None,
             ChunksBody::new(vec![Bytes::from_static(b"{}")]).into(),
             oipgate::upstream::Deadline::after(Duration::from_secs(2)),
         )

@@ -12,6 +12,7 @@ use super::backend::{Attempt, Replicas, Tries};
 use crate::body::{ChunksBody, OutBody, RelaySource, Relayed};
 use crate::dispatch::fleet::Lease;
 use crate::error::{Error, Result};
+use crate::headers::PassedOn;
 use crate::routing::Affinity;
 use crate::routing::{Routed, VersionRoute};
 use crate::telemetry::metrics::BackendMetrics;
@@ -95,7 +96,7 @@ impl Dispatcher {
     pub async fn passthrough_send(
         &self,
         target: &Passthrough,
-        headers: &HeaderMap,
+        passed: &PassedOn<'_>,
         body: &Outgoing,
         deadline: Deadline,
         trace: &Trace,
@@ -104,11 +105,14 @@ impl Dispatcher {
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
             return Err(Error::internal("no REST client for a proxied request"));
         };
+        // The tries' own headers are only the trace context each carries: the request's are written from where they
+        // stand.
+        let none = HeaderMap::new();
         let tries = Tries {
             upstream: (&target.route.upstream_name, &target.route.upstream_version),
             affinity: &target.affinity,
             until: deadline.until,
-            forward: headers,
+            forward: &none,
             trace,
         };
         backend
@@ -119,7 +123,9 @@ impl Dispatcher {
                     let client = endpoints
                         .get(index)
                         .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
-                    client.forward(&target.path, &forward, body.body(), deadline).await
+                    client
+                        .forward(&target.path, &forward, Some(passed), body.body(), deadline)
+                        .await
                 },
                 |response, span| {
                     span.set("http.response.status_code", i64::from(response.status().as_u16()));

@@ -18,6 +18,7 @@ use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
+use crate::headers::PassedOn;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
 
 /// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.
@@ -121,7 +122,7 @@ impl RestUpstream {
         let path = PathAndQuery::try_from(path)
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         let response = self
-            .request(&method, &path, headers, ChunksBody::new(body).into())
+            .request(&method, &path, headers, None, ChunksBody::new(body).into())
             .await?;
         let (head, body) = response.into_parts();
         let length = head
@@ -157,18 +158,20 @@ impl RestUpstream {
     }
 
     /// Sends a proxied request's body as it came (a small one in one buffer, with its head in one write; a large one
-    /// relayed as it arrives) and gives the answer's head as soon as it arrives, its body still to be read.
+    /// relayed as it arrives) and gives the answer's head as soon as it arrives, its body still to be read. Its
+    /// headers are `headers`, and a passthrough's `passed` (giving way to those of `headers`).
     pub async fn forward(
         &self,
         path: &PathAndQuery,
         headers: &HeaderMap,
+        passed: Option<&PassedOn<'_>>,
         body: OutBody,
         deadline: super::Deadline,
     ) -> Result<http::Response<BackendBody>> {
         super::within(
             Some(deadline),
             &self.authority,
-            self.request(&Method::POST, path, headers, body),
+            self.request(&Method::POST, path, headers, passed, body),
         )
         .await
     }
@@ -180,6 +183,7 @@ impl RestUpstream {
         method: &Method,
         path: &PathAndQuery,
         headers: &HeaderMap,
+        passed: Option<&PassedOn<'_>>,
         body: OutBody,
     ) -> Result<http::Response<BackendBody>> {
         let request = http1::Request {
@@ -187,6 +191,7 @@ impl RestUpstream {
             path,
             host: &self.host,
             headers: [headers, &self.added],
+            passed,
             body,
         };
         http1::send(&self.clients, &self.root, request)

@@ -79,7 +79,7 @@ impl Dispatcher {
                     let path = &path;
                     async move {
                         endpoints[index]
-                            .forward(path, &forward, body, crate::upstream::Deadline::after(left))
+                            .forward(path, &forward, None, body, crate::upstream::Deadline::after(left))
                             .await
                     }
                 },

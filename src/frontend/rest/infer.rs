@@ -201,7 +201,7 @@ impl RestDoor {
         // A client that goes away drops this future, and with it the backend call (its stream or connection reset).
         let call = CallContext {
             deadline,
-            forward: asked.headers.forward,
+            forward: asked.headers.forward(),
             compressed: asked.coding,
             principal: record.principal.clone(),
             trace: record.trace.clone(),
@@ -276,7 +276,7 @@ impl RestDoor {
         record: &mut Record,
         target: Passthrough,
         routed: Routed,
-        mut asked: InferHead<'_>,
+        asked: InferHead<'_>,
         (start, scan): (BodyStart, Option<KeyScan>),
     ) -> Result<PendingAnswer> {
         record.in_flight = Some(target.backend_metrics.call());
@@ -284,22 +284,17 @@ impl RestDoor {
         // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
         // for uncompressed, as its name is restored in it (the gateway compresses it for the client).
         let keep_compressed = asked.coding.is_some() && target.compression;
-        // The headers to forward are the mirror's too when there is one, else they are taken as they are.
-        let forward = match routed.mirror {
-            Some(_) => asked.headers.forward.clone(),
-            None => std::mem::take(&mut asked.headers.forward),
-        };
         // An answer whose payload is logged is asked for uncompressed too: the log gets it as the client reads it.
         let coded = BodyCodings {
             body: asked.coding.is_none() || keep_compressed,
             answer: !target.aliased && record.capture.is_none(),
         };
-        let send = headers_to_send(&asked.headers, forward, coded);
+        let send = headers_to_send(&asked.headers, coded);
         let mirror = routed.mirror.map(|route| Mirror {
             route,
             header_length: asked.header_length,
             content_type: Some(content_type(&asked.headers)),
-            forward: asked.headers.forward,
+            forward: asked.headers.forward(),
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing((start, scan), keep_compressed, body, record, mirror)?;
@@ -315,8 +310,8 @@ impl RestDoor {
         record.endpoint = Some(authority.clone());
         record.lease = Some(lease);
         let (head, answer) = response.into_parts();
-        let compressed = head.headers.contains_key(http::header::CONTENT_ENCODING);
-        if compressed && target.aliased && head.status == StatusCode::OK {
+        if target.aliased && head.status == StatusCode::OK && head.headers.contains_key(http::header::CONTENT_ENCODING)
+        {
             // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
             return Box::pin(self.rename_compressed(head, answer, &target, &authority)).await;
         }
@@ -666,9 +661,9 @@ struct BodyCodings {
 
 /// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them
 /// (the body is not re-encoded), with a Content-Type said when the client sent none.
-fn headers_to_send(read: &RequestHeaders<'_>, forward: HeaderMap, coded: BodyCodings) -> HeaderMap {
-    let mut send = forward;
-    send.insert(http::header::CONTENT_TYPE, content_type(read));
+fn headers_to_send<'a>(read: &RequestHeaders<'a>, coded: BodyCodings) -> headers::PassedOn<'a> {
+    let mut send = read.passed_on();
+    send.set.push((http::header::CONTENT_TYPE, content_type(read)));
     let about_body = [
         (
             http::header::CONTENT_ENCODING,
@@ -683,7 +678,7 @@ fn headers_to_send(read: &RequestHeaders<'_>, forward: HeaderMap, coded: BodyCod
     ];
     for (name, value) in about_body {
         if let Some(value) = value {
-            send.insert(name, value.clone());
+            send.set.push((name, value.clone()));
         }
     }
     send
@@ -697,20 +692,21 @@ fn answer_head(
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
     let mut passed = std::mem::take(&mut head.headers);
-    // The lengths the backend says, each its first value.
-    let (mut header_length, mut length) = (None, None);
+    // The lengths the backend says, each its first value, and whether it says a coding.
+    let (mut header_length, mut length, mut compressed) = (None, None, false);
     headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT, |name, value| {
         let slot = if *name == INFERENCE_HEADER_CONTENT_LENGTH {
             &mut header_length
         } else if *name == http::header::CONTENT_LENGTH {
             &mut length
         } else {
+            compressed |= *name == http::header::CONTENT_ENCODING;
             return;
         };
         slot.get_or_insert_with(|| value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()));
     });
     // The JSON header's length is of the decoded body: a compressed answer's length says nothing of it.
-    if !passed.contains_key(http::header::CONTENT_ENCODING) {
+    if !compressed {
         check_lengths(header_length.flatten(), length.flatten(), authority)?;
     }
     target.route.name_served_version(&mut passed);

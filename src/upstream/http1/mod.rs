@@ -252,6 +252,8 @@ pub(super) struct Request<'a> {
     pub path: &'a PathAndQuery,
     pub host: &'a HeaderValue,
     pub headers: [&'a HeaderMap; 2],
+    /// A passthrough's headers, written from the client's where they stand; those of the maps take their place.
+    pub passed: Option<&'a crate::headers::PassedOn<'a>>,
     pub body: OutBody,
 }
 

@@ -34,8 +34,23 @@ impl PooledConnection {
         head.extend_from_slice(request.host.as_bytes());
         head.extend_from_slice(b"\r\n");
         // The operator's headers (the last map) take the place of a client's of the same name: a backend reading the
-        // first of two would otherwise read the client's.
+        // first of two would otherwise read the client's. A passthrough's headers give way to both maps' (the try's
+        // trace context in the first).
         let [client, added] = request.headers;
+        let mut write = |name: &http::HeaderName, value: &HeaderValue| {
+            head.extend_from_slice(name.as_str().as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        };
+        if let Some(passed) = request.passed {
+            passed.each(
+                |name| {
+                    (!client.is_empty() && client.contains_key(name)) || (!added.is_empty() && added.contains_key(name))
+                },
+                &mut write,
+            );
+        }
         for (index, headers) in [client, added].into_iter().enumerate() {
             for (name, value) in headers {
                 if [&HOST, &USER_AGENT, &CONTENT_LENGTH, &TRANSFER_ENCODING, &CONNECTION].contains(&name)
@@ -43,10 +58,7 @@ impl PooledConnection {
                 {
                     continue;
                 }
-                head.extend_from_slice(name.as_str().as_bytes());
-                head.extend_from_slice(b": ");
-                head.extend_from_slice(value.as_bytes());
-                head.extend_from_slice(b"\r\n");
+                write(name, value);
             }
         }
         head.extend_from_slice(b"user-agent: ");

@@ -59,6 +59,7 @@ async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arri
             .forward(
                 &PathAndQuery::from_static("/v2/models/m/infer"),
                 &HeaderMap::new(),
+                None,
                 OutBody::from(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
                 crate::upstream::Deadline::after(Duration::from_secs(2)),
             )
@@ -483,6 +484,7 @@ async fn a_body_of_unknown_length_goes_chunked() {
         .forward(
             &PathAndQuery::from_static("/v2/models/m/infer"),
             &HeaderMap::new(),
+            None,
             OutBody::Channel(crate::body::ChannelBody::new(chunks)),
             crate::upstream::Deadline::after(Duration::from_secs(2)),
         )
@@ -578,6 +580,7 @@ async fn a_small_body_goes_with_its_head_and_a_larger_one_after_it() {
             .forward(
                 &PathAndQuery::from_static("/v2/models/m/infer"),
                 &HeaderMap::new(),
+                None,
                 OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
                 crate::upstream::Deadline::after(Duration::from_secs(2)),
             )
@@ -613,6 +616,7 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
             path: &path,
             host: &host,
             headers: [&headers, &headers],
+            passed: None,
             body: OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
         };
         let small = request(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cd")]);
@@ -621,5 +625,79 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
         let large = request(vec![Bytes::from(vec![b'x'; GATHERED_BODY + 1])]);
         assert_eq!(kept.write_head(&large, Sending::of(&method, &large.body)), 0);
         assert!(kept.head.ends_with(b"\r\n\r\n"));
+    });
+}
+
+/// A passthrough's headers are written from the client's: its end-to-end ones and the gateway's own, each giving way
+/// to the try's trace context and to the operator's headers of the same name.
+#[test]
+fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut kept = PooledConnection::new(Io::Plain(io));
+        let (method, path, host) = (
+            Method::POST,
+            PathAndQuery::from_static("/p"),
+            HeaderValue::from_static("h"),
+        );
+        let mut client = HeaderMap::new();
+        for (name, value) in [
+            ("host", "client.example"),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("traceparent", "00-client"),
+            ("x-tenant", "client"),
+            ("authorization", "Bearer t"),
+            ("content-type", "application/json"),
+            ("content-length", "2"),
+            ("grpc-timeout", "1S"),
+        ] {
+            client.append(name, HeaderValue::from_static(value));
+        }
+        let read = crate::headers::RequestHeaders::read(&client);
+        let mut passed = read.passed_on();
+        passed
+            .set
+            .push((http::header::CONTENT_TYPE, HeaderValue::from_static("application/json")));
+        let mut carried = HeaderMap::new();
+        carried.insert("traceparent", HeaderValue::from_static("00-gateway"));
+        let mut added = HeaderMap::new();
+        added.insert("x-tenant", HeaderValue::from_static("operator"));
+        let request = Request {
+            method: &method,
+            path: &path,
+            host: &host,
+            headers: [&carried, &added],
+            passed: Some(&passed),
+            body: OutBody::Chunks(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
+        };
+        kept.write_head(&request, Sending::of(&method, &request.body));
+        let head = String::from_utf8(kept.head.clone()).unwrap();
+        let (head, body) = head.split_once("\r\n\r\n").unwrap();
+        assert_eq!(body, "{}");
+        let mut lines: Vec<&str> = head.split("\r\n").skip(1).collect();
+        lines.retain(|line| !line.starts_with("x-request-id: ") && !line.starts_with("user-agent: "));
+        lines.sort_unstable();
+        assert_eq!(
+            lines,
+            [
+                "authorization: Bearer t",
+                "content-length: 2",
+                "content-type: application/json",
+                "host: h",
+                "traceparent: 00-gateway",
+                "x-tenant: operator",
+            ],
+            "{head}"
+        );
+        assert_eq!(head.matches("x-request-id: ").count(), 1, "{head}");
+        assert!(head.contains(&format!("x-request-id: {}\r\n", read.request_id.to_str().unwrap())));
     });
 }
