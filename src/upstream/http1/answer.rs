@@ -96,8 +96,8 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     let mut said = ParsedAnswerHeaders {
         version,
         // A backend's Date is never passed on: each hop dates the answers it sends. Room is made for the two headers
-        // the gateway adds to an answer it passes back (the request id and the serving version): grown for them, the
-        // map would be allocated twice for every answer.
+        // the gateway adds to every answer it passes back (the request id and the serving version): grown for them,
+        // the map would be allocated twice for each. (A compressed one adds two more, and grows.)
         said: ParsedHeaders::new(places.count() + 2, b"date"),
     };
     places.each(
