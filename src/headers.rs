@@ -218,12 +218,10 @@ impl<'a> RequestHeaders<'a> {
     }
 
     /// The headers as a passthrough sends them on: the client's end-to-end ones where they stand, and the request
-    /// id when it was made here.
-    pub fn passed_on(&self) -> PassedOn<'a> {
-        let mut set = smallvec::SmallVec::new();
-        if self.made_id {
-            set.push((REQUEST_ID, self.request_id.clone()));
-        }
+    /// id when it was made here (those about the body are set with [`PassedOn::about_body`]).
+    pub fn passed_on(&self) -> PassedOn<'_> {
+        let mut set = [None; SET_NAMES.len()];
+        set[0] = self.made_id.then_some(&self.request_id);
         PassedOn {
             client: self.incoming,
             connection: self.connection,
@@ -232,19 +230,38 @@ impl<'a> RequestHeaders<'a> {
     }
 }
 
+/// The names of the headers a passthrough sets, in the order of [`PassedOn`]'s slots: the request id it made, then
+/// those about the body. None is end to end, and the request id is set only when the client sent none: none is also
+/// among the client's headers written.
+static SET_NAMES: [HeaderName; 6] = [
+    REQUEST_ID,
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::ACCEPT,
+    header::ACCEPT_ENCODING,
+    INFERENCE_HEADER_CONTENT_LENGTH,
+];
+
 /// A request's headers as a passthrough sends them to its backend, written from where they stand rather than
 /// gathered into a map of their own (a map built and dropped for each request is most of what its headers cost):
-/// the client's end-to-end headers, and those the gateway sets (the request id it made, those about the body).
+/// the client's end-to-end headers, and those the gateway sets (the request id it made, those about the body), as
+/// references into the request's own headers: this is made and moved for every request.
 #[derive(Debug)]
 pub struct PassedOn<'a> {
     client: &'a HeaderMap,
     connection: bool,
-    /// Names none of the client's end-to-end headers has: the request id only when the client sent none, and the
-    /// rest are never end to end.
-    pub set: smallvec::SmallVec<[(HeaderName, HeaderValue); 6]>,
+    /// A value for each of [`SET_NAMES`], or none.
+    set: [Option<&'a HeaderValue>; SET_NAMES.len()],
 }
 
-impl PassedOn<'_> {
+impl<'a> PassedOn<'a> {
+    /// With the headers about the body: Content-Type, Content-Encoding, Accept, Accept-Encoding and
+    /// Inference-Header-Content-Length, each when given.
+    pub fn about_body(mut self, about: [Option<&'a HeaderValue>; SET_NAMES.len() - 1]) -> PassedOn<'a> {
+        self.set[1..].copy_from_slice(&about);
+        self
+    }
+
     /// Shows each header to `write`, but those `overridden` says another source gives in its place.
     pub fn each(&self, overridden: impl Fn(&HeaderName) -> bool, mut write: impl FnMut(&HeaderName, &HeaderValue)) {
         let nominated = if self.connection {
@@ -257,8 +274,10 @@ impl PassedOn<'_> {
                 write(name, value);
             }
         }
-        for (name, value) in &self.set {
-            if !overridden(name) {
+        for (name, value) in SET_NAMES.iter().zip(self.set) {
+            if let Some(value) = value
+                && !overridden(name)
+            {
                 write(name, value);
             }
         }

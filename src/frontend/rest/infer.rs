@@ -293,7 +293,7 @@ impl RestDoor {
         let mirror = routed.mirror.map(|route| Mirror {
             route,
             header_length: asked.header_length,
-            content_type: Some(content_type(&asked.headers)),
+            content_type: Some(content_type(&asked.headers).clone()),
             forward: asked.headers.forward(),
             affinity: routed.affinity,
         });
@@ -661,27 +661,14 @@ struct BodyCodings {
 
 /// The headers a proxied request goes with: its end-to-end ones and those about its body as the client sent them
 /// (the body is not re-encoded), with a Content-Type said when the client sent none.
-fn headers_to_send<'a>(read: &RequestHeaders<'a>, coded: BodyCodings) -> headers::PassedOn<'a> {
-    let mut send = read.passed_on();
-    send.set.push((http::header::CONTENT_TYPE, content_type(read)));
-    let about_body = [
-        (
-            http::header::CONTENT_ENCODING,
-            read.content_encoding.filter(|_| coded.body),
-        ),
-        (http::header::ACCEPT, read.accept),
-        (
-            http::header::ACCEPT_ENCODING,
-            read.accept_encoding.filter(|_| coded.answer),
-        ),
-        (INFERENCE_HEADER_CONTENT_LENGTH, read.inference_header_length),
-    ];
-    for (name, value) in about_body {
-        if let Some(value) = value {
-            send.set.push((name, value.clone()));
-        }
-    }
-    send
+fn headers_to_send<'a>(read: &'a RequestHeaders<'_>, coded: BodyCodings) -> headers::PassedOn<'a> {
+    read.passed_on().about_body([
+        Some(content_type(read)),
+        read.content_encoding.filter(|_| coded.body),
+        read.accept,
+        read.accept_encoding.filter(|_| coded.answer),
+        read.inference_header_length,
+    ])
 }
 
 /// The head a proxied answer goes to the client with: the backend's end-to-end headers and those about the body,
@@ -740,11 +727,13 @@ fn check_lengths(header: Option<u64>, total: Option<u64>, authority: &str) -> Re
 /// The Content-Type a proxied request goes to its backend with: the client's, or when it sent none, its body's form
 /// as the binary extension's header tells it. tritonclient sends none; KServe's server reads a body without one as
 /// binary and refuses it.
-fn content_type(read: &RequestHeaders<'_>) -> HeaderValue {
+fn content_type<'a>(read: &RequestHeaders<'a>) -> &'a HeaderValue {
+    static BINARY: HeaderValue = HeaderValue::from_static("application/octet-stream");
+    static JSON: HeaderValue = HeaderValue::from_static("application/json");
     match (read.content_type, read.inference_header_length) {
-        (Some(sent), _) => sent.clone(),
-        (None, Some(_)) => HeaderValue::from_static("application/octet-stream"),
-        (None, None) => HeaderValue::from_static("application/json"),
+        (Some(sent), _) => sent,
+        (None, Some(_)) => &BINARY,
+        (None, None) => &JSON,
     }
 }
 

@@ -662,10 +662,8 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
             client.append(name, HeaderValue::from_static(value));
         }
         let read = crate::headers::RequestHeaders::read(&client);
-        let mut passed = read.passed_on();
-        passed
-            .set
-            .push((http::header::CONTENT_TYPE, HeaderValue::from_static("application/json")));
+        let json = HeaderValue::from_static("application/json");
+        let passed = read.passed_on().about_body([Some(&json), None, None, None, None]);
         let mut carried = HeaderMap::new();
         carried.insert("traceparent", HeaderValue::from_static("00-gateway"));
         let mut added = HeaderMap::new();
