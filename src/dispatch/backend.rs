@@ -223,7 +223,8 @@ impl BackendClients {
             let span = self.try_span(tries.trace, lease.index, tried.len());
             let outcome = call(Attempt {
                 index: lease.index,
-                left: tries.until.saturating_duration_since(Instant::now()),
+                // The lease was taken a moment ago: its start is now, without reading the clock again.
+                left: tries.until.saturating_duration_since(lease.started()),
                 forward: span.carried(tries.forward),
             })
             .await;

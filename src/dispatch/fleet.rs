@@ -268,6 +268,11 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// When the call at the endpoint began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     /// Records the call's outcome: for outlier detection (`failed` is a connection failure, 5xx or UNAVAILABLE)
     /// and the endpoint's last minute.
     pub fn observed(&self, failed: bool, policy: &BackendPolicy) {

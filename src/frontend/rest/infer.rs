@@ -279,7 +279,13 @@ impl RestDoor {
         asked: InferHead<'_>,
         (start, scan): (BodyStart, Option<KeyScan>),
     ) -> Result<PendingAnswer> {
-        record.in_flight = Some(target.backend_metrics.call());
+        let in_flight = target.backend_metrics.call();
+        // The backend's time to answer runs from the moment the call counts in flight: one reading of the clock.
+        let deadline = Deadline {
+            until: in_flight.started + target.timeout,
+            given: target.timeout,
+        };
+        record.in_flight = Some(in_flight);
         let dispatcher = record.dispatcher().clone();
         // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
         // for uncompressed, as its name is restored in it (the gateway compresses it for the client).
@@ -298,7 +304,6 @@ impl RestDoor {
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing((start, scan), keep_compressed, body, record, mirror)?;
-        let deadline = Deadline::after(target.timeout);
         let sent = dispatcher
             .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
             .await;

@@ -187,7 +187,8 @@ impl BackendMetrics {
 pub struct InFlight {
     pub(super) gauge: IntGauge,
     pub(super) duration: Histogram,
-    pub(super) started: Instant,
+    /// When the call began.
+    pub started: Instant,
 }
 
 impl Drop for InFlight {
