@@ -135,7 +135,7 @@ pub fn for_backend(incoming: &HeaderMap) -> HeaderMap {
 #[derive(Debug)]
 pub struct RequestHeaders<'a> {
     /// The client's headers.
-    pub incoming: &'a HeaderMap,
+    incoming: &'a HeaderMap,
     pub request_id: HeaderValue,
     /// The request id was made here: the client sent none.
     made_id: bool,

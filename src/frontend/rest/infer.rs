@@ -282,7 +282,7 @@ impl RestDoor {
         let in_flight = target.backend_metrics.call();
         // The backend's time to answer runs from the moment the call counts in flight: one reading of the clock.
         let deadline = Deadline {
-            until: in_flight.started + target.timeout,
+            until: in_flight.started() + target.timeout,
             given: target.timeout,
         };
         record.in_flight = Some(in_flight);

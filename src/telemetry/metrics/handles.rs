@@ -187,8 +187,14 @@ impl BackendMetrics {
 pub struct InFlight {
     pub(super) gauge: IntGauge,
     pub(super) duration: Histogram,
+    pub(super) started: Instant,
+}
+
+impl InFlight {
     /// When the call began.
-    pub started: Instant,
+    pub fn started(&self) -> Instant {
+        self.started
+    }
 }
 
 impl Drop for InFlight {

@@ -595,16 +595,7 @@ async fn a_small_body_goes_with_its_head_and_a_larger_one_after_it() {
 
 #[test]
 fn a_body_within_the_gathered_size_is_written_into_the_head() {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let mut kept = PooledConnection::new(Io::Plain(io));
+    writing_heads(|kept| {
         let (method, path, host) = (
             Method::POST,
             PathAndQuery::from_static("/p"),
@@ -628,10 +619,8 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
     });
 }
 
-/// A passthrough's headers are written from the client's: its end-to-end ones and the gateway's own, each giving way
-/// to the try's trace context and to the operator's headers of the same name.
-#[test]
-fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
+/// Runs `write` with a connection whose buffer its heads are written into (its peer, a listener, never reads them).
+fn writing_heads(write: impl FnOnce(&mut PooledConnection)) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -641,7 +630,15 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
         let io = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
             .await
             .unwrap();
-        let mut kept = PooledConnection::new(Io::Plain(io));
+        write(&mut PooledConnection::new(Io::Plain(io)));
+    });
+}
+
+/// A passthrough's headers are written from the client's: its end-to-end ones and the gateway's own, each giving way
+/// to the try's trace context and to the operator's headers of the same name.
+#[test]
+fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
+    writing_heads(|kept| {
         let (method, path, host) = (
             Method::POST,
             PathAndQuery::from_static("/p"),
