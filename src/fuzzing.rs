@@ -597,14 +597,24 @@ pub fn http1_request_head(data: &[u8]) {
 }
 
 /// The backend answer reader: never panics; an answer's body is framed by its chunks, its length or the connection's
-/// end, and only an answer framed by its length or chunks keeps its connection.
+/// end, and only an answer framed by its length or chunks keeps its connection; its headers read as lines (a
+/// passthrough's) or into a map, it is read alike.
 pub fn http1_answer(data: &[u8]) {
     use crate::codec::http1::Framing;
     let Some((&flags, bytes)) = data.split_first() else {
         return;
     };
+    let (asked_head, as_lines) = (flags & 1 == 1, flags & 2 == 2);
     let mut read = bytes::BytesMut::from(bytes);
-    let Ok(Some((status, mut framing, reusable))) = crate::upstream::read_answer_head(&mut read, flags & 1 == 1) else {
+    let answered = crate::upstream::read_answer_head(&mut read, asked_head, as_lines);
+    if as_lines {
+        // Its headers left as lines or read into a map, an answer says the same of its status, framing and
+        // connection, and is refused for the same fault.
+        let mapped = crate::upstream::read_answer_head(&mut bytes::BytesMut::from(bytes), asked_head, false);
+        let said = |answer: &std::io::Result<_>| format!("{:?}", answer.as_ref().map_err(ToString::to_string));
+        assert_eq!(said(&answered), said(&mapped));
+    }
+    let Ok(Some((status, mut framing, reusable))) = answered else {
         return;
     };
     assert!(!status.is_informational());

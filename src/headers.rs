@@ -85,6 +85,21 @@ pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
     passed
 }
 
+/// The headers about a backend answer's body that go back with it as the backend sent them: the body is passed on as
+/// it came.
+pub static ANSWER_AS_SENT: [HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::CONTENT_LENGTH,
+    INFERENCE_HEADER_CONTENT_LENGTH,
+];
+
+/// Whether a backend answer's header named `name` goes back to the client as the backend sent it, in an answer
+/// passed back as it came: those end to end, and those [`ANSWER_AS_SENT`].
+pub fn passes_back(name: &HeaderName) -> bool {
+    is_end_to_end(name) || ANSWER_AS_SENT.contains(name)
+}
+
 /// Leaves in `headers` what [`end_to_end`] would pass on, and the headers named in `kept`; in place, for a message
 /// that goes on with most of its headers (an answer passed back as it came). Each header is shown to `seen` first.
 pub fn keep_end_to_end(headers: &mut HeaderMap, kept: &[HeaderName], mut seen: impl FnMut(&HeaderName, &HeaderValue)) {
@@ -226,6 +241,7 @@ impl<'a> RequestHeaders<'a> {
             client: self.incoming,
             connection: self.connection,
             set,
+            answer_as_lines: false,
         }
     }
 }
@@ -252,6 +268,8 @@ pub struct PassedOn<'a> {
     connection: bool,
     /// A value for each of [`SET_NAMES`], or none.
     set: [Option<&'a HeaderValue>; SET_NAMES.len()],
+    /// The answer is passed back as it came: its headers are wanted as lines in its head, not read into a map.
+    answer_as_lines: bool,
 }
 
 impl<'a> PassedOn<'a> {
@@ -260,6 +278,17 @@ impl<'a> PassedOn<'a> {
     pub fn about_body(mut self, about: [Option<&'a HeaderValue>; SET_NAMES.len() - 1]) -> PassedOn<'a> {
         self.set[1..].copy_from_slice(&about);
         self
+    }
+
+    /// With the answer's headers wanted as lines in its head (see [`passes_back`]), when `wanted`.
+    pub fn answer_as_lines(mut self, wanted: bool) -> PassedOn<'a> {
+        self.answer_as_lines = wanted;
+        self
+    }
+
+    /// Whether the answer's headers are wanted as lines in its head.
+    pub fn answers_as_lines(&self) -> bool {
+        self.answer_as_lines
     }
 
     /// Shows each header to `write`, but those `overridden` says another source gives in its place.

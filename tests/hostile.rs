@@ -487,3 +487,83 @@ fn a_slow_reader_gets_a_large_answer_whole_and_keeps_its_connection() {
         );
     }
 }
+
+/// A backend's answer with headers of every kind: its own (`x-backend`, twice), those the gateway sets in its place
+/// (request id, serving version), hop-by-hop and framing ones, gRPC's, its `Date` and `Server`, and `more` besides.
+fn answer_with_headers(more: &str) -> &'static [u8] {
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: Mon, 01 Jan 2024 00:00:00 GMT\r\n\
+         Server: lying\r\nX-Request-Id: backend-id\r\nOIP-Model-Version: backend-version\r\nX-Backend: one\r\n\
+         x-backend: two\r\nKeep-Alive: timeout=5\r\nTrailer: x-checksum\r\ngrpc-status: 0\r\n{more}\
+         Content-Length: 2\r\n\r\n{{}}"
+    );
+    answer.into_bytes().leak()
+}
+
+/// An answer's header lines, lower-cased and sorted, and its `Date`.
+fn header_lines(answer: &str) -> (Vec<String>, Vec<String>) {
+    let head = answer.split("\r\n\r\n").next().unwrap_or("");
+    let (dates, mut lines): (Vec<String>, Vec<String>) = head
+        .lines()
+        .skip(1)
+        .map(|line| {
+            let (name, value) = line.split_once(':').unwrap_or((line, ""));
+            format!("{}: {}", name.to_ascii_lowercase(), value.trim())
+        })
+        .partition(|line| line.starts_with("date: "));
+    lines.sort();
+    (lines, dates)
+}
+
+#[tokio::test]
+async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateways() {
+    // Passed back as lines in the answer's head; with a `Connection` naming one of them, or more lines than are
+    // kept that way, read into a map: the client sees the same either way.
+    let plain = LyingBackend::start(answer_with_headers("Connection: close\r\n"));
+    let nominating = LyingBackend::start(answer_with_headers("Connection: close, X-Private\r\nX-Private: a\r\n"));
+    let many = LyingBackend::start(answer_with_headers(&format!(
+        "{}Connection: close\r\n",
+        "x-many: 1\r\n".repeat(8)
+    )));
+    let gateway = GatewayProcess::start(&format!(
+        "{}{}{}{}{}{}",
+        backend("plain", "rest", [plain.address]),
+        backend("nominating", "rest", [nominating.address]),
+        backend("many", "rest", [many.address]),
+        model("plain", "plain"),
+        model("nominating", "nominating"),
+        model("many", "many"),
+    ));
+    let ours = [
+        "content-length: 2",
+        "content-type: application/json",
+        "oip-model-version: 1",
+        "x-backend: one",
+        "x-backend: two",
+        "x-request-id: rid-9",
+    ];
+    for (model, more) in [("plain", 0), ("nominating", 0), ("many", 8)] {
+        // A client that takes compressed answers is answered through the map (too short to compress here).
+        for accept in ["", "accept-encoding: gzip\r\n"] {
+            let request = format!(
+                "POST /v2/models/{model}/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-request-id: rid-9\r\n\
+                 {accept}content-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+                BODY.len()
+            );
+            let address = gateway.rest;
+            let answer = tokio::task::spawn_blocking(move || exchange(address, &[request.as_bytes()], Duration::ZERO))
+                .await
+                .unwrap();
+            assert_eq!(status(&answer), "200", "{model} {accept}: {answer}");
+            assert!(answer.ends_with("\r\n\r\n{}"), "{model} {accept}: {answer}");
+            let (lines, dates) = header_lines(&answer);
+            let mut expected: Vec<String> = ours.iter().map(|line| (*line).to_owned()).collect();
+            expected.extend(std::iter::repeat_n("x-many: 1".to_owned(), more));
+            expected.push("connection: close".to_owned());
+            expected.sort();
+            assert_eq!(lines, expected, "{model} {accept}: {answer}");
+            assert_eq!(dates.len(), 1, "{model} {accept}: {answer}");
+            assert!(!dates[0].contains("2024"), "the backend's date: {answer}");
+        }
+    }
+}

@@ -161,6 +161,21 @@ impl Places {
         self.count
     }
 
+    /// Each header of `head` (the bytes the places were noted in): its place, its name and its value, when the places
+    /// hold them all.
+    pub fn all<'h>(&'h self, head: &'h [u8]) -> Option<impl Iterator<Item = ([u32; 4], &'h [u8], &'h [u8])>> {
+        (self.count <= PLACED).then(|| {
+            self.places[..self.count].iter().map(|&place| {
+                let [name_start, name_end, value_start, value_end] = place;
+                (
+                    place,
+                    &head[name_start as usize..name_end as usize],
+                    &head[value_start as usize..value_end as usize],
+                )
+            })
+        })
+    }
+
     /// Hands each header of `head` (the buffer's head, split off: the bytes the places were noted in) to `note`, its
     /// value a slice of `head`: from the places noted when they hold them all, else by reading the header lines again
     /// (`malformed` if they cannot be, which a head already parsed whole never is).
@@ -221,6 +236,8 @@ pub struct ParsedHeaders {
     pub keep_alive: bool,
     /// `Expect: 100-continue`.
     pub expects_continue: bool,
+    /// `Connection` named a header (one of this hop's, never passed on).
+    pub nominates: bool,
     /// A header no reader of these messages looks at, left out of the map (lower case).
     unread: &'static [u8],
 }
@@ -244,45 +261,157 @@ impl ParsedHeaders {
             close: false,
             keep_alive: false,
             expects_continue: false,
+            nominates: false,
         }
     }
 
     pub fn note(&mut self, name: &[u8], value: HeaderValue) -> Result<(), BadHeader> {
+        match self.read(name, value.as_bytes())? {
+            Some((name, Said::AsSent)) => self.headers.append(name, value),
+            Some((name, Said::Length(length))) => self.headers.append(name, HeaderValue::from(length)),
+            Some((_, Said::Again)) | None => return Ok(()),
+        };
+        Ok(())
+    }
+
+    /// Reads what one header says of the body and the connection, keeping nothing: its name, and how it is held;
+    /// `None` for the header no reader looks at.
+    pub fn read(&mut self, name: &[u8], value: &[u8]) -> Result<Option<(HeaderName, Said)>, BadHeader> {
         if name.len() == self.unread.len() && name.eq_ignore_ascii_case(self.unread) {
-            return Ok(());
+            return Ok(None);
         }
         let name = match known_name(name) {
             Some(known) => known,
             None => HeaderName::from_bytes(name).map_err(|_| BadHeader::Name)?,
         };
         if name == CONTENT_LENGTH {
-            let said = content_length(value.as_bytes()).ok_or(BadHeader::Length)?;
+            let said = content_length(value).ok_or(BadHeader::Length)?;
             match self.length.replace(said) {
                 Some(before) if before != said => return Err(BadHeader::TwoLengths),
-                // The same length again: the map keeps it once.
-                Some(_) => return Ok(()),
+                // The same length again: held once.
+                Some(_) => return Ok(Some((name, Said::Again))),
                 None => {}
             }
             // A list of the same length (`5, 5`), or digits led by zeros, goes on as its one value.
-            if !is_canonical_length(value.as_bytes()) {
-                self.headers.append(name, HeaderValue::from(said));
-                return Ok(());
+            if !is_canonical_length(value) {
+                return Ok(Some((name, Said::Length(said))));
             }
         } else if name == TRANSFER_ENCODING {
-            self.codings.note(value.as_bytes());
+            self.codings.note(value);
         } else if name == CONNECTION {
-            for token in value.as_bytes().split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
+            for token in value.split(|&byte| byte == b',').map(<[u8]>::trim_ascii) {
                 if token.eq_ignore_ascii_case(b"close") {
                     self.close = true;
                 } else if token.eq_ignore_ascii_case(b"keep-alive") {
                     self.keep_alive = true;
+                } else if !token.is_empty() {
+                    self.nominates = true;
                 }
             }
         } else if name == EXPECT {
-            self.expects_continue = value.as_bytes().eq_ignore_ascii_case(b"100-continue");
+            self.expects_continue = value.eq_ignore_ascii_case(b"100-continue");
         }
-        self.headers.append(name, value);
-        Ok(())
+        Ok(Some((name, Said::AsSent)))
+    }
+}
+
+/// How a header read is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Said {
+    /// As it was sent.
+    AsSent,
+    /// As this length, its one value written as digits.
+    Length(u64),
+    /// Not again: it repeats a length already held.
+    Again,
+}
+
+/// The most header lines an answer passed back as it came keeps; one that passes more on is read into a map.
+pub const KEPT_LINES: usize = 8;
+
+/// The names the gateway sets on an answer passed back as lines, each in place of the answer's own lines of that
+/// name.
+static SET_ON_LINES: [HeaderName; 2] = [crate::headers::REQUEST_ID, crate::headers::OIP_MODEL_VERSION];
+
+/// Which of a head's header lines are passed on: their places in the head, and which of them have a name the
+/// gateway sets.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeptLines {
+    /// Name start, name end, value start and value end of each line kept.
+    places: [[u32; 4]; KEPT_LINES],
+    count: u8,
+    /// For each of [`SET_ON_LINES`], its lines among those kept (bit `i` for line `i`).
+    named: [u8; SET_ON_LINES.len()],
+}
+
+impl KeptLines {
+    /// Keeps the line of `name` at `place`; `false` when there is no more room.
+    pub fn keep(&mut self, place: [u32; 4], name: &HeaderName) -> bool {
+        let count = usize::from(self.count);
+        if count == KEPT_LINES {
+            return false;
+        }
+        self.places[count] = place;
+        if let Some(set) = SET_ON_LINES.iter().position(|set| set == name) {
+            self.named[set] |= 1 << count;
+        }
+        self.count += 1;
+        true
+    }
+}
+
+/// A head's header lines left where they lie in it, those to be passed on kept, and the few the gateway sets in
+/// their place: an answer passed back as it came is written from these, with no map built for its headers.
+#[derive(Debug)]
+pub struct HeaderLines {
+    head: Bytes,
+    kept: KeptLines,
+    /// A value for each of [`SET_ON_LINES`], written in place of the kept lines of its name.
+    set: [Option<HeaderValue>; SET_ON_LINES.len()],
+}
+
+impl HeaderLines {
+    /// The lines of `head` that `kept` holds.
+    pub fn new(head: Bytes, kept: KeptLines) -> HeaderLines {
+        HeaderLines {
+            head,
+            kept,
+            set: [None, None],
+        }
+    }
+
+    /// Sets the request id to `value`, in place of the lines that name one.
+    pub fn set_request_id(&mut self, value: HeaderValue) {
+        self.set[0] = Some(value);
+    }
+
+    /// Sets the version that served the answer to `value`, in place of the lines that name one.
+    pub fn set_served_version(&mut self, value: HeaderValue) {
+        self.set[1] = Some(value);
+    }
+
+    /// Hands each line to write to `line`: its name as sent and its value, then the names set (lower case).
+    pub fn each(&self, mut line: impl FnMut(&[u8], &[u8])) {
+        let mut replaced = 0;
+        for (set, named) in self.set.iter().zip(self.kept.named) {
+            if set.is_some() {
+                replaced |= named;
+            }
+        }
+        let kept = &self.kept.places[..usize::from(self.kept.count)];
+        for (index, &[name_start, name_end, value_start, value_end]) in kept.iter().enumerate() {
+            if replaced & (1 << index) == 0 {
+                line(
+                    &self.head[name_start as usize..name_end as usize],
+                    &self.head[value_start as usize..value_end as usize],
+                );
+            }
+        }
+        for (name, value) in SET_ON_LINES.iter().zip(&self.set) {
+            if let Some(value) = value {
+                line(name.as_str().as_bytes(), value.as_bytes());
+            }
+        }
     }
 }
 

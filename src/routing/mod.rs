@@ -41,9 +41,14 @@ impl VersionRoute {
 
     /// Marks an answer with the public version that served it.
     pub fn name_served_version(&self, headers: &mut http::HeaderMap) {
-        if let Some(version) = &self.served_as {
+        if let Some(version) = self.served_as() {
             headers.insert(crate::headers::OIP_MODEL_VERSION, version.clone());
         }
+    }
+
+    /// The version an answer names as the one that served it, when it names one.
+    pub fn served_as(&self) -> Option<&http::HeaderValue> {
+        self.served_as.as_ref()
     }
 }
 

@@ -180,6 +180,15 @@ struct Proxied {
 }
 
 impl AnswerBody {
+    /// A backend answer's headers as lines in its head, to be written after the head's map, when it is passed back
+    /// with them.
+    pub(super) fn take_passed(&mut self) -> Option<Box<crate::upstream::PassedAnswer>> {
+        match &mut self.source {
+            Source::Proxied(proxied) => proxied.body.take_passed(),
+            Source::Chunks(_) | Source::Events(_) => None,
+        }
+    }
+
     /// Reports the request: a proxied answer that was read to its end goes to the payload log first.
     fn report(&mut self) {
         if let (Source::Proxied(proxied), Some(record)) = (&mut self.source, &mut self.record)
@@ -430,13 +439,18 @@ pub(super) fn buffered(
 /// `rename` is set), the body follows until `deadline`.
 pub(super) fn proxied(
     mut head: http::response::Parts,
-    body: crate::upstream::BackendBody,
+    mut body: crate::upstream::BackendBody,
     rename: Option<Rename>,
     deadline: Instant,
     mut record: Box<Record>,
 ) -> Response<AnswerBody> {
     if let Some(id) = &record.request_id {
-        head.headers.insert(REQUEST_ID, id.clone());
+        match body.passed() {
+            Some(passed) => passed.lines.set_request_id(id.clone()),
+            None => {
+                head.headers.insert(REQUEST_ID, id.clone());
+            }
+        }
     }
     record.status = Some(head.status.as_u16());
     let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));

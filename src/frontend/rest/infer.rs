@@ -34,13 +34,6 @@ use opentelemetry::trace::SpanKind;
 /// A proxied request whose declared body is at most this long is read whole and sent with its head in one write;
 /// a longer one, or one of unknown length, is relayed as it arrives.
 const WHOLE_BODY_LIMIT: u64 = 256 * 1024;
-/// Headers about the body that a proxied answer carries as the backend sent them.
-static ANSWER_AS_SENT: [http::header::HeaderName; 4] = [
-    http::header::CONTENT_TYPE,
-    http::header::CONTENT_ENCODING,
-    http::header::CONTENT_LENGTH,
-    INFERENCE_HEADER_CONTENT_LENGTH,
-];
 
 /// What the request asked for, read from its head.
 struct InferHead<'a> {
@@ -295,7 +288,9 @@ impl RestDoor {
             body: asked.coding.is_none() || keep_compressed,
             answer: !target.aliased && record.capture.is_none(),
         };
-        let send = headers_to_send(&asked.headers, coded);
+        // An answer passed back as it came (not renamed, logged or compressed here) keeps its headers as lines.
+        let as_lines = coded.answer && record.answer_coding.is_none();
+        let send = headers_to_send(&asked.headers, coded).answer_as_lines(as_lines);
         let mirror = routed.mirror.map(|route| Mirror {
             route,
             header_length: asked.header_length,
@@ -314,7 +309,17 @@ impl RestDoor {
         let authority = lease.state.authority.clone();
         record.endpoint = Some(authority.clone());
         record.lease = Some(lease);
-        let (head, answer) = response.into_parts();
+        let (mut head, mut answer) = response.into_parts();
+        if let Some(passed) = answer.passed() {
+            if !passed.coded {
+                check_lengths(passed.header_length, passed.length, &authority)?;
+            }
+            if let Some(version) = target.route.served_as() {
+                passed.lines.set_served_version(version.clone());
+            }
+            head.version = http::Version::HTTP_11;
+            return Ok(PendingAnswer::Proxied(Box::new(head), answer, None, deadline.until));
+        }
         if target.aliased && head.status == StatusCode::OK && head.headers.contains_key(http::header::CONTENT_ENCODING)
         {
             // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
@@ -348,7 +353,7 @@ impl RestDoor {
             None => body,
         };
         let mut passed = std::mem::take(&mut head.headers);
-        headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT, |_, _| {});
+        headers::keep_end_to_end(&mut passed, &headers::ANSWER_AS_SENT, |_, _| {});
         passed.remove(http::header::CONTENT_ENCODING);
         passed.remove(http::header::CONTENT_LENGTH);
         let header_length = rest::inference_header_length(passed.get(INFERENCE_HEADER_CONTENT_LENGTH))
@@ -686,7 +691,7 @@ fn answer_head(
     let mut passed = std::mem::take(&mut head.headers);
     // The lengths the backend says, each its first value, and whether it says a coding.
     let (mut header_length, mut length, mut compressed) = (None, None, false);
-    headers::keep_end_to_end(&mut passed, &ANSWER_AS_SENT, |name, value| {
+    headers::keep_end_to_end(&mut passed, &headers::ANSWER_AS_SENT, |name, value| {
         let slot = if *name == INFERENCE_HEADER_CONTENT_LENGTH {
             &mut header_length
         } else if *name == http::header::CONTENT_LENGTH {

@@ -13,7 +13,8 @@ use http::{HeaderMap, StatusCode, Version};
 use hyper::body::{Body, Frame, SizeHint};
 
 use super::{MOST_IDLE, PooledConnection, READ_FIRST, broken, closed, this_thread};
-use crate::codec::http1::{self, BadHeader, Framing, ParsedHeaders};
+use crate::codec::http1::{self, BadHeader, Framing, HeaderLines, KeptLines, ParsedHeaders, Places};
+use crate::headers::{INFERENCE_HEADER_CONTENT_LENGTH, passes_back};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -23,12 +24,28 @@ pub(super) const MOST_HEADERS: usize = 100;
 
 /// An answer's head, read.
 pub(super) struct AnswerHead {
-    status: StatusCode,
+    pub(super) status: StatusCode,
     version: Version,
-    headers: HeaderMap,
-    framing: Framing,
+    pub(super) headers: HeaderMap,
+    /// The headers as lines in the head, when asked for (the map is then empty).
+    pub(super) passed: Option<Box<PassedAnswer>>,
+    pub(super) framing: Framing,
     /// The connection may carry another request once the body is read.
     pub(super) reusable: bool,
+}
+
+/// An answer passed back as it came: the lines it goes back with, left in its head, and what the passthrough checks
+/// of its headers.
+#[derive(Debug)]
+pub struct PassedAnswer {
+    /// Those [`passes_back`] names, but Content-Length: the body's framing says its length again.
+    pub lines: HeaderLines,
+    /// Content-Length, when the body is framed by it.
+    pub length: Option<u64>,
+    /// The first Inference-Header-Content-Length, read as a length.
+    pub header_length: Option<u64>,
+    /// A Content-Encoding is given.
+    pub coded: bool,
 }
 
 impl AnswerHead {
@@ -42,6 +59,7 @@ impl AnswerHead {
     pub(super) fn into_response(self, kept: Box<PooledConnection>, token: Arc<()>) -> http::Response<BackendBody> {
         let mut response = http::Response::new(BackendBody {
             framing: self.framing,
+            passed: self.passed,
             kept: Some(kept),
             token,
         });
@@ -61,8 +79,10 @@ pub(super) enum Parsed {
 }
 
 /// Reads an answer's head from the start of `read`, taking it off the buffer when whole. The header values are the
-/// head's own bytes, shared, not copied.
-pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Parsed> {
+/// head's own bytes, shared, not copied. Asked `as_lines`, the headers are left as lines in the head where they can
+/// be (an answer to anything but HEAD, none of whose lines `Connection` names, no more headers than are placed and
+/// kept).
+pub(super) fn read_head(read: &mut BytesMut, asked_head: bool, as_lines: bool) -> io::Result<Parsed> {
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
     let mut answer = httparse::Response::new(&mut []);
     let length =
@@ -93,6 +113,23 @@ pub(super) fn read_head(read: &mut BytesMut, asked_head: bool) -> io::Result<Par
     // slices of the head once it is split off.
     let places = http1::places(answer.headers, read.as_ptr());
     let head = read.split_to(length).freeze();
+    if as_lines && !asked_head {
+        let mut said = ParsedAnswerHeaders {
+            version,
+            said: ParsedHeaders::new(0, b"date"),
+        };
+        if let Some(read) = said.read_lines(&head, &places)? {
+            let length = said.said.length;
+            let mut answer = said.into_head(status, false)?;
+            answer.passed = Some(Box::new(PassedAnswer {
+                lines: HeaderLines::new(head, read.kept),
+                length: length.filter(|_| matches!(answer.framing, Framing::Length(_))),
+                header_length: read.header_length,
+                coded: read.coded,
+            }));
+            return Ok(Parsed::Answer(answer));
+        }
+    }
     let mut said = ParsedAnswerHeaders {
         version,
         // A backend's Date is never passed on: each hop dates the answers it sends. Room is made for the two headers
@@ -116,11 +153,43 @@ struct ParsedAnswerHeaders {
 
 impl ParsedAnswerHeaders {
     fn note(&mut self, name: &[u8], value: http::HeaderValue) -> io::Result<()> {
-        self.said.note(name, value).map_err(|bad| match bad {
-            BadHeader::Name => broken("an answer header with an invalid name"),
-            BadHeader::Length => broken("an answer with an invalid Content-Length"),
-            BadHeader::TwoLengths => broken("an answer with two different Content-Length values"),
-        })
+        self.said.note(name, value).map_err(broken_header)
+    }
+
+    /// Which headers of `head` at `places` go back as lines, and what the passthrough checks of them; `None` where
+    /// they cannot be left as lines (more headers than are placed or kept, or a `Connection` that names one), and
+    /// are read into a map instead.
+    fn read_lines(&mut self, head: &[u8], places: &Places) -> io::Result<Option<LinesRead>> {
+        let Some(all) = places.all(head) else {
+            return Ok(None);
+        };
+        let mut read = LinesRead {
+            kept: KeptLines::default(),
+            header_length: None,
+            coded: false,
+        };
+        let mut header_length = None;
+        for (place, name, value) in all {
+            let Some((name, _)) = self.read(name, value)? else {
+                continue;
+            };
+            if name == INFERENCE_HEADER_CONTENT_LENGTH {
+                header_length
+                    .get_or_insert_with(|| std::str::from_utf8(value).ok().and_then(|v| v.trim().parse().ok()));
+            } else {
+                read.coded |= name == http::header::CONTENT_ENCODING;
+            }
+            if name != CONTENT_LENGTH && passes_back(&name) && !read.kept.keep(place, &name) {
+                return Ok(None);
+            }
+        }
+        read.header_length = header_length.flatten();
+        Ok((!self.said.nominates).then_some(read))
+    }
+
+    /// Reads what one header says, as [`ParsedHeaders::read`], its faults as a broken answer.
+    fn read(&mut self, name: &[u8], value: &[u8]) -> io::Result<Option<(http::HeaderName, http1::Said)>> {
+        self.said.read(name, value).map_err(broken_header)
     }
 
     /// The head, its body framed as the headers say (RFC 9112 §6.3). A transfer coding other than `chunked` is one
@@ -153,8 +222,25 @@ impl ParsedAnswerHeaders {
             version,
             reusable: !close && !matches!(framing, Framing::UntilClose),
             headers: said.headers,
+            passed: None,
             framing,
         })
+    }
+}
+
+/// Which of an answer's header lines go back, and what the passthrough checks of them.
+struct LinesRead {
+    kept: KeptLines,
+    header_length: Option<u64>,
+    coded: bool,
+}
+
+/// An answer header that cannot be read, as a broken answer.
+fn broken_header(bad: BadHeader) -> io::Error {
+    match bad {
+        BadHeader::Name => broken("an answer header with an invalid name"),
+        BadHeader::Length => broken("an answer with an invalid Content-Length"),
+        BadHeader::TwoLengths => broken("an answer with two different Content-Length values"),
     }
 }
 
@@ -163,6 +249,8 @@ impl ParsedAnswerHeaders {
 #[derive(Debug)]
 pub struct BackendBody {
     framing: Framing,
+    /// The answer's headers as lines in its head, when asked for.
+    passed: Option<Box<PassedAnswer>>,
     /// Boxed: a connection moves with the request at every step.
     kept: Option<Box<PooledConnection>>,
     /// The endpoint's entry in each thread's table.
@@ -170,6 +258,16 @@ pub struct BackendBody {
 }
 
 impl BackendBody {
+    /// The answer's headers as lines, when they were asked for and could be.
+    pub fn passed(&mut self) -> Option<&mut PassedAnswer> {
+        self.passed.as_deref_mut()
+    }
+
+    /// Takes the answer's headers as lines, to be written.
+    pub fn take_passed(&mut self) -> Option<Box<PassedAnswer>> {
+        self.passed.take()
+    }
+
     /// The next piece of the body from the connection.
     fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Bytes>>> {
         let Some(kept) = self.kept.as_deref_mut() else {

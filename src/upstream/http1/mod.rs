@@ -23,20 +23,22 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use super::ThreadClients;
 use crate::body::OutBody;
 use crate::codec::http1::{poll_write_slices, scratch};
-pub use answer::BackendBody;
 use answer::{AnswerHead, Parsed, read_head};
+pub use answer::{BackendBody, PassedAnswer};
 use request::{Sending, Writing};
 
 /// The backend client's reading of the answer head at the start of `read` (taken off it when whole; interim answers
 /// skipped), for the fuzz targets: its status, its body's framing and whether its connection may be kept, `None`
-/// while partial, or why it is a broken answer.
+/// while partial, or why it is a broken answer. Asked `as_lines`, the headers are left as lines where they can be,
+/// as for a passthrough.
 #[cfg(feature = "fuzzing")]
 pub fn read_answer_head(
     read: &mut BytesMut,
     asked_head: bool,
+    as_lines: bool,
 ) -> io::Result<Option<(http::StatusCode, crate::codec::http1::Framing, bool)>> {
     loop {
-        match read_head(read, asked_head)? {
+        match read_head(read, asked_head, as_lines)? {
             Parsed::Answer(head) => return Ok(Some(head.described())),
             Parsed::Interim => {}
             Parsed::Partial => return Ok(None),
@@ -198,7 +200,7 @@ impl PooledConnection {
         cx: &mut Context<'_>,
         writing: &mut Writing,
         body: &mut OutBody,
-        asked_head: bool,
+        asked: Asked,
     ) -> Poll<io::Result<AnswerHead>> {
         if !writing.done {
             match writing.poll_write(cx, &mut self.io, &self.head, body) {
@@ -218,7 +220,7 @@ impl PooledConnection {
         }
         loop {
             if !self.read.is_empty() {
-                match read_head(&mut self.read, asked_head)? {
+                match read_head(&mut self.read, asked.head, asked.lines)? {
                     Parsed::Answer(head) => {
                         // An answer before the whole request was sent leaves the connection mid-message.
                         if !writing.done || !head.reusable {
@@ -257,6 +259,14 @@ pub(super) struct Request<'a> {
     pub body: OutBody,
 }
 
+/// How a request's answer is read: to a HEAD request, its body is not sent; `lines`, its headers are left as lines
+/// in its head where they can be (a passthrough's).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Asked {
+    head: bool,
+    lines: bool,
+}
+
 /// Why a request could not be sent or answered.
 #[derive(Debug)]
 pub(super) enum Failure {
@@ -279,7 +289,10 @@ pub(super) async fn send(
     mut request: Request<'_>,
 ) -> Result<http::Response<BackendBody>, Failure> {
     let framing = Sending::of(request.method, &request.body);
-    let asked_head = *request.method == Method::HEAD;
+    let asked = Asked {
+        head: *request.method == Method::HEAD,
+        lines: request.passed.is_some_and(|passed| passed.answers_as_lines()),
+    };
     loop {
         let (mut kept, reused) = match idle(clients).await {
             Some(kept) => (kept, true),
@@ -291,7 +304,7 @@ pub(super) async fn send(
         let gathered = kept.write_head(&request, framing);
         let mut writing = Writing::new(framing, gathered);
         let body = &mut request.body;
-        let exchanged = std::future::poll_fn(|cx| kept.poll_exchange(cx, &mut writing, body, asked_head)).await;
+        let exchanged = std::future::poll_fn(|cx| kept.poll_exchange(cx, &mut writing, body, asked)).await;
         // Written, or no longer to be: the answer's head has come.
         scratch::give(std::mem::take(&mut kept.head));
         match exchanged {

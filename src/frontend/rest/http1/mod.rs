@@ -270,7 +270,7 @@ where
             http10: false,
             head_only: false,
         };
-        let written = write_answer(&mut self.wire.io, &mut answer, how).await;
+        let written = write_answer(&mut self.wire.io, &mut answer, None, how).await;
         drop(answer);
         drop(record);
         if written.is_ok() {
@@ -334,7 +334,9 @@ where
             http10,
             head_only,
         };
-        let written = write_answer(&mut wire.io, &mut response, how).await;
+        let passed = response.body_mut().take_passed();
+        let lines = passed.as_deref().map(|passed| &passed.lines);
+        let written = write_answer(&mut wire.io, &mut response, lines, how).await;
         // Reported now that it is sent, not after a linger.
         drop(response);
         if written.is_ok() && !body_read {

@@ -17,7 +17,7 @@ use http_body::{Body, Frame};
 use smallvec::SmallVec;
 use tokio::io::AsyncWrite;
 
-use crate::codec::http1::{GATHERED_BODY, content_length, poll_write_slices, scratch};
+use crate::codec::http1::{GATHERED_BODY, HeaderLines, content_length, poll_write_slices, scratch};
 
 /// How long a client may leave its answer unread before the connection is closed (nginx's `send_timeout`).
 pub(super) const SEND_TIMEOUT: Duration = Duration::from_secs(60);
@@ -51,14 +51,19 @@ enum AnswerFraming {
 
 /// Writes `response` to `io`, its head encoded into the thread's buffer for heads; `true` when it went out whole as
 /// framed, so the connection may carry another request. The answer is written where it lies, not moved into the
-/// writer's state.
-pub(super) async fn write_answer<S, B>(io: &mut S, response: &mut Response<B>, how: AnswerPlan) -> io::Result<bool>
+/// writer's state. `lines`, a backend answer's header lines passed back as they came, follow the map's headers.
+pub(super) async fn write_answer<S, B>(
+    io: &mut S,
+    response: &mut Response<B>,
+    lines: Option<&HeaderLines>,
+    how: AnswerPlan,
+) -> io::Result<bool>
 where
     S: AsyncWrite + Unpin,
     B: Body<Data = Bytes> + Unpin,
 {
     let mut head = scratch::take();
-    let written = write_with_head(io, &mut head, response, how).await;
+    let written = write_with_head(io, &mut head, response, lines, how).await;
     scratch::give(head);
     written
 }
@@ -67,6 +72,7 @@ async fn write_with_head<S, B>(
     io: &mut S,
     head: &mut Vec<u8>,
     response: &mut Response<B>,
+    lines: Option<&HeaderLines>,
     mut how: AnswerPlan,
 ) -> io::Result<bool>
 where
@@ -81,7 +87,7 @@ where
     encode_head(
         head,
         response.status(),
-        response.headers(),
+        (response.headers(), lines),
         out,
         declared.is_some(),
         how,
@@ -284,7 +290,7 @@ fn chunk_size_line(room: &mut [u8; 20], size: usize) -> &[u8] {
 fn encode_head(
     head: &mut Vec<u8>,
     status: StatusCode,
-    headers: &http::HeaderMap,
+    (headers, lines): (&http::HeaderMap, Option<&HeaderLines>),
     out: AnswerFraming,
     declared: bool,
     how: AnswerPlan,
@@ -304,6 +310,18 @@ fn encode_head(
         head.extend_from_slice(b": ");
         head.extend_from_slice(value.as_bytes());
         head.extend_from_slice(b"\r\n");
+    }
+    if let Some(lines) = lines {
+        // Framing and connection lines are not among them (see `PassedAnswer`); names go out lower-cased, as a
+        // map's do.
+        lines.each(|name, value| {
+            let start = head.len();
+            head.extend_from_slice(name);
+            head[start..].make_ascii_lowercase();
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(value);
+            head.extend_from_slice(b"\r\n");
+        });
     }
     match out {
         AnswerFraming::Length(length) if !declared => {
@@ -439,7 +457,7 @@ mod tests {
             let body = vec![b'x'; size];
             let mut noted = RecordingStream::default();
             let mut answer = Response::new(http_body_util::Full::new(Bytes::from(body.clone())));
-            assert!(write_answer(&mut noted, &mut answer, how).await.unwrap());
+            assert!(write_answer(&mut noted, &mut answer, None, how).await.unwrap());
             assert_eq!(noted.writes.len(), 1, "{size} bytes: one write");
             let write = &noted.writes[0];
             assert_eq!(write.len(), buffers, "{size} bytes");
