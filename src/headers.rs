@@ -42,6 +42,8 @@ fn is_not_passed_on(text: &str) -> bool {
             | "transfer-encoding"
             | "upgrade"
             | "http2-settings"
+            // Reserved (RFC 9110 §16.3.2.2): it would read as the `close` connection option.
+            | "close"
             // Framing and content negotiation of the message as this hop encodes it.
             | "host"
             | "content-length"

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::config::{backend, model};
-use common::{GatewayProcess, ModelServerProcess, post};
+use common::{GatewayProcess, ModelServerProcess, http_client, post, send};
 
 /// A REST "backend" on a bound listener that counts the inference requests it receives and answers every request
 /// with `answer`.
@@ -565,5 +565,26 @@ async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateway
             assert_eq!(dates.len(), 1, "{model} {accept}: {answer}");
             assert!(!dates[0].contains("2024"), "the backend's date: {answer}");
         }
+        // Over HTTP/2 (h2c), where hyper writes the answer from its map: the same headers.
+        let answer = send(
+            &http_client(true),
+            "POST",
+            &gateway.rest_url(&format!("/v2/models/{model}/infer")),
+            &[("x-request-id", "rid-9".to_owned())],
+            BODY,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{model} h2c: {answer:?}");
+        let mut lines: Vec<String> = answer
+            .headers
+            .iter()
+            .filter(|(name, _)| *name != "date")
+            .map(|(name, value)| format!("{name}: {}", value.to_str().unwrap()))
+            .collect();
+        lines.sort();
+        let mut expected: Vec<String> = ours.iter().map(|line| (*line).to_owned()).collect();
+        expected.extend(std::iter::repeat_n("x-many: 1".to_owned(), more));
+        expected.sort();
+        assert_eq!(lines, expected, "{model} h2c: {answer:?}");
     }
 }

@@ -221,8 +221,9 @@ fn parsed_value(value: Bytes) -> HeaderValue {
     unsafe { HeaderValue::from_maybe_shared_unchecked(value) }
 }
 
-/// What a head's headers say of its body and its connection, gathered as the headers go into their map: the one
-/// reading of them for requests (the REST door) and answers (the backend client).
+/// What a head's headers say of its body and its connection, gathered as each is read (and, but for an answer left
+/// as lines, put in the map): the one reading of them for requests (the REST door) and answers (the backend
+/// client).
 #[derive(Debug)]
 pub struct ParsedHeaders {
     pub headers: HeaderMap,
@@ -330,8 +331,13 @@ pub enum Said {
 pub const KEPT_LINES: usize = 8;
 
 /// The names the gateway sets on an answer passed back as lines, each in place of the answer's own lines of that
-/// name.
+/// name: the request id, and the version that served it.
 static SET_ON_LINES: [HeaderName; 2] = [crate::headers::REQUEST_ID, crate::headers::OIP_MODEL_VERSION];
+const SET_REQUEST_ID: usize = 0;
+const SET_SERVED_VERSION: usize = 1;
+
+// A kept line's bit in `KeptLines::named` is one of a byte's.
+const _: () = assert!(KEPT_LINES <= u8::BITS as usize);
 
 /// Which of a head's header lines are passed on: their places in the head, and which of them have a name the
 /// gateway sets.
@@ -376,18 +382,18 @@ impl HeaderLines {
         HeaderLines {
             head,
             kept,
-            set: [None, None],
+            set: [const { None }; SET_ON_LINES.len()],
         }
     }
 
     /// Sets the request id to `value`, in place of the lines that name one.
     pub fn set_request_id(&mut self, value: HeaderValue) {
-        self.set[0] = Some(value);
+        self.set[SET_REQUEST_ID] = Some(value);
     }
 
     /// Sets the version that served the answer to `value`, in place of the lines that name one.
     pub fn set_served_version(&mut self, value: HeaderValue) {
-        self.set[1] = Some(value);
+        self.set[SET_SERVED_VERSION] = Some(value);
     }
 
     /// Hands each line to write to `line`: its name as sent and its value, then the names set (lower case).

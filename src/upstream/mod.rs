@@ -4,7 +4,7 @@
 pub mod grpc;
 mod http1;
 #[cfg(feature = "fuzzing")]
-pub use http1::read_answer_head;
+pub use http1::{answer_lines_match_map, read_answer_head};
 pub mod rest;
 
 use std::future::Future;

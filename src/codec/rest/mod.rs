@@ -33,22 +33,26 @@ pub use tensor_doc::BINARY_DATA_SIZE;
 
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 
+/// The length a header value gives: digits, with spaces or tabs around them; `None` for anything else (a value of
+/// other than visible ASCII among them).
+pub fn length_value(value: &[u8]) -> Option<u64> {
+    if !value.iter().all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte)) {
+        return None;
+    }
+    std::str::from_utf8(value.trim_ascii()).ok()?.parse().ok()
+}
+
 /// The JSON part's length a binary-extension body declares (`Inference-Header-Content-Length`); `None` when the
 /// body is JSON alone.
 pub fn inference_header_length(value: Option<&http::HeaderValue>) -> Result<Option<u64>> {
     let Some(value) = value else {
         return Ok(None);
     };
-    value
-        .to_str()
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Some)
-        .ok_or_else(|| {
-            Error::invalid(format!(
-                "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
-            ))
-        })
+    length_value(value.as_bytes()).map(Some).ok_or_else(|| {
+        Error::invalid(format!(
+            "{INFERENCE_HEADER_CONTENT_LENGTH} must be a non-negative integer, got {value:?}"
+        ))
+    })
 }
 
 /// Which outputs a REST caller wants as binary data: an output's own `binary_data` wins; when it does not say, the

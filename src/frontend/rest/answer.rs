@@ -43,6 +43,9 @@ pub(super) struct Record {
     pub(super) relayed: Option<Arc<RelaySource>>,
     /// The coding the client accepts its answer in, if any.
     pub(super) answer_coding: Option<Coding>,
+    /// The door writes a passed-back answer's header lines itself (HTTP/1.x); over HTTP/2, hyper writes an answer
+    /// from its map alone.
+    pub(super) writes_lines: bool,
     /// Who is calling, when `[auth]` asks.
     pub(super) principal: Option<Arc<Principal>>,
     /// The call's place among its model's calls under way, held until the answer is sent.
@@ -76,6 +79,7 @@ impl Record {
             lease: None,
             relayed: None,
             answer_coding: None,
+            writes_lines: false,
             principal: None,
             admission: None,
         })

@@ -288,8 +288,9 @@ impl RestDoor {
             body: asked.coding.is_none() || keep_compressed,
             answer: !target.aliased && record.capture.is_none(),
         };
-        // An answer passed back as it came (not renamed, logged or compressed here) keeps its headers as lines.
-        let as_lines = coded.answer && record.answer_coding.is_none();
+        // An answer passed back as it came (not renamed, logged or compressed here) to an HTTP/1.x client keeps its
+        // headers as lines, which the door writes.
+        let as_lines = coded.answer && record.answer_coding.is_none() && record.writes_lines;
         let send = headers_to_send(&asked.headers, coded).answer_as_lines(as_lines);
         let mirror = routed.mirror.map(|route| Mirror {
             route,
@@ -700,7 +701,7 @@ fn answer_head(
             compressed |= *name == http::header::CONTENT_ENCODING;
             return;
         };
-        slot.get_or_insert_with(|| value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()));
+        slot.get_or_insert_with(|| rest::length_value(value.as_bytes()));
     });
     // The JSON header's length is of the decoded body: a compressed answer's length says nothing of it.
     if !compressed {

@@ -97,6 +97,7 @@ impl RestDoor {
     ) -> Response<AnswerBody> {
         let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), Some(parts.uri.clone()));
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
+        record.writes_lines = parts.version < http::Version::HTTP_2;
         if let Some(traces) = record.dispatcher().traces() {
             record.trace = request_span(traces, &parts);
         }

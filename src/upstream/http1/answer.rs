@@ -40,7 +40,8 @@ pub(super) struct AnswerHead {
 pub struct PassedAnswer {
     /// Those [`passes_back`] names, but Content-Length: the body's framing says its length again.
     pub lines: HeaderLines,
-    /// Content-Length, when the body is framed by it.
+    /// Content-Length, when given and neither a transfer coding nor the connection's end frames the body (an answer
+    /// with no body keeps the length it said).
     pub length: Option<u64>,
     /// The first Inference-Header-Content-Length, read as a length.
     pub header_length: Option<u64>,
@@ -80,8 +81,8 @@ pub(super) enum Parsed {
 
 /// Reads an answer's head from the start of `read`, taking it off the buffer when whole. The header values are the
 /// head's own bytes, shared, not copied. Asked `as_lines`, the headers are left as lines in the head where they can
-/// be (an answer to anything but HEAD, none of whose lines `Connection` names, no more headers than are placed and
-/// kept).
+/// be: an answer to anything but HEAD, whose `Connection` names no header (no token but `close` and `keep-alive`),
+/// with no more headers than are placed, nor lines to pass back than are kept.
 pub(super) fn read_head(read: &mut BytesMut, asked_head: bool, as_lines: bool) -> io::Result<Parsed> {
     let mut slots = [const { std::mem::MaybeUninit::uninit() }; MOST_HEADERS];
     let mut answer = httparse::Response::new(&mut []);
@@ -174,8 +175,7 @@ impl ParsedAnswerHeaders {
                 continue;
             };
             if name == INFERENCE_HEADER_CONTENT_LENGTH {
-                header_length
-                    .get_or_insert_with(|| std::str::from_utf8(value).ok().and_then(|v| v.trim().parse().ok()));
+                header_length.get_or_insert_with(|| crate::codec::rest::length_value(value));
             } else {
                 read.coded |= name == http::header::CONTENT_ENCODING;
             }
@@ -212,6 +212,7 @@ impl ParsedAnswerHeaders {
             said.headers.remove(CONTENT_LENGTH);
             Framing::chunked()
         } else if codings.given {
+            said.headers.remove(CONTENT_LENGTH);
             Framing::UntilClose
         } else {
             said.length.map_or(Framing::UntilClose, Framing::Length)
@@ -350,4 +351,66 @@ impl Drop for BackendBody {
             }
         });
     }
+}
+
+/// Reads the answer head at the start of `bytes` both ways, its headers left as lines and read into a map, and checks
+/// that they agree: the same status, framing and connection, the lengths and coding the passthrough checks, and the
+/// lines writing what the map would once filtered as a passthrough filters it, with and without the gateway's own
+/// values set. `false` when the answer is not read as lines (nor into a map).
+#[cfg(any(test, feature = "fuzzing"))]
+pub(super) fn lines_match_map(bytes: &[u8], asked_head: bool) -> bool {
+    use crate::codec::rest::length_value;
+    use crate::headers::{ANSWER_AS_SENT, OIP_MODEL_VERSION, REQUEST_ID, keep_end_to_end};
+    use http::HeaderValue;
+    let read = |as_lines| match read_head(&mut BytesMut::from(bytes), asked_head, as_lines) {
+        Ok(Parsed::Answer(answer)) => Some(answer),
+        _ => None,
+    };
+    let (Some(as_lines), Some(as_map)) = (read(true), read(false)) else {
+        return false;
+    };
+    let Some(mut passed) = as_lines.passed else {
+        return false;
+    };
+    assert!(as_lines.headers.is_empty(), "a map beside the lines");
+    assert_eq!(
+        format!("{:?}", (as_lines.status, as_lines.framing, as_lines.reusable)),
+        format!("{:?}", (as_map.status, as_map.framing, as_map.reusable))
+    );
+    let mut map = as_map.headers;
+    let (mut header_length, mut coded) = (None, false);
+    keep_end_to_end(&mut map, &ANSWER_AS_SENT, |name, value| {
+        if *name == INFERENCE_HEADER_CONTENT_LENGTH {
+            header_length.get_or_insert_with(|| length_value(value.as_bytes()));
+        }
+        coded |= *name == http::header::CONTENT_ENCODING;
+    });
+    let length = map
+        .remove(CONTENT_LENGTH)
+        .and_then(|value| length_value(value.as_bytes()));
+    assert_eq!(
+        (passed.length, passed.header_length, passed.coded),
+        (length, header_length.flatten(), coded)
+    );
+    let written = |lines: &HeaderLines| {
+        let mut written = Vec::new();
+        lines.each(|name, value| written.push((name.to_ascii_lowercase(), value.to_vec())));
+        written.sort();
+        written
+    };
+    let in_map = |map: &HeaderMap| {
+        let mut pairs: Vec<_> = map
+            .iter()
+            .map(|(name, value)| (name.as_str().as_bytes().to_vec(), value.as_bytes().to_vec()))
+            .collect();
+        pairs.sort();
+        pairs
+    };
+    assert_eq!(written(&passed.lines), in_map(&map));
+    passed.lines.set_request_id(HeaderValue::from_static("gateway"));
+    passed.lines.set_served_version(HeaderValue::from_static("2"));
+    map.insert(REQUEST_ID, HeaderValue::from_static("gateway"));
+    map.insert(OIP_MODEL_VERSION, HeaderValue::from_static("2"));
+    assert_eq!(written(&passed.lines), in_map(&map));
+    true
 }

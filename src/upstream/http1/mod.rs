@@ -46,6 +46,13 @@ pub fn read_answer_head(
     }
 }
 
+/// Reads the answer head at the start of `bytes` with its headers left as lines and into a map, and checks that the
+/// two agree in all a passthrough writes and checks; `false` when it is not read as lines.
+#[cfg(feature = "fuzzing")]
+pub fn answer_lines_match_map(bytes: &[u8], asked_head: bool) -> bool {
+    answer::lines_match_map(bytes, asked_head)
+}
+
 /// How long a kept connection may sit idle before it is closed rather than used: backends commonly close theirs
 /// after 60 to 120 seconds, and a request sent on a connection the backend is closing fails.
 const IDLE_LIMIT: Duration = Duration::from_secs(90);
