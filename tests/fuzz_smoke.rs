@@ -294,6 +294,9 @@ fn answer() -> impl Strategy<Value = Vec<u8>> {
             "content-type: a\r\nx-request-id: b\r\ncontent-length: 3\r\n",
             "connection: keep-alive, x-a\r\nx-a: 1\r\ncontent-length: 3\r\n",
             "x-a: 1\r\nx-a: 2\r\nx-a: 3\r\nx-a: 4\r\nx-a: 5\r\nx-a: 6\r\nx-a: 7\r\nx-a: 8\r\nx-a: 9\r\n",
+            "connection: close\r\nclose: x\r\ncontent-length: 3\r\n",
+            "transfer-encoding: ,\r\ncontent-length: 3\r\n",
+            "inference-header-content-length: 1\u{a0}\r\ncontent-length: 3\r\n",
         ]),
         prop_oneof![Just(b"abc".to_vec()), chunked_body()],
     )

@@ -188,8 +188,7 @@ impl Capture {
 pub fn form_of(headers: &HeaderMap) -> Form {
     let header_length = headers
         .get(INFERENCE_HEADER_CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
+        .and_then(|value| crate::codec::rest::length_value(value.as_bytes()));
     let content_type = headers.get(http::header::CONTENT_TYPE);
     match header_length {
         Some(length) if length > 0 => Form::Binary(length),

@@ -33,8 +33,9 @@ pub use tensor_doc::BINARY_DATA_SIZE;
 
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 
-/// The length a header value gives: digits, with spaces or tabs around them; `None` for anything else (a value of
-/// other than visible ASCII among them).
+/// The length a header value gives: digits (a leading `+` taken, as `u64`'s parse takes it), with spaces or tabs
+/// around them; `None` for anything else (a value of other than visible ASCII among them). The one reading of a
+/// length header's value but Content-Length's, which the framing reads more strictly.
 pub fn length_value(value: &[u8]) -> Option<u64> {
     if !value.iter().all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte)) {
         return None;

@@ -588,8 +588,8 @@ impl Rename {
         let number = |name: http::HeaderName| {
             headers
                 .get(name)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<usize>().ok())
+                .and_then(|v| crate::codec::rest::length_value(v.as_bytes()))
+                .and_then(|length| usize::try_from(length).ok())
         };
         let content_length = number(http::header::CONTENT_LENGTH);
         let header_length = number(INFERENCE_HEADER_CONTENT_LENGTH).or(content_length);

@@ -362,9 +362,16 @@ pub(super) fn lines_match_map(bytes: &[u8], asked_head: bool) -> bool {
     use crate::codec::rest::length_value;
     use crate::headers::{ANSWER_AS_SENT, OIP_MODEL_VERSION, REQUEST_ID, keep_end_to_end};
     use http::HeaderValue;
-    let read = |as_lines| match read_head(&mut BytesMut::from(bytes), asked_head, as_lines) {
-        Ok(Parsed::Answer(answer)) => Some(answer),
-        _ => None,
+    // Past any interim answers, as the client reads them.
+    let read = |as_lines| {
+        let mut read = BytesMut::from(bytes);
+        loop {
+            match read_head(&mut read, asked_head, as_lines) {
+                Ok(Parsed::Answer(answer)) => return Some(answer),
+                Ok(Parsed::Interim) => {}
+                _ => return None,
+            }
+        }
     };
     let (Some(as_lines), Some(as_map)) = (read(true), read(false)) else {
         return false;
