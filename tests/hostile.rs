@@ -581,7 +581,10 @@ async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateway
             .map(|(name, value)| format!("{name}: {}", value.to_str().unwrap()))
             .partition(|line| line.starts_with("date: "));
         lines.sort();
-        assert!(dates.len() == 1 && !dates[0].contains("2024"), "{model} h2c: {answer:?}");
+        assert!(
+            dates.len() == 1 && !dates[0].contains("2024"),
+            "{model} h2c: {answer:?}"
+        );
         let mut expected: Vec<String> = ours.iter().map(|line| (*line).to_owned()).collect();
         expected.extend(std::iter::repeat_n("x-many: 1".to_owned(), more));
         expected.sort();

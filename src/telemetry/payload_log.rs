@@ -188,7 +188,7 @@ impl Capture {
 pub fn form_of(headers: &HeaderMap) -> Form {
     let header_length = headers
         .get(INFERENCE_HEADER_CONTENT_LENGTH)
-        .and_then(|value| crate::codec::rest::length_value(value.as_bytes()));
+        .and_then(|value| rest::length_value(value.as_bytes()));
     let content_type = headers.get(http::header::CONTENT_TYPE);
     match header_length {
         Some(length) if length > 0 => Form::Binary(length),

@@ -588,7 +588,7 @@ impl Rename {
         let number = |name: http::HeaderName| {
             headers
                 .get(name)
-                .and_then(|v| crate::codec::rest::length_value(v.as_bytes()))
+                .and_then(|v| rest::length_value(v.as_bytes()))
                 .and_then(|length| usize::try_from(length).ok())
         };
         let content_length = number(http::header::CONTENT_LENGTH);
