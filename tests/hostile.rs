@@ -525,14 +525,27 @@ async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateway
         "{}Connection: close\r\n",
         "x-many: 1\r\n".repeat(8)
     )));
+    // An answer long enough for the gateway to compress for a client that takes it compressed.
+    let long_body = format!(r#"{{"id":"{}"}}"#, "a".repeat(2000));
+    let long = LyingBackend::start(
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Backend: one\r\nConnection: close\r\n\
+             Content-Length: {}\r\n\r\n{long_body}",
+            long_body.len()
+        )
+        .into_bytes()
+        .leak(),
+    );
     let gateway = GatewayProcess::start(&format!(
-        "{}{}{}{}{}{}",
+        "{}{}{}{}{}{}{}{}",
         backend("plain", "rest", [plain.address]),
         backend("nominating", "rest", [nominating.address]),
         backend("many", "rest", [many.address]),
+        backend("long", "rest", [long.address]),
         model("plain", "plain"),
         model("nominating", "nominating"),
         model("many", "many"),
+        model("long", "long"),
     ));
     let ours = [
         "content-length: 2",
@@ -543,7 +556,7 @@ async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateway
         "x-request-id: rid-9",
     ];
     for (model, more) in [("plain", 0), ("nominating", 0), ("many", 8)] {
-        // A client that takes compressed answers is answered through the map (too short to compress here).
+        // A client that takes compressed answers (this answer is too short to be compressed for it).
         for accept in ["", "accept-encoding: gzip\r\n"] {
             let request = format!(
                 "POST /v2/models/{model}/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-request-id: rid-9\r\n\
@@ -589,5 +602,32 @@ async fn a_backend_answer_comes_back_with_its_end_to_end_headers_and_the_gateway
         expected.extend(std::iter::repeat_n("x-many: 1".to_owned(), more));
         expected.sort();
         assert_eq!(lines, expected, "{model} h2c: {answer:?}");
+    }
+    // Compressed by the gateway for a client that takes it so, over HTTP/1.1 and HTTP/2: the backend's headers, and
+    // the coding's in place of the length.
+    for h2 in [false, true] {
+        let answer = send(
+            &http_client(h2),
+            "POST",
+            &gateway.rest_url("/v2/models/long/infer"),
+            &[("accept-encoding", "gzip".to_owned())],
+            BODY,
+        )
+        .await;
+        assert_eq!(answer.status, 200, "h2 {h2}: {answer:?}");
+        assert_eq!(answer.header("content-encoding"), Some("gzip"), "h2 {h2}: {answer:?}");
+        assert_eq!(answer.header("vary"), Some("accept-encoding"), "h2 {h2}: {answer:?}");
+        assert_eq!(answer.header("x-backend"), Some("one"), "h2 {h2}: {answer:?}");
+        assert_eq!(
+            answer.header("content-type"),
+            Some("application/json"),
+            "h2 {h2}: {answer:?}"
+        );
+        assert!(answer.header("content-length").is_none(), "h2 {h2}: {answer:?}");
+        let mut decoded = String::new();
+        flate2::read::GzDecoder::new(&answer.body[..])
+            .read_to_string(&mut decoded)
+            .unwrap();
+        assert_eq!(decoded, long_body, "h2 {h2}");
     }
 }

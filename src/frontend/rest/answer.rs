@@ -459,16 +459,20 @@ pub(super) fn proxied(
     record.status = Some(head.status.as_u16());
     let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));
     // A backend that compressed its answer (it got the client's Accept-Encoding) is passed on as it is; one that
-    // did not is compressed here, unless it is too short to gain.
-    let short = |headers: &HeaderMap| {
-        headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok())
-            .is_some_and(|length| length < MIN_COMPRESSED_BYTES)
+    // did not is compressed here, unless it is too short to gain. An answer going back as its lines says its length
+    // and coding beside them (its length is not among them).
+    let (length, coded) = match body.passed() {
+        Some(passed) => (passed.length, passed.coded),
+        None => (
+            head.headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|v| rest::length_value(v.as_bytes())),
+            head.headers.contains_key(http::header::CONTENT_ENCODING),
+        ),
     };
+    let short = length.is_some_and(|length| length < MIN_COMPRESSED_BYTES as u64);
     let compressor = match record.answer_coding {
-        Some(coding) if !short(&head.headers) && !head.headers.contains_key(http::header::CONTENT_ENCODING) => {
+        Some(coding) if !short && !coded => {
             head.headers.remove(http::header::CONTENT_LENGTH);
             mark_compressed(&mut head.headers, coding);
             Some(Compressor::new(coding))

@@ -288,9 +288,9 @@ impl RestDoor {
             body: asked.coding.is_none() || keep_compressed,
             answer: !target.aliased && record.capture.is_none(),
         };
-        // An answer passed back as it came (not renamed, logged or compressed here) to an HTTP/1.x client keeps its
-        // headers as lines, which the door writes.
-        let as_lines = coded.answer && record.answer_coding.is_none() && record.writes_lines;
+        // An answer passed back as it came (not renamed or logged) to an HTTP/1.x client keeps its headers as lines,
+        // which the door writes.
+        let as_lines = coded.answer && record.writes_lines;
         let send = headers_to_send(&asked.headers, coded).answer_as_lines(as_lines);
         let mirror = routed.mirror.map(|route| Mirror {
             route,
@@ -310,23 +310,13 @@ impl RestDoor {
         let authority = lease.state.authority.clone();
         record.endpoint = Some(authority.clone());
         record.lease = Some(lease);
-        let (mut head, mut answer) = response.into_parts();
-        if let Some(passed) = answer.passed() {
-            if !passed.coded {
-                check_lengths(passed.header_length, passed.length, &authority)?;
-            }
-            if let Some(version) = target.route.served_as() {
-                passed.lines.set_served_version(version.clone());
-            }
-            head.version = http::Version::HTTP_11;
-            return Ok(PendingAnswer::Proxied(Box::new(head), answer, None, deadline.until));
-        }
+        let (head, mut answer) = response.into_parts();
         if target.aliased && head.status == StatusCode::OK && head.headers.contains_key(http::header::CONTENT_ENCODING)
         {
             // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
             return Box::pin(self.rename_compressed(head, answer, &target, &authority)).await;
         }
-        let (head, rename) = answer_head(head, &target, &authority)?;
+        let (head, rename) = answer_head(head, &mut answer, &target, &authority)?;
         Ok(PendingAnswer::Proxied(Box::new(head), answer, rename, deadline.until))
     }
 
@@ -683,12 +673,24 @@ fn headers_to_send<'a>(read: &'a RequestHeaders<'_>, coded: BodyCodings) -> head
 }
 
 /// The head a proxied answer goes to the client with: the backend's end-to-end headers and those about the body,
-/// the serving version, lengths checked, and renamed for an aliased model.
+/// the serving version, lengths checked, and renamed for an aliased model. An answer going back as its lines keeps
+/// them, checked by what was noted beside them.
 fn answer_head(
     mut head: http::response::Parts,
+    answer: &mut crate::upstream::BackendBody,
     target: &Passthrough,
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
+    head.version = http::Version::HTTP_11;
+    if let Some(lines) = answer.passed() {
+        if !lines.coded {
+            check_lengths(lines.header_length, lines.length, authority)?;
+        }
+        if let Some(version) = target.route.served_as() {
+            lines.lines.set_served_version(version.clone());
+        }
+        return Ok((head, None));
+    }
     let mut passed = std::mem::take(&mut head.headers);
     // The lengths the backend says, each its first value, and whether it says a coding.
     let (mut header_length, mut length, mut compressed) = (None, None, false);
@@ -715,7 +717,6 @@ fn answer_head(
         None
     };
     head.headers = passed;
-    head.version = http::Version::HTTP_11;
     Ok((head, rename))
 }
 
