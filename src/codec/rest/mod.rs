@@ -35,7 +35,7 @@ use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 
 /// The length a header value gives: digits (a leading `+` taken, as `u64`'s parse takes it), with spaces or tabs
 /// around them; `None` for anything else (a value of other than visible ASCII among them). The one reading of a
-/// length header's value but Content-Length's, which the framing reads more strictly.
+/// length header's value once a message is framed (Content-Length's, already checked by the framing, among them).
 pub fn length_value(value: &[u8]) -> Option<u64> {
     if !value.iter().all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte)) {
         return None;

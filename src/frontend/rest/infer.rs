@@ -683,6 +683,8 @@ fn answer_head(
 ) -> Result<(http::response::Parts, Option<Rename>)> {
     head.version = http::Version::HTTP_11;
     if let Some(lines) = answer.passed() {
+        // Never asked for an aliased model's answer, which is renamed in its map.
+        debug_assert!(!target.aliased, "an aliased model's answer as lines");
         if !lines.coded {
             check_lengths(lines.header_length, lines.length, authority)?;
         }
