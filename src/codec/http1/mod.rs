@@ -12,8 +12,6 @@ use super::chunked::{Chunk, Malformed};
 
 mod head;
 pub use head::*;
-#[cfg(test)]
-use head::{KNOWN, folded_eq, known_name};
 
 /// The most bytes of framing a chunked body may send between two pieces of data (size lines with their extensions,
 /// and the trailers after the last chunk, which are read and dropped: they are this hop's).
@@ -228,8 +226,6 @@ impl Framing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::header::CONTENT_LENGTH;
-    use http::{HeaderName, HeaderValue};
 
     #[test]
     fn a_thread_writes_its_heads_in_the_buffer_it_gave_back_unless_one_head_grew_it_far() {
@@ -275,68 +271,6 @@ mod tests {
     }
 
     #[test]
-    fn header_names_are_noted_lower_case_whichever_way_they_are_read_and_the_unread_one_left_out() {
-        let mut said = ParsedHeaders::new(4, b"date");
-        for name in [
-            &b"X-Request-ID"[..],
-            b"inference-header-content-length",
-            b"X-Custom",
-            b"Date",
-            b"Content-Type",
-        ] {
-            said.note(name, HeaderValue::from_static("1")).unwrap();
-        }
-        let names: Vec<&str> = said.headers.keys().map(HeaderName::as_str).collect();
-        assert_eq!(
-            names,
-            [
-                "x-request-id",
-                "inference-header-content-length",
-                "x-custom",
-                "content-type"
-            ]
-        );
-        for known in &KNOWN {
-            assert_eq!(
-                known_name(known.as_str().to_uppercase().as_bytes()).as_ref(),
-                Some(known)
-            );
-        }
-        assert_eq!(known_name(b"x-request-i"), None);
-        assert_eq!(known_name(b"content-typo"), None);
-        assert_eq!(known_name(b"Inference-Header-Content-Lengti"), None);
-        assert_eq!(
-            known_name(b"Inference-Header-Content-Length"),
-            Some(crate::headers::INFERENCE_HEADER_CONTENT_LENGTH)
-        );
-        assert_eq!(known_name(b""), None);
-        assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
-        assert!(matches!(
-            said.note(b"bad name", HeaderValue::from_static("")),
-            Err(BadHeader::Name)
-        ));
-    }
-
-    /// The word-at-a-time comparison against a known name agrees with `eq_ignore_ascii_case` for every name the
-    /// parser can take that is a known name with one byte changed to any token character.
-    #[test]
-    fn known_names_are_matched_in_any_case_and_no_other_token_matches() {
-        let token: Vec<u8> = (0x21..0x7f_u8)
-            .filter(|byte| !b"\"(),/:;<=>?@[\\]{}".contains(byte))
-            .collect();
-        for known in &KNOWN {
-            let lower = known.as_str().as_bytes();
-            for position in 0..lower.len() {
-                for &byte in &token {
-                    let mut name = lower.to_vec();
-                    name[position] = byte;
-                    assert_eq!(folded_eq(&name, lower), name.eq_ignore_ascii_case(lower), "{name:?}");
-                }
-            }
-        }
-    }
-
-    #[test]
     fn transfer_codings_are_listed_across_fields_and_only_a_lone_last_chunked_frames_a_body() {
         let codings = |fields: &[&[u8]]| {
             let mut codings = TransferCodings::default();
@@ -356,66 +290,6 @@ mod tests {
         assert!(!twice.only_chunked());
         assert!(!codings(&[b"identity"]).only_chunked());
         assert!(codings(&[b""]).given && !codings(&[b""]).last_chunked);
-    }
-
-    #[test]
-    fn a_length_given_twice_or_as_a_list_is_kept_once_as_digits() {
-        let mut said = ParsedHeaders::new(4, b"");
-        said.note(b"content-length", HeaderValue::from_static("5, 5")).unwrap();
-        said.note(b"Content-Length", HeaderValue::from_static("5")).unwrap();
-        assert_eq!(said.length, Some(5));
-        let values: Vec<_> = said.headers.get_all(CONTENT_LENGTH).iter().collect();
-        assert_eq!(values, [HeaderValue::from_static("5")]);
-        let mut said = ParsedHeaders::new(1, b"");
-        said.note(b"content-length", HeaderValue::from_static("007")).unwrap();
-        assert_eq!(said.headers[CONTENT_LENGTH], "7");
-        assert!(matches!(
-            said.note(b"content-length", HeaderValue::from_static("8")),
-            Err(BadHeader::TwoLengths)
-        ));
-    }
-
-    #[test]
-    fn headers_past_the_placed_ones_are_read_again_as_slices_of_the_head() {
-        for count in [1, PLACED, PLACED + 1, 40] {
-            let lines: String = (0..count)
-                .map(|index| format!("x-{index}: value {index}\r\n"))
-                .collect();
-            let text = format!("\r\nPOST /v2 HTTP/1.1\r\n{lines}\r\nBODY");
-            let mut read = BytesMut::from(text.as_bytes());
-            let mut slots = [const { std::mem::MaybeUninit::uninit() }; 64];
-            let mut request = httparse::Request::new(&mut []);
-            let length = match httparse::ParserConfig::default()
-                .parse_request_with_uninit_headers(&mut request, &read, &mut slots)
-                .unwrap()
-            {
-                httparse::Status::Complete(length) => length,
-                httparse::Status::Partial => panic!("partial"),
-            };
-            let places = places(request.headers, read.as_ptr());
-            let head = read.split_to(length).freeze();
-            let mut seen = Vec::new();
-            places
-                .each(
-                    &head,
-                    || "malformed",
-                    |name, value| {
-                        assert!(
-                            head.as_ptr_range().contains(&value.as_bytes().as_ptr()),
-                            "a slice of the head"
-                        );
-                        seen.push(format!(
-                            "{}={}",
-                            String::from_utf8_lossy(name),
-                            String::from_utf8_lossy(value.as_bytes())
-                        ));
-                        Ok(())
-                    },
-                )
-                .unwrap();
-            let expected: Vec<String> = (0..count).map(|index| format!("x-{index}=value {index}")).collect();
-            assert_eq!(seen, expected, "{count} headers");
-        }
     }
 
     #[test]
