@@ -1,14 +1,14 @@
 # syntax=docker/dockerfile:1
-# The oipgate image: the production binary (scripts/build-dist: the `dist` profile, profile-guided) on Debian slim,
-# running the gateway with config/gateway.toml as non-root.
+# The oipgate image: the production binary (scripts/build-dist: the `dist` profile, profile-guided, laid out by BOLT)
+# on Debian slim, running the gateway with config/gateway.toml as non-root.
 # Build: DOCKER_BUILDKIT=1 docker build -t oipgate:latest .   (the cache mounts below need BuildKit)
 
 FROM rust:1-bookworm AS build
 # pingora's build needs cmake; the gRPC protos are compiled by protox, so no protoc. The profile-guided build needs
-# llvm-profdata of rustc's own LLVM (rustup's llvm-tools) and, for the workload it learns from, python3, wrk and
-# h2load.
+# llvm-profdata of rustc's own LLVM (rustup's llvm-tools), llvm-bolt (Debian's bolt-19) and, for the workload both
+# learn from, python3, wrk and h2load.
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends cmake python3 wrk nghttp2-client \
+ && apt-get install -y -qq --no-install-recommends cmake python3 wrk nghttp2-client bolt-19 \
  && rm -rf /var/lib/apt/lists/* \
  && rustup component add llvm-tools
 WORKDIR /src
