@@ -48,9 +48,10 @@ pub mod scratch {
         buffer
     }
 
-    /// Gives `buffer` back to the thread, for the next head.
+    /// Gives `buffer` back to the thread, for the next head. One with no room (given back already, and left empty
+    /// by `mem::take`) leaves the thread's as it is.
     pub fn give(buffer: Vec<u8>) {
-        if buffer.capacity() <= KEPT {
+        if buffer.capacity() != 0 && buffer.capacity() <= KEPT {
             SCRATCH.set(buffer);
         }
     }
@@ -233,6 +234,8 @@ mod tests {
         let place = first.as_ptr();
         assert!(first.capacity() >= GATHERED_BODY);
         scratch::give(first);
+        // A buffer given back already, left empty, leaves the thread's in place.
+        scratch::give(Vec::new());
         // Were it freed rather than kept, this would likely be given its place.
         let decoy: Vec<u8> = Vec::with_capacity(GATHERED_BODY + 512);
         let again = scratch::take();

@@ -224,6 +224,11 @@ impl PooledConnection {
                 }
                 Poll::Pending => {}
             }
+            if writing.done {
+                // The head is written: its buffer goes back to the thread now, for the heads of the requests and
+                // answers its other connections write while this one waits for its answer.
+                scratch::give(std::mem::take(&mut self.head));
+            }
         }
         loop {
             if !self.read.is_empty() {

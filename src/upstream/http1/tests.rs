@@ -754,3 +754,62 @@ fn an_answer_read_as_lines_passes_back_what_its_filtered_map_would() {
         assert!(!answer.headers.is_empty(), "{head}");
     }
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_written_head_gives_its_buffer_back_to_the_thread_before_the_answer_comes() {
+    use crate::codec::http1::scratch;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+    let (answer_tx, answer_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut buffer = vec![0u8; 4096];
+        let mut read = 0;
+        while !buffer[..read].ends_with(b"{}") {
+            read += socket.read(&mut buffer[read..]).await.unwrap();
+        }
+        read_tx.send(()).unwrap();
+        answer_rx.await.unwrap();
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+    });
+    let endpoint = crate::config::Endpoint {
+        host: address.ip().to_string(),
+        port: address.port(),
+    };
+    let upstream = crate::upstream::RestUpstream::new(&endpoint, Duration::from_secs(2), 1024, None);
+    // The thread's buffer, which the request's head is written in.
+    let thread_buffer = scratch::take();
+    let place = thread_buffer.as_ptr();
+    scratch::give(thread_buffer);
+    let (path, headers) = (PathAndQuery::from_static("/v2/models/m/infer"), HeaderMap::new());
+    let exchange = upstream.forward(
+        &path,
+        &headers,
+        None,
+        OutBody::from(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
+        crate::upstream::Deadline::after(Duration::from_secs(2)),
+    );
+    let mut exchange = std::pin::pin!(exchange);
+    tokio::select! {
+        _ = exchange.as_mut() => panic!("answered before the backend was told to"),
+        read = read_rx => read.unwrap(),
+    }
+    // The request is written and its answer not yet come: the buffer is the thread's again, for another head.
+    let again = scratch::take();
+    assert_eq!(again.as_ptr(), place, "the head's buffer is back before the answer");
+    let capacity = again.capacity();
+    scratch::give(again);
+    answer_tx.send(()).unwrap();
+    let answer = exchange.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    // Given back once only: the thread's buffer is still the one it had (were it freed, this would likely be given
+    // its place).
+    let decoy: Vec<u8> = Vec::with_capacity(capacity);
+    let kept = scratch::take();
+    assert_eq!(kept.as_ptr(), place);
+    drop(decoy);
+}

@@ -55,6 +55,10 @@ const LINGER: Duration = Duration::from_secs(5);
 const READ_SIZE: usize = 4096;
 /// The largest read of a body: a large tensor arrives in pieces of this size.
 const BODY_READ: usize = 256 * 1024;
+/// While an answer is under way the client is only watched for leaving (what it sends meanwhile is the next
+/// request's): the room the request's read left in the buffer is read into while there is this much of it, rather
+/// than a buffer of [`READ_SIZE`] made for each request only to wait in.
+const WATCH_ROOM: usize = 512;
 /// What a client waiting to send its body is told once the door reads it.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -417,7 +421,7 @@ impl<S: AsyncRead + AsyncWrite + Peek + Unpin> BufferedStream<S> {
     /// request, up to a head's worth.
     fn poll_left(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         while self.read.len() < MAX_HEAD_BYTES {
-            match std::task::ready!(self.poll_fill(cx, READ_SIZE)) {
+            match std::task::ready!(self.poll_fill(cx, WATCH_ROOM)) {
                 Ok(0) | Err(_) => return Poll::Ready(()),
                 Ok(_) => {}
             }
