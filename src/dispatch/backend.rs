@@ -49,6 +49,8 @@ pub(super) struct Tries<'t, 'a> {
     pub(super) upstream: (&'t str, &'t str),
     pub(super) affinity: &'t Affinity,
     pub(super) until: Instant,
+    /// When the call began, when its caller read the clock for it: the first try's start (a retry reads it again).
+    pub(super) began: Option<Instant>,
     pub(super) forward: &'a http::HeaderMap,
     pub(super) trace: &'t Trace,
 }
@@ -172,10 +174,12 @@ impl BackendClients {
         F: FnMut(Attempt<'a>) -> Fut,
         Fut: Future<Output = Result<T>>,
     {
+        let began = Instant::now();
         let tries = Tries {
             upstream,
             affinity,
-            until: Instant::now() + deadline,
+            until: began + deadline,
+            began: Some(began),
             forward,
             trace,
         };
@@ -213,7 +217,13 @@ impl BackendClients {
         loop {
             let lease = match self
                 .fleet
-                .lease(&self.name, model, version, tries.affinity, &tried)
+                .lease(
+                    &self.name,
+                    (model, version),
+                    tries.affinity,
+                    &tried,
+                    tries.began.filter(|_| tried.is_empty()),
+                )
                 .await
             {
                 Ok(lease) => lease,

@@ -32,10 +32,15 @@ pub struct EndpointState {
     bad_probes: AtomicU32,
     /// Models (upstream name and version) whose ready check failed at this endpoint.
     not_ready: RwLock<HashSet<(String, String)>>,
+    /// `not_ready` holds some: read first, so a call to an endpoint with every model ready takes no lock.
+    any_not_ready: AtomicBool,
     consecutive_failures: AtomicU32,
     ejections: AtomicU32,
     /// While set, the endpoint gets no calls: until the instant passes and, with health checks, a probe succeeds.
     ejected_until: Mutex<Option<Instant>>,
+    /// `ejected_until` is set (written with it, under its lock): read first, so a call to an endpoint never ejected
+    /// takes no lock. Each lock is two atomic read-modify-writes, and several of a call's steps ask.
+    ejected: AtomicBool,
     /// Calls allowed under way, when limited, and calls waiting for one.
     slots: Option<Arc<Semaphore>>,
     waiting: AtomicUsize,
@@ -87,9 +92,11 @@ impl EndpointState {
             good_probes: AtomicU32::new(0),
             bad_probes: AtomicU32::new(0),
             not_ready: RwLock::new(HashSet::new()),
+            any_not_ready: AtomicBool::new(false),
             consecutive_failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             ejected_until: Mutex::new(None),
+            ejected: AtomicBool::new(false),
             slots: policy.max_in_flight.map(|n| Arc::new(Semaphore::new(n as usize))),
             waiting: AtomicUsize::new(0),
             max_in_flight,
@@ -106,6 +113,19 @@ impl EndpointState {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// The ejection, locked.
+    fn ejection(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.ejected_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sets or ends the ejection `held` (this endpoint's, locked), and the flag read before the lock.
+    fn eject(&self, held: &mut Option<Instant>, until: Option<Instant>) {
+        *held = until;
+        self.ejected.store(until.is_some(), Ordering::Release);
+    }
+
     /// What the status page shows of it; a scrape older than `fresh` is stale.
     pub fn status(&self, fresh: std::time::Duration) -> EndpointStatus {
         let available = self.is_available();
@@ -114,10 +134,7 @@ impl EndpointState {
         } else if !self.probe_healthy.load(Ordering::Relaxed) {
             Some("failing its health checks".to_owned())
         } else {
-            let until = *self
-                .ejected_until
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let until = *self.ejection();
             let left = until.map_or(0, |until| until.saturating_duration_since(Instant::now()).as_millis());
             Some(format!(
                 "ejected after {} failed calls in a row ({left} ms of its cool-down left)",
@@ -169,20 +186,20 @@ impl EndpointState {
     /// refreshes the endpoint's health gauge, so the gauge follows every probe and every choice of endpoint.
     pub fn is_available(&self) -> bool {
         let available = self.probe_healthy.load(Ordering::Relaxed)
-            && match *self
-                .ejected_until
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-            {
-                None => true,
-                Some(until) => !self.health_checked && Instant::now() >= until,
-            };
+            && (!self.ejected.load(Ordering::Acquire)
+                || match *self.ejection() {
+                    None => true,
+                    Some(until) => !self.health_checked && Instant::now() >= until,
+                });
         self.healthy_gauge.set(i64::from(available));
         available
     }
 
     /// Whether the endpoint's last probe found `model` at `version` ready (true until a probe says otherwise).
     pub fn serves(&self, model: &str, version: &str) -> bool {
+        if !self.any_not_ready.load(Ordering::Acquire) {
+            return true;
+        }
         let not_ready = self.not_ready.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         not_ready.is_empty() || !not_ready.contains(&(model.to_owned(), version.to_owned()))
     }
@@ -190,10 +207,14 @@ impl EndpointState {
     /// Records one active probe: the server-ready answer and which models were not ready.
     pub fn probed(&self, healthy: bool, not_ready: HashSet<(String, String)>, policy: &BackendPolicy) {
         let Some(health) = policy.health else { return };
-        *self
-            .not_ready
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = not_ready;
+        {
+            let mut held = self
+                .not_ready
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.any_not_ready.store(!not_ready.is_empty(), Ordering::Release);
+            *held = not_ready;
+        }
         if healthy {
             self.bad_probes.store(0, Ordering::Relaxed);
             let good = self.good_probes.fetch_add(1, Ordering::Relaxed) + 1;
@@ -201,12 +222,9 @@ impl EndpointState {
                 self.probe_healthy.store(true, Ordering::Relaxed);
             }
             // An ejected endpoint returns after its cool-down and a good probe.
-            let mut ejected = self
-                .ejected_until
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut ejected = self.ejection();
             if ejected.is_some_and(|until| Instant::now() >= until) {
-                *ejected = None;
+                self.eject(&mut ejected, None);
                 self.consecutive_failures.store(0, Ordering::Relaxed);
             }
         } else {
@@ -224,12 +242,12 @@ impl EndpointState {
         if !failed {
             self.consecutive_failures.store(0, Ordering::Relaxed);
             // A success after the cool-down ends an ejection (calls reach it when nothing probes it).
-            let mut ejected = self
-                .ejected_until
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !self.ejected.load(Ordering::Acquire) {
+                return;
+            }
+            let mut ejected = self.ejection();
             if ejected.is_some_and(|until| Instant::now() >= until) {
-                *ejected = None;
+                self.eject(&mut ejected, None);
                 drop(ejected);
                 self.is_available();
             }
@@ -237,10 +255,7 @@ impl EndpointState {
         }
         let failures = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
         if failures >= policy.outlier.consecutive_failures {
-            let mut ejected = self
-                .ejected_until
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut ejected = self.ejection();
             if ejected.is_none_or(|until| Instant::now() >= until) {
                 let times = self.ejections.fetch_add(1, Ordering::Relaxed).min(16);
                 let cool_down = policy
@@ -248,7 +263,7 @@ impl EndpointState {
                     .base_ejection
                     .saturating_mul(1 << times)
                     .min(policy.outlier.max_ejection);
-                *ejected = Some(Instant::now() + cool_down);
+                self.eject(&mut ejected, Some(Instant::now() + cool_down));
                 self.consecutive_failures.store(0, Ordering::Relaxed);
                 self.healthy_gauge.set(0);
             }
@@ -430,14 +445,15 @@ impl Endpoints {
 
     /// Chooses an endpoint for a call to `model` at `version` (the backend's names), skipping `tried`, and takes
     /// its place there: waits up to the queue timeout for a full endpoint, then refuses with 429 /
-    /// RESOURCE_EXHAUSTED. With no eligible endpoint it fails at once with 503 / UNAVAILABLE.
+    /// RESOURCE_EXHAUSTED. With no eligible endpoint it fails at once with 503 / UNAVAILABLE. The call starts at
+    /// `began` (a reading the caller took a moment ago) unless it waited for its place.
     pub async fn lease(
         &self,
         backend: &str,
-        model: &str,
-        version: &str,
+        (model, version): (&str, &str),
         affinity: &Affinity,
         tried: &[usize],
+        began: Option<Instant>,
     ) -> Result<Lease> {
         let index = match affinity {
             Affinity::Sequence(sequence) => self.sequence_endpoint(backend, model, version, sequence, tried)?,
@@ -450,11 +466,13 @@ impl Endpoints {
         };
         let state = self.states[index].clone();
         self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut began = began;
         let permit = match &state.slots {
             None => None,
             Some(slots) => Some(match slots.clone().try_acquire_owned() {
                 Ok(permit) => permit,
                 Err(_) => {
+                    began = None;
                     // The wait is bounded in time and in waiters: at most as many as the endpoint's limit.
                     if state.waiting.fetch_add(1, Ordering::Relaxed) >= state.max_in_flight {
                         state.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -477,7 +495,7 @@ impl Endpoints {
             state,
             _permit: permit,
             generation,
-            started: Instant::now(),
+            started: began.unwrap_or_else(Instant::now),
         })
     }
 
@@ -643,4 +661,73 @@ fn overloaded(backend: &str, authority: &str) -> Error {
         Origin::Gateway,
         format!("backend {backend} endpoint {authority} has too many calls under way"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn endpoint(policy: &BackendPolicy) -> EndpointState {
+        EndpointState::new("e:1".into(), policy, IntGauge::new("healthy", "healthy").unwrap())
+    }
+
+    /// The flags read before the locks follow what the locks hold: a model a probe found not ready, and an
+    /// ejection, both set and both ended.
+    #[test]
+    fn not_ready_models_and_ejections_are_seen_through_the_flags_read_first() {
+        let policy = BackendPolicy {
+            health: Some(crate::config::HealthCheck {
+                interval: Duration::from_secs(1),
+                timeout: Duration::from_secs(1),
+                unhealthy_after: 1,
+                healthy_after: 1,
+            }),
+            outlier: crate::config::Outlier {
+                consecutive_failures: 2,
+                base_ejection: Duration::from_millis(1),
+                max_ejection: Duration::from_millis(1),
+            },
+            ..BackendPolicy::default()
+        };
+        let state = endpoint(&policy);
+        assert!(state.serves("m", "1") && state.is_available());
+        state.probed(true, HashSet::from([("m".to_owned(), "1".to_owned())]), &policy);
+        assert!(!state.serves("m", "1") && state.serves("m", "2") && state.serves("n", "1"));
+        state.probed(true, HashSet::new(), &policy);
+        assert!(state.serves("m", "1"));
+
+        state.observed(true, &policy);
+        assert!(state.is_available(), "one failure of two");
+        state.observed(true, &policy);
+        assert!(!state.is_available(), "ejected");
+        assert!(state.status(Duration::from_secs(1)).why.unwrap().contains("ejected"));
+        // The cool-down passes; with health checks, the endpoint waits for a good probe.
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!state.is_available());
+        state.probed(true, HashSet::new(), &policy);
+        assert!(state.is_available(), "a good probe after the cool-down");
+        assert!(!state.ejected.load(Ordering::Relaxed));
+    }
+
+    /// A call that finds its place at once starts when its caller read the clock; one that waits for its place
+    /// starts once it has it.
+    #[tokio::test]
+    async fn a_lease_starts_at_the_callers_reading_unless_it_waited_for_its_place() {
+        let policy = BackendPolicy {
+            max_in_flight: Some(1),
+            queue_timeout: Duration::from_secs(5),
+            ..BackendPolicy::default()
+        };
+        let endpoints = Endpoints::from_states(vec![Arc::new(endpoint(&policy))], policy, None);
+        let began = Instant::now().checked_sub(Duration::from_secs(3)).unwrap();
+        let first = endpoints
+            .lease("b", ("m", "1"), &Affinity::None, &[], Some(began))
+            .await
+            .unwrap();
+        assert_eq!(first.started(), began);
+        let waiting = endpoints.lease("b", ("m", "1"), &Affinity::None, &[], Some(began));
+        let (second, ()) = tokio::join!(waiting, async move { drop(first) });
+        assert!(second.unwrap().started() > began + Duration::from_secs(2));
+    }
 }

@@ -112,6 +112,7 @@ impl Dispatcher {
             upstream: (&target.route.upstream_name, &target.route.upstream_version),
             affinity: &target.affinity,
             until: deadline.until,
+            began: Some(deadline.began()),
             forward: &none,
             trace,
         };

@@ -91,7 +91,7 @@ impl Dispatcher {
         };
         let (model, version) = (&route.upstream_name, &route.upstream_version);
         let lease = fleet
-            .lease(&backend.name, model, version, &routed.affinity, &excluded)
+            .lease(&backend.name, (model, version), &routed.affinity, &excluded, None)
             .await
             .map_err(|error| match subset {
                 Some(subset) if error.kind() == ErrorKind::Unavailable => Error::new(

@@ -106,7 +106,7 @@ pub fn access(route: Option<RouteNames<'_>>, request: &Finished<'_>) {
     if !tracing::enabled!(target: ACCESS, tracing::Level::INFO) {
         return;
     }
-    AccessLine::write("request", |line| {
+    AccessLine::write_at("request", wall_time(request.ended), |line| {
         line.plain("request_id", field(request.request_id));
         line.quoted("protocol", request.protocol.label());
         line.quoted("path", request.target);
@@ -181,12 +181,20 @@ const LINE_ROOM: usize = 512;
 
 thread_local! {
     static LINE: RefCell<AccessLine> = const { RefCell::new(AccessLine { bytes: Vec::new(), json: false }) };
+    /// A monotonic reading and the wall clock's at that moment, read together at most a second ago.
+    static ANCHOR: std::cell::Cell<Option<(std::time::Instant, std::time::SystemTime)>> =
+        const { std::cell::Cell::new(None) };
     /// The second last formatted, and its text up to the fraction.
     static SECOND: RefCell<(u64, [u8; 19])> = const { RefCell::new((u64::MAX, [0; 19])) };
 }
 
 impl AccessLine {
     fn write(message: &str, fields: impl FnOnce(&mut AccessLine)) {
+        AccessLine::write_at(message, std::time::SystemTime::now(), fields);
+    }
+
+    /// A line of time `at`.
+    fn write_at(message: &str, at: std::time::SystemTime, fields: impl FnOnce(&mut AccessLine)) {
         LINE.with_borrow_mut(|line| {
             line.bytes.clear();
             // Room for a usual line at once: each field's append then finds it there.
@@ -194,14 +202,14 @@ impl AccessLine {
             line.json = FORMAT.get().copied().unwrap_or_default() == LogFormat::Json;
             if line.json {
                 line.bytes.extend_from_slice(b"{\"timestamp\":\"");
-                timestamp(&mut line.bytes, std::time::SystemTime::now());
+                timestamp(&mut line.bytes, at);
                 line.bytes.extend_from_slice(b"\",\"level\":\"INFO\"");
                 line.quoted("message", message);
                 fields(line);
                 line.quoted("target", ACCESS);
                 line.bytes.extend_from_slice(b"}\n");
             } else {
-                timestamp(&mut line.bytes, std::time::SystemTime::now());
+                timestamp(&mut line.bytes, at);
                 line.bytes.extend_from_slice(b"  INFO ");
                 line.bytes.extend_from_slice(ACCESS.as_bytes());
                 line.bytes.extend_from_slice(b": ");
@@ -291,6 +299,25 @@ impl AccessLine {
     }
 }
 
+/// The wall-clock time of `at`, a monotonic reading the caller took anyway: each thread reads the wall clock once
+/// a second and adds the monotonic time since, where a line would otherwise read a second clock for each request.
+/// A step of the wall clock shows within the second.
+fn wall_time(at: std::time::Instant) -> std::time::SystemTime {
+    ANCHOR.with(|anchor| match anchor.get() {
+        Some((instant, wall))
+            if let Some(since) = at.checked_duration_since(instant)
+                && since < std::time::Duration::from_secs(1) =>
+        {
+            wall + since
+        }
+        _ => {
+            let (instant, wall) = (std::time::Instant::now(), std::time::SystemTime::now());
+            anchor.set(Some((instant, wall)));
+            wall.checked_sub(instant.saturating_duration_since(at)).unwrap_or(wall)
+        }
+    })
+}
+
 /// `time` as RFC 3339 in UTC with microseconds (`2026-11-26T18:58:22.832041Z`), as `tracing`'s formatters write it.
 fn timestamp(out: &mut Vec<u8>, time: std::time::SystemTime) {
     let since = time.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -364,6 +391,28 @@ mod tests {
         assert_eq!(at(951_782_400, 1), "2000-02-29T00:00:00.000001Z");
         assert_eq!(at(4_107_542_399, 999_999), "2100-02-28T23:59:59.999999Z");
         assert_eq!(at(4_107_542_400, 0), "2100-03-01T00:00:00.000000Z");
+    }
+
+    /// Readings within a second of the thread's anchor are placed from it exactly; one past the second, or before
+    /// the anchor, reads the wall clock again.
+    #[test]
+    fn monotonic_readings_are_placed_on_the_wall_clock_from_the_threads_anchor() {
+        let second = std::time::Duration::from_secs(1);
+        let at = std::time::Instant::now();
+        let first = wall_time(at);
+        let (anchor, _) = ANCHOR.get().expect("anchored");
+        let later = at + std::time::Duration::from_millis(300);
+        assert_eq!(wall_time(later), first + std::time::Duration::from_millis(300));
+        assert_eq!(ANCHOR.get().expect("anchored").0, anchor, "the same anchor");
+        // A reading a second past the anchor, or before it, reads the wall clock again.
+        wall_time(anchor + second);
+        let (again, _) = ANCHOR.get().expect("anchored");
+        assert!(again > anchor, "re-anchored a second on");
+        wall_time(again.checked_sub(second).expect("a second of uptime"));
+        assert!(
+            ANCHOR.get().expect("anchored").0 >= again,
+            "re-anchored for a reading before the anchor"
+        );
     }
 
     #[test]

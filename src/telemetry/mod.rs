@@ -60,6 +60,8 @@ pub struct Finished<'a> {
     /// HTTP status (a gRPC answer's status is its code's HTTP equivalent).
     pub status: u16,
     pub duration: Duration,
+    /// When it ended: the access line's time.
+    pub ended: std::time::Instant,
     pub request_bytes: u64,
     pub response_bytes: u64,
     /// The REST path or gRPC method.

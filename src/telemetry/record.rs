@@ -42,6 +42,8 @@ pub struct RequestRecord {
     metrics: Arc<Metrics>,
     protocol: ClientProtocol,
     started: Instant,
+    /// When it ended, when the door read the clock for its other ends too (else it is read when reported).
+    ended: Option<Instant>,
     pub target: Target,
     /// The counters of the model and version an inference named; none for other calls.
     pub route: Option<Arc<RouteMetrics>>,
@@ -69,6 +71,7 @@ impl RequestRecord {
             metrics,
             protocol,
             started: Instant::now(),
+            ended: None,
             target,
             route: None,
             status: None,
@@ -81,6 +84,11 @@ impl RequestRecord {
             trace: Trace::default(),
             capture: None,
         }
+    }
+
+    /// The request ended at `at`, a clock reading its door shares with the call's other ends.
+    pub fn end_at(&mut self, at: Instant) {
+        self.ended = Some(at);
     }
 
     /// The request was answered with `status` and `response_bytes` of body.
@@ -116,12 +124,14 @@ impl Drop for RequestRecord {
             }
         }
         // Only inferences are counted by model; every request is timed and logged.
+        let ended = self.ended.unwrap_or_else(Instant::now);
         self.metrics.finished(
             self.route.as_deref(),
             &Finished {
                 protocol: self.protocol,
                 status,
-                duration: self.started.elapsed(),
+                duration: ended.saturating_duration_since(self.started),
+                ended,
                 request_bytes: self.request_bytes,
                 response_bytes: self.response_bytes,
                 target: self.target.as_str(),

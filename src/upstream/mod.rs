@@ -223,6 +223,11 @@ pub struct Deadline {
 }
 
 impl Deadline {
+    /// When the call began: `given` before `until`.
+    pub fn began(&self) -> Instant {
+        self.until.checked_sub(self.given).unwrap_or(self.until)
+    }
+
     /// `given` from now.
     pub fn after(given: Duration) -> Deadline {
         Deadline {

@@ -2,7 +2,7 @@
 //! chunks (binary sections are the tensors' own buffers), answers come back decoded, and a backend's error keeps its
 //! status and message.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
@@ -122,7 +122,7 @@ impl RestUpstream {
         let path = PathAndQuery::try_from(path)
             .map_err(|e| Error::internal(format!("cannot build a request for {path}: {e}")))?;
         let response = self
-            .request(&method, &path, headers, None, ChunksBody::new(body).into())
+            .request(&method, &path, headers, None, ChunksBody::new(body).into(), None)
             .await?;
         let (head, body) = response.into_parts();
         let length = head
@@ -171,7 +171,7 @@ impl RestUpstream {
         super::within(
             Some(deadline),
             &self.authority,
-            self.request(&Method::POST, path, headers, passed, body),
+            self.request(&Method::POST, path, headers, passed, body, Some(deadline.began())),
         )
         .await
     }
@@ -185,6 +185,7 @@ impl RestUpstream {
         headers: &HeaderMap,
         passed: Option<&PassedOn<'_>>,
         body: OutBody,
+        began: Option<Instant>,
     ) -> Result<http::Response<BackendBody>> {
         let request = http1::Request {
             method,
@@ -193,6 +194,7 @@ impl RestUpstream {
             headers: [headers, &self.added],
             passed,
             body,
+            began,
         };
         http1::send(&self.clients, &self.root, request)
             .await

@@ -72,14 +72,17 @@ impl Places {
         &self,
         head: &Bytes,
         malformed: impl FnOnce() -> E,
-        mut note: impl FnMut(&[u8], HeaderValue) -> Result<(), E>,
+        mut note: impl FnMut(&[u8], FieldValue<'_>) -> Result<(), E>,
     ) -> Result<(), E> {
         if self.count <= PLACED {
             for &[name_start, name_end, value_start, value_end] in &self.places[..self.count] {
                 let name = name_start as usize..name_end as usize;
                 note(
                     &head[name],
-                    parsed_value(head.slice(value_start as usize..value_end as usize)),
+                    FieldValue {
+                        head,
+                        bytes: &head[value_start as usize..value_end as usize],
+                    },
                 )?;
             }
             return Ok(());
@@ -92,9 +95,34 @@ impl Places {
             return Err(malformed());
         };
         for header in parsed {
-            note(header.name.as_bytes(), parsed_value(head.slice_ref(header.value)))?;
+            note(
+                header.name.as_bytes(),
+                FieldValue {
+                    head,
+                    bytes: header.value,
+                },
+            )?;
         }
         Ok(())
+    }
+}
+
+/// A header's value where it lies in its head: read as bytes, and made a [`HeaderValue`] (a share of the head, whose
+/// count is an atomic read-modify-write each way) only for a header that is kept.
+#[derive(Debug, Clone, Copy)]
+pub struct FieldValue<'a> {
+    head: &'a Bytes,
+    bytes: &'a [u8],
+}
+
+impl FieldValue<'_> {
+    pub fn as_bytes(&self) -> &[u8] {
+        self.bytes
+    }
+
+    /// The value, sharing the head's bytes.
+    pub fn to_value(self) -> HeaderValue {
+        parsed_value(self.head.slice_ref(self.bytes))
     }
 }
 
@@ -155,9 +183,9 @@ impl ParsedHeaders {
         }
     }
 
-    pub fn note(&mut self, name: &[u8], value: HeaderValue) -> Result<(), BadHeader> {
+    pub fn note(&mut self, name: &[u8], value: FieldValue<'_>) -> Result<(), BadHeader> {
         match self.read(name, value.as_bytes())? {
-            Some((name, Said::AsSent)) => self.headers.append(name, value),
+            Some((name, Said::AsSent)) => self.headers.append(name, value.to_value()),
             Some((name, Said::Length(length))) => self.headers.append(name, HeaderValue::from(length)),
             Some((_, Said::Again)) | None => return Ok(()),
         };
@@ -393,6 +421,11 @@ mod tests {
     use super::*;
     use bytes::BytesMut;
 
+    /// A value standing alone, as its own head.
+    fn field(head: &Bytes) -> FieldValue<'_> {
+        FieldValue { head, bytes: head }
+    }
+
     #[test]
     fn header_names_are_noted_lower_case_whichever_way_they_are_read_and_the_unread_one_left_out() {
         let mut said = ParsedHeaders::new(4, b"date");
@@ -403,7 +436,7 @@ mod tests {
             b"Date",
             b"Content-Type",
         ] {
-            said.note(name, HeaderValue::from_static("1")).unwrap();
+            said.note(name, field(&Bytes::from_static(b"1"))).unwrap();
         }
         let names: Vec<&str> = said.headers.keys().map(HeaderName::as_str).collect();
         assert_eq!(
@@ -431,7 +464,7 @@ mod tests {
         assert_eq!(known_name(b""), None);
         assert_eq!(known_name(b"X-REQUEST-ID"), Some(crate::headers::REQUEST_ID));
         assert!(matches!(
-            said.note(b"bad name", HeaderValue::from_static("")),
+            said.note(b"bad name", field(&Bytes::from_static(b""))),
             Err(BadHeader::Name)
         ));
     }
@@ -458,16 +491,18 @@ mod tests {
     #[test]
     fn a_length_given_twice_or_as_a_list_is_kept_once_as_digits() {
         let mut said = ParsedHeaders::new(4, b"");
-        said.note(b"content-length", HeaderValue::from_static("5, 5")).unwrap();
-        said.note(b"Content-Length", HeaderValue::from_static("5")).unwrap();
+        said.note(b"content-length", field(&Bytes::from_static(b"5, 5")))
+            .unwrap();
+        said.note(b"Content-Length", field(&Bytes::from_static(b"5"))).unwrap();
         assert_eq!(said.length, Some(5));
         let values: Vec<_> = said.headers.get_all(CONTENT_LENGTH).iter().collect();
         assert_eq!(values, [HeaderValue::from_static("5")]);
         let mut said = ParsedHeaders::new(1, b"");
-        said.note(b"content-length", HeaderValue::from_static("007")).unwrap();
+        said.note(b"content-length", field(&Bytes::from_static(b"007")))
+            .unwrap();
         assert_eq!(said.headers[CONTENT_LENGTH], "7");
         assert!(matches!(
-            said.note(b"content-length", HeaderValue::from_static("8")),
+            said.note(b"content-length", field(&Bytes::from_static(b"8"))),
             Err(BadHeader::TwoLengths)
         ));
     }

@@ -173,10 +173,10 @@ pub(super) async fn open_leg(
         .fleet
         .lease(
             &backend.name,
-            &route.upstream_name,
-            &route.upstream_version,
+            (&route.upstream_name, &route.upstream_version),
             &routed.affinity,
             &[],
+            None,
         )
         .await?;
     let Replicas::Grpc { endpoints } = &backend.replicas else {

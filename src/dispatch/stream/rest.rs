@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -66,7 +66,8 @@ impl Dispatcher {
         let tries = Tries {
             upstream: (&route.upstream_name, &route.upstream_version),
             affinity: &routed.affinity,
-            until: Instant::now() + route.timeout,
+            until: in_flight.started() + route.timeout,
+            began: Some(in_flight.started()),
             forward: &headers,
             trace,
         };

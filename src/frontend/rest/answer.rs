@@ -102,8 +102,13 @@ impl Record {
 
 impl Drop for Record {
     fn drop(&mut self) {
-        // The places the call held are given back before it is reported.
-        self.in_flight = None;
+        // The places the call held are given back before it is reported. One reading of the clock ends the
+        // backend call and the request.
+        let now = Instant::now();
+        if let Some(in_flight) = self.in_flight.take() {
+            in_flight.end_at(now);
+        }
+        self.report.end_at(now);
         self.lease = None;
         self.admission = None;
         if let Some(relayed) = &self.relayed {

@@ -59,13 +59,13 @@ impl RestDoor {
         let headers = &parts.headers;
         let read = RequestHeaders::read(headers);
         record.request_id = Some(read.request_id.clone());
-        let dispatcher = record.dispatcher().clone();
-        let principal = record.principal.clone();
+        // The record's dispatcher and principal are borrowed, not shared again: each share is an atomic count up
+        // and down.
         let call = CallRequest {
             model,
             version,
             forward: headers,
-            principal: principal.as_deref(),
+            principal: record.principal.as_deref(),
             taken: Taken::Nothing,
             generates: false,
             trace: &record.trace,
@@ -82,7 +82,7 @@ impl RestDoor {
                 let (reserved, scan) = request_reserved(&start, asked)?;
                 Ok(((start, scan), reserved))
             });
-            dispatcher.admit(&call, start).await
+            record.dispatcher().admit(&call, start).await
         };
         record.route = Some(route_metrics);
         let (admitted, (start, scan)) = admitted?;
@@ -99,7 +99,9 @@ impl RestDoor {
         let passthrough = if asked.decthings_in || asked.decthings_out {
             None
         } else {
-            dispatcher.rest_passthrough(&routed, asked.header_length.is_some())?
+            record
+                .dispatcher()
+                .rest_passthrough(&routed, asked.header_length.is_some())?
         };
         if let Some(target) = passthrough {
             // The request's own `timeout` shortens the backend's time to answer.
@@ -279,7 +281,6 @@ impl RestDoor {
             given: target.timeout,
         };
         record.in_flight = Some(in_flight);
-        let dispatcher = record.dispatcher().clone();
         // A compressed body goes on compressed only to a backend that reads it; an aliased model's answer is asked
         // for uncompressed, as its name is restored in it (the gateway compresses it for the client).
         let keep_compressed = asked.coding.is_some() && target.compression;
@@ -300,23 +301,24 @@ impl RestDoor {
             affinity: routed.affinity,
         });
         let outgoing = self.outgoing((start, scan), keep_compressed, body, record, mirror)?;
-        let sent = dispatcher
+        let sent = record
+            .dispatcher()
             .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
             .await;
         let (response, lease) = match sent {
             Ok(sent) => sent,
             Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
         };
-        let authority = lease.state.authority.clone();
-        record.endpoint = Some(authority.clone());
+        record.endpoint = Some(lease.state.authority.clone());
         record.lease = Some(lease);
+        let authority = record.endpoint.as_ref().map_or("", |endpoint| &**endpoint);
         let (head, mut answer) = response.into_parts();
         if target.aliased && head.status == StatusCode::OK && head.headers.contains_key(http::header::CONTENT_ENCODING)
         {
             // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
-            return Box::pin(self.rename_compressed(head, answer, &target, &authority)).await;
+            return Box::pin(self.rename_compressed(head, answer, &target, authority)).await;
         }
-        let (head, rename) = answer_head(head, &mut answer, &target, &authority)?;
+        let (head, rename) = answer_head(head, &mut answer, &target, authority)?;
         Ok(PendingAnswer::Proxied(Box::new(head), answer, rename, deadline.until))
     }
 

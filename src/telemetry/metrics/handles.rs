@@ -167,27 +167,36 @@ impl BackendMetrics {
     /// Counts a call as in flight until the returned guard is dropped (answered, failed or cancelled).
     pub fn call(&self) -> InFlight {
         let series = &self.0;
-        let (gauge, duration) = series.in_flight.get_or_init(|| {
-            (
-                series.families.in_flight.series(&[&series.name]),
-                series.families.upstream_duration.series(&[&series.name]),
-            )
-        });
+        let (gauge, _) = series.in_flight();
         gauge.inc();
         InFlight {
-            gauge: gauge.clone(),
-            duration: duration.clone(),
+            // The backend's series whole, not its gauge and histogram: one reference counted, not two.
+            series: series.clone(),
             started: Instant::now(),
+            ended: false,
         }
+    }
+}
+
+impl BackendSeries {
+    /// The in-flight gauge and the upstream latency, made at the first call.
+    fn in_flight(&self) -> &(IntGauge, Histogram) {
+        self.in_flight.get_or_init(|| {
+            (
+                self.families.in_flight.series(&[&self.name]),
+                self.families.upstream_duration.series(&[&self.name]),
+            )
+        })
     }
 }
 
 /// One backend call in flight; its end is recorded when dropped.
 #[derive(Debug)]
 pub struct InFlight {
-    pub(super) gauge: IntGauge,
-    pub(super) duration: Histogram,
+    pub(super) series: Arc<BackendSeries>,
     pub(super) started: Instant,
+    /// Recorded already, by [`InFlight::end_at`].
+    pub(super) ended: bool,
 }
 
 impl InFlight {
@@ -195,11 +204,25 @@ impl InFlight {
     pub fn started(&self) -> Instant {
         self.started
     }
+
+    /// Ends the call at `at`, a clock reading the caller shares with the request's other ends (dropped, it reads
+    /// the clock itself).
+    pub fn end_at(mut self, at: Instant) {
+        self.record(at);
+        self.ended = true;
+    }
+
+    fn record(&self, at: Instant) {
+        let (gauge, duration) = self.series.in_flight();
+        gauge.dec();
+        duration.observe(at.saturating_duration_since(self.started).as_secs_f64());
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.gauge.dec();
-        self.duration.observe(self.started.elapsed().as_secs_f64());
+        if !self.ended {
+            self.record(Instant::now());
+        }
     }
 }

@@ -704,6 +704,7 @@ mod tests {
             protocol: ClientProtocol::Grpc,
             status,
             duration: Duration::from_millis(3),
+            ended: std::time::Instant::now(),
             request_bytes: 10,
             response_bytes: 20,
             target: "ModelInfer",
@@ -732,5 +733,39 @@ mod tests {
         assert!(metrics.render().contains(r#"oipgate_in_flight{backend="fleet-a"} 1"#));
         drop(call);
         assert!(metrics.render().contains(r#"oipgate_in_flight{backend="fleet-a"} 0"#));
+    }
+
+    /// A call ended at a reading its caller shares records the time up to that reading, once, and the record ended
+    /// at the same reading reports the same end.
+    #[test]
+    fn a_call_and_a_request_ended_at_one_reading_time_up_to_it() {
+        let metrics = Metrics::new().unwrap();
+        let call = metrics.backend("fleet-a").call();
+        let mut record = crate::telemetry::record::RequestRecord::open(
+            metrics.clone(),
+            ClientProtocol::Rest,
+            crate::telemetry::record::Target::Unknown,
+        );
+        let ended = call.started() + Duration::from_millis(250);
+        call.end_at(ended);
+        // Two seconds after a reading taken once the record began: its duration is at least that, where a record
+        // that read the clock itself would report next to nothing.
+        record.end_at(std::time::Instant::now() + Duration::from_secs(2));
+        drop(record);
+        let text = metrics.render();
+        for line in [
+            r#"oipgate_upstream_duration_seconds_sum{backend="fleet-a"} 0.25"#,
+            r#"oipgate_upstream_duration_seconds_count{backend="fleet-a"} 1"#,
+            r#"oipgate_in_flight{backend="fleet-a"} 0"#,
+            r#"oipgate_request_duration_seconds_count{protocol="rest"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        let sum = text
+            .lines()
+            .find_map(|line| line.strip_prefix(r#"oipgate_request_duration_seconds_sum{protocol="rest"} "#))
+            .and_then(|sum| sum.parse::<f64>().ok())
+            .expect("the request's duration");
+        assert!((2.0..2.5).contains(&sum), "{sum}");
     }
 }

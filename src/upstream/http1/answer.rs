@@ -153,7 +153,7 @@ struct ParsedAnswerHeaders {
 }
 
 impl ParsedAnswerHeaders {
-    fn note(&mut self, name: &[u8], value: http::HeaderValue) -> io::Result<()> {
+    fn note(&mut self, name: &[u8], value: http1::FieldValue<'_>) -> io::Result<()> {
         self.said.note(name, value).map_err(broken_header)
     }
 

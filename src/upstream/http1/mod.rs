@@ -269,6 +269,8 @@ pub(super) struct Request<'a> {
     /// A passthrough's headers, written from the client's where they stand; those of the maps take their place.
     pub passed: Option<&'a crate::headers::PassedOn<'a>>,
     pub body: OutBody,
+    /// When the call began, when the caller read the clock for it: idle connections are aged against it.
+    pub began: Option<Instant>,
 }
 
 /// How a request's answer is read: to a HEAD request, its body is not sent; `lines`, its headers are left as lines
@@ -306,7 +308,7 @@ pub(super) async fn send(
         lines: request.passed.is_some_and(|passed| passed.answers_as_lines()),
     };
     loop {
-        let (mut kept, reused) = match idle(clients).await {
+        let (mut kept, reused) = match idle(clients, request.began.unwrap_or_else(Instant::now)).await {
             Some(kept) => (kept, true),
             // Boxed: connecting is rare, and its state (resolving, connecting, TLS) would otherwise be part of every
             // request's.
@@ -343,11 +345,11 @@ pub(super) async fn send(
 }
 
 /// The most recently used of this thread's idle connections to the endpoint that is still open; those idle too
-/// long or closed by the backend are dropped on the way.
-async fn idle(clients: &ThreadClients) -> Option<Box<PooledConnection>> {
+/// long at `now` or closed by the backend are dropped on the way.
+async fn idle(clients: &ThreadClients, now: Instant) -> Option<Box<PooledConnection>> {
     loop {
         let mut kept = super::with_endpoint(&clients.token, |endpoint| endpoint.idle.pop())?;
-        if kept.aged(Instant::now()) {
+        if kept.aged(now) {
             continue;
         }
         if std::future::poll_fn(|cx| Poll::Ready(kept.poll_open(cx))).await {

@@ -196,7 +196,7 @@ struct ParsedRequestHeaders {
 }
 
 impl ParsedRequestHeaders {
-    fn note(&mut self, name: &[u8], value: http::HeaderValue) -> Result<(), Refusal> {
+    fn note(&mut self, name: &[u8], value: http1::FieldValue<'_>) -> Result<(), Refusal> {
         if name.eq_ignore_ascii_case(b"host") {
             self.hosts += 1;
             self.host_valid &= is_host(value.as_bytes());

@@ -75,6 +75,9 @@ pub(super) struct Http1<S> {
     /// Times the waits for a request, busy and idle (made at the first, moved only when it runs out or a busy wait
     /// needs it sooner: a request costs it nothing).
     keepalive: Option<Pin<Box<Sleep>>>,
+    /// Waits for shutdown across the waits for a request (made at the first): a wait made afresh each time would
+    /// subscribe to the shutdown's watch and leave it again, several atomic read-modify-writes a request.
+    stop: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
     /// it) until that request is answered or the connection closes.
     held: Option<Active>,
@@ -134,6 +137,7 @@ where
             closing: false,
             last_request: Instant::now(),
             keepalive: None,
+            stop: None,
             held,
         }
     }
@@ -189,6 +193,7 @@ where
             closing,
             last_request,
             keepalive,
+            stop,
             held,
             ..
         } = self;
@@ -214,11 +219,15 @@ where
         if timer.deadline() > due && !*closing {
             timer.as_mut().reset(due);
         }
+        let stop = stop.get_or_insert_with(|| {
+            let mut watch = shutdown.clone();
+            Box::pin(async move { stopping(&mut watch).await })
+        });
         loop {
             tokio::select! {
                 biased;
                 arrived = wire.arrival() => return if matches!(arrived, Ok(1..)) { Waited::Arrived } else { Waited::Gone },
-                () = stopping(shutdown), if !*closing => {
+                () = stop.as_mut(), if !*closing => {
                     *closing = true;
                     *held = Some(door.gateway().begin());
                     timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
@@ -333,7 +342,8 @@ where
             feeder.feed.end(Err(Http1BodyError::Abandoned));
         }
         let how = AnswerPlan {
-            close: close || !body_read || *self.shutdown.borrow(),
+            // Whether shutdown began: its watch's version read, where its value would be read under a lock.
+            close: close || !body_read || self.closing || self.shutdown.has_changed().unwrap_or(true),
             keep_alive_10,
             http10,
             head_only,

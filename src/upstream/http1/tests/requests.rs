@@ -105,6 +105,7 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
             headers: [&headers, &headers],
             passed: None,
             body: OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
+            began: None,
         };
         let small = request(vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cd")]);
         assert_eq!(kept.write_head(&small, Sending::of(&method, &small.body)), 2);
@@ -169,6 +170,7 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
                 headers: [&carried, added],
                 passed: Some(&passed),
                 body: OutBody::Chunks(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
+                began: None,
             };
             kept.write_head(&request, Sending::of(&method, &request.body));
             let head = String::from_utf8(kept.head.clone()).unwrap();
