@@ -205,14 +205,17 @@ def run(seconds, workers, binary, cache=False, locked=False):
         gateway = [str(binary), "serve", "--config", str(config)]
         rest = f"http://127.0.0.1:{ports['rest']}/v2/models/add_sub"
         results["oipgate REST passthrough"] = per_request(
-            "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env, cache, locked=locked)
+            "oipgate", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, env, cache,
+            locked=locked)
         # As users run it: the access log on (the default `info`), its stderr a file (harness.Server's log).
         logged = dict(env)
         logged.pop("RUST_LOG", None)
         results["oipgate REST passthrough, access log on"] = per_request(
-            "oipgate-logged", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, logged, cache, locked=locked)
+            "oipgate-logged", gateway, ports["rest"], f"{rest}/infer", body_file, seconds, logged, cache,
+            locked=locked)
         results["oipgate REST JSON -> gRPC"] = per_request(
-            "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env, cache, locked=locked)
+            "oipgate-3a", gateway, ports["rest"], f"{rest}/versions/2/infer", body_file, seconds, env, cache,
+            locked=locked)
         floor = harness.floor_binaries()["floor_hyper"]
         results["floor: smallest hyper proxy"] = per_request(
             "floor", [floor, "--listen", f"127.0.0.1:{ports['floor']}", "--upstream",
@@ -240,7 +243,8 @@ def run(seconds, workers, binary, cache=False, locked=False):
                 rest=ports["backend_rest"], grpc=ports["backend_grpc"]))
             results["HAProxy"] = per_request(
                 "haproxy", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy"],
-                f"http://127.0.0.1:{ports['haproxy']}/v2/models/add_sub/infer", body_file, seconds, cache=cache, locked=locked)
+                f"http://127.0.0.1:{ports['haproxy']}/v2/models/add_sub/infer", body_file, seconds, cache=cache,
+                locked=locked)
             results["HAProxy, httplog to a ring"] = per_request(
                 "haproxy-logged", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy_rest_logged"],
                 f"http://127.0.0.1:{ports['haproxy_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
@@ -259,7 +263,8 @@ def run(seconds, workers, binary, cache=False, locked=False):
             command = [nginx, "-p", str(prefix), "-c", str(nginx_conf), "-g", "daemon off; master_process off;"]
             results["nginx"] = per_request(
                 "nginx", command, ports["nginx_rest"],
-                f"http://127.0.0.1:{ports['nginx_rest']}/v2/models/add_sub/infer", body_file, seconds, cache=cache, locked=locked)
+                f"http://127.0.0.1:{ports['nginx_rest']}/v2/models/add_sub/infer", body_file, seconds, cache=cache,
+                locked=locked)
             results["nginx, access log buffered"] = per_request(
                 "nginx-logged", command, ports["nginx_rest_logged"],
                 f"http://127.0.0.1:{ports['nginx_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
@@ -285,7 +290,8 @@ def report(results):
                   for name, count in list(ours_grpc.items())[:25]]
     if "locked" in results["oipgate REST passthrough"]:
         lines += ["", "| setup | locked instructions a request |", "|---|---|"]
-        lines += [f"| {setup} | {result['locked']:,.1f} |" for setup, result in results.items() if "locked" in result]
+        lines += [f"| {setup} | {result['locked']:,.1f} |"
+                  for setup, result in results.items() if "locked" in result]
         lines += ["", "REST passthrough, access log on, locked instructions a request by function:", ""]
         logged = results["oipgate REST passthrough, access log on"]["locked_by_function"]
         lines += [f"    {count:6.2f}  {name[:120]}" for name, count in logged.items()]

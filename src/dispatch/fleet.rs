@@ -120,9 +120,9 @@ impl EndpointState {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Sets or ends the ejection `held` (this endpoint's, locked), and the flag read before the lock.
-    fn eject(&self, held: &mut Option<Instant>, until: Option<Instant>) {
-        *held = until;
+    /// Sets or ends the ejection, held locked, and the flag read before the lock.
+    fn eject(&self, held: &mut std::sync::MutexGuard<'_, Option<Instant>>, until: Option<Instant>) {
+        **held = until;
         self.ejected.store(until.is_some(), Ordering::Release);
     }
 

@@ -60,16 +60,8 @@ async fn a_request_on_a_kept_connection_wakes_its_task_only_when_the_answer_arri
     use http_body_util::BodyExt;
     let (upstream, _) = upstream_to_backend().await;
     let exchange = || async {
-        let answer = upstream
-            .forward(
-                &PathAndQuery::from_static("/v2/models/m/infer"),
-                &HeaderMap::new(),
-                None,
-                OutBody::from(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
-                crate::upstream::Deadline::after(Duration::from_secs(2)),
-            )
-            .await
-            .unwrap();
+        let body = OutBody::from(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")]));
+        let answer = post(&upstream, body).await.unwrap();
         answer.into_body().collect().await.unwrap().to_bytes()
     };
     // The first request makes the connection; the second goes on it, kept.
@@ -236,6 +228,16 @@ async fn scripted(
     };
     let upstream = crate::upstream::RestUpstream::new(&endpoint, Duration::from_secs(2), 1 << 20, None);
     (upstream, received, accepted)
+}
+
+/// Posts `body` to the model's infer path through `upstream`, as a passthrough forwards, within two seconds.
+async fn post(
+    upstream: &crate::upstream::RestUpstream,
+    body: OutBody,
+) -> crate::error::Result<http::Response<BackendBody>> {
+    let (path, headers) = (PathAndQuery::from_static("/v2/models/m/infer"), HeaderMap::new());
+    let deadline = crate::upstream::Deadline::after(Duration::from_secs(2));
+    upstream.forward(&path, &headers, None, body, deadline).await
 }
 
 async fn get(

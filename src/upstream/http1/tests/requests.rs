@@ -43,14 +43,7 @@ async fn a_body_of_unknown_length_goes_chunked() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     });
-    let answered = upstream
-        .forward(
-            &PathAndQuery::from_static("/v2/models/m/infer"),
-            &HeaderMap::new(),
-            None,
-            OutBody::Channel(crate::body::ChannelBody::new(chunks)),
-            crate::upstream::Deadline::after(Duration::from_secs(2)),
-        )
+    let answered = post(&upstream, OutBody::Channel(crate::body::ChannelBody::new(chunks)))
         .await
         .unwrap();
     assert_eq!(&answered.into_body().collect().await.unwrap().to_bytes()[..], b"ok");
@@ -72,14 +65,7 @@ async fn a_small_body_goes_with_its_head_and_a_larger_one_after_it() {
         ],
     ] {
         let sent: Vec<u8> = chunks.concat();
-        let answered = upstream
-            .forward(
-                &PathAndQuery::from_static("/v2/models/m/infer"),
-                &HeaderMap::new(),
-                None,
-                OutBody::Chunks(crate::body::ChunksBody::new(chunks)),
-                crate::upstream::Deadline::after(Duration::from_secs(2)),
-            )
+        let answered = post(&upstream, OutBody::Chunks(crate::body::ChunksBody::new(chunks)))
             .await
             .unwrap();
         assert_eq!(answered.status(), StatusCode::OK);
@@ -234,13 +220,9 @@ async fn a_written_head_gives_its_buffer_back_to_the_thread_before_the_answer_co
     let thread_buffer = scratch::take();
     let place = thread_buffer.as_ptr();
     scratch::give(thread_buffer);
-    let (path, headers) = (PathAndQuery::from_static("/v2/models/m/infer"), HeaderMap::new());
-    let exchange = upstream.forward(
-        &path,
-        &headers,
-        None,
+    let exchange = post(
+        &upstream,
         OutBody::from(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
-        crate::upstream::Deadline::after(Duration::from_secs(2)),
     );
     let mut exchange = std::pin::pin!(exchange);
     tokio::select! {
