@@ -5,6 +5,7 @@ pub mod body;
 pub mod cli;
 pub mod codec;
 pub mod config;
+pub mod deadlines;
 pub mod dispatch;
 pub mod error;
 pub mod frontend;

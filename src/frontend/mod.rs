@@ -55,9 +55,12 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    std::thread::Builder::new()
-        .name(name)
-        .spawn(move || runtime.block_on(door))?;
+    std::thread::Builder::new().name(name).spawn(move || {
+        // The thread's calls' deadlines share one timer (see `crate::deadlines`).
+        crate::deadlines::install();
+        runtime.spawn(crate::deadlines::keep());
+        runtime.block_on(door)
+    })?;
     Ok(())
 }
 

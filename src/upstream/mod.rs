@@ -247,7 +247,7 @@ where
     match deadline {
         None => futures_util::future::Either::Left(call),
         Some(Deadline { until, given }) => {
-            futures_util::future::Either::Right(tokio::time::timeout_at(until.into(), call).map(move |answer| {
+            futures_util::future::Either::Right(crate::deadlines::timeout_at(until.into(), call).map(move |answer| {
                 answer.unwrap_or_else(|_| {
                     Err(Error::new(
                         ErrorKind::Timeout,

@@ -78,6 +78,9 @@ pub(super) struct Http1<S> {
     /// Waits for shutdown across the waits for a request (made at the first): a wait made afresh each time would
     /// subscribe to the shutdown's watch and leave it again, several atomic read-modify-writes a request.
     stop: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// Whether `stop` has been polled: it then waits in the watch's list with the task's waker, and is polled again
+    /// only once the watch has changed (each poll of it takes the list's lock).
+    stop_listening: bool,
     /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
     /// it) until that request is answered or the connection closes.
     held: Option<Active>,
@@ -138,6 +141,7 @@ where
             last_request: Instant::now(),
             keepalive: None,
             stop: None,
+            stop_listening: false,
             held,
         }
     }
@@ -194,6 +198,7 @@ where
             last_request,
             keepalive,
             stop,
+            stop_listening,
             held,
             ..
         } = self;
@@ -227,7 +232,13 @@ where
             tokio::select! {
                 biased;
                 arrived = wire.arrival() => return if matches!(arrived, Ok(1..)) { Waited::Arrived } else { Waited::Gone },
-                () = stop.as_mut(), if !*closing => {
+                () = poll_fn(|cx| {
+                    if *stop_listening && !shutdown.has_changed().unwrap_or(true) {
+                        return Poll::Pending;
+                    }
+                    *stop_listening = true;
+                    stop.as_mut().poll(cx)
+                }), if !*closing => {
                     *closing = true;
                     *held = Some(door.gateway().begin());
                     timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
@@ -395,7 +406,7 @@ impl<S: AsyncRead + AsyncWrite + Peek + Unpin> BufferedStream<S> {
     /// Waits for an idle connection's next bytes and reads them.
     async fn arrival(&mut self) -> io::Result<usize> {
         if S::CAN_PEEK {
-            self.io.readable().await?;
+            poll_fn(|cx| self.io.poll_readable(cx)).await?;
         }
         poll_fn(|cx| self.poll_fill(cx, READ_SIZE)).await
     }
@@ -560,20 +571,22 @@ impl Feeder {
 /// holds no read buffer.
 pub trait Peek {
     const CAN_PEEK: bool;
-    /// Waits until the stream can be read (never, for a stream that cannot tell).
-    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send;
+    /// Ready when the stream can be read (never, for a stream that cannot tell).
+    fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>>;
 }
 
 impl Peek for tokio::net::TcpStream {
     const CAN_PEEK: bool = true;
-    fn readable(&self) -> impl Future<Output = io::Result<()>> + Send {
-        tokio::net::TcpStream::readable(self)
+    /// Through the socket's one reader slot, the one its reads wait in: `readable()` would add a waiter to its list
+    /// and take it out again, each a lock of the socket's waiters.
+    fn poll_readable(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.poll_read_ready(cx)
     }
 }
 
 impl<S: Send + Sync> Peek for tokio_rustls::server::TlsStream<S> {
     const CAN_PEEK: bool = false;
-    async fn readable(&self) -> io::Result<()> {
-        std::future::pending().await
+    fn poll_readable(&self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Pending
     }
 }
