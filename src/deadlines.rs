@@ -93,10 +93,13 @@ pub async fn keep() {
         })
         .await;
         let now = Instant::now();
+        let mut due = Vec::new();
         let next = DEADLINES.with(|deadlines| {
             let mut deadlines = deadlines.borrow_mut();
-            deadlines.as_mut().and_then(|deadlines| deadlines.expire(now))
+            deadlines.as_mut().and_then(|deadlines| deadlines.expire(now, &mut due))
         });
+        // Woken once the list is let go: a waker may run what it wakes at once, and that may reach for the list.
+        due.into_iter().for_each(Waker::wake);
         timer.as_mut().reset(next.unwrap_or_else(far));
     }
 }
@@ -107,14 +110,15 @@ fn far() -> Instant {
 }
 
 impl Deadlines {
-    /// Wakes and lets go of the calls due by `now`; the earliest deadline left, which the timer is set at.
-    fn expire(&mut self, now: Instant) -> Option<Instant> {
+    /// Lets go of the calls due by `now`, their wakers put in `due`; the earliest deadline left, which the timer is
+    /// set at.
+    fn expire(&mut self, now: Instant, due: &mut Vec<Waker>) -> Option<Instant> {
         let mut earliest: Option<Instant> = None;
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(waiting) = &slot.waiting else { continue };
             if waiting.until <= now {
                 if let Some(waiting) = slot.waiting.take() {
-                    waiting.waker.wake();
+                    due.push(waiting.waker);
                 }
                 slot.generation += 1;
                 self.free.push(index);
@@ -144,6 +148,7 @@ impl Deadlines {
         if self.armed.is_none_or(|armed| until < armed) {
             self.armed = Some(until);
             self.rearm = true;
+            // The keeper's waker is its tokio task's, which only schedules it: woken with the list still held.
             if let Some(keeper) = &self.keeper {
                 keeper.wake_by_ref();
             }
