@@ -185,7 +185,7 @@ impl Deadlines {
 
 /// A deadline for one call: ready once `until` has passed.
 #[derive(Debug)]
-pub struct Due {
+struct Due {
     until: Instant,
     state: DueState,
 }
@@ -206,7 +206,7 @@ enum DueState {
 }
 
 impl Due {
-    pub fn at(until: Instant) -> Due {
+    fn at(until: Instant) -> Due {
         Due {
             until,
             state: DueState::Idle,

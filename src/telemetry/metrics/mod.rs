@@ -741,17 +741,21 @@ mod tests {
     fn a_call_and_a_request_ended_at_one_reading_time_up_to_it() {
         let metrics = Metrics::new().unwrap();
         let call = metrics.backend("fleet-a").call();
+        let before = std::time::Instant::now();
         let mut record = crate::telemetry::record::RequestRecord::open(
             metrics.clone(),
             ClientProtocol::Rest,
             crate::telemetry::record::Target::Unknown,
         );
+        let after = std::time::Instant::now();
         let ended = call.started() + Duration::from_millis(250);
         call.end_at(ended);
-        // Two seconds after a reading taken once the record began: its duration is at least that, where a record
-        // that read the clock itself would report next to nothing.
-        record.end_at(std::time::Instant::now() + Duration::from_secs(2));
+        // Two seconds after the record began: its duration is that, where a record that read the clock itself would
+        // report next to nothing. Its start lies between `before` and `after`, so its duration between these.
+        let end = after + Duration::from_secs(2);
+        record.end_at(end);
         drop(record);
+        let (least, most) = ((end - after).as_secs_f64(), (end - before).as_secs_f64());
         let text = metrics.render();
         for line in [
             r#"oipgate_upstream_duration_seconds_sum{backend="fleet-a"} 0.25"#,
@@ -766,6 +770,10 @@ mod tests {
             .find_map(|line| line.strip_prefix(r#"oipgate_request_duration_seconds_sum{protocol="rest"} "#))
             .and_then(|sum| sum.parse::<f64>().ok())
             .expect("the request's duration");
-        assert!((2.0..2.5).contains(&sum), "{sum}");
+        // The rendered sum is rounded to f64's shortest form: a nanosecond either way.
+        assert!(
+            least - 1e-9 <= sum && sum <= most + 1e-9,
+            "{sum} not within {least}..={most}"
+        );
     }
 }
