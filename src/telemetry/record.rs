@@ -67,10 +67,16 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// A record of a request of `protocol` to `target`, begun now.
     pub fn open(metrics: Arc<Metrics>, protocol: ClientProtocol, target: Target) -> RequestRecord {
+        RequestRecord::begun(metrics, protocol, target, Instant::now())
+    }
+
+    /// A record of a request of `protocol` to `target` that began at `started`, a clock reading its door took as
+    /// the request came (and keeps for the connection's own time limits).
+    pub fn begun(metrics: Arc<Metrics>, protocol: ClientProtocol, target: Target, started: Instant) -> RequestRecord {
         RequestRecord {
             metrics,
             protocol,
-            started: Instant::now(),
+            started,
             ended: None,
             target,
             route: None,

@@ -69,10 +69,16 @@ impl std::ops::DerefMut for Record {
 impl Record {
     /// Boxed: a record travels with its answer, which is moved from the door to the connection's writer, and a box
     /// of a size every request asks for is one the thread has just freed, still in cache.
-    pub(super) fn new(dispatcher: Arc<Dispatcher>, active: Active, uri: Option<http::Uri>) -> Box<Record> {
+    /// `arrived`: when the request's head had come whole.
+    pub(super) fn new(
+        dispatcher: Arc<Dispatcher>,
+        active: Active,
+        uri: Option<http::Uri>,
+        arrived: Instant,
+    ) -> Box<Record> {
         let target = uri.map_or(Target::Unknown, Target::Uri);
         Box::new(Record {
-            report: RequestRecord::open(dispatcher.metrics().clone(), ClientProtocol::Rest, target),
+            report: RequestRecord::begun(dispatcher.metrics().clone(), ClientProtocol::Rest, target, arrived),
             dispatcher,
             _active: active,
             in_flight: None,
@@ -89,7 +95,7 @@ impl Record {
     /// error: reported, when dropped, as a request of unknown target, so that hostile or broken clients show in the
     /// metrics and the access log as every other refusal does.
     pub(super) fn refused(gateway: &Arc<Gateway>, status: StatusCode, body_bytes: usize) -> Box<Record> {
-        let mut record = Record::new(gateway.dispatcher(), gateway.begin(), None);
+        let mut record = Record::new(gateway.dispatcher(), gateway.begin(), None, Instant::now());
         record.status = Some(status.as_u16());
         record.response_bytes = body_bytes as u64;
         record

@@ -113,7 +113,8 @@ impl RestConnections {
             async move {
                 let (parts, body) = request.into_parts();
                 let body = ClientBody::Http2(Http2Body::drain(body, door.max_request_bytes()));
-                let answer = door.answer(Box::new(parts), body, Some(&budget)).await;
+                let arrived = std::time::Instant::now();
+                let answer = door.answer(Box::new(parts), body, Some(&budget), arrived).await;
                 call.finish(answer.status().as_u16() == crate::error::CLIENT_CLOSED_REQUEST);
                 Ok::<_, Infallible>(answer)
             }

@@ -88,14 +88,17 @@ impl RestDoor {
         self.max_request_bytes
     }
 
-    /// Answers one request; `budget` is an HTTP/2 connection's bound on the answers it holds unread.
+    /// Answers one request, whose head had come whole at `arrived`; `budget` is an HTTP/2 connection's bound on the
+    /// answers it holds unread.
     pub async fn answer(
         &self,
         mut parts: Box<http::request::Parts>,
         body: ClientBody,
         budget: Option<&Arc<AnswerBudget>>,
+        arrived: std::time::Instant,
     ) -> Response<AnswerBody> {
-        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), Some(parts.uri.clone()));
+        let uri = Some(parts.uri.clone());
+        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), uri, arrived);
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         record.writes_lines = parts.version < http::Version::HTTP_2;
         if let Some(traces) = record.dispatcher().traces() {

@@ -265,7 +265,8 @@ where
         let mut deadline = None;
         loop {
             if let Some(head) = head::read_head(&mut self.wire.read)? {
-                self.last_request = Instant::now();
+                // The std clock, read without the runtime's clock lock: the request's record begins at it too.
+                self.last_request = Instant::from_std(std::time::Instant::now());
                 return Ok(Some(head));
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.header_timeout);
@@ -339,7 +340,8 @@ where
         };
         // The door's future ends here, before the answer is written: the two never take room at once.
         let response = {
-            let mut answer = pin!(self.door.answer(parts, ClientBody::Http1(body), None));
+            let arrived = self.last_request.into_std();
+            let mut answer = pin!(self.door.answer(parts, ClientBody::Http1(body), None, arrived));
             poll_fn(|cx| wire.poll_answer(cx, answer.as_mut(), feeder.as_mut())).await
         };
         let Some(mut response) = response else {
