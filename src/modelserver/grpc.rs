@@ -187,7 +187,8 @@ impl GrpcInferenceService for GrpcModelServer {
         let compressed = metadata
             .get("grpc-encoding")
             .is_some_and(|coding| coding.as_bytes() != b"identity");
-        let echoed = super::echoed_headers(&metadata.into_headers(), &self.state.metadata.name);
+        let mut echoed = http::HeaderMap::new();
+        super::Echo::of(&metadata.into_headers(), &self.state.metadata.name).onto(&mut echoed);
         let mut answer = Response::from_parts(
             tonic::metadata::MetadataMap::from_headers(echoed),
             protobuf::response_to_proto(response),

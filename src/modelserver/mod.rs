@@ -39,9 +39,42 @@ pub const RECEIVED_HEADERS: &str = "x-echo-received";
 /// Answer header naming the server that answered, when the request carried an `x-echo-*` header.
 pub const ANSWERED_BY: &str = "x-echo-server";
 
-/// The headers an answer echoes: `x-request-id`, every `x-echo-*`, and when there was one of those, the names of
-/// all headers received in `x-echo-received` and the server's name in `x-echo-server`.
-pub fn echoed_headers(request: &http::HeaderMap, server: &str) -> http::HeaderMap {
+/// What an answer echoes of its request's headers: `x-request-id`, every `x-echo-*`, and when there was one of those,
+/// the names of all headers received in `x-echo-received` and the server's name in `x-echo-server`.
+#[derive(Debug)]
+pub enum Echo {
+    Nothing,
+    /// One request id and no `x-echo-*`, as a gateway sends every request: set on the answer as it is, without a map
+    /// made and merged for it.
+    RequestId(http::HeaderValue),
+    Headers(http::HeaderMap),
+}
+
+impl Echo {
+    /// What an answer to a request with `request` headers echoes, from the server named `server`.
+    pub fn of(request: &http::HeaderMap, server: &str) -> Echo {
+        let mut ids = request.get_all(crate::headers::REQUEST_ID).iter();
+        let echoes = request.keys().any(|name| name.as_str().starts_with(ECHO_PREFIX));
+        match (ids.next(), ids.next(), echoes) {
+            (None, _, false) => Echo::Nothing,
+            (Some(id), None, false) => Echo::RequestId(id.clone()),
+            _ => Echo::Headers(echoed_headers(request, server)),
+        }
+    }
+
+    /// Adds the echoed headers to an answer's.
+    pub fn onto(self, answer: &mut http::HeaderMap) {
+        match self {
+            Echo::Nothing => {}
+            Echo::RequestId(id) => {
+                answer.append(crate::headers::REQUEST_ID, id);
+            }
+            Echo::Headers(echoed) => answer.extend(echoed),
+        }
+    }
+}
+
+fn echoed_headers(request: &http::HeaderMap, server: &str) -> http::HeaderMap {
     let mut echoed = http::HeaderMap::new();
     for (name, value) in request {
         if name.as_str().starts_with(ECHO_PREFIX) || name == crate::headers::REQUEST_ID {

@@ -52,7 +52,7 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     state.saw(request.headers());
-    let echoed = super::echoed_headers(request.headers(), &state.metadata.name);
+    let echo = super::Echo::of(request.headers(), &state.metadata.name);
     let path = request.uri().path().to_owned();
     let generating = match route(&path) {
         Some(Route::Generate(model, version, call)) if request.method() == Method::POST => {
@@ -72,7 +72,7 @@ where
         Ok(response) => response,
         Err(error) => error_response(&error).map(OutBody::from),
     };
-    response.headers_mut().extend(echoed);
+    echo.onto(response.headers_mut());
     Ok(response)
 }
 
