@@ -74,16 +74,9 @@ impl Places {
         malformed: impl FnOnce() -> E,
         mut note: impl FnMut(&[u8], FieldValue<'_>) -> Result<(), E>,
     ) -> Result<(), E> {
-        if self.count <= PLACED {
-            for &[name_start, name_end, value_start, value_end] in &self.places[..self.count] {
-                let name = name_start as usize..name_end as usize;
-                note(
-                    &head[name],
-                    FieldValue {
-                        head,
-                        bytes: &head[value_start as usize..value_end as usize],
-                    },
-                )?;
+        if let Some(all) = self.all(head) {
+            for (_, name, bytes) in all {
+                note(name, FieldValue { head, bytes })?;
             }
             return Ok(());
         }

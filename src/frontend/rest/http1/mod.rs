@@ -75,15 +75,39 @@ pub(super) struct Http1<S> {
     /// Times the waits for a request, busy and idle (made at the first, moved only when it runs out or a busy wait
     /// needs it sooner: a request costs it nothing).
     keepalive: Option<Pin<Box<Sleep>>>,
-    /// Waits for shutdown across the waits for a request (made at the first): a wait made afresh each time would
-    /// subscribe to the shutdown's watch and leave it again, several atomic read-modify-writes a request.
-    stop: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
-    /// Whether `stop` has been polled: it then waits in the watch's list with the task's waker, and is polled again
-    /// only once the watch has changed (each poll of it takes the list's lock).
-    stop_listening: bool,
+    /// Waits for shutdown across the waits for a request (made at the first).
+    stop: Option<StopWait>,
     /// Once shutdown began, a connection that may still bring a request counts as under way (the process waits for
     /// it) until that request is answered or the connection closes.
     held: Option<Active>,
+}
+
+/// A connection's wait for shutdown, kept across its waits for a request: one made afresh each time would subscribe
+/// to the shutdown's watch and leave it again, several atomic read-modify-writes a request.
+struct StopWait {
+    stopping: Pin<Box<dyn Future<Output = ()> + Send>>,
+    /// Whether `stopping` has been polled: it then waits in the watch's list with the task's waker, and is polled
+    /// again only once the watch has changed (each poll of it takes the list's lock).
+    listening: bool,
+}
+
+impl StopWait {
+    fn new(shutdown: &ShutdownWatch) -> StopWait {
+        let mut watch = shutdown.clone();
+        StopWait {
+            stopping: Box::pin(async move { stopping(&mut watch).await }),
+            listening: false,
+        }
+    }
+
+    /// Ready once the gateway is shutting down; `shutdown` is the watch it was made from.
+    fn poll(&mut self, shutdown: &ShutdownWatch, cx: &mut Context<'_>) -> Poll<()> {
+        if self.listening && !shutdown.has_changed().unwrap_or(true) {
+            return Poll::Pending;
+        }
+        self.listening = true;
+        self.stopping.as_mut().poll(cx)
+    }
 }
 
 /// How a connection waits for its next request.
@@ -141,7 +165,6 @@ where
             last_request: Instant::now(),
             keepalive: None,
             stop: None,
-            stop_listening: false,
             held,
         }
     }
@@ -198,7 +221,6 @@ where
             last_request,
             keepalive,
             stop,
-            stop_listening,
             held,
             ..
         } = self;
@@ -224,21 +246,12 @@ where
         if timer.deadline() > due && !*closing {
             timer.as_mut().reset(due);
         }
-        let stop = stop.get_or_insert_with(|| {
-            let mut watch = shutdown.clone();
-            Box::pin(async move { stopping(&mut watch).await })
-        });
+        let stop = stop.get_or_insert_with(|| StopWait::new(shutdown));
         loop {
             tokio::select! {
                 biased;
                 arrived = wire.arrival() => return if matches!(arrived, Ok(1..)) { Waited::Arrived } else { Waited::Gone },
-                () = poll_fn(|cx| {
-                    if *stop_listening && !shutdown.has_changed().unwrap_or(true) {
-                        return Poll::Pending;
-                    }
-                    *stop_listening = true;
-                    stop.as_mut().poll(cx)
-                }), if !*closing => {
+                () = poll_fn(|cx| stop.poll(shutdown, cx)), if !*closing => {
                     *closing = true;
                     *held = Some(door.gateway().begin());
                     timer.as_mut().reset(Instant::now() + CLOSE_LINGER);
