@@ -62,12 +62,12 @@ impl Echo {
         }
     }
 
-    /// Adds the echoed headers to an answer's.
+    /// Sets the echoed headers on an answer's, in place of any of the same names.
     pub fn onto(self, answer: &mut http::HeaderMap) {
         match self {
             Echo::Nothing => {}
             Echo::RequestId(id) => {
-                answer.append(crate::headers::REQUEST_ID, id);
+                answer.insert(crate::headers::REQUEST_ID, id);
             }
             Echo::Headers(echoed) => answer.extend(echoed),
         }
