@@ -42,7 +42,7 @@ pub const ANSWERED_BY: &str = "x-echo-server";
 /// What an answer echoes of its request's headers: `x-request-id`, every `x-echo-*`, and when there was one of those,
 /// the names of all headers received in `x-echo-received` and the server's name in `x-echo-server`.
 #[derive(Debug)]
-pub enum Echo {
+enum Echo {
     Nothing,
     /// One request id and no `x-echo-*`, as a gateway sends every request: set on the answer as it is, without a map
     /// made and merged for it.
@@ -52,7 +52,7 @@ pub enum Echo {
 
 impl Echo {
     /// What an answer to a request with `request` headers echoes, from the server named `server`.
-    pub fn of(request: &http::HeaderMap, server: &str) -> Echo {
+    fn of(request: &http::HeaderMap, server: &str) -> Echo {
         let mut ids = request.get_all(crate::headers::REQUEST_ID).iter();
         let echoes = request.keys().any(|name| name.as_str().starts_with(ECHO_PREFIX));
         match (ids.next(), ids.next(), echoes) {
@@ -63,7 +63,7 @@ impl Echo {
     }
 
     /// Sets the echoed headers on an answer's, in place of any of the same names.
-    pub fn onto(self, answer: &mut http::HeaderMap) {
+    fn onto(self, answer: &mut http::HeaderMap) {
         match self {
             Echo::Nothing => {}
             Echo::RequestId(id) => {
