@@ -53,8 +53,8 @@ fn is_not_passed_on(text: &str) -> bool {
             | "accept-encoding"
             | "expect"
             | "inference-header-content-length"
-            // Each hop names itself.
-            | "user-agent"
+            // Each hop's own, on answers. A client's `user-agent` passes on, as it does through every proxy: it is the
+            // backend's one word on who called.
             | "server"
             | "date"
     )
@@ -386,7 +386,16 @@ mod tests {
         let passed = end_to_end(&incoming);
         let mut names: Vec<&str> = passed.keys().map(HeaderName::as_str).collect();
         names.sort_unstable();
-        assert_eq!(names, ["authorization", "traceparent", "x-payload-bin", "x-tenant"]);
+        assert_eq!(
+            names,
+            [
+                "authorization",
+                "traceparent",
+                "user-agent",
+                "x-payload-bin",
+                "x-tenant"
+            ]
+        );
         assert_eq!(passed.get_all("x-tenant").iter().count(), 2);
 
         // Filtered in place, the same pass on, with the headers asked to be kept.

@@ -341,10 +341,10 @@ impl GrpcUpstream {
         }
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(TE, HeaderValue::from_static("trailers"));
-        headers.insert(
-            USER_AGENT,
-            HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))),
-        );
+        // The client's user agent passes on; a call the gateway makes for itself names the gateway.
+        headers
+            .entry(USER_AGENT)
+            .or_insert(HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))));
         if let Some(coding) = coding {
             headers.insert(GRPC_ENCODING, HeaderValue::from_static(coding.name()));
             headers.insert(GRPC_ACCEPT_ENCODING, HeaderValue::from_static(compression::ACCEPTED));

@@ -21,8 +21,8 @@ const MOST_SLICES: usize = 16;
 const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
 
 impl PooledConnection {
-    /// Writes the head of a request: its line, `host`, the headers of each map (a framing or naming header among them
-    /// left out: this hop sets its own), the gateway's name and the body's framing; then a small body at hand, so the
+    /// Writes the head of a request: its line, `host`, the headers of each map (a framing header among them left out:
+    /// this hop sets its own), the gateway's name where the request names nobody, and the body's framing; then a small body at hand, so the
     /// two leave in one buffer. Gives how many of the body's chunks went with the head.
     pub(super) fn write_head(&mut self, request: &Request<'_>, framing: Sending) -> usize {
         let head = &mut self.head;
@@ -53,7 +53,7 @@ impl PooledConnection {
         }
         for (index, headers) in [client, added].into_iter().enumerate() {
             for (name, value) in headers {
-                if [&HOST, &USER_AGENT, &CONTENT_LENGTH, &TRANSFER_ENCODING, &CONNECTION].contains(&name)
+                if [&HOST, &CONTENT_LENGTH, &TRANSFER_ENCODING, &CONNECTION].contains(&name)
                     || (index == 0 && !added.is_empty() && added.contains_key(name))
                 {
                     continue;
@@ -61,9 +61,17 @@ impl PooledConnection {
                 write(name, value);
             }
         }
-        head.extend_from_slice(b"user-agent: ");
-        head.extend_from_slice(AGENT.as_bytes());
-        head.extend_from_slice(b"\r\n");
+        // A passthrough carries the client's `user-agent`, or none, as a proxy does; a request the gateway writes
+        // (a translation, a health check, a metadata call) names the gateway where nobody else is named.
+        if request.passed.is_none()
+            && ![client, added]
+                .iter()
+                .any(|map| !map.is_empty() && map.contains_key(USER_AGENT))
+        {
+            head.extend_from_slice(b"user-agent: ");
+            head.extend_from_slice(AGENT.as_bytes());
+            head.extend_from_slice(b"\r\n");
+        }
         match framing {
             Sending::Length(length) => {
                 head.extend_from_slice(b"content-length: ");

@@ -102,6 +102,49 @@ fn a_body_within_the_gathered_size_is_written_into_the_head() {
     });
 }
 
+/// A request's `user-agent` is the client's, passed on; a passthrough from a client that named none carries none, as
+/// through any proxy; a request the gateway writes itself names the gateway, unless it carries a name.
+#[test]
+fn the_user_agent_is_the_clients_or_the_gateways_own_calls() {
+    writing_heads(|kept| {
+        let (method, path, host) = (
+            Method::POST,
+            PathAndQuery::from_static("/p"),
+            HeaderValue::from_static("h"),
+        );
+        let mut agent = |client: &HeaderMap, passthrough: bool| {
+            let read = crate::headers::RequestHeaders::read(client);
+            let passed = read.passed_on();
+            let empty = HeaderMap::new();
+            let request = Request {
+                method: &method,
+                path: &path,
+                host: &host,
+                headers: [if passthrough { &empty } else { client }, &empty],
+                passed: passthrough.then_some(&passed),
+                body: OutBody::Chunks(crate::body::ChunksBody::new(vec![Bytes::from_static(b"{}")])),
+                began: None,
+            };
+            kept.write_head(&request, Sending::of(&method, &request.body));
+            let head = String::from_utf8(kept.head.clone()).unwrap();
+            let agents: Vec<String> = head
+                .split("\r\n")
+                .filter_map(|line| line.strip_prefix("user-agent: "))
+                .map(str::to_owned)
+                .collect();
+            agents
+        };
+        let mut named = HeaderMap::new();
+        named.insert("user-agent", HeaderValue::from_static("tritonclient/2.51"));
+        let unnamed = HeaderMap::new();
+        let own = concat!("oipgate/", env!("CARGO_PKG_VERSION"));
+        assert_eq!(agent(&named, true), ["tritonclient/2.51"]);
+        assert!(agent(&unnamed, true).is_empty());
+        assert_eq!(agent(&named, false), ["tritonclient/2.51"]);
+        assert_eq!(agent(&unnamed, false), [own]);
+    });
+}
+
 /// Runs `write` with a connection whose buffer its heads are written into (its peer, a listener, never reads them).
 fn writing_heads(write: impl FnOnce(&mut PooledConnection)) {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -135,6 +178,7 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
             ("traceparent", "00-client"),
             ("x-tenant", "client"),
             ("authorization", "Bearer t"),
+            ("user-agent", "tritonclient/2.51"),
             ("content-type", "application/json"),
             ("content-length", "2"),
             ("grpc-timeout", "1S"),
@@ -163,7 +207,6 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
             let (head, body) = head.split_once("\r\n\r\n").unwrap();
             assert_eq!(body, "{}");
             let mut lines: Vec<String> = head.split("\r\n").skip(1).map(str::to_owned).collect();
-            lines.retain(|line| !line.starts_with("user-agent: "));
             lines.sort_unstable();
             lines
         };
@@ -175,6 +218,7 @@ fn a_passthrough_writes_the_clients_headers_under_the_gateways() {
                 "content-type: application/json",
                 "host: h",
                 "traceparent: 00-gateway",
+                "user-agent: tritonclient/2.51",
                 "x-tenant: operator",
                 id,
             ]
