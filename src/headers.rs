@@ -69,22 +69,28 @@ pub fn is_end_to_end(name: &HeaderName) -> bool {
 
 /// The end-to-end headers of `incoming`: hop-by-hop ones, those `Connection` names, and framing ones left out.
 pub fn end_to_end(incoming: &HeaderMap) -> HeaderMap {
+    end_to_end_of(incoming, incoming.contains_key(header::CONNECTION))
+}
+
+/// [`end_to_end`], told whether `incoming` has a `Connection`.
+fn end_to_end_of(incoming: &HeaderMap, connection: bool) -> HeaderMap {
     // Sized as it fills: most of a request's headers are not passed on, and a map that stays empty allocates nothing.
     let mut passed = HeaderMap::new();
-    let mut connection = false;
-    for (name, value) in incoming {
-        if is_end_to_end(name) {
-            passed.append(name.clone(), value.clone());
-        } else {
-            connection |= name == header::CONNECTION;
-        }
-    }
-    if connection {
-        for nominated in nominated(incoming) {
-            passed.remove(nominated.as_str());
-        }
-    }
+    each_end_to_end(incoming, connection, |name, value| {
+        passed.append(name.clone(), value.clone());
+    });
     passed
+}
+
+/// Shows `pass` each header of `incoming` that goes on to the next hop: end to end, and not named by its
+/// `Connection` (`connection`: it has one). The one rule for a map made anew and for a passthrough's lines.
+fn each_end_to_end(incoming: &HeaderMap, connection: bool, mut pass: impl FnMut(&HeaderName, &HeaderValue)) {
+    let nominated = if connection { nominated(incoming) } else { Vec::new() };
+    for (name, value) in incoming {
+        if is_end_to_end(name) && !nominated.iter().any(|nominee| nominee == name.as_str()) {
+            pass(name, value);
+        }
+    }
 }
 
 /// The headers about a backend answer's body that go back with it as the backend sent them: the body is passed on as
@@ -225,7 +231,7 @@ impl<'a> RequestHeaders<'a> {
     /// The end-to-end headers, with the request id, as a map of their own: for a call made anew from the request (a
     /// translation, a mirror, a stream).
     pub fn forward(&self) -> HeaderMap {
-        let mut forward = end_to_end(self.incoming);
+        let mut forward = end_to_end_of(self.incoming, self.connection);
         if self.made_id {
             forward.insert(REQUEST_ID, self.request_id.clone());
         } else if let Some(id) = forward.get_mut(REQUEST_ID) {
@@ -295,16 +301,11 @@ impl<'a> PassedOn<'a> {
 
     /// Shows each header to `write`, but those `overridden` says another source gives in its place.
     pub fn each(&self, overridden: impl Fn(&HeaderName) -> bool, mut write: impl FnMut(&HeaderName, &HeaderValue)) {
-        let nominated = if self.connection {
-            nominated(self.client)
-        } else {
-            Vec::new()
-        };
-        for (name, value) in self.client {
-            if is_end_to_end(name) && !overridden(name) && !nominated.iter().any(|nominee| nominee == name.as_str()) {
+        each_end_to_end(self.client, self.connection, |name, value| {
+            if !overridden(name) {
                 write(name, value);
             }
-        }
+        });
         for (name, value) in SET_NAMES.iter().zip(self.set) {
             if let Some(value) = value
                 && !overridden(name)
