@@ -22,8 +22,8 @@ const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CA
 
 impl PooledConnection {
     /// Writes the head of a request: its line, `host`, the headers of each map (a framing header among them left out:
-    /// this hop sets its own), the gateway's name where the request names nobody, and the body's framing; then a small body at hand, so the
-    /// two leave in one buffer. Gives how many of the body's chunks went with the head.
+    /// this hop sets its own), the gateway's name where the request names nobody, and the body's framing; then a
+    /// small body at hand, so the two leave in one buffer. Gives how many of the body's chunks went with the head.
     pub(super) fn write_head(&mut self, request: &Request<'_>, framing: Sending) -> usize {
         let head = &mut self.head;
         head.clear();
