@@ -497,4 +497,29 @@ mod tests {
         headers.insert("grpc-status", HeaderValue::from_static("0"));
         assert!(status_error(&headers).is_none());
     }
+
+    /// A call carries its client's `user-agent`, or the backend's configured one in its place; one the gateway makes
+    /// with neither names the gateway.
+    #[test]
+    fn a_call_names_its_client_or_the_gateway() {
+        let endpoint = Endpoint::parse("127.0.0.1:1").unwrap();
+        let plain = GrpcUpstream::new(&endpoint, Duration::from_secs(1), 1 << 20, None);
+        let mut configured = HeaderMap::new();
+        configured.insert(USER_AGENT, HeaderValue::from_static("operator/1"));
+        let operated = GrpcUpstream::new(&endpoint, Duration::from_secs(1), 1 << 20, None)
+            .adding(&std::sync::Arc::new(configured));
+        let mut client = HeaderMap::new();
+        client.insert(USER_AGENT, HeaderValue::from_static("grpc-python/1.66"));
+        let agents = |upstream: &GrpcUpstream, metadata: &HeaderMap| -> Vec<String> {
+            let request = upstream.request("/p", (), None, metadata, None).unwrap();
+            let agents = request.headers().get_all(USER_AGENT).iter();
+            agents.map(|value| value.to_str().unwrap().to_owned()).collect()
+        };
+        assert_eq!(agents(&plain, &client), ["grpc-python/1.66"]);
+        assert_eq!(
+            agents(&plain, &HeaderMap::new()),
+            [concat!("oipgate/", env!("CARGO_PKG_VERSION"))]
+        );
+        assert_eq!(agents(&operated, &client), ["operator/1"]);
+    }
 }
