@@ -23,6 +23,8 @@ pub const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// Response header (gRPC metadata) naming the public version that served an inference.
 pub const OIP_MODEL_VERSION: HeaderName = HeaderName::from_static("oip-model-version");
+/// How the gateway names itself in the `user-agent` of a call it makes for itself (a client's own passes on).
+pub const GATEWAY_AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
 
 /// Whether a header named `text` (lower-case, as header names are held) is one that describes one connection or one
 /// message's framing, never passed on (RFC 9110 §7.6.1 and the framing of HTTP/1.1, HTTP/2, gRPC and the binary

@@ -14,7 +14,7 @@ use crate::codec::compression::{self, Coding};
 use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
-use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
+use crate::headers::{GATEWAY_AGENT, GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
 
 mod stream;
 
@@ -342,9 +342,7 @@ impl GrpcUpstream {
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(TE, HeaderValue::from_static("trailers"));
         // The client's user agent passes on; a call the gateway makes for itself names the gateway.
-        headers
-            .entry(USER_AGENT)
-            .or_insert(HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION"))));
+        headers.entry(USER_AGENT).or_insert(GATEWAY_AGENT);
         if let Some(coding) = coding {
             headers.insert(GRPC_ENCODING, HeaderValue::from_static(coding.name()));
             headers.insert(GRPC_ACCEPT_ENCODING, HeaderValue::from_static(compression::ACCEPTED));

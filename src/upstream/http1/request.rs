@@ -17,9 +17,6 @@ use crate::codec::http1::GATHERED_BODY;
 /// The most buffers one vectored write hands the kernel.
 const MOST_SLICES: usize = 16;
 
-/// How the gateway names itself to backends.
-const AGENT: HeaderValue = HeaderValue::from_static(concat!("oipgate/", env!("CARGO_PKG_VERSION")));
-
 impl PooledConnection {
     /// Writes the head of a request: its line, `host`, the headers of each map (a framing header among them left out:
     /// this hop sets its own), the gateway's name where the request names nobody, and the body's framing; then a
@@ -69,7 +66,7 @@ impl PooledConnection {
                 .any(|map| !map.is_empty() && map.contains_key(USER_AGENT))
         {
             head.extend_from_slice(b"user-agent: ");
-            head.extend_from_slice(AGENT.as_bytes());
+            head.extend_from_slice(crate::headers::GATEWAY_AGENT.as_bytes());
             head.extend_from_slice(b"\r\n");
         }
         match framing {
