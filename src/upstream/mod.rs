@@ -17,7 +17,7 @@ use crate::body::{BodyLength, GatherError};
 use crate::error::{Error, ErrorKind, Origin, Result};
 
 pub use grpc::GrpcUpstream;
-pub use http1::{BackendBody, PassedAnswer};
+pub use http1::{BackendBody, BodySaid, PassedAnswer, keep_passed_back};
 pub use rest::RestUpstream;
 
 /// A backend's answer with the end-to-end headers (and, from gRPC, trailers) that came with it.

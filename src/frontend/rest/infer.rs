@@ -696,22 +696,10 @@ fn answer_head(
         return Ok((head, None));
     }
     let mut passed = std::mem::take(&mut head.headers);
-    // The lengths the backend says, each its first value, and whether it says a coding.
-    let (mut header_length, mut length, mut compressed) = (None, None, false);
-    headers::keep_end_to_end(&mut passed, &headers::ANSWER_AS_SENT, |name, value| {
-        let slot = if *name == INFERENCE_HEADER_CONTENT_LENGTH {
-            &mut header_length
-        } else if *name == http::header::CONTENT_LENGTH {
-            &mut length
-        } else {
-            compressed |= *name == http::header::CONTENT_ENCODING;
-            return;
-        };
-        slot.get_or_insert_with(|| rest::length_value(value.as_bytes()));
-    });
+    let said = crate::upstream::keep_passed_back(&mut passed);
     // The JSON header's length is of the decoded body: a compressed answer's length says nothing of it.
-    if !compressed {
-        check_lengths(header_length.flatten(), length.flatten(), authority)?;
+    if !said.coded {
+        check_lengths(said.header_length, said.length, authority)?;
     }
     target.route.name_served_version(&mut passed);
     let rename = if target.aliased {

@@ -14,7 +14,7 @@ use hyper::body::{Body, Frame, SizeHint};
 
 use super::{MOST_IDLE, PooledConnection, READ_FIRST, broken, closed, this_thread};
 use crate::codec::http1::{self, BadHeader, Framing, HeaderLines, KeptLines, ParsedHeaders, Places};
-use crate::headers::{INFERENCE_HEADER_CONTENT_LENGTH, passes_back};
+use crate::headers::{ANSWER_AS_SENT, INFERENCE_HEADER_CONTENT_LENGTH, keep_end_to_end, passes_back};
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -47,6 +47,37 @@ pub struct PassedAnswer {
     pub header_length: Option<u64>,
     /// A Content-Encoding is given.
     pub coded: bool,
+}
+
+/// What a backend answer's head says of its body: its lengths (each header's first value, read as a length) and
+/// whether it names a coding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodySaid {
+    pub length: Option<u64>,
+    pub header_length: Option<u64>,
+    pub coded: bool,
+}
+
+/// Leaves in an answer's map the headers that go back with it as it came ([`passes_back`]), and reads what they say
+/// of its body: the one reading of an answer passed back in a map (one passed back as lines is read as it is parsed).
+pub fn keep_passed_back(headers: &mut HeaderMap) -> BodySaid {
+    let (mut header_length, mut length, mut coded) = (None, None, false);
+    keep_end_to_end(headers, &ANSWER_AS_SENT, |name, value| {
+        let slot = if *name == INFERENCE_HEADER_CONTENT_LENGTH {
+            &mut header_length
+        } else if *name == CONTENT_LENGTH {
+            &mut length
+        } else {
+            coded |= *name == http::header::CONTENT_ENCODING;
+            return;
+        };
+        slot.get_or_insert_with(|| crate::codec::rest::length_value(value.as_bytes()));
+    });
+    BodySaid {
+        length: length.flatten(),
+        header_length: header_length.flatten(),
+        coded,
+    }
 }
 
 impl AnswerHead {
@@ -359,8 +390,7 @@ impl Drop for BackendBody {
 /// values set. `false` when the answer is not read as lines (nor into a map).
 #[cfg(any(test, feature = "fuzzing"))]
 pub(super) fn lines_match_map(bytes: &[u8], asked_head: bool) -> bool {
-    use crate::codec::rest::length_value;
-    use crate::headers::{ANSWER_AS_SENT, OIP_MODEL_VERSION, REQUEST_ID, keep_end_to_end};
+    use crate::headers::{OIP_MODEL_VERSION, REQUEST_ID};
     use http::HeaderValue;
     // Past any interim answers, as the client reads them.
     let read = |as_lines| {
@@ -385,19 +415,12 @@ pub(super) fn lines_match_map(bytes: &[u8], asked_head: bool) -> bool {
         format!("{:?}", (as_map.status, as_map.framing, as_map.reusable))
     );
     let mut map = as_map.headers;
-    let (mut header_length, mut coded) = (None, false);
-    keep_end_to_end(&mut map, &ANSWER_AS_SENT, |name, value| {
-        if *name == INFERENCE_HEADER_CONTENT_LENGTH {
-            header_length.get_or_insert_with(|| length_value(value.as_bytes()));
-        }
-        coded |= *name == http::header::CONTENT_ENCODING;
-    });
-    let length = map
-        .remove(CONTENT_LENGTH)
-        .and_then(|value| length_value(value.as_bytes()));
+    let said = keep_passed_back(&mut map);
+    // The lines leave the length out: the door writes the body's framing.
+    map.remove(CONTENT_LENGTH);
     assert_eq!(
         (passed.length, passed.header_length, passed.coded),
-        (length, header_length.flatten(), coded)
+        (said.length, said.header_length, said.coded)
     );
     let written = |lines: &HeaderLines| {
         let mut written = Vec::new();

@@ -24,7 +24,7 @@ use super::ThreadClients;
 use crate::body::OutBody;
 use crate::codec::http1::{poll_write_slices, scratch};
 use answer::{AnswerHead, Parsed, read_head};
-pub use answer::{BackendBody, PassedAnswer};
+pub use answer::{BackendBody, BodySaid, PassedAnswer, keep_passed_back};
 use request::{Sending, Writing};
 
 /// The backend client's reading of the answer head at the start of `read` (taken off it when whole; interim answers
