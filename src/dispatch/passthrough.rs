@@ -15,26 +15,20 @@ use crate::error::{Error, Result};
 use crate::headers::PassedOn;
 use crate::routing::Affinity;
 use crate::routing::{Routed, VersionRoute};
-use crate::telemetry::metrics::BackendMetrics;
+use crate::telemetry::metrics::InFlight;
 use crate::telemetry::traces::Trace;
 use crate::upstream::{BackendBody, Deadline};
 
-/// A REST request proxied to a backend unchanged but for its path.
+/// The terms a REST request is proxied on, unchanged but for its path, to the backend of the route it was given
+/// (the route itself stays with the request's [`Routed`], borrowed where it is needed, never counted again).
 #[derive(Debug, Clone)]
 pub struct Passthrough {
-    /// The route: the public model and version, the backend, and the backend's own names.
-    pub route: Arc<VersionRoute>,
-    affinity: Affinity,
-    /// The backend's path for the model and version.
-    pub path: http::uri::PathAndQuery,
     /// Bound on the backend's answer.
     pub timeout: Duration,
     /// Whether the backend's model name or version differs from the public one (to be put back in the answer).
     pub aliased: bool,
     /// Whether the backend reads compressed request bodies (a compressed one goes to it as it came).
     pub compression: bool,
-    /// The backend's metric handles, for the proxied call's in-flight count and latency.
-    pub backend_metrics: BackendMetrics,
 }
 
 /// A proxied request's body: whole at hand, or relayed from the client as it arrives.
@@ -73,21 +67,16 @@ impl Dispatcher {
         if binary_body && !binary_data {
             return Ok(None);
         }
-        let path = self
-            .rest_paths
-            .get(route.id)
-            .cloned()
-            .flatten()
-            .ok_or_else(|| Error::internal("no REST path for a route"))?;
         Ok(Some(Passthrough {
-            route: route.clone(),
-            affinity: routed.affinity.clone(),
-            path,
             timeout: route.timeout,
             aliased: route.upstream_name != route.model || route.upstream_version != route.version,
             compression: backend.config.compression,
-            backend_metrics: backend.metrics.clone(),
         }))
+    }
+
+    /// Counts a proxied call in flight at the backend of `route` until the guard is dropped.
+    pub fn passthrough_in_flight(&self, route: &VersionRoute) -> Result<InFlight> {
+        Ok(self.backend(route)?.metrics.call())
     }
 
     /// Sends a proxied request to an endpoint of the backend, and to others while it could not reach one (within the
@@ -95,22 +84,27 @@ impl Dispatcher {
     /// head with the place held at the endpoint that answered; an answer of 5xx counts against that endpoint.
     pub async fn passthrough_send(
         &self,
-        target: &Passthrough,
+        (route, affinity): (&VersionRoute, &Affinity),
         passed: &PassedOn<'_>,
         body: &Outgoing,
         deadline: Deadline,
         trace: &Trace,
     ) -> Result<(http::Response<BackendBody>, Lease)> {
-        let backend = self.backend(&target.route)?;
+        let backend = self.backend(route)?;
         let Replicas::Rest { endpoints, .. } = &backend.replicas else {
             return Err(Error::internal("no REST client for a proxied request"));
         };
+        let path = self
+            .rest_paths
+            .get(route.id)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::internal("no REST path for a route"))?;
         // The tries' own headers are only the trace context each carries: the request's are written from where they
         // stand.
         let none = HeaderMap::new();
         let tries = Tries {
-            upstream: (&target.route.upstream_name, &target.route.upstream_version),
-            affinity: &target.affinity,
+            upstream: (&route.upstream_name, &route.upstream_version),
+            affinity,
             until: deadline.until,
             began: Some(deadline.began()),
             forward: &none,
@@ -125,7 +119,7 @@ impl Dispatcher {
                         .get(index)
                         .ok_or_else(|| Error::internal("no REST client for a proxied request"))?;
                     client
-                        .forward(&target.path, &forward, Some(passed), body.body(), deadline)
+                        .forward(path, &forward, Some(passed), body.body(), deadline)
                         .await
                 },
                 |response, span| {

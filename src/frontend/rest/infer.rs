@@ -274,7 +274,7 @@ impl RestDoor {
         asked: InferHead<'_>,
         (start, scan): (BodyStart, Option<KeyScan>),
     ) -> Result<PendingAnswer> {
-        let in_flight = target.backend_metrics.call();
+        let in_flight = record.dispatcher().passthrough_in_flight(&routed.route)?;
         // The backend's time to answer runs from the moment the call counts in flight: one reading of the clock.
         let deadline = Deadline {
             until: in_flight.started() + target.timeout,
@@ -293,17 +293,22 @@ impl RestDoor {
         // which the door writes.
         let as_lines = coded.answer && record.writes_lines;
         let send = headers_to_send(&asked.headers, coded).answer_as_lines(as_lines);
-        let mirror = routed.mirror.map(|route| Mirror {
+        let Routed {
             route,
+            mirror,
+            affinity,
+        } = routed;
+        let mirror = mirror.map(|mirror| Mirror {
+            route: mirror,
             header_length: asked.header_length,
             content_type: Some(content_type(&asked.headers).clone()),
             forward: asked.headers.forward(),
-            affinity: routed.affinity,
+            affinity: affinity.clone(),
         });
         let outgoing = self.outgoing((start, scan), keep_compressed, body, record, mirror)?;
         let sent = record
             .dispatcher()
-            .passthrough_send(&target, &send, &outgoing, deadline, &record.trace)
+            .passthrough_send((&route, &affinity), &send, &outgoing, deadline, &record.trace)
             .await;
         let (response, lease) = match sent {
             Ok(sent) => sent,
@@ -316,9 +321,9 @@ impl RestDoor {
         if target.aliased && head.status == StatusCode::OK && head.headers.contains_key(http::header::CONTENT_ENCODING)
         {
             // Renamed on its decoded bytes: a backend that compressed though it was not asked to.
-            return Box::pin(self.rename_compressed(head, answer, &target, authority)).await;
+            return Box::pin(self.rename_compressed(head, answer, &route, authority)).await;
         }
-        let (head, rename) = answer_head(head, &mut answer, &target, authority)?;
+        let (head, rename) = answer_head(head, &mut answer, (&route, target.aliased), authority)?;
         Ok(PendingAnswer::Proxied(Box::new(head), answer, rename, deadline.until))
     }
 
@@ -327,7 +332,7 @@ impl RestDoor {
         &self,
         mut head: http::response::Parts,
         answer: crate::upstream::BackendBody,
-        target: &Passthrough,
+        route: &VersionRoute,
         authority: &str,
     ) -> Result<PendingAnswer> {
         let broken = |message: String| Error::new(ErrorKind::BadGateway, Origin::Upstream, message);
@@ -359,7 +364,7 @@ impl RestDoor {
                 body.len()
             )));
         }
-        let (name, version) = (&target.route.model, &target.route.version);
+        let (name, version) = (&route.model, &route.version);
         let renamed_length = rest::rename::renamed_length(header_length, name, version)
             .ok_or_else(|| broken(format!("backend {authority} sent a JSON header too long to rename")))?;
         let renamed = rest::rename::rename_header(&body[..header_length], name, version, renamed_length)
@@ -367,7 +372,7 @@ impl RestDoor {
         if passed.contains_key(INFERENCE_HEADER_CONTENT_LENGTH) {
             passed.insert(INFERENCE_HEADER_CONTENT_LENGTH, HeaderValue::from(renamed_length));
         }
-        target.route.name_served_version(&mut passed);
+        route.name_served_version(&mut passed);
         Ok(PendingAnswer::Buffered(
             head.status,
             passed,
@@ -680,17 +685,17 @@ fn headers_to_send<'a>(read: &'a RequestHeaders<'_>, coded: BodyCodings) -> head
 fn answer_head(
     mut head: http::response::Parts,
     answer: &mut crate::upstream::BackendBody,
-    target: &Passthrough,
+    (route, aliased): (&VersionRoute, bool),
     authority: &str,
 ) -> Result<(http::response::Parts, Option<Rename>)> {
     head.version = http::Version::HTTP_11;
     if let Some(lines) = answer.passed() {
         // Never asked for an aliased model's answer, which is renamed in its map.
-        debug_assert!(!target.aliased, "an aliased model's answer as lines");
+        debug_assert!(!aliased, "an aliased model's answer as lines");
         if !lines.coded {
             check_lengths(lines.header_length, lines.length, authority)?;
         }
-        if let Some(version) = target.route.served_as() {
+        if let Some(version) = route.served_as() {
             lines.lines.set_served_version(version.clone());
         }
         return Ok((head, None));
@@ -701,9 +706,9 @@ fn answer_head(
     if !said.coded {
         check_lengths(said.header_length, said.length, authority)?;
     }
-    target.route.name_served_version(&mut passed);
-    let rename = if target.aliased {
-        let (name, version) = (target.route.model.clone(), target.route.version.clone());
+    route.name_served_version(&mut passed);
+    let rename = if aliased {
+        let (name, version) = (route.model.clone(), route.version.clone());
         Rename::prepare(head.status, &mut passed, name, version, authority)?
     } else {
         None
