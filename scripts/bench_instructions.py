@@ -2,9 +2,10 @@
 """Instructions a small request costs, counted under valgrind's callgrind: for a machine too noisy to compare CPU
 time between builds (docs/benchmarks/history.md, "Run 4 of 2026-11-24").
 
-Runs oipgate (scenario 1's REST passthrough, with its access log off and on, scenario 3a's REST JSON -> gRPC, and
-scenario 2's gRPC passthrough), the smallest hyper proxy (benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2) and
-HAProxy and nginx (scenario 1's peers, when installed) under callgrind in front of oipgate's model server, each twice:
+Runs oipgate (scenario 1's REST passthrough and scenario 2's gRPC passthrough, each with its access log off and on,
+and scenario 3a's REST JSON -> gRPC), the smallest hyper proxy (benches/floor_hyper.rs, on HTTP/1.1 and on HTTP/2),
+HAProxy (scenario 1's and 2's peer, when installed: REST and gRPC, its log off and on) and nginx (scenario 1's peer,
+when installed) under callgrind in front of oipgate's model server, each twice:
 wrk (1 thread x 8 connections; h2load, 1 connection x 8 streams, for gRPC) for SECONDS and for 3 x SECONDS. What
 the longer run counted beyond the shorter, divided by the requests it served beyond them, is the instructions a
 request costs, start-up and idle work taken out. Prints those and, per request, the functions where oipgate spends
@@ -228,6 +229,9 @@ def run(seconds, workers, binary, cache=False, locked=False):
         results["oipgate gRPC passthrough"] = per_request(
             "oipgate-grpc", gateway, ports["grpc"], grpc_url, grpc_file, seconds, env, cache,
             load=h2load_load(grpc_url, grpc_file), locked=locked)
+        results["oipgate gRPC passthrough, access log on"] = per_request(
+            "oipgate-grpc-logged", gateway, ports["grpc"], grpc_url, grpc_file, seconds, logged, cache,
+            load=h2load_load(grpc_url, grpc_file), locked=locked)
         floor_h2_url = f"http://127.0.0.1:{ports['floor_h2']}{grpc_path}"
         results["floor: smallest hyper HTTP/2 proxy"] = per_request(
             "floor-h2", [floor, "--listen", f"127.0.0.1:{ports['floor_h2']}", "--upstream",
@@ -249,6 +253,13 @@ def run(seconds, workers, binary, cache=False, locked=False):
                 "haproxy-logged", [haproxy, "-db", "-f", str(haproxy_conf)], ports["haproxy_rest_logged"],
                 f"http://127.0.0.1:{ports['haproxy_rest_logged']}/v2/models/add_sub/infer", body_file, seconds,
                 cache=cache, locked=locked)
+            # Scenario 2's peer: the gRPC passthrough on HAProxy's own HTTP/2 engine, its log off and on.
+            for label, port in (("HAProxy, gRPC", ports["haproxy_grpc"]),
+                                ("HAProxy, gRPC, httplog to a ring", ports["haproxy_grpc_logged"])):
+                url = f"http://127.0.0.1:{port}{grpc_path}"
+                results[label] = per_request(
+                    label.lower().replace(", ", "-").replace(" ", "-"), [haproxy, "-db", "-f", str(haproxy_conf)],
+                    port, url, grpc_file, seconds, cache=cache, load=h2load_load(url, grpc_file), locked=locked)
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if nginx:
             # Scenario 1's configuration, in one process (no master, its one worker under callgrind).
