@@ -351,7 +351,9 @@ impl RestDoor {
             None => body,
         };
         let mut passed = std::mem::take(&mut head.headers);
-        headers::keep_end_to_end(&mut passed, &headers::ANSWER_AS_SENT, |_, _| {});
+        // Its coding and length, of the compressed body, are dropped below; the JSON header's length is checked
+        // against the decompressed body.
+        crate::upstream::keep_passed_back(&mut passed);
         passed.remove(http::header::CONTENT_ENCODING);
         passed.remove(http::header::CONTENT_LENGTH);
         let header_length = rest::inference_header_length(passed.get(INFERENCE_HEADER_CONTENT_LENGTH))
