@@ -500,10 +500,11 @@ async fn reserved_parameters_are_refused_wherever_they_stand_on_every_path_and_n
 #[tokio::test]
 async fn a_trickled_body_holds_its_admission_no_longer_than_the_whole_body_limit() {
     let server = ModelServerProcess::both();
+    // The pause between bytes is a tenth of the longest the gateway allows, so only the whole-body limit ends it.
     let gateway = GatewayProcess::start(&format!(
         r#"
 [limits]
-body_read_timeout_ms = 1000
+body_read_timeout_ms = 3000
 body_total_timeout_ms = 6000
 {}
 [[models]]
@@ -514,7 +515,8 @@ max_concurrent = 1
         backend("rest", "rest", [server.rest.unwrap()]),
     ));
     let url = gateway.rest_url("/v2/models/capped/infer");
-    // A body that comes a byte at a time, never pausing as long as the pause between reads allows.
+    let under_way = r#"oipgate_model_calls_under_way{model="capped"}"#;
+    assert_eq!(gateway.metric(under_way).await, 0.0);
     let mut stream = tokio::net::TcpStream::connect(gateway.rest).await.unwrap();
     let body = common::INT32_BODY.as_bytes();
     stream
@@ -537,18 +539,22 @@ max_concurrent = 1
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
     });
-    // While it trickles, it holds the model's one place (for the whole-body limit's six seconds: ample for a busy
-    // machine to see it, where two once were not).
-    common::eventually(Duration::from_secs(10), "the trickled call admitted", || async {
-        common::post(&url, common::INT32_BODY).await.status == 429
+    // Once it is let in (seen in the metrics, so no other call races it for the place), it holds the model's one
+    // place while it trickles.
+    common::eventually(Duration::from_secs(30), "the trickled call admitted", || async {
+        gateway.metric(under_way).await == 1.0
     })
     .await;
+    let refused = common::post(&url, common::INT32_BODY).await;
+    assert_eq!(refused.status, 429, "{}", String::from_utf8_lossy(&refused.body));
+    assert!(String::from_utf8_lossy(&refused.body).contains("max_concurrent"));
     let answer = read_to_close_within(&mut reader, Duration::from_secs(30)).await;
     trickle.abort();
     let answer = String::from_utf8_lossy(&answer).into_owned();
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("body_total_timeout_ms"), "{answer}");
     // Its place is free again.
+    assert_eq!(gateway.metric(under_way).await, 0.0);
     assert_eq!(common::post(&url, common::INT32_BODY).await.status, 200);
 }
 

@@ -42,11 +42,14 @@ pub async fn serve(
 
 async fn answer<B>(gateway: &crate::live::Gateway, request: &Request<B>) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match (request.method(), request.uri().path()) {
-        (&Method::GET, "/metrics" | "/") => (
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            Bytes::from(gateway.metrics().render()),
-        ),
+        (&Method::GET, "/metrics" | "/") => {
+            gateway.dispatcher().guard().publish_under_way();
+            (
+                StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+                Bytes::from(gateway.metrics().render()),
+            )
+        }
         (&Method::GET, "/status") => (
             StatusCode::OK,
             "text/html; charset=utf-8",

@@ -403,6 +403,16 @@ impl Guard {
         principal.is_none_or(|p| p.may_use(model))
     }
 
+    /// Sets the metrics' gauges of calls under way to those of the models held to a `max_concurrent`: read as the
+    /// metrics are scraped, so a call pays nothing for them.
+    pub fn publish_under_way(&self) {
+        self.metrics
+            .models_under_way(self.models.iter().filter_map(|(model, gate)| {
+                gate.max_concurrent
+                    .map(|_| (model.as_str(), gate.under_way.load(Ordering::Acquire)))
+            }));
+    }
+
     /// Lets a call of `model` in under the principal's and the model's buckets, their token budgets when the call
     /// `generates` (a budget is charged when the answer ends), and the model's bound on calls under way; refused with
     /// 429 / RESOURCE_EXHAUSTED and when to come back. A model without limits (or one the configuration does not

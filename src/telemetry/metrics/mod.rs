@@ -55,6 +55,9 @@ pub struct Metrics {
     requests: Arc<Family<IntCounterVec>>,
     auth_denied: IntCounterVec,
     rate_limited: IntCounterVec,
+    /// Calls under way of each model held to `max_concurrent`, as of the last scrape, and the models it has series
+    /// of (one scrape at a time sets them, so another never sees a series missing).
+    models_under_way: (IntGaugeVec, std::sync::Mutex<Vec<String>>),
     mirrors: Arc<Family<IntCounterVec>>,
     backends: Arc<BackendFamilies>,
     protocols: [ProtocolMetrics; 2],
@@ -419,6 +422,13 @@ impl Metrics {
              spent token budget (principal_tokens, model_tokens), a model's max_concurrent, or its max_queue (queue).",
             &["scope"],
         )?;
+        let models_under_way = gauges(
+            &registry,
+            "oipgate_model_calls_under_way",
+            "Calls under way of each public model held to a max_concurrent, read as the metrics are scraped: a call \
+             holds its place from its admission until it ends.",
+            &["model"],
+        )?;
         let translation = histograms(
             &registry,
             "oipgate_translation_duration_seconds",
@@ -472,6 +482,7 @@ impl Metrics {
             requests,
             auth_denied,
             rate_limited,
+            models_under_way: (models_under_way, std::sync::Mutex::default()),
             mirrors,
             backends: Arc::new(families.backends()?),
             protocols: ProtocolMetrics::all(&registry)?,
@@ -582,6 +593,21 @@ impl Metrics {
     /// Counts a call refused by a rate limit or a bound on calls under way.
     pub fn rate_limited(&self, limit: &str) {
         self.rate_limited.with_label_values(&[limit]).inc();
+    }
+
+    /// Sets the gauges of calls under way to `counts`, by model; a model not among them (no longer held to a
+    /// `max_concurrent`) loses its series.
+    pub fn models_under_way<'a>(&self, counts: impl Iterator<Item = (&'a str, u32)>) {
+        let (gauges, published) = &self.models_under_way;
+        let mut published = published.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = std::mem::take(&mut *published);
+        for (model, count) in counts {
+            gauges.with_label_values(&[model]).set(i64::from(count));
+            published.push(model.to_owned());
+        }
+        for gone in before.iter().filter(|model| !published.contains(model)) {
+            let _ = gauges.remove_label_values(&[gone]);
+        }
     }
 
     /// Records one message translated between the protocols.
@@ -695,6 +721,19 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn models_under_way_keep_series_of_the_models_published_last() {
+        let metrics = Metrics::new().unwrap();
+        metrics.models_under_way([("a", 2), ("b", 0)].into_iter());
+        let text = metrics.render();
+        assert!(text.contains(r#"oipgate_model_calls_under_way{model="a"} 2"#), "{text}");
+        assert!(text.contains(r#"oipgate_model_calls_under_way{model="b"} 0"#), "{text}");
+        metrics.models_under_way([("b", 1)].into_iter());
+        let text = metrics.render();
+        assert!(!text.contains(r#"model="a""#), "{text}");
+        assert!(text.contains(r#"oipgate_model_calls_under_way{model="b"} 1"#), "{text}");
+    }
 
     #[test]
     fn handles_count_under_configured_labels_only() {
