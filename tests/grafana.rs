@@ -68,6 +68,7 @@ versions = [ {{ version = "1", backend = "grpc" }} ]
 name = "metered"
 versions = [ {{ version = "1", backend = "pair", upstream_name = "identity" }} ]
 rate = {{ per_second = 0.001, burst = 1 }}
+max_concurrent = 4
 "#,
         backend("pair", "rest", [replica.rest.unwrap().to_string(), dead.to_string()]),
         backend("grpc", "grpc", [replica.grpc.unwrap()]),
@@ -82,7 +83,7 @@ rate = {{ per_second = 0.001, burst = 1 }}
     let client = http_client(false);
     let key = [("x-api-key", "grafana-key".to_owned())];
     // Calls over both endpoints (one dead), retried, translated to gRPC, refused for want of a key, and past a
-    // model's rate.
+    // model's rate (a model held to max_concurrent has its gauge from the first scrape).
     for (model, calls) in [("identity", 8), ("retried", 2)] {
         for _ in 0..calls {
             let path = format!("/v2/models/{model}/infer");
