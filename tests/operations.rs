@@ -184,10 +184,12 @@ async fn a_reload_keeps_the_state_of_unchanged_backends_and_refuses_an_invalid_f
 #[tokio::test]
 async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero() {
     let a = ModelServerProcess::named("a");
-    // A drain delay of three seconds and a grace period of a minute: what happens within each is told apart by
-    // events (readiness, a refused connection, the exit), with room to spare on a loaded machine.
+    // A drain delay of eight seconds and a grace period of a minute: what happens within each is told apart by
+    // events (readiness, a refused connection, the exit), with room to spare on a loaded machine. The three checks
+    // made within the drain delay take milliseconds; the slow call outlives the delay, so the listeners close while
+    // it runs.
     let mut gateway = GatewayProcess::start(&format!(
-        "[shutdown]\ngrace_period_ms = 60000\ndrain_delay_ms = 3000\n{}{}",
+        "[shutdown]\ngrace_period_ms = 60000\ndrain_delay_ms = 8000\n{}{}",
         backend("a", "rest", [a.rest.unwrap()]),
         model("slow", "a")
     ));
@@ -195,7 +197,7 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
     let url = gateway.rest_url("/v2/models/slow/infer");
     let slow = tokio::spawn(async move {
         let body =
-            r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":{"delay_ms":5000}}"#;
+            r#"{"inputs":[{"name":"x","datatype":"INT32","shape":[1],"data":[1]}],"parameters":{"delay_ms":10000}}"#;
         post(&url, body).await
     });
     eventually(Duration::from_secs(10), "the slow call under way", || async {
@@ -204,9 +206,9 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
     .await;
     let signalled = Instant::now();
     gateway.signal("TERM");
-    // Within the drain delay: not ready, but still accepting (this very check connects).
-    // Within the drain delay's three seconds: after them the listener closes, and readiness cannot be asked.
-    eventually(Duration::from_secs(3), "readiness off", || async {
+    // Within the drain delay: not ready, but still accepting (this very check connects). After the delay the
+    // listener closes, and readiness cannot be asked.
+    eventually(Duration::from_secs(8), "readiness off", || async {
         get(&gateway.rest_url("/v2/health/ready")).await.status == 503
     })
     .await;
@@ -221,7 +223,7 @@ async fn sigterm_turns_readiness_off_at_once_lets_requests_finish_and_exits_zero
     assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
     let status = gateway.wait_exit(Duration::from_secs(50)).expect("exits once drained");
     assert!(status.success(), "{status:?}");
-    // The slow call ends about five seconds after the signal; the grace period, a minute after it.
+    // The slow call ends about ten seconds after the signal; the grace period, a minute after it.
     assert!(
         signalled.elapsed() < Duration::from_secs(40),
         "exit came when the last request finished, not at the end of the grace period"
