@@ -69,6 +69,7 @@ versions = [ {{ version = "1", backend = "replicas-grpc" }} ]
 [[models]]
 name = "slow"
 versions = [ {{ version = "1", backend = "replicas-rest" }} ]
+max_concurrent = 2
 "#,
         backend("replicas-rest", "rest", [a_rest, b_rest]),
         backend("replicas-grpc", "grpc", [a_grpc, b_grpc]),
@@ -96,6 +97,11 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
     assert_eq!(
         json["limits"]["shared"], false,
         "no [limits.shared]: each replica's own"
+    );
+    assert_eq!(
+        json["limits"]["under_way"],
+        serde_json::json!([{"model": "slow", "calls": 0, "max_concurrent": 2}]),
+        "only slow is held to a max_concurrent"
     );
     assert_eq!(json["models"].as_array().unwrap().len(), 4, "{json}");
     assert_eq!(
@@ -130,7 +136,7 @@ versions = [ {{ version = "1", backend = "replicas-rest" }} ]
         "add_sub",
         "slow",
         "4 versions, 0 unavailable",
-        "limits: each replica's own",
+        "limits: each replica's own · calls under way (max_concurrent): slow 0/2",
     ] {
         assert!(dom.contains(text), "{text} missing:\n{dom}");
     }

@@ -403,14 +403,19 @@ impl Guard {
         principal.is_none_or(|p| p.may_use(model))
     }
 
-    /// Sets the metrics' gauges of calls under way to those of the models held to a `max_concurrent`: read as the
-    /// metrics are scraped, so a call pays nothing for them.
+    /// The models held to a `max_concurrent`: each one's calls under way, and its bound.
+    pub fn under_way(&self) -> impl Iterator<Item = (&str, u32, NonZeroU32)> {
+        self.models.iter().filter_map(|(model, gate)| {
+            gate.max_concurrent
+                .map(|max| (model.as_str(), gate.under_way.load(Ordering::Acquire), max))
+        })
+    }
+
+    /// Sets the metrics' gauges of calls under way to [`Self::under_way`]'s: read as the metrics are scraped, so a
+    /// call pays nothing for them.
     pub fn publish_under_way(&self) {
         self.metrics
-            .models_under_way(self.models.iter().filter_map(|(model, gate)| {
-                gate.max_concurrent
-                    .map(|_| (model.as_str(), gate.under_way.load(Ordering::Acquire)))
-            }));
+            .models_under_way(self.under_way().map(|(model, calls, _)| (model, calls)));
     }
 
     /// Lets a call of `model` in under the principal's and the model's buckets, their token budgets when the call
@@ -621,6 +626,13 @@ max_concurrent = 1
             guard.admit(team.as_deref(), "m", false).await.unwrap_err().kind(),
             ErrorKind::Overloaded
         );
+        let under_way = |guard: &Guard| -> Vec<(String, u32, u32)> {
+            let listed = guard
+                .under_way()
+                .map(|(model, calls, max)| (model.to_owned(), calls, max.get()));
+            listed.collect()
+        };
+        assert_eq!(under_way(&guard), [("m".to_owned(), 1, 1)]);
 
         // Same rates: the principal's bucket is still empty, and the model's call under way still counts.
         let reloaded = Guard::new(
@@ -635,7 +647,9 @@ max_concurrent = 1
         assert!(refused.message().contains("principal 'team'"), "{refused:?}");
         let other = reloaded.admit(None, "m", false).await.unwrap_err();
         assert!(other.message().contains("max_concurrent"), "{other:?}");
+        assert_eq!(under_way(&reloaded), [("m".to_owned(), 1, 1)]);
         drop(held);
+        assert_eq!(under_way(&reloaded), [("m".to_owned(), 0, 1)]);
         assert!(reloaded.admit(None, "m", false).await.is_ok());
 
         // A new rate is a new bucket.
