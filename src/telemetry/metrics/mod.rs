@@ -57,7 +57,7 @@ pub struct Metrics {
     rate_limited: IntCounterVec,
     /// Calls under way of each model held to `max_concurrent`, as of the last scrape, and the models it has series
     /// of (one scrape at a time sets them, so another never sees a series missing).
-    models_under_way: (IntGaugeVec, std::sync::Mutex<Vec<String>>),
+    models_under_way: (IntGaugeVec, std::sync::Mutex<std::collections::HashSet<String>>),
     mirrors: Arc<Family<IntCounterVec>>,
     backends: Arc<BackendFamilies>,
     protocols: [ProtocolMetrics; 2],
@@ -603,9 +603,10 @@ impl Metrics {
         let before = std::mem::take(&mut *published);
         for (model, count) in counts {
             gauges.with_label_values(&[model]).set(i64::from(count));
-            published.push(model.to_owned());
+            published.insert(model.to_owned());
         }
-        for gone in before.iter().filter(|model| !published.contains(model)) {
+        // A set: ten thousand bounded models are looked up once each, not against each other.
+        for gone in before.iter().filter(|model| !published.contains(*model)) {
             let _ = gauges.remove_label_values(&[gone]);
         }
     }
