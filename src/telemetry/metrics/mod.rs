@@ -1,10 +1,15 @@
 //! The gateway's Prometheus metrics: one registry for the process, series made at first use and kept by the routes
 //! and backends that use them (a request increments counters it already holds, no label formatting per request).
 
+mod epp;
 mod family;
 mod handles;
 mod shared_limits;
+mod streams;
+use epp::EppMetrics;
 pub use shared_limits::{SharedDecision, SharedLimit};
+use streams::StreamMetrics;
+pub use streams::{StreamLeg, StreamResult};
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
@@ -77,117 +82,6 @@ pub struct Metrics {
     epp: EppMetrics,
     /// The limits shared through Redis.
     shared_limits: shared_limits::SharedLimitMetrics,
-}
-
-/// What the endpoint picker reports: its picks, how long each took, and the endpoints the proxy reported serving.
-#[derive(Debug)]
-struct EppMetrics {
-    picks: Family<IntCounterVec>,
-    pick_duration: Histogram,
-    served: Family<IntCounterVec>,
-}
-
-impl EppMetrics {
-    fn new(families: &Families<'_>) -> Result<EppMetrics> {
-        Ok(EppMetrics {
-            picks: families.counters(
-                "oipgate_epp_picks_total",
-                "Endpoint picks for the proxy, by public model and version, the endpoint picked (_none when refused) \
-                 and result: picked, shed (429, max_queue or an endpoint's bound on calls under way), rate_limited \
-                 (429, a rate, token budget or max_concurrent of the principal or model), unavailable (503, no \
-                 eligible endpoint) or refused (another error: an unknown model, a malformed request).",
-                &["model", "version", "endpoint", "result"],
-            )?,
-            pick_duration: registered(
-                families.registry,
-                Histogram::with_opts(
-                    HistogramOpts::new(
-                        "oipgate_epp_pick_duration_seconds",
-                        "Time from the request's headers reaching the picker to its pick (or refusal), the body's \
-                         start read included.",
-                    )
-                    .buckets(DURATION_BUCKETS.to_vec()),
-                )
-                .map_err(metric_error)?,
-            )?,
-            served: families.counters(
-                "oipgate_epp_served_total",
-                "Calls the proxy reported served (envoy.lb x-gateway-destination-endpoint-served), by endpoint and \
-                 whether it was the one picked: picked, fallback (another of the list) or unreported.",
-                &["endpoint", "result"],
-            )?,
-        })
-    }
-}
-
-/// Inference streams: the client streams open, and per public model version the backend streams closed, their
-/// messages and their time to a first response. Labelled when a stream closes, so a model that is never streamed
-/// adds no series.
-#[derive(Debug)]
-struct StreamMetrics {
-    open: IntGauge,
-    closed: Family<IntCounterVec>,
-    messages: Family<IntCounterVec>,
-    first_response: Family<HistogramVec>,
-}
-
-impl StreamMetrics {
-    fn new(families: &Families<'_>) -> Result<StreamMetrics> {
-        Ok(StreamMetrics {
-            open: registered(
-                families.registry,
-                IntGauge::new("oipgate_streams_open", "Client inference streams under way.").map_err(metric_error)?,
-            )?,
-            closed: families.counters(
-                "oipgate_streams_total",
-                "Backend inference streams closed, by public model and version and result: ok, error or cancelled.",
-                &["model", "version", "result"],
-            )?,
-            messages: families.counters(
-                "oipgate_stream_messages_total",
-                "Messages carried on inference streams, by public model and version and direction: in (requests) or \
-             out (responses).",
-                &["model", "version", "direction"],
-            )?,
-            first_response: families.histograms(
-                "oipgate_stream_first_response_seconds",
-                "Time from a stream's first request for a model version to its first response, by public model and \
-             version.",
-                &["model", "version"],
-            )?,
-        })
-    }
-}
-
-/// How a stream ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamResult {
-    /// Every request was answered and the stream ended cleanly.
-    Ok,
-    /// It failed (a backend stream or the client's stream broke).
-    Error,
-    /// The client went away first.
-    Cancelled,
-}
-
-impl StreamResult {
-    pub fn label(self) -> &'static str {
-        match self {
-            StreamResult::Ok => "ok",
-            StreamResult::Error => "error",
-            StreamResult::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// What one backend stream (or, for a REST backend, one request of a stream) of a public model version carried.
-#[derive(Debug, Clone, Copy)]
-pub struct StreamLeg {
-    pub result: Option<StreamResult>,
-    pub messages_in: u64,
-    pub messages_out: u64,
-    /// From its first request to its first response, when one came.
-    pub first_response: Option<Duration>,
 }
 
 /// Which way a message was translated between the protocols.
@@ -616,38 +510,6 @@ impl Metrics {
         self.translation[direction.index()].observe(took.as_secs_f64());
     }
 
-    /// The gauge of client streams under way.
-    pub fn streams_open(&self) -> &IntGauge {
-        &self.streams.open
-    }
-
-    /// Records what one backend stream of `model` at `version` carried, once it has closed.
-    pub fn stream_leg(&self, model: &str, version: &str, leg: &StreamLeg) {
-        if let Some(result) = leg.result {
-            self.streams.closed.series(&[model, version, result.label()]).inc();
-        }
-        for (direction, count) in [("in", leg.messages_in), ("out", leg.messages_out)] {
-            self.streams.messages.series(&[model, version, direction]).inc_by(count);
-        }
-        if let Some(took) = leg.first_response {
-            self.streams
-                .first_response
-                .series(&[model, version])
-                .observe(took.as_secs_f64());
-        }
-    }
-
-    /// Counts one pick of the endpoint picker (`endpoint` is `_none` for a refusal) and the time it took.
-    pub fn epp_pick(&self, model: &str, version: &str, endpoint: &str, result: &str, took: Duration) {
-        self.epp.picks.series(&[model, version, endpoint, result]).inc();
-        self.epp.pick_duration.observe(took.as_secs_f64());
-    }
-
-    /// Counts a call the proxy reported served by `endpoint` (`result`: picked, fallback or unreported).
-    pub fn epp_served(&self, endpoint: &str, result: &str) {
-        self.epp.served.series(&[endpoint, result]).inc();
-    }
-
     /// Counts one decision of a shared limit.
     pub fn shared_limit_call(&self, limit: SharedLimit, decided: SharedDecision) {
         self.shared_limits.call(limit, decided);
@@ -683,10 +545,8 @@ impl Metrics {
         self.requests
             .retain(|values| model_version(values) && (fixed(&values[3]) || has_backend(&values[3])));
         self.mirrors.retain(model_version);
-        self.streams.closed.retain(model_version);
-        self.streams.messages.retain(model_version);
-        self.streams.first_response.retain(model_version);
-        self.epp.picks.retain(model_version);
+        self.streams.retain(&model_version);
+        self.epp.retain(&model_version);
         let backend = |values: &[String]| fixed(&values[0]) || has_backend(&values[0]);
         let families = &self.backends;
         families.in_flight.retain(backend);
