@@ -13,7 +13,9 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::Sequence;
 use crate::routing::Affinity;
 use arc_swap::ArcSwapOption;
-use prometheus::{IntCounter, IntGauge};
+use prometheus::IntGauge;
+
+use crate::telemetry::metrics::Counter;
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
 /// still retry).
@@ -320,7 +322,7 @@ pub struct Endpoints {
     calls: AtomicU64,
     retries: AtomicU64,
     /// Counts `least_load` choices made on calls under way for want of a recent scrape.
-    fallbacks: Option<IntCounter>,
+    fallbacks: Option<Counter>,
 }
 
 impl Endpoints {
@@ -328,7 +330,7 @@ impl Endpoints {
     pub fn from_states(
         states: Vec<Arc<EndpointState>>,
         policy: BackendPolicy,
-        fallbacks: Option<IntCounter>,
+        fallbacks: Option<Counter>,
     ) -> Endpoints {
         Endpoints {
             states,

@@ -80,7 +80,7 @@ struct Spread {
 #[derive(Debug, Clone)]
 pub struct ConnectionCap {
     pub most: usize,
-    pub refused: Option<prometheus::IntCounter>,
+    pub refused: Option<crate::telemetry::metrics::Counter>,
 }
 
 impl ConnectionCap {

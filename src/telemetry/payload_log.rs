@@ -10,9 +10,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::telemetry::metrics::Counter;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
-use prometheus::IntCounter;
 use prost::Message;
 use tokio::sync::{Semaphore, mpsc};
 
@@ -50,9 +50,9 @@ pub trait EventSink: Send + Sync + std::fmt::Debug + 'static {
 pub struct PayloadLogger {
     config: PayloadLog,
     queue: mpsc::Sender<Event>,
-    dropped: IntCounter,
+    dropped: Counter,
     /// Answers not logged for their size (a stream's events past the bound the door gathers).
-    too_large: IntCounter,
+    too_large: Counter,
 }
 
 /// A body as it crossed the door: its buffers, and what they are.
@@ -286,7 +286,7 @@ async fn send(
     config: PayloadLog,
     sink: Arc<dyn EventSink>,
     mut events: mpsc::Receiver<Event>,
-    counted: (IntCounter, IntCounter),
+    counted: (Counter, Counter),
 ) {
     let config = Arc::new(config);
     let slots = Arc::new(Semaphore::new(DELIVERIES));

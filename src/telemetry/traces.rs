@@ -5,6 +5,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
+use crate::telemetry::metrics::Counter;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -13,7 +14,6 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor};
-use prometheus::IntCounter;
 use tokio::sync::mpsc;
 
 use crate::config::Tracing;
@@ -215,7 +215,7 @@ fn resource(config: &Tracing) -> opentelemetry_sdk::Resource {
 #[derive(Debug)]
 struct QueuedSpans {
     sender: mpsc::Sender<SpanData>,
-    dropped: IntCounter,
+    dropped: Counter,
 }
 
 impl SpanProcessor for QueuedSpans {
@@ -240,7 +240,7 @@ impl SpanProcessor for QueuedSpans {
 async fn export(
     exporter: opentelemetry_otlp::SpanExporter,
     mut spans: mpsc::Receiver<SpanData>,
-    counted: (IntCounter, IntCounter),
+    counted: (Counter, Counter),
 ) {
     let (exported, failed) = counted;
     let mut open = true;

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramOpts, IntCounterVec};
+use prometheus::HistogramOpts;
+
+use super::sharded::{CounterVec, Histogram, histogram_vec};
 
 use super::family::Family;
 use super::{DURATION_BUCKETS, Families, Metrics, metric_error, registered};
@@ -12,9 +14,9 @@ use crate::error::Result;
 /// What the endpoint picker reports: its picks, how long each took, and the endpoints the proxy reported serving.
 #[derive(Debug)]
 pub(super) struct EppMetrics {
-    picks: Family<IntCounterVec>,
+    picks: Family<CounterVec>,
     pick_duration: Histogram,
-    served: Family<IntCounterVec>,
+    served: Family<CounterVec>,
 }
 
 impl EppMetrics {
@@ -30,16 +32,18 @@ impl EppMetrics {
             )?,
             pick_duration: registered(
                 families.registry,
-                Histogram::with_opts(
+                histogram_vec(
                     HistogramOpts::new(
                         "oipgate_epp_pick_duration_seconds",
                         "Time from the request's headers reaching the picker to its pick (or refusal), the body's \
                          start read included.",
                     )
                     .buckets(DURATION_BUCKETS.to_vec()),
+                    &[],
                 )
                 .map_err(metric_error)?,
-            )?,
+            )?
+            .with_label_values::<&str>(&[]),
             served: families.counters(
                 "oipgate_epp_served_total",
                 "Calls the proxy reported served (envoy.lb x-gateway-destination-endpoint-served), by endpoint and \

@@ -5,8 +5,9 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use prometheus::IntCounter;
 use prometheus::core::{MetricVec, MetricVecBuilder};
+
+use super::sharded::Counter;
 
 /// A prometheus vector of series by label values (counters, gauges, histograms alike).
 pub trait Vector {
@@ -96,11 +97,11 @@ pub struct Family<V> {
     made: RwLock<LabelSets>,
     bound: Arc<SeriesBound>,
     /// `oipgate_metrics_series_dropped_total` for this family.
-    dropped: IntCounter,
+    dropped: Counter,
 }
 
 impl<V: Vector> Family<V> {
-    pub fn new(vec: V, kept: &[bool], bound: Arc<SeriesBound>, dropped: IntCounter) -> Family<V> {
+    pub fn new(vec: V, kept: &[bool], bound: Arc<SeriesBound>, dropped: Counter) -> Family<V> {
         Family {
             vec,
             kept: kept.to_vec(),
@@ -200,14 +201,15 @@ fn hash(values: &[&str]) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::sharded::CounterVec;
     use super::*;
-    use prometheus::{IntCounterVec, Opts};
+    use prometheus::Opts;
 
     #[test]
     fn past_the_bound_new_series_go_to_other_and_count_once() {
         let bound = SeriesBound::new(2);
-        let vec = IntCounterVec::new(Opts::new("t", "t"), &["model", "code"]).unwrap();
-        let dropped = IntCounter::new("d", "d").unwrap();
+        let vec = CounterVec::new(Opts::new("t", "t"), &["model", "code"]).unwrap();
+        let dropped = Counter::new("d", "d").unwrap();
         let family = Family::new(vec.clone(), &[false, true], bound.clone(), dropped.clone());
         family.series(&["a", "200"]).inc();
         family.series(&["b", "200"]).inc();

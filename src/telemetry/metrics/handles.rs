@@ -4,7 +4,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use prometheus::{GaugeVec, Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
+use prometheus::{GaugeVec, IntGaugeVec};
+
+use super::sharded::{Counter, CounterVec, Histogram, HistogramVec, Level, LevelVec};
 
 use super::family::Family;
 use super::{CODE_LABELS, CODES, OTHER_PRINCIPAL};
@@ -19,8 +21,8 @@ pub struct RouteMetrics {
     pub model: String,
     pub version: String,
     pub backend: String,
-    pub(super) requests: Arc<Family<IntCounterVec>>,
-    pub(super) mirrors: Arc<Family<IntCounterVec>>,
+    pub(super) requests: Arc<Family<CounterVec>>,
+    pub(super) mirrors: Arc<Family<CounterVec>>,
     /// Allocated at the route's first request: most routes of a large fleet are never called.
     pub(super) series: OnceLock<Box<RouteSeries>>,
     /// How many configured principals (API keys) are counted under their own names.
@@ -28,7 +30,7 @@ pub struct RouteMetrics {
 }
 
 /// Request counters by client protocol, then by [`CODE_LABELS`] position.
-pub(super) type RequestSeries = [[OnceLock<IntCounter>; CODE_LABELS.len()]; 2];
+pub(super) type RequestSeries = [[OnceLock<Counter>; CODE_LABELS.len()]; 2];
 
 /// A route's series, each made on first use.
 #[derive(Debug, Default)]
@@ -36,7 +38,7 @@ pub(super) struct RouteSeries {
     /// Requests of no configured principal.
     pub(super) requests: RequestSeries,
     /// By [`MirrorResult`] position.
-    pub(super) mirrors: [OnceLock<IntCounter>; 3],
+    pub(super) mirrors: [OnceLock<Counter>; 3],
     /// Requests of each configured principal, by its key's position; allocated at the first of them.
     pub(super) principals: OnceLock<Box<[OnceLock<Box<RequestSeries>>]>>,
 }
@@ -66,8 +68,8 @@ impl RouteMetrics {
     /// The handles of the public `[model, version, backend]`, none made yet; `principals` configured principals are
     /// counted under their own names.
     pub(super) fn new(
-        requests: &Arc<Family<IntCounterVec>>,
-        mirrors: &Arc<Family<IntCounterVec>>,
+        requests: &Arc<Family<CounterVec>>,
+        mirrors: &Arc<Family<CounterVec>>,
         [model, version, backend]: [&str; 3],
         principals: usize,
     ) -> Arc<RouteMetrics> {
@@ -136,22 +138,22 @@ pub struct BackendMetrics(pub(super) Arc<BackendSeries>);
 pub(super) struct BackendSeries {
     pub(super) name: String,
     pub(super) families: Arc<BackendFamilies>,
-    pub(super) in_flight: OnceLock<(IntGauge, Histogram)>,
-    pub(super) retries: OnceLock<IntCounter>,
+    pub(super) in_flight: OnceLock<(Level, Histogram)>,
+    pub(super) retries: OnceLock<Counter>,
 }
 
 /// The families of per-backend series.
 #[derive(Debug)]
 pub(super) struct BackendFamilies {
-    pub(super) in_flight: Family<IntGaugeVec>,
+    pub(super) in_flight: Family<LevelVec>,
     pub(super) upstream_duration: Family<HistogramVec>,
-    pub(super) retries: Family<IntCounterVec>,
+    pub(super) retries: Family<CounterVec>,
     pub(super) endpoint_healthy: Family<IntGaugeVec>,
     /// `least_load`: scrapes of endpoints' metrics by result, the queue each last reported, and the choices made
     /// without a recent scrape.
-    pub(super) load_scrapes: Family<IntCounterVec>,
+    pub(super) load_scrapes: Family<CounterVec>,
     pub(super) endpoint_queue: Family<GaugeVec>,
-    pub(super) load_fallbacks: Family<IntCounterVec>,
+    pub(super) load_fallbacks: Family<CounterVec>,
 }
 
 impl BackendMetrics {
@@ -180,7 +182,7 @@ impl BackendMetrics {
 
 impl BackendSeries {
     /// The in-flight gauge and the upstream latency, made at the first call.
-    fn in_flight(&self) -> &(IntGauge, Histogram) {
+    fn in_flight(&self) -> &(Level, Histogram) {
         self.in_flight.get_or_init(|| {
             (
                 self.families.in_flight.series(&[&self.name]),

@@ -4,6 +4,7 @@
 mod epp;
 mod family;
 mod handles;
+mod sharded;
 mod shared_limits;
 mod streams;
 use epp::EppMetrics;
@@ -13,14 +14,13 @@ pub use streams::{StreamLeg, StreamResult};
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
+pub use sharded::Counter;
+use sharded::{CounterVec, Histogram, HistogramVec, LevelVec};
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use prometheus::{
-    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{GaugeVec, HistogramOpts, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use self::family::{Family, SeriesBound};
 use super::{ClientProtocol, Finished, RouteNames};
@@ -54,30 +54,30 @@ const DURATION_BUCKETS: [f64; 16] = [
 pub struct Metrics {
     registry: Registry,
     /// Access-log lines the log's writer dropped, as of the last scrape.
-    access_log_dropped: IntCounter,
+    access_log_dropped: Counter,
     /// The bound on series per family, `[metrics] max_series`.
     bound: Arc<SeriesBound>,
-    requests: Arc<Family<IntCounterVec>>,
-    auth_denied: IntCounterVec,
-    rate_limited: IntCounterVec,
+    requests: Arc<Family<CounterVec>>,
+    auth_denied: CounterVec,
+    rate_limited: CounterVec,
     /// Calls under way of each model held to `max_concurrent`, as of the last scrape, and the models it has series
     /// of (one scrape at a time sets them, so another never sees a series missing).
     models_under_way: (IntGaugeVec, std::sync::Mutex<std::collections::HashSet<String>>),
-    mirrors: Arc<Family<IntCounterVec>>,
+    mirrors: Arc<Family<CounterVec>>,
     backends: Arc<BackendFamilies>,
     protocols: [ProtocolMetrics; 2],
     unknown_route: Arc<RouteMetrics>,
     /// `oipgate_translation_duration_seconds` by [`Direction`].
     translation: [Histogram; 2],
     /// `oipgate_config_reloads_total` for `ok` and `error`.
-    reloads: [IntCounter; 2],
+    reloads: [Counter; 2],
     streams: StreamMetrics,
     /// `oipgate_spans_total` and `oipgate_payload_log_events_total` by result; series made when the sections are
     /// configured.
-    spans: IntCounterVec,
-    payload_events: IntCounterVec,
+    spans: CounterVec,
+    payload_events: CounterVec,
     /// `oipgate_connections_refused_total` by listener.
-    connections_refused: IntCounterVec,
+    connections_refused: CounterVec,
     /// The endpoint picker's (`oipgate epp`).
     epp: EppMetrics,
     /// The limits shared through Redis.
@@ -115,8 +115,8 @@ impl Direction {
 #[derive(Debug, Clone)]
 struct ProtocolMetrics {
     duration: Histogram,
-    request_bytes: IntCounter,
-    response_bytes: IntCounter,
+    request_bytes: Counter,
+    response_bytes: Counter,
 }
 
 fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> Result<M> {
@@ -127,10 +127,10 @@ fn registered<M: prometheus::core::Collector + Clone + 'static>(registry: &Regis
 }
 
 /// Counters named `name`, by `labels`, registered in `registry`.
-fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<IntCounterVec> {
+fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<CounterVec> {
     registered(
         registry,
-        IntCounterVec::new(Opts::new(name, help), labels).map_err(metric_error)?,
+        CounterVec::new(Opts::new(name, help), labels).map_err(metric_error)?,
     )
 }
 
@@ -145,7 +145,7 @@ fn gauges(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Resul
 /// Duration histograms named `name`, by `labels`, registered in `registry`.
 fn histograms(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> Result<HistogramVec> {
     let options = HistogramOpts::new(name, help).buckets(DURATION_BUCKETS.to_vec());
-    registered(registry, HistogramVec::new(options, labels).map_err(metric_error)?)
+    registered(registry, sharded::histogram_vec(options, labels).map_err(metric_error)?)
 }
 
 /// `oipgate_build_info`: the running version, always 1.
@@ -171,7 +171,7 @@ const FEW_VALUED_LABELS: [&str; 4] = ["protocol", "code", "result", "direction"]
 struct Families<'a> {
     registry: &'a Registry,
     bound: Arc<SeriesBound>,
-    dropped: IntCounterVec,
+    dropped: CounterVec,
 }
 
 impl<'a> Families<'a> {
@@ -195,12 +195,18 @@ impl<'a> Families<'a> {
         Family::new(vec, &kept, self.bound.clone(), self.dropped.with_label_values(&[name]))
     }
 
-    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<IntCounterVec>> {
+    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<CounterVec>> {
         Ok(self.family(name, counters(self.registry, name, help, labels)?, labels))
     }
 
     fn gauges(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<IntGaugeVec>> {
         Ok(self.family(name, gauges(self.registry, name, help, labels)?, labels))
+    }
+
+    /// Gauges moved up and down on a request's path, never set.
+    fn levels(&self, name: &str, help: &str, labels: &[&str]) -> Result<Family<LevelVec>> {
+        let vec = LevelVec::new(Opts::new(name, help), labels).map_err(metric_error)?;
+        Ok(self.family(name, registered(self.registry, vec)?, labels))
     }
 
     /// Gauges of fractional values.
@@ -221,7 +227,7 @@ impl<'a> Families<'a> {
                 "Backend calls, from sending to the whole answer, by backend.",
                 &["backend"],
             )?,
-            in_flight: self.gauges(
+            in_flight: self.levels(
                 "oipgate_in_flight",
                 "Backend calls under way, by backend.",
                 &["backend"],
@@ -359,7 +365,7 @@ impl Metrics {
         )?;
         let access_log_dropped = registered(
             &registry,
-            IntCounter::new(
+            Counter::new(
                 "oipgate_access_log_dropped_total",
                 "Access-log lines dropped because the lines waiting for the log's writer already filled \
                  --log-buffer-bytes (the log's file or stderr was slower than the requests).",
@@ -416,7 +422,7 @@ impl Metrics {
     }
 
     /// `oipgate_spans_total` of spans exported and of spans that failed to be.
-    pub fn spans_exported(&self) -> (IntCounter, IntCounter) {
+    pub fn spans_exported(&self) -> (Counter, Counter) {
         (
             self.spans.with_label_values(&["exported"]),
             self.spans.with_label_values(&["failed"]),
@@ -424,22 +430,22 @@ impl Metrics {
     }
 
     /// `oipgate_spans_total` of spans dropped, the export queue full.
-    pub fn spans_dropped(&self) -> IntCounter {
+    pub fn spans_dropped(&self) -> Counter {
         self.spans.with_label_values(&["dropped"])
     }
 
     /// `oipgate_connections_refused_total` of `listener`.
-    pub fn connections_refused(&self, listener: &str) -> IntCounter {
+    pub fn connections_refused(&self, listener: &str) -> Counter {
         self.connections_refused.with_label_values(&[listener])
     }
 
     /// `oipgate_payload_log_events_total` for `result`: sent, failed, dropped or too_large.
-    pub fn payload_events(&self, result: &str) -> IntCounter {
+    pub fn payload_events(&self, result: &str) -> Counter {
         self.payload_events.with_label_values(&[result])
     }
 
     /// `oipgate_load_fallbacks_total` of `backend`.
-    pub fn load_fallbacks(&self, backend: &str) -> IntCounter {
+    pub fn load_fallbacks(&self, backend: &str) -> Counter {
         self.backends.load_fallbacks.series(&[backend])
     }
 

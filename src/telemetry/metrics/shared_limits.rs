@@ -5,7 +5,9 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{HistogramOpts, IntGaugeVec, Opts, Registry};
+
+use super::sharded::{Counter, CounterVec, HistogramVec};
 
 use super::{metric_error, registered};
 use crate::error::Result;
@@ -71,18 +73,18 @@ const REDIS_BUCKETS: [f64; 11] = [
 
 #[derive(Debug)]
 pub(super) struct SharedLimitMetrics {
-    calls: IntCounterVec,
+    calls: CounterVec,
     /// `calls` by [`SharedLimit`] and [`SharedDecision`], made at first use: a call counts with no label lookup.
-    decided: [[OnceLock<IntCounter>; SharedDecision::ALL.len()]; 2],
+    decided: [[OnceLock<Counter>; SharedDecision::ALL.len()]; 2],
     redis: HistogramVec,
-    unanswered: IntCounterVec,
+    unanswered: CounterVec,
     fallback: IntGaugeVec,
     replicas: IntGaugeVec,
 }
 
 impl SharedLimitMetrics {
     pub(super) fn new(registry: &Registry) -> Result<SharedLimitMetrics> {
-        let calls = IntCounterVec::new(
+        let calls = CounterVec::new(
             Opts::new(
                 "oipgate_shared_limit_calls_total",
                 "Decisions of limits shared through Redis ([limits.shared]), by limit (calls: a rate of calls; \
@@ -93,7 +95,7 @@ impl SharedLimitMetrics {
             &["limit", "result"],
         )
         .map_err(metric_error)?;
-        let redis = HistogramVec::new(
+        let redis = super::sharded::histogram_vec(
             HistogramOpts::new(
                 "oipgate_shared_limit_redis_duration_seconds",
                 "Time Redis took to answer the shared limits' calls that it answered in time, by operation: take (a \
@@ -103,7 +105,7 @@ impl SharedLimitMetrics {
             &["operation"],
         )
         .map_err(metric_error)?;
-        let unanswered = IntCounterVec::new(
+        let unanswered = CounterVec::new(
             Opts::new(
                 "oipgate_shared_limit_redis_unanswered_total",
                 "The shared limits' calls to Redis that failed or got no answer within timeout_ms, by operation (as \

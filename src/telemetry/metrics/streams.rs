@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use prometheus::{HistogramVec, IntCounterVec, IntGauge};
+use prometheus::IntGauge;
+
+use super::sharded::{CounterVec, HistogramVec};
 
 use super::family::Family;
 use super::{Families, Metrics, metric_error, registered};
@@ -15,8 +17,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub(super) struct StreamMetrics {
     open: IntGauge,
-    closed: Family<IntCounterVec>,
-    messages: Family<IntCounterVec>,
+    closed: Family<CounterVec>,
+    messages: Family<CounterVec>,
     first_response: Family<HistogramVec>,
 }
 
