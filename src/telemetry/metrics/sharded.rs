@@ -18,10 +18,10 @@ use prometheus::core::{
 };
 use prometheus::proto::{self, LabelPair};
 
-/// Cells in a segment; one metric's cells are always in one segment.
-const SEGMENT: usize = 1024;
-/// Segments an arena may have: 8 Mi cells (a duration histogram takes 18).
-const SEGMENTS: usize = 8192;
+/// Cells in a segment (32 KiB); one metric's cells are always in one segment.
+const SEGMENT: usize = 4096;
+/// Segments an arena may have (a table of 32 KiB): 8 Mi cells, where a duration histogram takes 18.
+const SEGMENTS: usize = 2048;
 /// Arenas: arena 0 is shared, the others each written by one thread.
 const ARENAS: usize = 128;
 
@@ -287,7 +287,10 @@ impl Atomic for PerThreadCount {
 
     fn new(value: u64) -> PerThreadCount {
         let cells = Cells::take(1);
-        cells.add(0, value);
+        // A thread that only makes metrics takes no arena.
+        if value != 0 {
+            cells.add(0, value);
+        }
         PerThreadCount(cells)
     }
 
@@ -318,7 +321,9 @@ impl Atomic for PerThreadLevel {
 
     fn new(value: i64) -> PerThreadLevel {
         let cells = Cells::take(1);
-        cells.add(0, value.cast_unsigned());
+        if value != 0 {
+            cells.add(0, value.cast_unsigned());
+        }
         PerThreadLevel(cells)
     }
 
