@@ -10,7 +10,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::telemetry::metrics::Counter;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use prost::Message;
@@ -21,7 +20,7 @@ use crate::codec::rest::{self, BinaryOutputs, RestRequest};
 use crate::config::{LoggedTensors, PayloadLog};
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::routing::VersionRoute;
-use crate::telemetry::metrics::Metrics;
+use crate::telemetry::metrics::{Counter, Metrics};
 
 /// How often the queue is sent: the sending task sleeps rather than waits on the queue, so a request that queues
 /// an event never wakes another thread.

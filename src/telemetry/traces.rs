@@ -5,7 +5,6 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use crate::telemetry::metrics::Counter;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
@@ -18,7 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Tracing;
 use crate::error::{Error, Result};
-use crate::telemetry::metrics::Metrics;
+use crate::telemetry::metrics::{Counter, Metrics};
 
 /// How often the queue of finished spans is sent: the export task sleeps rather than waits on the queue, so a
 /// request that finishes a span never wakes another thread.

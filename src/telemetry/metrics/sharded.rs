@@ -170,9 +170,11 @@ enum Cells {
 }
 
 impl Cells {
-    /// `len` cells (at most a segment), all reading 0.
+    /// `len` cells, all reading 0.
     fn take(len: usize) -> Cells {
-        assert!(len <= SEGMENT, "a metric takes at most {SEGMENT} cells");
+        if len > SEGMENT {
+            return Cells::own(len);
+        }
         let mut pool = CELL_POOL.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(start) = pool
             .free
@@ -187,11 +189,16 @@ impl Cells {
             pool.next = pool.next.next_multiple_of(SEGMENT);
         }
         if pool.next + len > SEGMENT * SEGMENTS {
-            return Cells::Own((0..len).map(|_| AtomicU64::new(0)).collect());
+            return Cells::own(len);
         }
         let start = pool.next;
         pool.next += len;
         Cells::Arenas { start, len }
+    }
+
+    /// `len` atomics of the metric's own, for a metric that does not fit the arenas.
+    fn own(len: usize) -> Cells {
+        Cells::Own((0..len).map(|_| AtomicU64::new(0)).collect())
     }
 
     fn add(&self, index: usize, delta: u64) {
@@ -312,36 +319,33 @@ impl Atomic for PerThreadCount {
     }
 }
 
-/// A signed level kept per thread, moved up and down (calls in flight): a prometheus gauge's value.
+/// A signed level kept per thread, moved up and down (calls in flight): a prometheus gauge's value. It is a
+/// [`PerThreadCount`] read as two's complement, whose wrapping sums are the signed sums.
 #[derive(Debug)]
-pub struct PerThreadLevel(Cells);
+pub struct PerThreadLevel(PerThreadCount);
 
 impl Atomic for PerThreadLevel {
     type T = i64;
 
     fn new(value: i64) -> PerThreadLevel {
-        let cells = Cells::take(1);
-        if value != 0 {
-            cells.add(0, value.cast_unsigned());
-        }
-        PerThreadLevel(cells)
+        PerThreadLevel(PerThreadCount::new(value.cast_unsigned()))
     }
 
     /// Sets the sum; right only while no other thread moves it.
     fn set(&self, value: i64) {
-        self.0.add(0, value.wrapping_sub(self.get()).cast_unsigned());
+        self.0.set(value.cast_unsigned());
     }
 
     fn get(&self) -> i64 {
-        self.0.read(0).cast_signed()
+        self.0.get().cast_signed()
     }
 
     fn inc_by(&self, delta: i64) {
-        self.0.add(0, delta.cast_unsigned());
+        self.0.inc_by(delta.cast_unsigned());
     }
 
     fn dec_by(&self, delta: i64) {
-        self.0.add(0, delta.wrapping_neg().cast_unsigned());
+        self.0.dec_by(delta.cast_unsigned());
     }
 }
 
@@ -604,5 +608,17 @@ mod tests {
     fn buckets_out_of_order_are_refused() {
         let refused = histogram_vec(HistogramOpts::new("h", "h").buckets(vec![1.0, 1.0]), &[]).unwrap();
         assert!(refused.get_metric_with_label_values::<&str>(&[]).is_err());
+    }
+
+    #[test]
+    fn a_histogram_past_a_segment_keeps_cells_of_its_own() {
+        let buckets: Vec<f64> = (1..=SEGMENT).map(|bound| bound as f64).collect();
+        let histogram = histogram_vec(HistogramOpts::new("h", "h").buckets(buckets), &[])
+            .unwrap()
+            .with_label_values::<&str>(&[]);
+        assert!(matches!(histogram.0.cells, Cells::Own(_)));
+        histogram.observe(2.5);
+        histogram.observe(1e9);
+        assert_eq!(histogram.sample_count(), 2);
     }
 }
