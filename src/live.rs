@@ -1,18 +1,20 @@
 //! The running gateway's live state: the dispatcher requests are served by, swapped whole when the configuration is
 //! reloaded (file change or SIGHUP) or DNS answers change; the front doors' TLS identity; and the count of requests
-//! under way, which shutdown waits on.
+//! under way, which shutdown waits on, kept by each door thread for itself.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
 use crate::config::{Config, Discovery, Endpoint, Problem};
 use crate::dispatch::Dispatcher;
+use crate::runtime::ThreadArc;
 use crate::telemetry::metrics::Metrics;
 use crate::tls::{BackendMaterial, Prepared, ServerIdentity};
 
@@ -35,10 +37,10 @@ pub struct Gateway {
     draining: AtomicBool,
     /// Set when a shutdown's grace period has run out: streams still open end with UNAVAILABLE.
     streams_ending: tokio::sync::watch::Sender<bool>,
-    active: AtomicUsize,
-    /// Woken when the last request under way ends while a shutdown waits for it (`awaiting_idle`).
-    idle: (std::sync::Mutex<()>, std::sync::Condvar),
-    awaiting_idle: AtomicBool,
+    /// The requests under way, counted by each thread that begins some.
+    drain: Arc<Drain>,
+    /// Tells this gateway's handles from another's in a thread's [`HELD`] (tests run many in one process).
+    id: u64,
     /// Snapshots installed since start (1: the first).
     generation: AtomicU64,
     /// The last reload's outcome: when, and the problems that refused it.
@@ -57,20 +59,100 @@ struct State {
     fingerprint: Vec<u8>,
 }
 
+/// The counts of requests under way, one a thread, which shutdown adds up.
+#[derive(Debug, Default)]
+struct Drain {
+    /// Set while a shutdown waits for the requests under way to end.
+    awaiting: AtomicBool,
+    /// Every thread's count; shutdown waits on `idle` under this lock, and a count's last request wakes it.
+    counts: std::sync::Mutex<Vec<Weak<UnderWay>>>,
+    idle: std::sync::Condvar,
+}
+
+impl Drain {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Weak<UnderWay>>> {
+        self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new count for a thread, added to those shutdown adds up (those of threads gone are let go).
+    fn count(self: &Arc<Self>) -> Arc<UnderWay> {
+        let count = Arc::new(UnderWay {
+            requests: AtomicUsize::new(0),
+            drain: self.clone(),
+        });
+        let mut counts = self.lock();
+        counts.retain(|count| count.strong_count() > 0);
+        counts.push(Arc::downgrade(&count));
+        count
+    }
+}
+
+/// Requests under way, sum of the threads' counts. A request counted throughout the reading is seen in it: it holds
+/// its count above 0 for as long.
+fn under_way(counts: &[Weak<UnderWay>]) -> usize {
+    counts
+        .iter()
+        .filter_map(Weak::upgrade)
+        .map(|count| count.requests.load(Ordering::SeqCst))
+        .sum()
+}
+
+/// One thread's count of requests under way. Only requests begun on that thread add to it (one that ends on
+/// another thread takes back from the count it added to), so the line it lies on is written by one core nearly
+/// always, where one count for all door threads would move between their cores twice a request.
+#[derive(Debug)]
+struct UnderWay {
+    requests: AtomicUsize,
+    drain: Arc<Drain>,
+}
+
 /// A request under way (or a connection that may still bring one while shutdown lets it); shutdown waits until none
 /// is left.
 #[derive(Debug)]
-pub struct Active(Arc<Gateway>);
+pub struct Active(Arc<UnderWay>);
+
+impl Active {
+    fn new(count: &Arc<UnderWay>) -> Active {
+        // Sequentially consistent with `Drain::awaiting`: either the waiting shutdown sees this request, or the
+        // request's end sees the shutdown waiting.
+        count.requests.fetch_add(1, Ordering::SeqCst);
+        Active(count.clone())
+    }
+}
 
 impl Drop for Active {
     fn drop(&mut self) {
-        // The last request's end wakes a shutdown waiting for it; otherwise nothing waits.
-        if self.0.active.fetch_sub(1, Ordering::AcqRel) == 1 && self.0.awaiting_idle.load(Ordering::Acquire) {
-            let (lock, idle) = &self.0.idle;
-            drop(lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-            idle.notify_all();
+        // A thread's last request wakes a waiting shutdown to add the counts up again; otherwise nothing waits.
+        if self.0.requests.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.drain.awaiting.load(Ordering::SeqCst) {
+            drop(self.0.drain.lock());
+            self.0.drain.idle.notify_all();
         }
     }
+}
+
+/// What a request holds of the gateway: the dispatcher it is served by (to its end, whatever is reloaded
+/// meanwhile), the metrics it reports to, and its place among the requests under way. All three are clones of the
+/// door thread's own handles ([`HELD`]).
+#[derive(Debug)]
+pub struct Serving {
+    pub dispatcher: ThreadArc<Dispatcher>,
+    pub metrics: ThreadArc<Metrics>,
+    pub active: Active,
+}
+
+/// What a thread holds of the gateway it last served: its handles on the dispatcher of `generation` and on the
+/// metrics, and its count of requests under way. A door thread lets the dispatcher a reload replaced go at its next
+/// request.
+struct ThreadHeld {
+    gateway: u64,
+    generation: u64,
+    dispatcher: ThreadArc<Dispatcher>,
+    metrics: ThreadArc<Metrics>,
+    count: Arc<UnderWay>,
+}
+
+thread_local! {
+    static HELD: RefCell<Option<ThreadHeld>> = const { RefCell::new(None) };
 }
 
 impl Gateway {
@@ -101,9 +183,11 @@ impl Gateway {
             }),
             draining: AtomicBool::new(false),
             streams_ending: tokio::sync::watch::Sender::new(false),
-            active: AtomicUsize::new(0),
-            idle: (std::sync::Mutex::new(()), std::sync::Condvar::new()),
-            awaiting_idle: AtomicBool::new(false),
+            drain: Arc::default(),
+            id: {
+                static GATEWAYS: AtomicU64 = AtomicU64::new(0);
+                GATEWAYS.fetch_add(1, Ordering::Relaxed)
+            },
             generation: AtomicU64::new(1),
             last_reload: std::sync::Mutex::new(None),
         }))
@@ -136,26 +220,78 @@ impl Gateway {
         self.identity.as_ref()
     }
 
+    /// What a new request holds of the gateway: the current dispatcher, the metrics, and its place among the requests
+    /// under way, all through this thread's handles.
+    pub fn serving(&self) -> Serving {
+        self.held(|held| Serving {
+            dispatcher: held.dispatcher.clone(),
+            metrics: held.metrics.clone(),
+            active: Active::new(&held.count),
+        })
+    }
+
     /// Counts a request (or a connection that may still bring one) as under way until the guard is dropped.
-    pub fn begin(self: &Arc<Self>) -> Active {
-        self.active.fetch_add(1, Ordering::AcqRel);
-        Active(self.clone())
+    pub fn begin(&self) -> Active {
+        self.held(|held| Active::new(&held.count))
+    }
+
+    /// `with` this thread's handles on the gateway, made anew when the thread last served another gateway or an
+    /// older dispatcher.
+    fn held<T>(&self, with: impl Fn(&ThreadHeld) -> T) -> T {
+        // Read before the dispatcher is: a handle is never older than the generation it is kept for.
+        let generation = self.generation.load(Ordering::Acquire);
+        let fresh = |held: &ThreadHeld| held.gateway == self.id && held.generation == generation;
+        let made = HELD.try_with(|cell| {
+            let mut cell = cell.borrow_mut();
+            if let Some(held) = cell.as_ref().filter(|held| fresh(held)) {
+                return Ok(with(held));
+            }
+            let previous = cell.take();
+            let held = self.thread_held(previous.as_ref(), generation);
+            let answer = with(&held);
+            *cell = Some(held);
+            // The handles replaced are let go once the thread's cell is free again: the last of an old dispatcher
+            // may be dropped with them.
+            Err((answer, previous))
+        });
+        match made {
+            Ok(Ok(answer)) => answer,
+            Ok(Err((answer, previous))) => {
+                drop(previous);
+                answer
+            }
+            // The thread is ending: handles of its own, for this request alone.
+            Err(_) => with(&self.thread_held(None, generation)),
+        }
+    }
+
+    /// A thread's handles on the dispatcher of `generation`, keeping those of `previous` that still hold.
+    fn thread_held(&self, previous: Option<&ThreadHeld>, generation: u64) -> ThreadHeld {
+        let previous = previous.filter(|held| held.gateway == self.id);
+        ThreadHeld {
+            gateway: self.id,
+            generation,
+            dispatcher: ThreadArc::new(self.current.load_full()),
+            metrics: previous.map_or_else(|| ThreadArc::new(self.metrics.clone()), |held| held.metrics.clone()),
+            count: previous.map_or_else(|| self.drain.count(), |held| held.count.clone()),
+        }
     }
 
     /// Requests under way.
     pub fn active(&self) -> usize {
-        self.active.load(Ordering::Acquire)
+        under_way(&self.drain.lock())
     }
 
     /// Waits (blocking the thread) until no request is under way or `limit` has passed; whether none is.
     pub fn wait_idle(&self, limit: Duration) -> bool {
-        self.awaiting_idle.store(true, Ordering::Release);
-        let (lock, idle) = &self.idle;
-        let guard = lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (_guard, _) = idle
-            .wait_timeout_while(guard, limit, |()| self.active() > 0)
+        self.drain.awaiting.store(true, Ordering::SeqCst);
+        let counts = self.drain.lock();
+        let (counts, _) = self
+            .drain
+            .idle
+            .wait_timeout_while(counts, limit, |counts| under_way(counts) > 0)
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        self.active() == 0
+        under_way(&counts) == 0
     }
 
     /// From now on readiness says no, so load balancers stop sending.
@@ -557,5 +693,99 @@ async fn lookup(host: &str, port: u16, server: Option<SocketAddr>) -> Result<Vec
         Ok(found) => Ok(found.iter().map(endpoint).collect()),
         Err(error) if error.is_no_records_found() => Ok(Vec::new()),
         Err(error) => Err(error.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG: &str = r#"
+[[backends]]
+name = "b"
+protocol = "rest"
+endpoints = ["127.0.0.1:9000"]
+[[models]]
+name = "m"
+versions = [ { version = "1", backend = "b" } ]
+"#;
+
+    /// A gateway served by a configuration file of its own (`tag` names it), which reloads read.
+    fn gateway(tag: &str) -> (Arc<Gateway>, PathBuf) {
+        let path = std::env::temp_dir().join(format!("oipgate-live-{}-{tag}.toml", std::process::id()));
+        std::fs::write(&path, CONFIG).unwrap();
+        let config = Config::load(&path, &[]).unwrap();
+        let gateway = Gateway::new(config, "live-test", Some(path.clone()), Metrics::new().unwrap()).unwrap();
+        (gateway, path)
+    }
+
+    #[test]
+    fn a_request_begun_on_one_thread_and_ended_on_another_is_counted_once() {
+        let (gateway, path) = gateway("threads");
+        let here = gateway.serving();
+        let connection = gateway.begin();
+        let there = std::thread::scope(|s| s.spawn(|| gateway.serving()).join().unwrap());
+        assert_eq!(gateway.active(), 3);
+        assert!(!gateway.wait_idle(Duration::ZERO));
+        // Each request ends on the other's thread.
+        std::thread::scope(|s| {
+            s.spawn(move || drop(here));
+        });
+        drop(there);
+        assert_eq!(gateway.active(), 1);
+        drop(connection);
+        assert_eq!(gateway.active(), 0);
+        assert!(gateway.wait_idle(Duration::ZERO));
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn a_waiting_shutdown_is_woken_by_the_last_request_to_end_on_another_thread() {
+        let (gateway, path) = gateway("wake");
+        let requests: Vec<Serving> = (0..4).map(|_| gateway.serving()).collect();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // Ends them once the shutdown waits (or is about to: the shutdown sees them end either way).
+                while !gateway.drain.awaiting.load(Ordering::SeqCst) {
+                    std::thread::yield_now();
+                }
+                drop(requests);
+            });
+            // Well past any test's time: a wake-up missed would show as a test that hangs, not as a wrong answer.
+            assert!(gateway.wait_idle(Duration::from_secs(600)));
+        });
+        assert_eq!(gateway.active(), 0);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    /// Requests on this thread, to `ours` and `theirs` in turn, each get their own gateway's dispatcher and metrics.
+    fn alternate(ours: &Gateway, theirs: &Gateway) {
+        for _ in 0..2 {
+            for gateway in [ours, theirs] {
+                let serving = gateway.serving();
+                assert!(Arc::ptr_eq(&serving.dispatcher, &gateway.dispatcher()));
+                assert!(Arc::ptr_eq(&serving.metrics, gateway.metrics()));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reload_serves_new_requests_by_the_new_dispatcher_and_old_ones_by_theirs() {
+        let (other, other_path) = gateway("reload-other");
+        let (gateway, path) = gateway("reload");
+        // Both at their first dispatcher: the gateway, not the generation, tells their handles apart.
+        alternate(&gateway, &other);
+        let before = gateway.serving();
+        assert!(Arc::ptr_eq(&before.dispatcher, &gateway.dispatcher()));
+        std::fs::write(&path, CONFIG.replace("9000", "9001")).unwrap();
+        gateway.reload().await.unwrap();
+        let after = gateway.serving();
+        assert!(!Arc::ptr_eq(&before.dispatcher, &after.dispatcher));
+        assert!(Arc::ptr_eq(&after.dispatcher, &gateway.dispatcher()));
+        alternate(&gateway, &other);
+        assert_eq!(gateway.active(), 2);
+        assert_eq!(other.active(), 0);
+        std::fs::remove_file(path).unwrap();
+        std::fs::remove_file(other_path).unwrap();
     }
 }

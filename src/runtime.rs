@@ -1,5 +1,5 @@
 //! The process's helper threads: the builder thread that builds configurations and returns freed memory, and the
-//! small runtime telemetry exports run on.
+//! small runtime telemetry exports run on; and [`ThreadArc`], the handle a thread clones of what its requests share.
 
 use std::sync::{OnceLock, mpsc};
 use std::time::Duration;
@@ -97,4 +97,35 @@ fn builder() -> &'static mpsc::Sender<Job> {
         }
         queue
     })
+}
+
+/// A shared value as one thread's requests hold it: a clone of a handle that thread made, whose reference count lies
+/// on a line that thread alone writes. Clones of the shared `Arc` itself, one a request on every door thread, would
+/// move its count's cache line between the threads' cores twice a request.
+#[derive(Debug)]
+#[expect(
+    clippy::redundant_allocation,
+    reason = "the outer allocation is the thread's own count"
+)]
+pub struct ThreadArc<T>(std::sync::Arc<std::sync::Arc<T>>);
+
+impl<T> ThreadArc<T> {
+    /// A new handle on `shared`, for one thread to clone.
+    pub fn new(shared: std::sync::Arc<T>) -> ThreadArc<T> {
+        ThreadArc(std::sync::Arc::new(shared))
+    }
+}
+
+impl<T> Clone for ThreadArc<T> {
+    fn clone(&self) -> ThreadArc<T> {
+        ThreadArc(self.0.clone())
+    }
+}
+
+impl<T> std::ops::Deref for ThreadArc<T> {
+    type Target = std::sync::Arc<T>;
+
+    fn deref(&self) -> &std::sync::Arc<T> {
+        &self.0
+    }
 }

@@ -11,6 +11,7 @@ use super::metrics::{Metrics, RouteMetrics};
 use super::payload_log::Capture;
 use super::traces::Trace;
 use super::{ClientProtocol, Finished, ReportedPrincipal};
+use crate::runtime::ThreadArc;
 
 /// What a request named, as the access log writes it.
 #[derive(Debug)]
@@ -39,7 +40,7 @@ impl Target {
 /// One request as it goes; the doors fill in what they learn, and dropping it reports the request.
 #[derive(Debug)]
 pub struct RequestRecord {
-    metrics: Arc<Metrics>,
+    metrics: ThreadArc<Metrics>,
     protocol: ClientProtocol,
     started: Instant,
     /// When it ended, when the door read the clock for its other ends too (else it is read when reported).
@@ -66,13 +67,18 @@ pub struct RequestRecord {
 
 impl RequestRecord {
     /// A record of a request of `protocol` to `target`, begun now.
-    pub fn open(metrics: Arc<Metrics>, protocol: ClientProtocol, target: Target) -> RequestRecord {
+    pub fn open(metrics: ThreadArc<Metrics>, protocol: ClientProtocol, target: Target) -> RequestRecord {
         RequestRecord::begun(metrics, protocol, target, Instant::now())
     }
 
     /// A record of a request of `protocol` to `target` that began at `started`, a clock reading its door took as
     /// the request came (and keeps for the connection's own time limits).
-    pub fn begun(metrics: Arc<Metrics>, protocol: ClientProtocol, target: Target, started: Instant) -> RequestRecord {
+    pub fn begun(
+        metrics: ThreadArc<Metrics>,
+        protocol: ClientProtocol,
+        target: Target,
+        started: Instant,
+    ) -> RequestRecord {
         RequestRecord {
             metrics,
             protocol,

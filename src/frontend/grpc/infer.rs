@@ -16,8 +16,10 @@ use crate::error::Result;
 use crate::frontend::budget::AnswerBudget;
 use crate::guard::Principal;
 use crate::headers::{GRPC_ENCODING, GRPC_STATUS};
-use crate::live::{Active, Gateway};
+use crate::live::{Active, Serving};
 use crate::protocol::Reserved;
+use crate::runtime::ThreadArc;
+use crate::telemetry::metrics::Metrics;
 use crate::telemetry::payload_log::{Capture, Form};
 use crate::telemetry::record::{RequestRecord, Target};
 use crate::telemetry::traces::Trace;
@@ -29,7 +31,7 @@ const FRAME_HEADER: usize = 5;
 /// Serves one `ModelInfer` call. The call counts as under way until its answer's body is sent or dropped, so a
 /// shutdown waits for a large answer still streaming.
 pub(super) async fn model_infer<B>(
-    gateway: Arc<Gateway>,
+    serving: Serving,
     request: http::Request<B>,
     limit: usize,
     budget: Option<Arc<AnswerBudget>>,
@@ -38,11 +40,14 @@ where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
-    let active = gateway.begin();
+    let Serving {
+        dispatcher,
+        metrics,
+        active,
+    } = serving;
     let coding = answer_coding(request.headers());
     let (parts, body) = request.into_parts();
     let mut headers = parts.headers;
-    let dispatcher = gateway.dispatcher();
     let trace = dispatcher.traces().map_or_else(Trace::default, |traces| {
         super::call_span(traces, super::MODEL_INFER_PATH, &headers)
     });
@@ -69,7 +74,7 @@ where
             return status.into_http();
         }
     };
-    let answered = infer(&dispatcher, &headers, message, principal, &trace).await;
+    let answered = infer(&dispatcher, metrics, &headers, message, principal, &trace).await;
     if trace.is_on() {
         let code = answered.as_ref().err().map_or(tonic::Code::Ok, Status::code);
         trace.set("rpc.grpc.status_code", code as i64);
@@ -142,6 +147,7 @@ fn reserved(message: &[u8]) -> Result<Reserved> {
 /// the model it named.
 async fn infer(
     dispatcher: &Dispatcher,
+    metrics: ThreadArc<Metrics>,
     headers: &HeaderMap,
     message: Bytes,
     principal: Option<Arc<Principal>>,
@@ -169,11 +175,7 @@ async fn infer(
         }
         Err(error) => (Err(error.clone()), dispatcher.metrics().unknown_route()),
     };
-    let mut record = RequestRecord::open(
-        dispatcher.metrics().clone(),
-        ClientProtocol::Grpc,
-        Target::Method("ModelInfer"),
-    );
+    let mut record = RequestRecord::open(metrics, ClientProtocol::Grpc, Target::Method("ModelInfer"));
     record.route = Some(route);
     record.request_bytes = message.len() as u64;
     record.request_id = request_id.clone();

@@ -26,7 +26,7 @@ use crate::frontend::preface;
 use crate::guard::Principal;
 use crate::headers;
 use crate::headers::{GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
-use crate::live::Gateway;
+use crate::live::{Gateway, Serving};
 use crate::proto::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use crate::proto::{
     ModelConfigRequest, ModelConfigResponse, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
@@ -369,21 +369,20 @@ where
         let limit = self.max_message_bytes;
         if request.uri().path() == MODEL_INFER_PATH {
             // Counted, logged and readied for the wire on its own path.
-            return Box::pin(infer::model_infer(self.gateway.clone(), request, limit, None).map(Ok));
+            return Box::pin(infer::model_infer(self.gateway.serving(), request, limit, None).map(Ok));
         }
-        let active = self.gateway.begin();
+        let Serving {
+            dispatcher,
+            metrics,
+            active,
+        } = self.gateway.serving();
         let path = request.uri().path().to_owned();
-        let dispatcher = self.gateway.dispatcher();
         let authenticated = authenticate(&dispatcher, &path, request.headers_mut());
         let principal = authenticated.as_ref().ok().cloned().flatten();
         // Streams are logged with their model and backend on their own path; every other call is recorded here.
         let log_here = request.uri().path() != MODEL_STREAM_INFER;
         let mut record = log_here.then(|| {
-            let mut record = RequestRecord::open(
-                self.gateway.metrics().clone(),
-                ClientProtocol::Grpc,
-                Target::Path(path.clone()),
-            );
+            let mut record = RequestRecord::open(metrics, ClientProtocol::Grpc, Target::Path(path.clone()));
             record.request_id = request.headers().get(super::REQUEST_ID).cloned();
             record.principal = principal
                 .clone()
@@ -601,7 +600,7 @@ pub async fn serve(
             let call = calls.call();
             let answer = if request.uri().path() == MODEL_INFER_PATH {
                 // Boxed: the call's state is large, and hyper moves the future it is given several times over.
-                let call = infer::model_infer(gateway.clone(), request, max_message_bytes, Some(budget.clone()));
+                let call = infer::model_infer(gateway.serving(), request, max_message_bytes, Some(budget.clone()));
                 Either::Left(Box::pin(call).map(Ok))
             } else {
                 let mut routes = routes.clone();

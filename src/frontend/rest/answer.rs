@@ -21,7 +21,8 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::frontend::REQUEST_ID;
 use crate::guard::{Admission, Principal};
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
-use crate::live::{Active, Gateway};
+use crate::live::{Active, Gateway, Serving};
+use crate::runtime::ThreadArc;
 use crate::telemetry::ClientProtocol;
 use crate::telemetry::metrics::InFlight;
 use crate::telemetry::payload_log::{Form, form_of};
@@ -33,7 +34,7 @@ use crate::telemetry::record::{RequestRecord, Target};
 pub(super) struct Record {
     /// What is reported of the request (declared first: it reports before the request stops counting as under way).
     pub(super) report: RequestRecord,
-    dispatcher: Arc<Dispatcher>,
+    dispatcher: ThreadArc<Dispatcher>,
     /// Counts the request as under way, for shutdown's drain.
     _active: Active,
     /// A proxied call, counted in flight, and the place it holds at its endpoint, until the answer is sent.
@@ -70,17 +71,12 @@ impl Record {
     /// Boxed: a record travels with its answer, which is moved from the door to the connection's writer, and a box
     /// of a size every request asks for is one the thread has just freed, still in cache.
     /// `arrived`: when the request's head had come whole.
-    pub(super) fn new(
-        dispatcher: Arc<Dispatcher>,
-        active: Active,
-        uri: Option<http::Uri>,
-        arrived: Instant,
-    ) -> Box<Record> {
+    pub(super) fn new(serving: Serving, uri: Option<http::Uri>, arrived: Instant) -> Box<Record> {
         let target = uri.map_or(Target::Unknown, Target::Uri);
         Box::new(Record {
-            report: RequestRecord::begun(dispatcher.metrics().clone(), ClientProtocol::Rest, target, arrived),
-            dispatcher,
-            _active: active,
+            report: RequestRecord::begun(serving.metrics, ClientProtocol::Rest, target, arrived),
+            dispatcher: serving.dispatcher,
+            _active: serving.active,
             in_flight: None,
             lease: None,
             relayed: None,
@@ -95,7 +91,7 @@ impl Record {
     /// error: reported, when dropped, as a request of unknown target, so that hostile or broken clients show in the
     /// metrics and the access log as every other refusal does.
     pub(super) fn refused(gateway: &Arc<Gateway>, status: StatusCode, body_bytes: usize) -> Box<Record> {
-        let mut record = Record::new(gateway.dispatcher(), gateway.begin(), None, Instant::now());
+        let mut record = Record::new(gateway.serving(), None, Instant::now());
         record.status = Some(status.as_u16());
         record.response_bytes = body_bytes as u64;
         record

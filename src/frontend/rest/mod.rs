@@ -98,7 +98,7 @@ impl RestDoor {
         arrived: std::time::Instant,
     ) -> Response<AnswerBody> {
         let uri = Some(parts.uri.clone());
-        let mut record = Record::new(self.gateway.dispatcher(), self.gateway.begin(), uri, arrived);
+        let mut record = Record::new(self.gateway.serving(), uri, arrived);
         record.answer_coding = crate::codec::compression::answer_coding(&parts.headers);
         record.writes_lines = parts.version < http::Version::HTTP_2;
         if let Some(traces) = record.dispatcher().traces() {

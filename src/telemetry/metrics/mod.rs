@@ -649,7 +649,7 @@ mod tests {
         let call = metrics.backend("fleet-a").call();
         let before = std::time::Instant::now();
         let mut record = crate::telemetry::record::RequestRecord::open(
-            metrics.clone(),
+            crate::runtime::ThreadArc::new(metrics.clone()),
             ClientProtocol::Rest,
             crate::telemetry::record::Target::Unknown,
         );
