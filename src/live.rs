@@ -14,7 +14,7 @@ use arc_swap::ArcSwap;
 
 use crate::config::{Config, Discovery, Endpoint, Problem};
 use crate::dispatch::Dispatcher;
-use crate::runtime::ThreadArc;
+use crate::runtime::{ThreadArc, ThreadWeak};
 use crate::telemetry::metrics::Metrics;
 use crate::tls::{BackendMaterial, Prepared, ServerIdentity};
 
@@ -140,13 +140,13 @@ pub struct Serving {
     pub active: Active,
 }
 
-/// What a thread holds of the gateway it last served: its handles on the dispatcher of `generation` and on the
-/// metrics, and its count of requests under way. A door thread lets the dispatcher a reload replaced go at its next
-/// request.
+/// What a thread holds of the gateway it last served: its handle on the dispatcher of `generation`, while a request
+/// on the thread holds it (so a dispatcher a reload replaced is let go when its last request ends, as it would be
+/// without handles), its handle on the metrics, and its count of requests under way.
 struct ThreadHeld {
     gateway: u64,
     generation: u64,
-    dispatcher: ThreadArc<Dispatcher>,
+    dispatcher: ThreadWeak<Dispatcher>,
     metrics: ThreadArc<Metrics>,
     count: Arc<UnderWay>,
 }
@@ -223,10 +223,21 @@ impl Gateway {
     /// What a new request holds of the gateway: the current dispatcher, the metrics, and its place among the requests
     /// under way, all through this thread's handles.
     pub fn serving(&self) -> Serving {
-        self.held(|held| Serving {
-            dispatcher: held.dispatcher.clone(),
-            metrics: held.metrics.clone(),
-            active: Active::new(&held.count),
+        self.held(|held| {
+            // Read before the dispatcher is: a handle is never older than the generation it is kept for.
+            let generation = self.generation.load(Ordering::Acquire);
+            let kept = held.dispatcher.upgrade().filter(|_| held.generation == generation);
+            let dispatcher = kept.unwrap_or_else(|| {
+                let dispatcher = ThreadArc::new(self.current.load_full());
+                held.dispatcher = ThreadArc::downgrade(&dispatcher);
+                held.generation = generation;
+                dispatcher
+            });
+            Serving {
+                dispatcher,
+                metrics: held.metrics.clone(),
+                active: Active::new(&held.count),
+            }
         })
     }
 
@@ -235,45 +246,29 @@ impl Gateway {
         self.held(|held| Active::new(&held.count))
     }
 
-    /// `with` this thread's handles on the gateway, made anew when the thread last served another gateway or an
-    /// older dispatcher.
-    fn held<T>(&self, with: impl Fn(&ThreadHeld) -> T) -> T {
-        // Read before the dispatcher is: a handle is never older than the generation it is kept for.
-        let generation = self.generation.load(Ordering::Acquire);
-        let fresh = |held: &ThreadHeld| held.gateway == self.id && held.generation == generation;
+    /// `with` this thread's handles on the gateway, made anew when the thread last served another one.
+    fn held<T>(&self, with: impl Fn(&mut ThreadHeld) -> T) -> T {
         let made = HELD.try_with(|cell| {
             let mut cell = cell.borrow_mut();
-            if let Some(held) = cell.as_ref().filter(|held| fresh(held)) {
-                return Ok(with(held));
-            }
-            let previous = cell.take();
-            let held = self.thread_held(previous.as_ref(), generation);
-            let answer = with(&held);
-            *cell = Some(held);
-            // The handles replaced are let go once the thread's cell is free again: the last of an old dispatcher
-            // may be dropped with them.
-            Err((answer, previous))
+            let previous = cell.take_if(|held| held.gateway != self.id);
+            let answer = with(cell.get_or_insert_with(|| self.thread_held()));
+            // Another gateway's handles are let go once the thread's cell is free again.
+            drop(cell);
+            drop(previous);
+            answer
         });
-        match made {
-            Ok(Ok(answer)) => answer,
-            Ok(Err((answer, previous))) => {
-                drop(previous);
-                answer
-            }
-            // The thread is ending: handles of its own, for this request alone.
-            Err(_) => with(&self.thread_held(None, generation)),
-        }
+        // A thread that is ending: handles of its own, for this request alone.
+        made.unwrap_or_else(|_| with(&mut self.thread_held()))
     }
 
-    /// A thread's handles on the dispatcher of `generation`, keeping those of `previous` that still hold.
-    fn thread_held(&self, previous: Option<&ThreadHeld>, generation: u64) -> ThreadHeld {
-        let previous = previous.filter(|held| held.gateway == self.id);
+    /// A thread's handles on this gateway, with its own count of requests under way.
+    fn thread_held(&self) -> ThreadHeld {
         ThreadHeld {
             gateway: self.id,
-            generation,
-            dispatcher: ThreadArc::new(self.current.load_full()),
-            metrics: previous.map_or_else(|| ThreadArc::new(self.metrics.clone()), |held| held.metrics.clone()),
-            count: previous.map_or_else(|| self.drain.count(), |held| held.count.clone()),
+            generation: 0,
+            dispatcher: ThreadWeak::none(),
+            metrics: ThreadArc::new(self.metrics.clone()),
+            count: self.drain.count(),
         }
     }
 
@@ -779,11 +774,14 @@ versions = [ { version = "1", backend = "b" } ]
         assert!(Arc::ptr_eq(&before.dispatcher, &gateway.dispatcher()));
         std::fs::write(&path, CONFIG.replace("9000", "9001")).unwrap();
         gateway.reload().await.unwrap();
+        // The replaced dispatcher goes with its last request, though the thread it served has not served again.
+        let replaced = Arc::downgrade(&before.dispatcher);
+        drop(before);
+        assert!(replaced.upgrade().is_none());
         let after = gateway.serving();
-        assert!(!Arc::ptr_eq(&before.dispatcher, &after.dispatcher));
         assert!(Arc::ptr_eq(&after.dispatcher, &gateway.dispatcher()));
         alternate(&gateway, &other);
-        assert_eq!(gateway.active(), 2);
+        assert_eq!(gateway.active(), 1);
         assert_eq!(other.active(), 0);
         std::fs::remove_file(path).unwrap();
         std::fs::remove_file(other_path).unwrap();

@@ -114,6 +114,27 @@ impl<T> ThreadArc<T> {
     pub fn new(shared: std::sync::Arc<T>) -> ThreadArc<T> {
         ThreadArc(std::sync::Arc::new(shared))
     }
+
+    /// A reference to the handle that does not keep it, for the thread to clone again while some clone lives.
+    pub fn downgrade(handle: &ThreadArc<T>) -> ThreadWeak<T> {
+        ThreadWeak(std::sync::Arc::downgrade(&handle.0))
+    }
+}
+
+/// A [`ThreadArc`] that does not keep the handle (or the shared value) alive.
+#[derive(Debug)]
+pub struct ThreadWeak<T>(std::sync::Weak<std::sync::Arc<T>>);
+
+impl<T> ThreadWeak<T> {
+    /// A reference to no handle.
+    pub fn none() -> ThreadWeak<T> {
+        ThreadWeak(std::sync::Weak::new())
+    }
+
+    /// A clone of the handle, while some clone of it lives.
+    pub fn upgrade(&self) -> Option<ThreadArc<T>> {
+        self.0.upgrade().map(ThreadArc)
+    }
 }
 
 impl<T> Clone for ThreadArc<T> {
