@@ -97,7 +97,8 @@ impl Record {
         record
     }
 
-    pub(super) fn dispatcher(&self) -> &Arc<Dispatcher> {
+    /// The request's dispatcher; a clone of it is the thread's handle, whose count no other door thread writes.
+    pub(super) fn dispatcher(&self) -> &ThreadArc<Dispatcher> {
         &self.dispatcher
     }
 }

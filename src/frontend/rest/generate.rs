@@ -66,7 +66,8 @@ impl RestDoor {
         version: Option<&str>,
         call: StreamCall,
     ) -> Result<PendingAnswer> {
-        let dispatcher = record.dispatcher().clone();
+        // The dispatcher itself, not the thread's handle: the backend stream's task owns it.
+        let dispatcher = std::sync::Arc::clone(record.dispatcher());
         let forward = crate::headers::for_backend(&parts.headers);
         // The call's id (the client's, or the one made for it) goes to the backend, the answer and the logs.
         record.request_id = forward.get(crate::headers::REQUEST_ID).cloned();
