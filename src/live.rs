@@ -770,18 +770,33 @@ versions = [ { version = "1", backend = "b" } ]
         let (gateway, path) = gateway("reload");
         // Both at their first dispatcher: the gateway, not the generation, tells their handles apart.
         alternate(&gateway, &other);
+        // A request on a thread that then idles, and one on this thread, both by the first dispatcher.
+        let (sent, received) = std::sync::mpsc::channel();
+        let (finish, finished) = std::sync::mpsc::channel::<()>();
+        let idle = std::thread::spawn({
+            let gateway = gateway.clone();
+            move || {
+                sent.send(gateway.serving()).unwrap();
+                let _ = finished.recv();
+            }
+        });
+        let elsewhere = received.recv().unwrap();
         let before = gateway.serving();
         assert!(Arc::ptr_eq(&before.dispatcher, &gateway.dispatcher()));
         std::fs::write(&path, CONFIG.replace("9000", "9001")).unwrap();
         gateway.reload().await.unwrap();
-        // The replaced dispatcher goes with its last request, though the thread it served has not served again.
-        let replaced = Arc::downgrade(&before.dispatcher);
-        drop(before);
-        assert!(replaced.upgrade().is_none());
+        // A request after the reload gets the new dispatcher, while one from before still holds the old one.
         let after = gateway.serving();
         assert!(Arc::ptr_eq(&after.dispatcher, &gateway.dispatcher()));
+        assert!(!Arc::ptr_eq(&after.dispatcher, &before.dispatcher));
+        // The old one goes with its last request, though the idle thread it served is still there.
+        let replaced = Arc::downgrade(&before.dispatcher);
+        drop((before, elsewhere, after));
+        assert!(replaced.upgrade().is_none());
+        finish.send(()).unwrap();
+        idle.join().unwrap();
         alternate(&gateway, &other);
-        assert_eq!(gateway.active(), 1);
+        assert_eq!(gateway.active(), 0);
         assert_eq!(other.active(), 0);
         std::fs::remove_file(path).unwrap();
         std::fs::remove_file(other_path).unwrap();
