@@ -1,9 +1,10 @@
 # Offline checks of deploy/, config/gateway.toml and the Dockerfile; run by scripts/deploy-check, in its venv.
 """Renders every kustomization under deploy/ the way kustomize would (for the fields used here), validates each
 resource against the Kubernetes schemas with kubernetes-validate (strict) and each custom resource against the
-openAPIV3Schema of its CRD's checked-in copy in deploy/crds (strict too: unknown fields fail), then checks that the
-manifests, the gateway configuration, the InferencePool example's endpoint picker, the shared-limits example's Redis
-and the Dockerfile agree with each other, and that oipgate accepts each configuration a ConfigMap carries.
+openAPIV3Schema of its CRD's checked-in copy in deploy/crds (strict too: unknown fields fail) and its CEL rules
+(deploy_check_cel), then checks that the manifests, the gateway configuration, the InferencePool example's endpoint
+picker, the shared-limits example's Redis and the Dockerfile agree with each other, and that oipgate accepts each
+configuration a ConfigMap carries.
 
 Every failure is printed as `FAIL ...` with what was expected; the exit status is 1 when any check failed.
 """
@@ -27,6 +28,8 @@ except ImportError:  # Python < 3.11
 import jsonschema
 import kubernetes_validate
 import yaml
+
+import deploy_check_cel
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: the CRD copies are large
 
@@ -384,26 +387,24 @@ def validate(resources, crds):
 CRD_SOURCE = re.compile(r"^# Source: https://github\.com/[\w.-]+/[\w.-]+\n#   path: +\S+\n#   tag: +\S+\n"
                         r"#   commit: +[0-9a-f]{40}$", re.MULTILINE)
 # OpenAPI keywords that validate nothing (or nothing checked here: `format`, whose int32/int64/date-time the API
-# server checks loosely, and the CEL rules of x-kubernetes-validations, counted and reported instead).
+# server checks loosely). The CEL rules of x-kubernetes-validations are evaluated apart (deploy_check_cel).
 _ANNOTATIONS = {"description", "default", "example", "externalDocs", "nullable", "format", "title"}
 
 
-def strict_schema(schema, counter):
+def strict_schema(schema):
     """An OpenAPI v3 structural schema as a JSON Schema (draft 4, OpenAPI 3.0's base) that refuses what structural
     pruning would drop: every object without additionalProperties or x-kubernetes-preserve-unknown-fields takes its
-    listed properties only. `counter` counts the CEL rules left unchecked."""
+    listed properties only."""
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key == "properties":
-            out[key] = {name: strict_schema(sub, counter) for name, sub in value.items()}
+            out[key] = {name: strict_schema(sub) for name, sub in value.items()}
         elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
-            out[key] = strict_schema(value, counter)
+            out[key] = strict_schema(value)
         elif key in ("allOf", "anyOf", "oneOf"):
-            out[key] = [strict_schema(sub, counter) for sub in value]
-        elif key == "x-kubernetes-validations":
-            counter[0] += len(value)
+            out[key] = [strict_schema(sub) for sub in value]
         elif key.startswith("x-kubernetes-") or key in _ANNOTATIONS:
             continue
         else:
@@ -418,8 +419,8 @@ def strict_schema(schema, counter):
 
 
 def load_crds():
-    """(group, kind) -> {version: (validator, CEL rules unchecked, source file)} for the served versions of every
-    CRD copy in deploy/crds, each of which must name its upstream source."""
+    """(group, kind) -> {version: (validator, CEL rules, source file)} for the served versions of every CRD copy in
+    deploy/crds, each of which must name its upstream source."""
     crds = {}
     for path in sorted(list(CRDS.glob("*.yaml")) + list(CRDS.glob("*.yml"))):
         text = path.read_text(encoding="utf-8")
@@ -435,12 +436,12 @@ def load_crds():
         for version in spec["versions"]:
             if not version.get("served"):
                 continue
-            counter = [0]
-            schema = strict_schema(version["schema"]["openAPIV3Schema"], counter)
+            schema = strict_schema(version["schema"]["openAPIV3Schema"])
             # metadata is the API server's ObjectMeta, checked as a core object's below.
             schema.setdefault("properties", {})["metadata"] = {"type": "object"}
             jsonschema.Draft4Validator.check_schema(schema)
-            versions[version["name"]] = (jsonschema.Draft4Validator(schema), counter[0], rel(path))
+            rules = deploy_check_cel.Rules(version["schema"]["openAPIV3Schema"])
+            versions[version["name"]] = (jsonschema.Draft4Validator(schema), rules, rel(path))
         crds[(spec["group"], spec["names"]["kind"])] = versions
         ok(f"{rel(path)}: {spec['names']['kind']}.{spec['group']}, served versions {', '.join(versions)}")
     return crds
@@ -451,7 +452,7 @@ def validate_custom(document, where, versions):
     if version not in versions:
         fail(f"{where}: {document['apiVersion']} is not a served version of its CRD ({', '.join(versions)})")
         return
-    validator, cel_rules, source = versions[version]
+    validator, rules, source = versions[version]
     errors = sorted(validator.iter_errors(document), key=lambda e: [str(p) for p in e.absolute_path])
     for error in errors:
         field = ".".join(str(part) for part in error.absolute_path) or "(top level)"
@@ -464,8 +465,60 @@ def validate_custom(document, where, versions):
     except kubernetes_validate.ValidationError as e:
         errors = [e]
         fail(f"{where}: metadata.{'.'.join(str(p) for p in list(e.path)[1:])}: {e.message}")
-    if not errors:
-        ok(f"{where}: valid for {source} (strict; {cel_rules} CEL rules not evaluated)")
+    if errors:
+        return
+    # The CEL rules read a resource the schema admits (a rule reading a field of the wrong type only errs).
+    broken = rules.failures(document)
+    for failure in broken:
+        fail(f"{where} breaks a CEL rule of {source}: {failure}")
+    if not broken:
+        ok(f"{where}: valid for {source} (strict; holds its CEL rules: {rules.evaluated} in the schema, "
+           f"{rules.on_update} more for updates only)")
+
+
+# What each mutation of the InferencePool example's resources breaks: (kind, what it does, change, the message of the
+# rule that must refuse it). Each mutation is valid by the schema alone, so only the CEL evaluation can refuse it.
+CEL_MUTATIONS = [
+    ("HTTPRoute", "a path prefix without its leading slash",
+     lambda route: route["spec"]["rules"][0]["matches"][0]["path"].update(value="inference.GRPCInferenceService/"),
+     "value must be an absolute path and start with '/' when type one of ['Exact', 'PathPrefix']"),
+    ("GRPCRoute", "a method match naming neither service nor method (its type defaulted to Exact)",
+     lambda route: route["spec"]["rules"][0]["matches"][0].update(method={}),
+     "One or both of 'service' or 'method' must be specified"),
+    ("GRPCRoute", "a service name with a slash",
+     lambda route: route["spec"]["rules"][0]["matches"][0]["method"].update(service="inference/GRPCInference"),
+     "service must only contain valid characters"),
+    ("InferencePool", "an endpoint picker with no port (its kind defaulted to Service)",
+     lambda pool: pool["spec"]["endpointPickerRef"].pop("port"),
+     "port is required when kind is 'Service' or unspecified"),
+    ("InferencePool", "a target port listed twice",
+     lambda pool: pool["spec"]["targetPorts"].append(dict(pool["spec"]["targetPorts"][0])),
+     "port number must be unique"),
+]
+
+
+def check_cel_rules(resources, crds):
+    """The CEL evaluation refuses what an API server would: each of CEL_MUTATIONS, made to a copy of the InferencePool
+    example's resource, passes the schema and breaks the rule it names (and no other); the resource as it is breaks
+    none."""
+    for kind, what, change, message in CEL_MUTATIONS:
+        resource = next((r for r in resources if r["kind"] == kind), None)
+        if resource is None:
+            fail(f"{rel(INFERENCE_POOL)} has no {kind} to check the CEL rules on")
+            continue
+        document = copy.deepcopy({key: value for key, value in resource.items() if key != "_source"})
+        change(document)
+        validator, rules, source = crds[(group_of(resource), kind)][document["apiVersion"].split("/")[-1]]
+        schema_errors = [error.message for error in validator.iter_errors(document)]
+        broken = rules.failures(document)
+        if schema_errors:
+            fail(f"{kind} with {what} should pass the schema of {source} and fail only its CEL rules, but the schema "
+                 f"refuses it: {schema_errors[0]}")
+        elif len(broken) == 1 and message in broken[0]:
+            ok(f"{kind} with {what}: refused by {source}'s rule ({broken[0].split(' (rule:')[0]})")
+        else:
+            fail(f"{kind} with {what} should break exactly the rule `{message}` of {source}; it broke "
+                 f"{broken or 'none'}")
 
 
 def find(resources, kind, name):
@@ -1120,6 +1173,9 @@ def main():
     for required in (BASE, WITH_MODEL_SERVERS, INFERENCE_POOL, SHARED_LIMITS):
         if required not in rendered:
             raise Fatal(f"{rel(required)}/kustomization.yaml is missing")
+
+    section(f"the CEL rules of {rel(CRDS)}, on mutations of {rel(INFERENCE_POOL)}'s resources")
+    check_cel_rules(rendered[INFERENCE_POOL], crds)
 
     section(f"gateway manifests in {rel(BASE)} against config/gateway.toml")
     check_gateway(rendered[BASE], config, config_text)
