@@ -321,16 +321,23 @@ impl Guard {
         self.auth.as_ref()?.jwt.as_ref().map(|(_, keys)| keys.clone())
     }
 
-    /// Whether calls need a principal.
-    pub fn is_on(&self) -> bool {
-        self.auth.is_some()
-    }
-
     /// The caller named by `headers` (`Authorization: Bearer`, or `x-api-key`): `None` when no `[auth]` is
     /// configured; refused when a credential is missing or not valid. The error never repeats the credential.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Option<Arc<Principal>>> {
         self.authenticated(headers)
             .map_err(|(denied, error)| self.denied(denied, error))
+    }
+
+    /// A door's call's caller, as [`Self::authenticate`] names it, its credential then taken out of `headers` (what
+    /// goes to the backend) unless the configuration forwards it; `None`, and `headers` left as they are, when no
+    /// `[auth]` is configured or the call is `open` (a health probe).
+    pub fn caller(&self, headers: &mut HeaderMap, open: bool) -> Result<Option<Arc<Principal>>> {
+        if self.auth.is_none() || open {
+            return Ok(None);
+        }
+        let principal = self.authenticate(headers)?;
+        self.strip_credentials(headers);
+        Ok(principal)
     }
 
     fn authenticated(&self, headers: &HeaderMap) -> Result<Option<Arc<Principal>>, (Denied, Error)> {

@@ -99,13 +99,7 @@ fn authenticate(
     path: &str,
     headers: &mut http::HeaderMap,
 ) -> Result<Option<Arc<Principal>>, Status> {
-    let guard = dispatcher.guard();
-    if !guard.is_on() || PROBES.contains(&path) {
-        return Ok(None);
-    }
-    let principal = guard.authenticate(headers)?;
-    guard.strip_credentials(headers);
-    Ok(principal)
+    Ok(dispatcher.guard().caller(headers, PROBES.contains(&path))?)
 }
 
 fn context_of(headers: &http::HeaderMap) -> CallContext {

@@ -423,12 +423,8 @@ fn hold(reply: PendingAnswer, budget: &Arc<AnswerBudget>) -> Result<PendingAnswe
 /// Names the caller when `[auth]` asks for one (health probes need none), and keeps the credential from the
 /// backend unless the configuration forwards it.
 fn authenticate(parts: &mut http::request::Parts, record: &mut Record) -> Result<()> {
-    let guard = record.dispatcher().guard();
-    if !guard.is_on() || matches!(parts.uri.path(), "/v2/health/live" | "/v2/health/ready") {
-        return Ok(());
-    }
-    let principal = guard.authenticate(&parts.headers)?;
-    guard.strip_credentials(&mut parts.headers);
+    let probe = matches!(parts.uri.path(), "/v2/health/live" | "/v2/health/ready");
+    let principal = record.dispatcher().guard().caller(&mut parts.headers, probe)?;
     record.report.principal = principal
         .clone()
         .map(|principal| principal as Arc<dyn crate::telemetry::ReportedPrincipal>);
