@@ -14,8 +14,9 @@ use crate::protocol::Sequence;
 use crate::routing::Affinity;
 use arc_swap::ArcSwapOption;
 use prometheus::IntGauge;
+use prometheus::core::Atomic;
 
-use crate::telemetry::metrics::Counter;
+use crate::telemetry::metrics::{Counter, PerThreadCount};
 
 /// Retries allowed beyond this share of a backend's calls are refused (plus a small floor so a quiet backend can
 /// still retry).
@@ -242,7 +243,10 @@ impl EndpointState {
     /// Records a call's outcome for outlier detection; `failed` is a connection failure, 5xx or UNAVAILABLE.
     pub fn observed(&self, failed: bool, policy: &BackendPolicy) {
         if !failed {
-            self.consecutive_failures.store(0, Ordering::Relaxed);
+            // Read first: a store on every call would take the line from the other threads' cores each time.
+            if self.consecutive_failures.load(Ordering::Relaxed) != 0 {
+                self.consecutive_failures.store(0, Ordering::Relaxed);
+            }
             // A success after the cool-down ends an ejection (calls reach it when nothing probes it).
             if !self.ejected.load(Ordering::Acquire) {
                 return;
@@ -319,7 +323,8 @@ pub struct Endpoints {
     pub states: Vec<Arc<EndpointState>>,
     pub policy: BackendPolicy,
     next: AtomicUsize,
-    calls: AtomicU64,
+    /// Counted on each call's own thread (a count every call writes, read only when a retry is weighed).
+    calls: PerThreadCount,
     retries: AtomicU64,
     /// Counts `least_load` choices made on calls under way for want of a recent scrape.
     fallbacks: Option<Counter>,
@@ -336,7 +341,7 @@ impl Endpoints {
             states,
             policy,
             next: AtomicUsize::new(0),
-            calls: AtomicU64::new(0),
+            calls: PerThreadCount::new(0),
             retries: AtomicU64::new(0),
             fallbacks,
         }
@@ -467,7 +472,7 @@ impl Endpoints {
             Affinity::None => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, model, None),
         };
         let state = self.states[index].clone();
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls.inc_by(1);
         let mut began = began;
         let permit = match &state.slots {
             None => None,
@@ -631,7 +636,7 @@ impl Endpoints {
 
     /// Whether one more retry fits the budget; takes it when it does.
     pub fn take_retry(&self) -> bool {
-        let calls = self.calls.load(Ordering::Relaxed);
+        let calls = self.calls.get();
         let retries = self.retries.load(Ordering::Relaxed);
         #[allow(
             clippy::cast_precision_loss,
@@ -710,6 +715,30 @@ mod tests {
         state.probed(true, HashSet::new(), &policy);
         assert!(state.is_available(), "a good probe after the cool-down");
         assert!(!state.ejected.load(Ordering::Relaxed));
+    }
+
+    /// The retry budget grows with the calls leased on every thread: its floor at first, then a fifth of the calls
+    /// more, each retry taken once.
+    #[test]
+    fn the_retry_budget_is_its_floor_and_a_share_of_the_calls_every_thread_leased() {
+        let policy = BackendPolicy::default();
+        let endpoints = Endpoints::from_states(vec![Arc::new(endpoint(&policy))], policy, None);
+        let taken = |endpoints: &Endpoints| std::iter::from_fn(|| endpoints.take_retry().then_some(())).count();
+        assert_eq!(taken(&endpoints), 10);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+                    for _ in 0..100 {
+                        runtime
+                            .block_on(endpoints.lease("b", ("m", "1"), &Affinity::None, &[], None))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(taken(&endpoints), 80);
+        assert!(!endpoints.take_retry());
     }
 
     /// A call that finds its place at once starts when its caller read the clock; one that waits for its place

@@ -14,7 +14,7 @@ pub use streams::{StreamLeg, StreamResult};
 
 use handles::{BackendFamilies, BackendSeries};
 pub use handles::{BackendMetrics, InFlight, MirrorResult, RouteMetrics};
-pub use sharded::Counter;
+pub use sharded::{Counter, PerThreadCount};
 use sharded::{CounterVec, Histogram, HistogramVec, LevelVec};
 
 use std::sync::{Arc, OnceLock};
