@@ -26,17 +26,24 @@ OUT = ROOT / "target" / "bench"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    """A port no server listens on, taken below the kernel's range for outgoing connections (32768 up by default):
-    a port the kernel picks for a listener is one its next outgoing connection may take as its own before the
-    server binds it, which happened between two runs here ("Address already in use")."""
+    """A port no server listens on and not handed out before in this process, taken below the kernel's range for
+    outgoing connections (32768 up by default): a port the kernel picks for a listener is one its next outgoing
+    connection may take as its own before the server binds it, which happened between two runs here ("Address
+    already in use"); and the ports of a run are all picked before its servers bind them, so two picks must differ."""
     for _ in range(1000):
         port = random.randrange(20000, 32768)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise SystemExit("bench: no free port in 20000-32767")
 

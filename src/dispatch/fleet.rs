@@ -584,6 +584,10 @@ impl Endpoints {
 
     /// Picks one of the `eligible` endpoints for a call to the backend's model `model`.
     fn choose(&self, eligible: &[usize], model: &str, sticky: Option<u64>) -> usize {
+        // One to choose from: the turn's counter, which every call would move, is left alone.
+        if let [only] = eligible {
+            return *only;
+        }
         match (self.policy.lb, sticky) {
             (LoadBalancing::ConsistentHash, Some(key)) => {
                 // Rendezvous hashing: each key goes to the eligible endpoint scoring highest for it, so losing an

@@ -1,9 +1,10 @@
 //! What an endpoint's calls did over the last minute: how many, how many failed, and their latency's median and
 //! 99th percentile, for the fleet status page. Sixty one-second slots of atomic counters, written by every call
-//! without a lock and allocated at the endpoint's first call.
+//! without a lock: a set of them for each of a few threads (allocated at its first call to the endpoint), so that
+//! calls on different threads write no cache line in common, summed when read.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -42,10 +43,29 @@ struct Slot {
     latency: [AtomicU32; BOUNDS_MS.len()],
 }
 
+/// How many sets of slots a window has: threads past this many share them (their counts stay exact; only their
+/// writes meet again).
+const SHARDS: usize = 8;
+
 /// One endpoint's last minute.
 #[derive(Debug, Default)]
 pub struct Window {
+    shards: [Shard; SHARDS],
+}
+
+/// One thread's slots (or a few threads'), with the moment its seconds count from.
+#[derive(Debug, Default)]
+struct Shard {
     slots: OnceLock<(Instant, Box<[Slot]>)>,
+}
+
+/// The set of slots this thread writes.
+fn shard_index() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    INDEX.with(|index| *index)
 }
 
 /// A minute summed.
@@ -62,6 +82,44 @@ impl Window {
     /// Records one call's outcome and how long it took, `now` being when it ended (read once by the caller, which
     /// timed the call with it).
     pub fn record(&self, failed: bool, took: Duration, now: Instant) {
+        self.shards[shard_index()].record(failed, took, now);
+    }
+
+    /// The last sixty seconds.
+    pub fn summary(&self) -> Summary {
+        let mut summary = Summary::default();
+        let mut latency = [0u64; BOUNDS_MS.len()];
+        for shard in &self.shards {
+            shard.add_to(&mut summary, &mut latency);
+        }
+        let counted: u64 = latency.iter().sum();
+        let quantile = |q: f64| {
+            #[allow(
+                clippy::cast_precision_loss,
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss
+            )]
+            let rank = ((counted as f64) * q).ceil().max(1.0) as u64;
+            let mut seen = 0;
+            latency.iter().zip(BOUNDS_MS).find_map(|(count, bound)| {
+                seen += count;
+                (seen >= rank).then_some(if bound.is_finite() {
+                    bound
+                } else {
+                    BOUNDS_MS[BOUNDS_MS.len() - 2]
+                })
+            })
+        };
+        if counted > 0 {
+            summary.p50_ms = quantile(0.5);
+            summary.p99_ms = quantile(0.99);
+        }
+        summary
+    }
+}
+
+impl Shard {
+    fn record(&self, failed: bool, took: Duration, now: Instant) {
         let (start, slots) = self
             .slots
             .get_or_init(|| (now, (0..SLOTS).map(|_| Slot::default()).collect()));
@@ -94,14 +152,12 @@ impl Window {
         slot.latency[bucket].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The last sixty seconds.
-    pub fn summary(&self) -> Summary {
+    /// Adds this shard's last sixty seconds of calls to `summary` and its latency counts to `latency`.
+    fn add_to(&self, summary: &mut Summary, latency: &mut [u64; BOUNDS_MS.len()]) {
         let Some((start, slots)) = self.slots.get() else {
-            return Summary::default();
+            return;
         };
         let now = start.elapsed().as_secs() + 1;
-        let mut summary = Summary::default();
-        let mut latency = [0u64; BOUNDS_MS.len()];
         for slot in slots.iter() {
             let second = slot.second.load(Ordering::Acquire);
             if second == 0 || now - second >= SLOTS as u64 {
@@ -113,29 +169,6 @@ impl Window {
                 *total += u64::from(bucket.load(Ordering::Relaxed));
             }
         }
-        let counted: u64 = latency.iter().sum();
-        let quantile = |q: f64| {
-            #[allow(
-                clippy::cast_precision_loss,
-                clippy::cast_possible_truncation,
-                clippy::cast_sign_loss
-            )]
-            let rank = ((counted as f64) * q).ceil().max(1.0) as u64;
-            let mut seen = 0;
-            latency.iter().zip(BOUNDS_MS).find_map(|(count, bound)| {
-                seen += count;
-                (seen >= rank).then_some(if bound.is_finite() {
-                    bound
-                } else {
-                    BOUNDS_MS[BOUNDS_MS.len() - 2]
-                })
-            })
-        };
-        if counted > 0 {
-            summary.p50_ms = quantile(0.5);
-            summary.p99_ms = quantile(0.99);
-        }
-        summary
     }
 }
 
@@ -156,5 +189,26 @@ mod tests {
         assert_eq!((summary.calls, summary.failures), (100, 2));
         assert_eq!(summary.p50_ms, Some(1.0));
         assert_eq!(summary.p99_ms, Some(32.0));
+    }
+
+    /// Calls recorded on many threads (more than the window's sets of slots) are all summed, each once.
+    #[test]
+    fn calls_on_many_threads_are_summed_across_their_slots() {
+        let window = Window::default();
+        std::thread::scope(|scope| {
+            for thread in 0..(SHARDS + 3) {
+                let window = &window;
+                scope.spawn(move || {
+                    for call in 0..1000 {
+                        let took = Duration::from_micros(if call < 20 { 3_000 } else { 100 });
+                        window.record(call % 100 == thread % 100, took, Instant::now());
+                    }
+                });
+            }
+        });
+        let summary = window.summary();
+        assert_eq!((summary.calls, summary.failures), (11_000, 110));
+        assert_eq!(summary.p50_ms, Some(0.25));
+        assert_eq!(summary.p99_ms, Some(4.0));
     }
 }
