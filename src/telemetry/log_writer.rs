@@ -216,8 +216,9 @@ impl LogWriter {
                 lines.bytes.clear();
             }
         }
-        // A thread gone, its lines taken, needs no buffer.
-        threads.retain(|gathering| Arc::strong_count(gathering) > 1);
+        // A thread gone, its lines taken, needs no buffer (one that gathered a line after the take keeps it till
+        // the next write-out).
+        threads.retain(|gathering| Arc::strong_count(gathering) > 1 || !lock(&gathering.lines).bytes.is_empty());
         drop(threads);
         lock(&self.waiting).taken -= unused;
         if !spare.is_empty() {
