@@ -1,5 +1,6 @@
 //! The process's helper threads: the builder thread that builds configurations and returns freed memory, and the
-//! small runtime telemetry exports run on; and [`ThreadArc`], the handle a thread clones of what its requests share.
+//! small runtime telemetry exports run on; and [`ThreadArc`] and [`ThreadShared`], the handles a thread clones of
+//! what its requests share.
 
 use std::sync::{OnceLock, mpsc};
 use std::time::Duration;
@@ -99,17 +100,13 @@ fn builder() -> &'static mpsc::Sender<Job> {
     })
 }
 
-/// A shared value as one thread's requests hold it: a clone of a handle that thread made, whose reference count lies
-/// on a line that thread alone writes. Clones of the shared `Arc` itself, one a request on every door thread, would
-/// move its count's cache line between the threads' cores twice a request.
+/// A shared value as one thread's requests hold it: a clone of a handle that thread made (the outer allocation),
+/// whose reference count lies on a line that thread alone writes. Clones of the shared `Arc` itself, one a request on
+/// every door thread, would move its count's cache line between the threads' cores twice a request.
 #[derive(Debug)]
-#[expect(
-    clippy::redundant_allocation,
-    reason = "the outer allocation is the thread's own count"
-)]
-pub struct ThreadArc<T>(std::sync::Arc<std::sync::Arc<T>>);
+pub struct ThreadArc<T: ?Sized>(std::sync::Arc<std::sync::Arc<T>>);
 
-impl<T> ThreadArc<T> {
+impl<T: ?Sized> ThreadArc<T> {
     /// A new handle on `shared`, for one thread to clone.
     pub fn new(shared: std::sync::Arc<T>) -> ThreadArc<T> {
         ThreadArc(std::sync::Arc::new(shared))
@@ -121,11 +118,81 @@ impl<T> ThreadArc<T> {
     }
 }
 
+/// How many threads get handles of their own from a [`ThreadShared`] (and sets of counters of their own where a
+/// value keeps some for each thread): threads past this many share them, still correctly, only no longer apart.
+pub const THREAD_SLOTS: usize = 8;
+
+/// This thread's slot among [`THREAD_SLOTS`]: the threads that ask take them in turn, so the first few (the door
+/// threads, which ask at their first request) each have one of their own.
+pub fn thread_slot() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % THREAD_SLOTS;
+    }
+    SLOT.with(|slot| *slot)
+}
+
+/// A value the door threads share, which each clones through a [`ThreadArc`] of its own, made at its first clone
+/// (so on its own thread, from its own allocator pages): the shared count is written when a handle is made, not by
+/// each request.
+#[derive(Debug)]
+pub struct ThreadShared<T: ?Sized> {
+    shared: std::sync::Arc<T>,
+    handles: [OnceLock<ThreadArc<T>>; THREAD_SLOTS],
+}
+
+impl<T: ?Sized> ThreadShared<T> {
+    pub fn new(shared: std::sync::Arc<T>) -> ThreadShared<T> {
+        ThreadShared {
+            shared,
+            handles: [const { OnceLock::new() }; THREAD_SLOTS],
+        }
+    }
+
+    /// A clone of this thread's handle.
+    pub fn handle(&self) -> ThreadArc<T> {
+        self.handles[thread_slot()]
+            .get_or_init(|| ThreadArc::new(self.shared.clone()))
+            .clone()
+    }
+
+    /// The shared value itself, for what outlives a request or is made rarely.
+    pub fn shared(&self) -> &std::sync::Arc<T> {
+        &self.shared
+    }
+}
+
+impl<T: ?Sized> std::ops::Deref for ThreadShared<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.shared
+    }
+}
+
+impl<T: ?Sized + std::fmt::Display> std::fmt::Display for ThreadShared<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (*self.shared).fmt(f)
+    }
+}
+
+impl<T: ?Sized + std::fmt::Display> std::fmt::Display for ThreadArc<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self.0).fmt(f)
+    }
+}
+
+impl From<&str> for ThreadShared<str> {
+    fn from(name: &str) -> ThreadShared<str> {
+        ThreadShared::new(name.into())
+    }
+}
+
 /// A [`ThreadArc`] that does not keep the handle (or the shared value) alive.
 #[derive(Debug)]
-pub struct ThreadWeak<T>(std::sync::Weak<std::sync::Arc<T>>);
+pub struct ThreadWeak<T: ?Sized>(std::sync::Weak<std::sync::Arc<T>>);
 
-impl<T> ThreadWeak<T> {
+impl<T: ?Sized> ThreadWeak<T> {
     /// A reference to no handle.
     pub fn none() -> ThreadWeak<T> {
         ThreadWeak(std::sync::Weak::new())
@@ -137,16 +204,47 @@ impl<T> ThreadWeak<T> {
     }
 }
 
-impl<T> Clone for ThreadArc<T> {
+impl<T: ?Sized> Clone for ThreadArc<T> {
     fn clone(&self) -> ThreadArc<T> {
         ThreadArc(self.0.clone())
     }
 }
 
-impl<T> std::ops::Deref for ThreadArc<T> {
+impl<T: ?Sized> std::ops::Deref for ThreadArc<T> {
     type Target = std::sync::Arc<T>;
 
     fn deref(&self) -> &std::sync::Arc<T> {
         &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn a_shared_value_is_cloned_through_a_handle_of_each_threads_own() {
+        let shared = Arc::new(String::from("route"));
+        let value = ThreadShared::new(shared.clone());
+        let first = value.handle();
+        let count = Arc::strong_count(&shared);
+        let clones: Vec<_> = (0..100).map(|_| value.handle()).collect();
+        // A request's clone writes the thread's handle, not the shared count.
+        assert_eq!(Arc::strong_count(&shared), count);
+        assert!(clones.iter().all(|clone| Arc::ptr_eq(&clone.0, &first.0)));
+        assert_eq!(Arc::strong_count(&first.0), 102);
+        let (slot, other) = std::thread::scope(|scope| {
+            scope
+                .spawn(|| (thread_slot(), value.handle()))
+                .join()
+                .unwrap()
+        });
+        assert_eq!(other.as_str(), "route");
+        // Another thread has a handle of its own, unless it came past the slots and shares this one's.
+        assert_eq!(Arc::ptr_eq(&other.0, &first.0), slot == thread_slot());
+        drop((first, clones, other, value));
+        assert_eq!(Arc::strong_count(&shared), 1);
     }
 }

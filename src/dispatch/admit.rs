@@ -12,6 +12,7 @@ use crate::error::Result;
 use crate::guard::{Admission, Principal};
 use crate::protocol::Reserved;
 use crate::routing::Routed;
+use crate::runtime::ThreadArc;
 use crate::telemetry::metrics::RouteMetrics;
 use crate::telemetry::payload_log::PayloadLogger;
 use crate::telemetry::traces::Trace;
@@ -71,7 +72,7 @@ impl Dispatcher {
         &self,
         call: &CallRequest<'_>,
         start: impl Future<Output = Result<(T, Reserved)>>,
-    ) -> (Result<(AdmittedCall, T)>, Arc<RouteMetrics>) {
+    ) -> (Result<(AdmittedCall, T)>, ThreadArc<RouteMetrics>) {
         // Refused by the name it gives, whether or not that model exists.
         let admission = match (self.guard.authorize(call.principal, call.model), call.taken) {
             (Err(error), _) => Err(error),

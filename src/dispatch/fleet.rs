@@ -12,6 +12,7 @@ use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::Sequence;
 use crate::routing::Affinity;
+use crate::runtime::ThreadShared;
 use arc_swap::ArcSwapOption;
 use prometheus::IntGauge;
 use prometheus::core::Atomic;
@@ -27,7 +28,7 @@ const RETRY_BUDGET_FLOOR: u64 = 10;
 #[derive(Debug)]
 pub struct EndpointState {
     /// `host:port`; shared, as every answer's record names it.
-    pub authority: Arc<str>,
+    pub authority: ThreadShared<str>,
     in_flight: AtomicUsize,
     /// Set by active health checks; true when none are configured.
     probe_healthy: AtomicBool,
@@ -89,7 +90,7 @@ impl EndpointState {
     pub fn new(authority: String, policy: &BackendPolicy, healthy_gauge: IntGauge) -> EndpointState {
         let max_in_flight = policy.max_in_flight.map_or(usize::MAX, |n| n as usize);
         EndpointState {
-            authority: authority.into(),
+            authority: authority.as_str().into(),
             in_flight: AtomicUsize::new(0),
             probe_healthy: AtomicBool::new(true),
             good_probes: AtomicU32::new(0),

@@ -14,6 +14,7 @@ use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::guard::Guard;
 use crate::protocol::{ModelIndexEntry, ModelState, Sequence, ServerMetadata};
 use crate::routing::{Affinity, RouteTable, Routed, VersionRoute};
+use crate::runtime::{ThreadArc, ThreadShared};
 use crate::telemetry::metrics::{self, Metrics, MirrorResult, RouteMetrics};
 use crate::telemetry::payload_log::PayloadLogger;
 use crate::telemetry::traces::{Trace, Traces};
@@ -86,7 +87,7 @@ pub struct CallContext {
     pub admitted_by_door: bool,
     /// Where the door learns the endpoint its call's backend stream opened on (a REST streaming call translated
     /// onto an inference stream, for its access line).
-    pub served_by: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
+    pub served_by: Option<Arc<std::sync::OnceLock<ThreadArc<str>>>>,
 }
 
 /// The gateway's routing and backends, built once from a validated configuration.
@@ -104,8 +105,10 @@ pub struct Dispatcher {
     metadata_cache: MetadataCache,
     ready_policy: ReadyPolicy,
     metrics: Arc<Metrics>,
-    /// Metric handles by route id.
-    route_metrics: Vec<Arc<RouteMetrics>>,
+    /// Metric handles by route id, each door thread cloning its own.
+    route_metrics: Vec<ThreadShared<RouteMetrics>>,
+    /// The fixed `_unknown` route's, for calls of a model or version not configured.
+    unknown_route: ThreadShared<RouteMetrics>,
     /// The backend's REST inference path by route id, made once rather than per proxied request.
     /// Each route's inference path at its REST backend (`None` where its names make no path).
     rest_paths: Vec<Option<http::uri::PathAndQuery>>,
@@ -201,7 +204,7 @@ impl Dispatcher {
                 let backend = backends
                     .get(route.backend.index())
                     .map_or(metrics::NO_BACKEND, |b| b.name.as_str());
-                metrics.route(&route.model, &route.version, backend, principals)
+                ThreadShared::new(metrics.route(&route.model, &route.version, backend, principals))
             })
             .collect();
         let rest_paths = routes
@@ -246,6 +249,7 @@ impl Dispatcher {
                 |p| p.mirror_slots.clone(),
             ),
             route_metrics,
+            unknown_route: ThreadShared::new(metrics.unknown_route()),
             metrics,
             backends,
             request_timeout: config.limits.request_timeout,
@@ -325,15 +329,20 @@ impl Dispatcher {
         version: Option<&str>,
         headers: &HeaderMap,
         sequence: Option<Sequence>,
-    ) -> (Result<Routed>, Arc<RouteMetrics>) {
+    ) -> (Result<Routed>, ThreadArc<RouteMetrics>) {
         let routed = self.routes.route(model, version, headers, sequence);
         let metrics = routed
             .as_ref()
             .ok()
             .and_then(|routed| self.route_metrics.get(routed.route.id))
-            .cloned()
-            .unwrap_or_else(|| self.metrics.unknown_route());
+            .unwrap_or(&self.unknown_route)
+            .handle();
         (routed, metrics)
+    }
+
+    /// The counters of calls whose model or version is not configured (or could not be read).
+    pub fn unknown_route_metrics(&self) -> ThreadArc<RouteMetrics> {
+        self.unknown_route.handle()
     }
 
     /// Refuses a call of `route` at once (429 / RESOURCE_EXHAUSTED, with `Retry-After`) while every endpoint that
@@ -394,7 +403,7 @@ impl Dispatcher {
     /// counted, and when too many mirrored calls are already under way the copy is not sent at all. A sequence's
     /// copies keep to one endpoint of the mirror, as the originals do.
     pub fn mirror(&self, route: &Arc<VersionRoute>, payload: MirrorPayload, forward: &HeaderMap, affinity: &Affinity) {
-        let Some(metrics) = self.route_metrics.get(route.id).cloned() else {
+        let Some(metrics) = self.route_metrics.get(route.id).map(|metrics| metrics.shared().clone()) else {
             return;
         };
         let Ok(permit) = self.mirror_slots.clone().try_acquire_owned() else {

@@ -28,7 +28,7 @@ impl Picked {
 
     /// The endpoint holding the call's place now: the picked one, or the one the proxy reported serving it.
     pub fn serving(&self) -> &Arc<str> {
-        &self.lease.state.authority
+        self.lease.state.authority.shared()
     }
 
     /// The proxy reported `served` as the endpoint that served the call. When it is not the picked one, the picked
@@ -108,7 +108,7 @@ impl Dispatcher {
                 ),
                 _ => error,
             })?;
-        let mut endpoints = vec![lease.state.authority.clone()];
+        let mut endpoints = vec![lease.state.authority.shared().clone()];
         if fallbacks > 0 && !matches!(routed.affinity, Affinity::Sequence(_)) {
             let mut others = fleet.eligible_except(model, version, &excluded, lease.index);
             others.sort_by_key(|&i| fleet.states[i].in_flight());
@@ -116,7 +116,7 @@ impl Dispatcher {
                 others
                     .into_iter()
                     .take(fallbacks)
-                    .map(|i| fleet.states[i].authority.clone()),
+                    .map(|i| fleet.states[i].authority.shared().clone()),
             );
         }
         Ok(Picked {
@@ -134,7 +134,7 @@ impl Dispatcher {
             if let Some(index) = backend.fleet.any_available(allowed) {
                 let lease = backend.fleet.hold(index);
                 return Ok(Picked {
-                    endpoints: vec![lease.state.authority.clone()],
+                    endpoints: vec![lease.state.authority.shared().clone()],
                     lease,
                     backend: backend.clone(),
                 });

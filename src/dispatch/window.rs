@@ -4,10 +4,12 @@
 //! calls on different threads write no cache line in common, summed when read.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+
+use crate::runtime::{THREAD_SLOTS, thread_slot};
 
 const SLOTS: usize = 60;
 /// Upper bounds of the latency buckets, in milliseconds (the last catches the rest).
@@ -43,29 +45,16 @@ struct Slot {
     latency: [AtomicU32; BOUNDS_MS.len()],
 }
 
-/// How many sets of slots a window has: threads past this many share them (their counts stay exact; only their
-/// writes meet again).
-const SHARDS: usize = 8;
-
 /// One endpoint's last minute.
 #[derive(Debug, Default)]
 pub struct Window {
-    shards: [Shard; SHARDS],
+    shards: [Shard; THREAD_SLOTS],
 }
 
 /// One thread's slots (or a few threads'), with the moment its seconds count from.
 #[derive(Debug, Default)]
 struct Shard {
     slots: OnceLock<(Instant, Box<[Slot]>)>,
-}
-
-/// The set of slots this thread writes.
-fn shard_index() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
-    }
-    INDEX.with(|index| *index)
 }
 
 /// A minute summed.
@@ -82,7 +71,7 @@ impl Window {
     /// Records one call's outcome and how long it took, `now` being when it ended (read once by the caller, which
     /// timed the call with it).
     pub fn record(&self, failed: bool, took: Duration, now: Instant) {
-        self.shards[shard_index()].record(failed, took, now);
+        self.shards[thread_slot()].record(failed, took, now);
     }
 
     /// The last sixty seconds.
@@ -196,7 +185,7 @@ mod tests {
     fn calls_on_many_threads_are_summed_across_their_slots() {
         let window = Window::default();
         std::thread::scope(|scope| {
-            for thread in 0..(SHARDS + 3) {
+            for thread in 0..(THREAD_SLOTS + 3) {
                 let window = &window;
                 scope.spawn(move || {
                     for call in 0..1000 {

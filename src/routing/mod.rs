@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::config::{Config, ModelConfig};
 use crate::error::{Error, Result};
 use crate::protocol::{ByName, Sequence};
+use crate::runtime::{ThreadArc, ThreadShared};
 
 /// Where one public model version goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +69,8 @@ struct ModelRoutes {
 /// Where one request goes: the version that serves it, and the version it is mirrored to, if any.
 #[derive(Debug, Clone)]
 pub struct Routed {
-    pub route: Arc<VersionRoute>,
+    /// This thread's handle on the version (its count written by no other door thread).
+    pub route: ThreadArc<VersionRoute>,
     pub mirror: Option<Arc<VersionRoute>>,
     /// What ties the request to an endpoint: its sequence, or the hash of the model's sticky header when the request
     /// carries it (the consistent-hash key).
@@ -81,6 +83,8 @@ pub struct RouteTable {
     models: ByName<ModelRoutes>,
     /// Every route, by id.
     routes: Vec<Arc<VersionRoute>>,
+    /// Every route by id, as the door threads' requests hold it.
+    handles: Vec<ThreadShared<VersionRoute>>,
 }
 
 impl RouteTable {
@@ -95,7 +99,12 @@ impl RouteTable {
                 Ok((model.name.clone(), routes(model, timeout, &mut all)?))
             })
             .collect::<Result<_>>()?;
-        Ok(RouteTable { models, routes: all })
+        let handles = all.iter().map(|route| ThreadShared::new(route.clone())).collect();
+        Ok(RouteTable {
+            models,
+            routes: all,
+            handles,
+        })
     }
 
     /// The route for `model` at `version`, or its default version when the request names none.
@@ -133,9 +142,13 @@ impl RouteTable {
             .map(|value| xxhash_rust::xxh3::xxh3_64(value.as_bytes()));
         let split_key = sequence.as_ref().map(|s| s.version_key(model)).or(sticky);
         let route = match version.filter(|v| !v.is_empty()) {
-            Some(version) => routes.named(model, version)?.clone(),
+            Some(version) => routes.named(model, version)?,
             None => routes.split_point(split_key.unwrap_or_else(|| fastrand::u64(..))),
         };
+        let route = self
+            .handles
+            .get(route.id)
+            .map_or_else(|| ThreadArc::new(route.clone()), ThreadShared::handle);
         let mirror = routes
             .mirror
             .as_ref()
@@ -191,13 +204,13 @@ impl ModelRoutes {
 
     /// The version whose weight range holds `point`, a uniformly spread 64-bit number scaled into `[0, total)`: a
     /// change of weights moves only the points between the old and the new range ends.
-    fn split_point(&self, point: u64) -> Arc<VersionRoute> {
+    fn split_point(&self, point: u64) -> &Arc<VersionRoute> {
         let scaled = u64::try_from((u128::from(point) * u128::from(self.total_weight)) >> 64).unwrap_or(0);
         self.split
             .iter()
             .find(|(end, _)| scaled < *end)
             .or(self.split.last())
-            .map_or_else(|| self.default_version.clone(), |(_, route)| route.clone())
+            .map_or(&self.default_version, |(_, route)| route)
     }
 }
 

@@ -47,14 +47,14 @@ pub struct RequestRecord {
     ended: Option<Instant>,
     pub target: Target,
     /// The counters of the model and version an inference named; none for other calls.
-    pub route: Option<Arc<RouteMetrics>>,
+    pub route: Option<ThreadArc<RouteMetrics>>,
     /// The answer's status (a gRPC code's HTTP equivalent); none until answered, which reports the client as gone.
     pub status: Option<u16>,
     pub request_bytes: u64,
     pub response_bytes: u64,
     pub request_id: Option<HeaderValue>,
     /// The backend endpoint that answered.
-    pub endpoint: Option<Arc<str>>,
+    pub endpoint: Option<ThreadArc<str>>,
     /// Whether the request crossed between REST and gRPC (or was re-encoded) on its way.
     pub translated: bool,
     pub principal: Option<Arc<dyn ReportedPrincipal>>,
@@ -138,7 +138,7 @@ impl Drop for RequestRecord {
         // Only inferences are counted by model; every request is timed and logged.
         let ended = self.ended.unwrap_or_else(Instant::now);
         self.metrics.finished(
-            self.route.as_deref(),
+            self.route.as_deref().map(|route| &**route),
             &Finished {
                 protocol: self.protocol,
                 status,
@@ -148,7 +148,7 @@ impl Drop for RequestRecord {
                 response_bytes: self.response_bytes,
                 target: self.target.as_str(),
                 request_id: self.request_id.as_ref().and_then(|id| id.to_str().ok()),
-                endpoint: self.endpoint.as_deref(),
+                endpoint: self.endpoint.as_deref().map(|endpoint| &**endpoint),
                 translated: self.translated,
                 principal: self.principal.as_deref(),
             },

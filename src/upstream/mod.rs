@@ -26,7 +26,7 @@ pub struct BackendAnswer<T> {
     pub value: T,
     pub headers: http::HeaderMap,
     /// The endpoint that answered.
-    pub endpoint: Option<std::sync::Arc<str>>,
+    pub endpoint: Option<crate::runtime::ThreadArc<str>>,
 }
 
 /// How backend connections are made: TCP, with TLS for `https` URIs.

@@ -20,12 +20,13 @@ use crate::headers;
 use crate::headers::INFERENCE_HEADER_CONTENT_LENGTH;
 use crate::headers::PassedOn;
 use crate::protocol::{InferResponse, ModelMetadata, ModelReady, ServerMetadata, ServerReady};
+use crate::runtime::ThreadShared;
 
 /// One backend endpoint spoken to over REST. Cheap to clone; clones share their connections.
 #[derive(Debug, Clone)]
 pub struct RestUpstream {
     clients: super::ThreadClients,
-    authority: std::sync::Arc<str>,
+    authority: std::sync::Arc<ThreadShared<str>>,
     /// The endpoint's root (`http://` or, for TLS, `https://` and its address), what connections are made to.
     root: http::Uri,
     /// The `Host` every request says.
@@ -82,7 +83,7 @@ impl RestUpstream {
         let host = HeaderValue::from_str(&authority).unwrap_or(HeaderValue::from_static("localhost"));
         RestUpstream {
             clients: super::ThreadClients::new(connector),
-            authority: authority.into(),
+            authority: std::sync::Arc::new(authority.as_str().into()),
             root,
             host,
             max_response_bytes,
@@ -270,7 +271,7 @@ impl RestUpstream {
             value: response,
             headers: headers::end_to_end(&answer.headers),
 
-            endpoint: Some(self.authority.clone()),
+            endpoint: Some(self.authority.handle()),
         })
     }
 

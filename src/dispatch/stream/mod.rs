@@ -317,7 +317,7 @@ impl Dispatcher {
                     }
                     let (upstream, lease) = open_leg(&backend, &routed, renamed, context).await?;
                     if let Some(served_by) = &context.served_by {
-                        let _ = served_by.set(lease.state.authority.clone());
+                        let _ = served_by.set(lease.state.authority.handle());
                     }
                     let sent = Arc::new(AtomicU64::new(1));
                     let record = LegRecord::new(&self.metrics, &route, sent.clone(), Some(StreamResult::Cancelled))
@@ -333,7 +333,7 @@ impl Dispatcher {
                         upstream.answers,
                         lease,
                         backend.clone(),
-                        route.clone(),
+                        Arc::clone(&route),
                         (answers.clone(), id.clone()),
                         record,
                     ));

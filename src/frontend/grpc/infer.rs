@@ -173,7 +173,7 @@ async fn infer(
                 .admit(&call, async { reserved(&message).map(|reserved| ((), reserved)) })
                 .await
         }
-        Err(error) => (Err(error.clone()), dispatcher.metrics().unknown_route()),
+        Err(error) => (Err(error.clone()), dispatcher.unknown_route_metrics()),
     };
     let mut record = RequestRecord::open(metrics, ClientProtocol::Grpc, Target::Method("ModelInfer"));
     record.route = Some(route);

@@ -182,7 +182,6 @@ struct Proxied {
     /// The timer for `deadline`, made the first time the body is not at hand: most answers come whole with their
     /// head, and a timer is a registration with the runtime's clock.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    authority: Arc<str>,
     /// The renamed header is out and the body ended: nothing more to send.
     finished: bool,
     /// Compresses the answer for the client, when the backend did not.
@@ -237,7 +236,11 @@ impl Body for AnswerBody {
             Source::Chunks(chunks) => {
                 ready!(Pin::new(chunks).poll_frame(cx)).map(|frame| frame.map_err(|never| match never {}))
             }
-            Source::Proxied(proxied) => ready!(proxied.poll_chunk(cx)).map(|chunk| chunk.map(Frame::data)),
+            Source::Proxied(proxied) => {
+                let authority = this.record.as_ref().and_then(|record| record.endpoint.as_deref());
+                ready!(proxied.poll_chunk(cx, authority.map_or("", |authority| authority)))
+                    .map(|chunk| chunk.map(Frame::data))
+            }
             Source::Events(stream) => match ready!(stream.events.poll_recv(cx)) {
                 Some(event) => {
                     if stream.gather(&event)
@@ -290,12 +293,13 @@ impl Body for AnswerBody {
 
 impl Proxied {
     /// The next chunk for the client: the backend's, renamed, and compressed when the client asked for it.
-    fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
+    /// `authority`: the endpoint answering, as errors name it.
+    fn poll_chunk(&mut self, cx: &mut Context<'_>, authority: &str) -> Poll<Option<Result<Bytes>>> {
         let Some(mut compressor) = self.compressor.take() else {
-            return self.poll_plain(cx);
+            return self.poll_plain(cx, authority);
         };
         loop {
-            match self.poll_plain(cx) {
+            match self.poll_plain(cx, authority) {
                 Poll::Pending => {
                     self.compressor = Some(compressor);
                     return Poll::Pending;
@@ -313,7 +317,7 @@ impl Proxied {
         }
     }
 
-    fn poll_plain(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes>>> {
+    fn poll_plain(&mut self, cx: &mut Context<'_>, authority: &str) -> Poll<Option<Result<Bytes>>> {
         if self.finished {
             return Poll::Ready(None);
         }
@@ -329,8 +333,7 @@ impl Proxied {
                         self.finished = true;
                         self.tee = None;
                         return Poll::Ready(Some(Err(broken_answer(format!(
-                            "backend {} did not finish its answer in time",
-                            self.authority
+                            "backend {authority} did not finish its answer in time"
                         )))));
                     }
                     return Poll::Pending;
@@ -352,8 +355,7 @@ impl Proxied {
                     self.finished = true;
                     self.tee = None;
                     return Poll::Ready(Some(Err(broken_answer(format!(
-                        "backend {} broke off its answer: {error}",
-                        self.authority
+                        "backend {authority} broke off its answer: {error}"
                     )))));
                 }
                 Some(Ok(frame)) => {
@@ -465,7 +467,6 @@ pub(super) fn proxied(
         }
     }
     record.status = Some(head.status.as_u16());
-    let authority = record.endpoint.clone().unwrap_or_else(|| Arc::from(""));
     // A backend that compressed its answer (it got the client's Accept-Encoding) is passed on as it is; one that
     // did not is compressed here, unless it is too short to gain. An answer going back as its lines says its length
     // and coding beside them (its length is not among them).
@@ -500,7 +501,6 @@ pub(super) fn proxied(
                 rename,
                 deadline,
                 timer: None,
-                authority,
                 finished: false,
                 compressor,
                 tee,

@@ -82,7 +82,7 @@ impl RestDoor {
             let (answer, hold) = dispatcher
                 .rest_stream_call(&routed, call, raw, &forward, &record.trace)
                 .await?;
-            record.endpoint = Some(hold.lease.state.authority.clone());
+            record.endpoint = Some(hold.lease.state.authority.handle());
             let relayed = Relayed {
                 stream: call.streams(),
                 idle: dispatcher.stream_idle_timeout(),

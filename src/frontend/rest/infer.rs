@@ -314,7 +314,7 @@ impl RestDoor {
             Ok(sent) => sent,
             Err(error) => return Err(self.relay_failure(&outgoing).unwrap_or(error)),
         };
-        record.endpoint = Some(lease.state.authority.clone());
+        record.endpoint = Some(lease.state.authority.handle());
         record.lease = Some(lease);
         let authority = record.endpoint.as_ref().map_or("", |endpoint| &**endpoint);
         let (head, mut answer) = response.into_parts();

@@ -10,6 +10,7 @@ use super::sharded::{Counter, CounterVec, Histogram, HistogramVec, Level, LevelV
 
 use super::family::Family;
 use super::{CODE_LABELS, CODES, OTHER_PRINCIPAL};
+use crate::runtime::{ThreadArc, ThreadShared};
 use crate::telemetry::{ClientProtocol, ReportedPrincipal};
 
 /// `oipgate_requests_total` and `oipgate_mirror_requests_total` for one public model version and its backend. The
@@ -130,9 +131,10 @@ impl RouteMetrics {
     }
 }
 
-/// A backend's in-flight gauge, upstream latency and retries, made at its first call.
-#[derive(Debug, Clone)]
-pub struct BackendMetrics(pub(super) Arc<BackendSeries>);
+/// A backend's in-flight gauge, upstream latency and retries, made at its first call; a call holds the series
+/// through its thread's handle.
+#[derive(Debug)]
+pub struct BackendMetrics(pub(super) ThreadShared<BackendSeries>);
 
 #[derive(Debug)]
 pub(super) struct BackendSeries {
@@ -173,7 +175,7 @@ impl BackendMetrics {
         gauge.inc();
         InFlight {
             // The backend's series whole, not its gauge and histogram: one reference counted, not two.
-            series: series.clone(),
+            series: series.handle(),
             started: Instant::now(),
             ended: false,
         }
@@ -195,7 +197,7 @@ impl BackendSeries {
 /// One backend call in flight; its end is recorded when dropped.
 #[derive(Debug)]
 pub struct InFlight {
-    pub(super) series: Arc<BackendSeries>,
+    pub(super) series: ThreadArc<BackendSeries>,
     pub(super) started: Instant,
     /// Recorded already, by [`InFlight::end_at`].
     pub(super) ended: bool,

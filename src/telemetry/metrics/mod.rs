@@ -25,6 +25,7 @@ use prometheus::{GaugeVec, HistogramOpts, IntGauge, IntGaugeVec, Opts, Registry,
 use self::family::{Family, SeriesBound};
 use super::{ClientProtocol, Finished, RouteNames};
 use crate::error::{Error, Result};
+use crate::runtime::ThreadShared;
 
 /// Label value for a model, version or backend a request named that the configuration does not have.
 pub const UNKNOWN: &str = "_unknown";
@@ -413,12 +414,12 @@ impl Metrics {
 
     /// The handles for one backend; its series are made at its first call.
     pub fn backend(&self, name: &str) -> BackendMetrics {
-        BackendMetrics(Arc::new(BackendSeries {
+        BackendMetrics(ThreadShared::new(Arc::new(BackendSeries {
             name: name.to_owned(),
             families: self.backends.clone(),
             in_flight: OnceLock::new(),
             retries: OnceLock::new(),
-        }))
+        })))
     }
 
     /// `oipgate_spans_total` of spans exported and of spans that failed to be.

@@ -15,6 +15,7 @@ use crate::config::Endpoint;
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::headers;
 use crate::headers::{GATEWAY_AGENT, GRPC_ACCEPT_ENCODING, GRPC_ENCODING, GRPC_MESSAGE, GRPC_STATUS, GRPC_TIMEOUT};
+use crate::runtime::ThreadShared;
 
 mod stream;
 
@@ -43,7 +44,7 @@ const SMALL_FRAME: usize = 256;
 #[derive(Debug, Clone)]
 pub struct GrpcUpstream {
     clients: super::ThreadClients,
-    authority: std::sync::Arc<str>,
+    authority: std::sync::Arc<ThreadShared<str>>,
     /// The endpoint's address and scheme (`http`, or `https` for TLS) as the URIs of its calls hold them; no
     /// authority when the address makes none.
     uri_authority: Option<http::uri::Authority>,
@@ -63,7 +64,7 @@ impl GrpcUpstream {
         let (connector, scheme) = super::connector(connect_timeout, tls, true);
         GrpcUpstream {
             clients: super::ThreadClients::new(connector),
-            authority: endpoint.to_string().into(),
+            authority: std::sync::Arc::new(endpoint.to_string().as_str().into()),
             uri_authority: endpoint.to_string().parse().ok(),
             scheme: if scheme == "https" {
                 http::uri::Scheme::HTTPS
@@ -183,7 +184,7 @@ impl GrpcUpstream {
             value: message,
             headers: answer_metadata,
 
-            endpoint: Some(self.authority.clone()),
+            endpoint: Some(self.authority.handle()),
         })
     }
 
