@@ -235,12 +235,7 @@ mod tests {
         assert_eq!(Arc::strong_count(&shared), count);
         assert!(clones.iter().all(|clone| Arc::ptr_eq(&clone.0, &first.0)));
         assert_eq!(Arc::strong_count(&first.0), 102);
-        let (slot, other) = std::thread::scope(|scope| {
-            scope
-                .spawn(|| (thread_slot(), value.handle()))
-                .join()
-                .unwrap()
-        });
+        let (slot, other) = std::thread::scope(|scope| scope.spawn(|| (thread_slot(), value.handle())).join().unwrap());
         assert_eq!(other.as_str(), "route");
         // Another thread has a handle of its own, unless it came past the slots and shares this one's.
         assert_eq!(Arc::ptr_eq(&other.0, &first.0), slot == thread_slot());

@@ -22,14 +22,27 @@ use crate::codec::rest::key_scan::KeyScan;
 use http1::{Http1Body, Http1BodyError};
 use http2::{Http2Body, Http2BodyError};
 
+/// A gRPC message this long or shorter, with its prefix, leaves as one buffer: HTTP/2 sends each buffer it is given
+/// as a DATA frame of its own, which costs each side far more than copying what one frame of the default size
+/// (16 KiB) holds. Longer messages leave as their own chunks, shared and not copied, behind the prefix.
+pub const JOINED_GRPC_MESSAGE_BYTES: usize = 16 << 10;
+
 /// One gRPC message made of `message`'s chunks, behind its 5-byte prefix (whether the chunks are compressed, then
-/// the length); the message's length when it is more than the prefix can say.
+/// the length): one buffer when short (see [`JOINED_GRPC_MESSAGE_BYTES`]); the message's length when it is more
+/// than the prefix can say.
 pub fn grpc_message(message: Vec<Bytes>, compressed: bool) -> Result<Vec<Bytes>, usize> {
     let length: usize = message.iter().map(Bytes::len).sum();
     let prefixed = u32::try_from(length).map_err(|_| length)?;
-    let mut prefix = Vec::with_capacity(5);
+    let joined = length + 5 <= JOINED_GRPC_MESSAGE_BYTES;
+    let mut prefix = Vec::with_capacity(if joined { length + 5 } else { 5 });
     prefix.push(u8::from(compressed));
     prefix.extend_from_slice(&prefixed.to_be_bytes());
+    if joined {
+        for chunk in &message {
+            prefix.extend_from_slice(chunk);
+        }
+        return Ok(vec![Bytes::from(prefix)]);
+    }
     let mut chunks = Vec::with_capacity(message.len() + 1);
     chunks.push(Bytes::from(prefix));
     chunks.extend(message);
@@ -779,15 +792,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_grpc_message_is_its_prefix_then_its_own_chunks() {
+    fn a_short_grpc_message_is_one_buffer_and_a_long_one_its_prefix_then_its_own_chunks() {
         let message = vec![Bytes::from_static(b"abc"), Bytes::from_static(b"de")];
+        let framed = grpc_message(message, true).unwrap();
+        assert_eq!(
+            framed,
+            [Bytes::from_static(&[1, 0, 0, 0, 5, b'a', b'b', b'c', b'd', b'e'])]
+        );
+        // Exactly the bound, with its prefix, is still one buffer.
+        let whole = vec![Bytes::from(vec![7; JOINED_GRPC_MESSAGE_BYTES - 5])];
+        assert_eq!(grpc_message(whole, false).unwrap().len(), 1);
+
+        static TENSOR: [u8; JOINED_GRPC_MESSAGE_BYTES] = [9; JOINED_GRPC_MESSAGE_BYTES];
+        let message = vec![Bytes::from_static(b"head"), Bytes::from_static(&TENSOR)];
         let framed = grpc_message(message.clone(), false).unwrap();
-        assert_eq!(framed[0].as_ref(), [0, 0, 0, 0, 5]);
+        let length = u32::try_from(JOINED_GRPC_MESSAGE_BYTES + 4).unwrap().to_be_bytes();
+        assert_eq!(framed[0].as_ref(), [0, length[0], length[1], length[2], length[3]]);
         assert_eq!(framed[1..], message);
         assert_eq!(
-            framed[1].as_ptr(),
-            message[0].as_ptr(),
-            "the chunks are shared, not copied"
+            framed[2].as_ptr(),
+            TENSOR.as_ptr(),
+            "the chunks of a long message are shared, not copied"
         );
     }
 
