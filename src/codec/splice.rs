@@ -43,7 +43,19 @@ struct Field {
     value_start: usize,
 }
 
+#[inline]
 fn varint(bytes: &[u8], pos: &mut usize) -> Result<u64> {
+    // Nearly every key and length is one byte.
+    if let Some(&byte) = bytes.get(*pos)
+        && byte < 0x80
+    {
+        *pos += 1;
+        return Ok(u64::from(byte));
+    }
+    long_varint(bytes, pos)
+}
+
+fn long_varint(bytes: &[u8], pos: &mut usize) -> Result<u64> {
     let mut value = 0u64;
     for shift in (0..64).step_by(7) {
         let byte = *bytes
@@ -65,6 +77,7 @@ const MOST_KEY_BYTES: usize = 5;
 /// otherwise or not at all: at most five bytes (C++ and upb stop there; prost reads ten), a value within 32 bits (C++
 /// drops the bits above, so a key prost and the gateway once took as field 536870913 is field 1 to Triton), a field
 /// number from 1, and a wire type the V2 messages use (no groups, nor 6 and 7, which none of them reads).
+#[inline]
 pub fn key(bytes: &[u8], pos: &mut usize) -> Result<(u32, u8)> {
     let start = *pos;
     let key = varint(bytes, pos)?;
