@@ -12,7 +12,7 @@ use crate::config::{BackendPolicy, LoadBalancing};
 use crate::error::{Error, ErrorKind, Origin, Result};
 use crate::protocol::Sequence;
 use crate::routing::Affinity;
-use crate::runtime::ThreadShared;
+use crate::runtime::{ThreadArc, ThreadShared};
 use arc_swap::ArcSwapOption;
 use prometheus::IntGauge;
 use prometheus::core::Atomic;
@@ -282,7 +282,8 @@ impl EndpointState {
 #[derive(Debug)]
 pub struct Lease {
     pub index: usize,
-    pub state: Arc<EndpointState>,
+    /// Through this thread's handle on it.
+    pub state: ThreadArc<EndpointState>,
     _permit: Option<OwnedSemaphorePermit>,
     /// The endpoint's scrape generation when the call was sent.
     generation: u64,
@@ -322,6 +323,8 @@ impl Drop for Lease {
 #[derive(Debug)]
 pub struct Endpoints {
     pub states: Vec<Arc<EndpointState>>,
+    /// The states as the door threads' calls hold them, in the same order.
+    handles: Vec<ThreadShared<EndpointState>>,
     pub policy: BackendPolicy,
     next: AtomicUsize,
     /// Counted on each call's own thread (a count every call writes, read only when a retry is weighed).
@@ -339,6 +342,7 @@ impl Endpoints {
         fallbacks: Option<Counter>,
     ) -> Endpoints {
         Endpoints {
+            handles: states.iter().map(|state| ThreadShared::new(state.clone())).collect(),
             states,
             policy,
             next: AtomicUsize::new(0),
@@ -379,7 +383,7 @@ impl Endpoints {
     /// Counts a call in flight at endpoint `index` without taking a slot there: a call another proxy already sent
     /// (the endpoint it reported serving a call the gateway picked elsewhere).
     pub fn hold(&self, index: usize) -> Lease {
-        let state = self.states[index].clone();
+        let state = self.handles[index].handle();
         state.in_flight.fetch_add(1, Ordering::Relaxed);
         let generation = state.scrape_generation.load(Ordering::Acquire);
         state.sent_since_scrape.fetch_add(1, Ordering::Relaxed);
@@ -472,7 +476,7 @@ impl Endpoints {
             ),
             Affinity::None => self.choose(&self.eligible_or_refuse(backend, model, version, tried)?, model, None),
         };
-        let state = self.states[index].clone();
+        let state = self.handles[index].handle();
         self.calls.inc_by(1);
         let mut began = began;
         let permit = match &state.slots {

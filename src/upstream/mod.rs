@@ -15,6 +15,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::body::{BodyLength, GatherError};
 use crate::error::{Error, ErrorKind, Origin, Result};
+use crate::runtime::ThreadShared;
 
 pub use grpc::GrpcUpstream;
 pub use http1::{BackendBody, BodySaid, PassedAnswer, keep_passed_back};
@@ -42,8 +43,9 @@ pub type Connector = hyper_rustls::HttpsConnector<HttpConnector>;
 #[derive(Debug, Clone)]
 struct ThreadClients {
     connector: Connector,
-    /// Identifies this endpoint's clients in each thread's table; they are dropped once every clone is.
-    token: std::sync::Arc<()>,
+    /// Identifies this endpoint's clients in each thread's table; they are dropped once every clone is. An answer
+    /// holds it through its thread's handle.
+    token: std::sync::Arc<ThreadShared<()>>,
 }
 
 /// What one thread holds for one endpoint.
@@ -67,18 +69,20 @@ impl ThreadClients {
     fn new(connector: Connector) -> ThreadClients {
         ThreadClients {
             connector,
-            token: std::sync::Arc::new(()),
+            token: std::sync::Arc::new(ThreadShared::new(std::sync::Arc::new(()))),
         }
     }
 
     /// This thread's HTTP/2 connection for `channel`, if one was made.
     fn connection(&self, channel: Channel) -> Option<h2::client::SendRequest<Bytes>> {
-        with_endpoint(&self.token, |endpoint| endpoint.connections[channel as usize].clone())
+        with_endpoint(self.token.shared(), |endpoint| {
+            endpoint.connections[channel as usize].clone()
+        })
     }
 
     /// Keeps `connection` as this thread's for `channel`; `None` forgets a failed one.
     fn set_connection(&self, channel: Channel, connection: Option<h2::client::SendRequest<Bytes>>) {
-        with_endpoint(&self.token, |endpoint| {
+        with_endpoint(self.token.shared(), |endpoint| {
             endpoint.connections[channel as usize] = connection
         });
     }

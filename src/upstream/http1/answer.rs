@@ -3,7 +3,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
@@ -15,6 +14,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use super::{MOST_IDLE, PooledConnection, READ_FIRST, broken, closed, this_thread};
 use crate::codec::http1::{self, BadHeader, Framing, HeaderLines, KeptLines, ParsedHeaders, Places};
 use crate::headers::{ANSWER_AS_SENT, INFERENCE_HEADER_CONTENT_LENGTH, keep_end_to_end, passes_back};
+use crate::runtime::ThreadArc;
 
 /// The most bytes an answer's head (status line and headers) may take; a longer one is a broken answer.
 pub(super) const MOST_HEAD: usize = 128 * 1024;
@@ -88,7 +88,11 @@ impl AnswerHead {
     }
 
     /// The answer, its body read from `kept` (which goes back to the endpoint of `token` once the body is read).
-    pub(super) fn into_response(self, kept: Box<PooledConnection>, token: Arc<()>) -> http::Response<BackendBody> {
+    pub(super) fn into_response(
+        self,
+        kept: Box<PooledConnection>,
+        token: ThreadArc<()>,
+    ) -> http::Response<BackendBody> {
         let mut response = http::Response::new(BackendBody {
             framing: self.framing,
             passed: self.passed,
@@ -285,8 +289,8 @@ pub struct BackendBody {
     passed: Option<Box<PassedAnswer>>,
     /// Boxed: a connection moves with the request at every step.
     kept: Option<Box<PooledConnection>>,
-    /// The endpoint's entry in each thread's table.
-    token: Arc<()>,
+    /// The endpoint's entry in each thread's table, through this thread's handle on it.
+    token: ThreadArc<()>,
 }
 
 impl BackendBody {

@@ -322,7 +322,7 @@ pub(super) async fn send(
         // Written, or no longer to be: the answer's head has come.
         scratch::give(std::mem::take(&mut kept.head));
         match exchanged {
-            Ok(head) => return Ok(head.into_response(kept, clients.token.clone())),
+            Ok(head) => return Ok(head.into_response(kept, clients.token.handle())),
             Err(error) if writing.body_failed => return Err(Failure::Body(error)),
             Err(error) => {
                 let again = reused
@@ -348,7 +348,7 @@ pub(super) async fn send(
 /// long at `now` or closed by the backend are dropped on the way.
 async fn idle(clients: &ThreadClients, now: Instant) -> Option<Box<PooledConnection>> {
     loop {
-        let mut kept = super::with_endpoint(&clients.token, |endpoint| endpoint.idle.pop())?;
+        let mut kept = super::with_endpoint(clients.token.shared(), |endpoint| endpoint.idle.pop())?;
         if kept.aged(now) {
             continue;
         }
@@ -360,7 +360,7 @@ async fn idle(clients: &ThreadClients, now: Instant) -> Option<Box<PooledConnect
 
 /// Forgets this thread's idle connections to the endpoint.
 fn drop_idle(clients: &ThreadClients) {
-    let idle = super::with_endpoint(&clients.token, |endpoint| std::mem::take(&mut endpoint.idle));
+    let idle = super::with_endpoint(clients.token.shared(), |endpoint| std::mem::take(&mut endpoint.idle));
     drop(idle);
 }
 
