@@ -73,7 +73,10 @@ impl Gateway {
         let prepared = Prepared::load(&config)?;
         let dispatcher = Dispatcher::build(&config, name, metrics.clone(), &prepared, &HashMap::new(), None)
             .map_err(|e| vec![problem(e.message())])?;
-        let fingerprint = path.as_ref().map(|p| fingerprint(p, &config)).unwrap_or_default();
+        let fingerprint = path
+            .as_ref()
+            .map(|p| fingerprint(p, &config.files()))
+            .unwrap_or_default();
         Ok(Arc::new(Gateway {
             name: name.to_owned(),
             path,
@@ -200,14 +203,14 @@ impl Gateway {
         let Some(path) = &self.path else {
             return Err(vec![problem("no configuration file to reload")]);
         };
-        state.fingerprint = fingerprint(path, &state.config);
+        state.fingerprint = fingerprint(path, &state.config.files());
         let owned = path.clone();
         let (config, prepared) = crate::runtime::on_builder_thread(move || {
             let config = Config::load(&owned, &crate::config::environment_overrides())?;
             let prepared = Prepared::load(&config)?;
             Ok::<_, Vec<Problem>>((config, prepared))
         })?;
-        state.fingerprint = fingerprint(path, &config);
+        state.fingerprint = fingerprint(path, &config.files());
         for change in restart_only_changes(&state.config, &config) {
             tracing::warn!("{change} takes a restart; the running one stays");
         }
@@ -279,19 +282,14 @@ impl Gateway {
     async fn watch(self: Arc<Self>) {
         let Some(path) = self.path.clone() else { return };
         loop {
-            let (watch, interval, config) = {
-                let state = self.state.lock().await;
-                (
-                    state.config.reload.watch,
-                    state.config.reload.interval,
-                    state.config.clone(),
-                )
-            };
-            tokio::time::sleep(interval).await;
-            if !watch {
+            let reload = self.state.lock().await.config.reload;
+            tokio::time::sleep(reload.interval).await;
+            if !reload.watch {
                 continue;
             }
-            let now = fingerprint(&path, &config);
+            // The names of the files to look at, not the whole configuration (ten thousand models' worth).
+            let files = self.state.lock().await.config.files();
+            let now = fingerprint(&path, &files);
             let changed = self.state.lock().await.fingerprint != now;
             if changed {
                 tracing::info!(file = %path.display(), "configuration or certificate files changed; reloading");
@@ -475,11 +473,11 @@ fn restart_only_changes(running: &Config, new: &Config) -> Vec<&'static str> {
 }
 
 /// The bytes of the configuration file and of every TLS file it names, to notice a change of any of them.
-fn fingerprint(path: &std::path::Path, config: &Config) -> Vec<u8> {
+fn fingerprint(path: &std::path::Path, files: &[PathBuf]) -> Vec<u8> {
     let mut bytes = std::fs::read(path).unwrap_or_default();
-    for file in config.files() {
+    for file in files {
         bytes.extend_from_slice(file.as_os_str().as_encoded_bytes());
-        bytes.extend(std::fs::read(&file).unwrap_or_default());
+        bytes.extend(std::fs::read(file).unwrap_or_default());
     }
     bytes
 }
