@@ -29,8 +29,9 @@ pub const KEPT_FOR: Duration = Duration::from_secs(1);
 
 /// The largest alignment asked of mimalloc's plain entry points (`mi_malloc` and its kin): every block mimalloc makes
 /// is aligned to a machine word at least. Its aligned entry points, which the `mimalloc` crate calls for every
-/// layout, take a slower path for any block over 1 KiB whose size is not a power of two (an over-allocation and its
-/// bookkeeping, about 250 instructions where `mi_malloc` takes a few dozen): each request's read buffers are such.
+/// layout, take their fast path only for a block of at most 1 KiB whose page has a free block at hand; otherwise they
+/// over-allocate any block whose size is not a power of two, whatever its alignment (about 250 instructions more,
+/// where `mi_malloc`'s own slow path takes a few dozen): a few blocks of every request.
 const WORD: usize = size_of::<usize>();
 
 /// The global allocator of the `oipgate` binary.
@@ -254,7 +255,7 @@ mod tests {
     }
 
     /// Every block is aligned as its layout asks, whichever entry point made it (the plain ones up to a word, the
-    /// aligned ones past it), across the sizes mimalloc sorts differently (small, over 1 KiB, not a power of two),
+    /// aligned ones past it), across the sizes mimalloc sorts differently (small, over 1 KiB, not a power of two, below their alignment),
     /// and keeps its bytes through a reallocation.
     #[test]
     fn every_block_is_aligned_as_asked_and_keeps_its_bytes_when_moved() {
