@@ -255,8 +255,8 @@ mod tests {
     }
 
     /// Every block is aligned as its layout asks, whichever entry point made it (the plain ones up to a word, the
-    /// aligned ones past it), across the sizes mimalloc sorts differently (small, over 1 KiB, not a power of two, below their alignment),
-    /// and keeps its bytes through a reallocation.
+    /// aligned ones past it), across the sizes mimalloc sorts differently (small, over 1 KiB, not a power of two,
+    /// below their alignment), and keeps its bytes through a reallocation.
     #[test]
     fn every_block_is_aligned_as_asked_and_keeps_its_bytes_when_moved() {
         let _serial = serial();
